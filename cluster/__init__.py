@@ -1,0 +1,1 @@
+"""The controller, Ray start-up, job submission and the `klrl` command line."""

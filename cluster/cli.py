@@ -1,0 +1,41 @@
+"""The `klrl` command line.
+
+Each sub-command lives in its own module exposing `register(subparsers)`, which adds its
+parser and sets `func` (called with the parsed namespace, returning an exit code). Command
+modules import heavy libraries (Ray, vLLM, DeepSpeed) inside their functions, so
+`klrl --help` and light commands such as `kl-table` start fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Order is the order shown in `klrl --help`.
+COMMAND_MODULES = [
+    "cluster.cmd_kl_table",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="klrl",
+        description="Distributed asynchronous RL for LLMs with exact, tested KL regularisation.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Advantage estimators over groups of n samples per prompt, and the KL reward inside them.
+
+Baselines (per group of samples of one prompt):
+- rloo:      leave-one-out mean of the other samples (unbiased; needs n >= 2)
+- grpo:      group mean including the sample (scales the gradient by (n-1)/n) and group std
+- drgrpo:    group mean, no std (Dr. GRPO)
+- reinforce: no baseline
+Scale (`normalize`): none, group (per-group std) or batch (std over the whole batch).
+
+The KL penalty as a per-token reward (reward-to-go R_t = sum_{t'>=t} k_t, beta > 0):
+- separate (default): normalise the task part only and add -beta * (R_t - b_K) unnormalised,
+  b_K the same estimator's baseline over the group's sequence KLs. The KL part of the update
+  is then exactly beta times the KL-in-reward gradient, whatever the task rewards are.
+- normalized: fold the KL into the return before normalising (what the paper and verl do).
+  The effective beta becomes beta / sigma per prompt, where sigma is that prompt's return std:
+  on a prompt whose task reward is constant the KL part no longer scales with beta at all.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+AdvantageEstimator = Literal["rloo", "grpo", "drgrpo", "reinforce"]
+Normalization = Literal["none", "group", "batch"]
+KLInAdvantage = Literal["separate", "normalized"]
+
+
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor):
+    groups, inverse = torch.unique(group_ids, return_inverse=True)
+    sums = torch.zeros(len(groups), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    counts = torch.zeros(len(groups), dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, torch.ones_like(values))
+    return sums[inverse], counts[inverse]
+
+
+def group_baseline(values: torch.Tensor, group_ids: torch.Tensor, estimator: AdvantageEstimator) -> torch.Tensor:
+    """Per-sample baseline [B] from the values [B] of its group."""
+    if estimator == "reinforce":
+        return torch.zeros_like(values)
+    sums, counts = _group_sums(values, group_ids)
+    if estimator == "rloo":
+        if bool((counts < 2).any()):
+            raise ValueError("rloo needs at least 2 samples per group (n_samples_per_prompt >= 2)")
+        return (sums - values) / (counts - 1)
+    if estimator in ("grpo", "drgrpo"):
+        return sums / counts
+    raise ValueError(f"unknown advantage estimator {estimator!r}")
+
+
+def group_scale(values: torch.Tensor, group_ids: torch.Tensor, normalize: Normalization, eps: float) -> torch.Tensor:
+    """Per-sample divisor [B]: 1, the group's std, or the batch std (population std, + eps)."""
+    if normalize == "none":
+        return torch.ones_like(values)
+    if normalize == "batch":
+        return (values.std(unbiased=False) + eps).expand_as(values)
+    if normalize == "group":
+        sums, counts = _group_sums(values, group_ids)
+        sq, _ = _group_sums(values * values, group_ids)
+        var = (sq / counts - (sums / counts) ** 2).clamp_min(0.0)
+        return var.sqrt() + eps
+    raise ValueError(f"unknown normalization {normalize!r}")
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    estimator: AdvantageEstimator = "rloo",
+    normalize: Normalization = "group",
+    kl_tokens: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl_in_advantage: KLInAdvantage = "separate",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages for a batch of B samples.
+
+    Args:
+        rewards: [B] task rewards. group_ids: [B] prompt id of each sample.
+        kl_tokens: optional [B, T] per-token KL estimates (detached, e.g. kl.estimate(...)) to
+            add as a per-token cost -beta * k_t; then the result is per token, [B, T].
+        mask: [B, T] response mask (required with kl_tokens).
+    Returns [B] (task only) or [B, T] (with the KL reward; 0 on masked positions).
+    """
+    rewards = rewards.detach().to(torch.float64)
+    if kl_tokens is None or beta == 0.0:
+        task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
+            rewards, group_ids, normalize, eps)
+        if kl_tokens is None:
+            return task
+        return task[:, None] * mask.to(task.dtype)
+    if mask is None:
+        raise ValueError("mask is required with kl_tokens")
+    m = mask.bool()
+    k = torch.where(m, kl_tokens.detach().to(torch.float64), 0.0)
+    to_go = k.flip(-1).cumsum(-1).flip(-1)  # R_t
+    seq_kl = k.sum(-1)                        # K_i
+    if kl_in_advantage == "separate":
+        task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
+            rewards, group_ids, normalize, eps)
+        kl_part = -beta * (to_go - group_baseline(seq_kl, group_ids, estimator)[:, None])
+        return torch.where(m, task[:, None] + kl_part, 0.0)
+    if kl_in_advantage == "normalized":
+        seq_return = rewards - beta * seq_kl
+        token_return = rewards[:, None] - beta * to_go
+        adv = (token_return - group_baseline(seq_return, group_ids, estimator)[:, None]) / group_scale(
+            seq_return, group_ids, normalize, eps)[:, None]
+        return torch.where(m, adv, 0.0)
+    raise ValueError(f"kl_in_advantage must be 'separate' or 'normalized', got {kl_in_advantage!r}")

@@ -1,0 +1,58 @@
+"""Pydantic configuration of the KL penalty and of the advantage estimator."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class KLConfig(BaseModel):
+    """How the KL penalty toward the reference policy enters the update (see README table)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="Per-token estimator: k1 = delta, k2 = delta^2/2, k3 = exp(-delta)-1+delta.")
+    placement: Literal["reward", "loss", "reward+loss"] = Field(
+        "reward", description="KL as a per-token reward (score function), as a differentiated loss, or both.")
+    importance: Literal["none", "token", "sequence", "prefix"] = Field(
+        "none", description="Off-policy correction of the KL term: none, per-token ratio, sequence "
+        "weight W or per-decision prefix weights w_t (sequence/prefix are exact).")
+    truncate: float | None = Field(
+        None, gt=0, le=1e6, description="Cap C on the importance coefficient (bounded variance, "
+        "bias only where a weight exceeds C). None: no cap. Needs importance != none.")
+    beta: float = Field(0.1, ge=0.0, le=100.0, description="KL coefficient; 0 disables the penalty.")
+    kl_in_advantage: Literal["separate", "normalized"] = Field(
+        "separate", description="With the KL in the reward: 'separate' keeps the KL part of the "
+        "advantage unnormalised (exact beta); 'normalized' folds it into the return before the "
+        "std normalisation (paper/verl; effective beta becomes beta/sigma per prompt).")
+
+    @model_validator(mode="after")
+    def _truncate_needs_importance(self) -> "KLConfig":
+        if self.truncate is not None and self.importance == "none":
+            raise ValueError("kl.truncate caps an importance weight: set kl.importance "
+                             "(token, sequence or prefix) or remove kl.truncate")
+        return self
+
+
+class AdvantageConfig(BaseModel):
+    """Task advantage: baseline estimator and normalisation over groups of samples per prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    estimator: Literal["rloo", "grpo", "drgrpo", "reinforce"] = Field(
+        "rloo", description="rloo: leave-one-out mean; grpo: group mean and std; drgrpo: group "
+        "mean only; reinforce: no baseline.")
+    normalize: Literal["none", "group", "batch"] = Field(
+        "group", description="Divide by the group std, the batch std, or nothing. grpo requires "
+        "group and drgrpo requires none (that is what those names mean).")
+    eps: float = Field(1e-6, gt=0, le=1.0, description="Added to the std before dividing.")
+
+    @model_validator(mode="after")
+    def _named_estimators_fix_normalisation(self) -> "AdvantageConfig":
+        if self.estimator == "grpo" and self.normalize != "group":
+            raise ValueError("advantage.estimator=grpo means group-std normalisation; use "
+                             "normalize=group, or estimator=drgrpo/rloo")
+        if self.estimator == "drgrpo" and self.normalize != "none":
+            raise ValueError("advantage.estimator=drgrpo means no std normalisation; use normalize=none")
+        return self

@@ -1,0 +1,50 @@
+"""Per-token KL estimators K1, K2, K3 (Schulman's naming).
+
+With delta_t = log pi(y_t|s_t) - log pi_ref(y_t|s_t) and y_t ~ pi:
+- K1 = delta                    unbiased for KL(pi||ref) per token, high variance, can be < 0
+- K2 = delta^2 / 2              biased, >= 0; its gradient is the token-level reverse KL gradient
+- K3 = exp(-delta) - 1 + delta  unbiased, >= 0, low variance; computed with expm1 for accuracy
+
+What each estimator's *gradient* does depends on where it is placed (reward or loss) and on
+the importance correction; see `kl.surrogate` and the table in the README.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Estimator = Literal["k1", "k2", "k3"]
+ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def estimate(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    estimator: Estimator = "k1",
+    *,
+    clamp_delta: float | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate of KL(pi || pi_ref) from log-probs of the sampled tokens.
+
+    Args:
+        logp: log pi(y_t|s_t), any shape; gradients flow through it.
+        ref_logp: log pi_ref(y_t|s_t), same shape (treated as a constant by callers).
+        estimator: "k1", "k2" or "k3".
+        clamp_delta: opt-in clamp of delta to [-c, c] before the estimator. It is BIASED
+            (it changes both the value and the gradient wherever |delta| > c) and exists only
+            as a last-resort guard; None (the default) computes the exact estimator.
+    """
+    delta = logp - ref_logp
+    if clamp_delta is not None:
+        if clamp_delta <= 0:
+            raise ValueError(f"clamp_delta must be > 0, got {clamp_delta}")
+        delta = delta.clamp(-clamp_delta, clamp_delta)
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta * delta
+    if estimator == "k3":
+        # exp(-d) - 1 + d == expm1(-d) + d; expm1 keeps precision for small |d|.
+        return torch.expm1(-delta) + delta
+    raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")

@@ -1,0 +1,1 @@
+"""The DeepSpeed policy learner, the frozen reference model and model loading."""

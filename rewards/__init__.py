@@ -1,0 +1,1 @@
+"""Tasks (a prompt source plus a verifiable scorer) and fault-tolerant scoring. Pure: no Ray/vLLM/DeepSpeed."""
