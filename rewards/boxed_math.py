@@ -1,0 +1,129 @@
+"""MATH-style problems whose answer is the last \\boxed{...} of the completion, checked for
+mathematical equivalence with math-verify (e.g. \\frac{1}{2}, 0.5 and 1/2 all match).
+
+Rows need a `problem` (text) and either an `answer` or a `solution` whose last \\boxed{} holds
+the answer (MATH's format); an optional `unique_id` names the problem.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+from rewards.dataset_rows import DATA_DIR, DatasetSource, load_problems, require_text, sample_problems
+from rewards.records import Problem, Task
+
+DEFAULT_SOURCES = {
+    # The paper's setup: MATH training set, MATH500 as the in-domain evaluation.
+    "train": DatasetSource(name="DigitalLearningGmbH/MATH-lighteval", split="train"),
+    "in_domain": DatasetSource(name="HuggingFaceH4/MATH-500", split="test"),
+}
+HUB_SPLITS = {"train": "train", "in_domain": "test", "out_of_domain": "test"}  # for bare names
+FIXTURE = DATA_DIR / "math_fixture.jsonl"
+PROMPT_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
+MAX_ANSWER_CHARS = 500    # a boxed answer longer than this is not an answer worth parsing
+MAX_ANSWER_DEPTH = 16     # brace nesting inside the box (MATH answers stay under 6)
+VERIFY_TIMEOUT_S = 2      # math-verify's own per-call alarm (whole seconds)
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, or None when there is
+    none, its braces do not close, or it exceeds MAX_ANSWER_CHARS / MAX_ANSWER_DEPTH.
+    Linear in the answer's length whatever the size of `text`."""
+    start = max(text.rfind(command) for command in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    position = text.find("{", start)
+    if position < 0 or text[start:position].strip() not in _BOX_COMMANDS:
+        return None  # e.g. "\boxedfoo" or "\boxed 5" (no braces): not a boxed answer
+    depth, begin = 0, position + 1
+    for position in range(position, min(len(text), begin + MAX_ANSWER_CHARS + 1)):
+        char = text[position]
+        if char == "{" and text[position - 1] != "\\":
+            depth += 1
+            if depth > MAX_ANSWER_DEPTH:
+                return None
+        elif char == "}" and text[position - 1] != "\\":
+            depth -= 1
+            if depth == 0:
+                content = text[begin:position].strip()
+                return content or None
+    return None
+
+
+def score_math(completion: str, problem: Problem) -> float:
+    """1.0 if the completion's last boxed answer is equivalent to problem.answer, else 0.0."""
+    predicted = last_boxed(completion)
+    if predicted is None:
+        return 0.0
+    from math_verify import parse, verify  # imported here so `import rewards` stays light
+
+    # math-verify bounds its own work with SIGALRM, which exists only in the main thread.
+    timeout = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"\\boxed{{{problem.answer}}}", parsing_timeout=timeout)
+    answer = parse(f"\\boxed{{{predicted}}}", parsing_timeout=timeout)
+    if not gold or not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+
+
+def math_row_to_problem(row: Any, index: int, split: str, source_label: str) -> Problem:
+    """A Problem from one dataset row (see the module docstring for the fields)."""
+    if not isinstance(row, dict):
+        raise TypeError(f"row is {type(row).__name__}, not an object")
+    text = require_text(row, "problem")
+    if row.get("answer") not in (None, ""):
+        answer = require_text(row, "answer", MAX_ANSWER_CHARS)
+    else:
+        answer = last_boxed(require_text(row, "solution"))
+        if answer is None:
+            raise ValueError("no answer field and no \\boxed{} answer in the solution")
+    uid = str(row.get("unique_id") or f"{source_label}#{index}")
+    return Problem(uid=f"math/{split}/{uid}", task="math", split=split,
+                   prompt=text + PROMPT_SUFFIX, answer=answer,
+                   metadata={k: row[k] for k in ("level", "type", "subject") if k in row})
+
+
+class MathTask(Task):
+    """MATH-style boxed-answer problems scored with math-verify.
+
+    Options (each source is a local .jsonl/.json/.parquet path, a hub dataset name, or a
+    mapping {name, config, split} for `datasets.load_dataset`):
+    - train: default the MATH training set (DigitalLearningGmbH/MATH-lighteval, split train).
+    - in_domain: default MATH500 (HuggingFaceH4/MATH-500, split test).
+    - out_of_domain: optional, any other boxed-answer set (e.g. a file); adds that split.
+    - path: one local file for every split (overrides the defaults); "fixture" is the small
+      set shipped with klrl (rewards/data/math_fixture.jsonl), for tests and CPU demos.
+    Datasets are loaded when a split is first asked for. `skipped_rows[split]` counts the
+    malformed rows left out.
+    """
+
+    name = "math"
+    scorer = staticmethod(score_math)
+    max_new_tokens = 1024
+
+    def __init__(self, train: Any = None, in_domain: Any = None, out_of_domain: Any = None,
+                 path: str | None = None):
+        if path is not None:
+            local = str(FIXTURE) if path == "fixture" else str(path)
+            train = train or local
+            in_domain = in_domain or local
+        given = {"train": train, "in_domain": in_domain, "out_of_domain": out_of_domain}
+        self.sources = {
+            split: DatasetSource.coerce(value, HUB_SPLITS[split])
+            if value is not None else DEFAULT_SOURCES[split]
+            for split, value in given.items() if value is not None or split in DEFAULT_SOURCES
+        }
+        self.splits = tuple(self.sources)
+        self.skipped_rows: dict[str, int] = {}
+        self._loaded: dict[str, list[Problem]] = {}
+
+    def _draw(self, split: str, n: int | None, rng: random.Random) -> list[Problem]:
+        if split not in self._loaded:
+            source = self.sources[split]
+            label = source.short_label()
+            self._loaded[split], self.skipped_rows[split] = load_problems(
+                source, lambda row, i: math_row_to_problem(row, i, split, label))
+        return sample_problems(self._loaded[split], split, n, rng)

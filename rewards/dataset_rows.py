@@ -1,0 +1,154 @@
+"""Rows of a dataset named on the Hugging Face hub or stored in a local file, turned into
+Problems by a task's row converter, with malformed rows skipped and counted (never a crash).
+
+Hub datasets and parquet files go through `datasets.load_dataset`. JSON Lines files are read
+line by line with the stdlib instead: `datasets`' json builder rejects a whole file for one
+bad line or one field whose type differs between rows, and here such a row must only be
+skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rewards.records import Problem
+
+logger = logging.getLogger(__name__)
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_DIR = Path(__file__).parent / "data"
+
+RowConverter = Callable[[Any, int], Problem]
+"""(row, index) -> Problem; raises ValueError, TypeError or KeyError for a malformed row."""
+
+
+class DatasetSource(BaseModel):
+    """Where one split's rows come from: a local file (.jsonl, .json or .parquet) or a hub
+    dataset `name` with an optional `config` (subset) and the hub `split` to read."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+
+    @classmethod
+    def coerce(cls, value: str | dict | DatasetSource, default_split: str) -> DatasetSource:
+        """A source from a config value: a path or hub name (str), or a mapping of fields."""
+        if isinstance(value, DatasetSource):
+            return value
+        if isinstance(value, str):
+            return cls(name=value, split=default_split)
+        if isinstance(value, dict):
+            return cls(**{"split": default_split, **value})
+        raise TypeError(f"a dataset source is a path, a hub name or a mapping, not {value!r}")
+
+    @property
+    def is_local(self) -> bool:
+        return self.name.endswith(LOCAL_SUFFIXES) or Path(self.name).is_file()
+
+    def label(self) -> str:
+        """How messages name this source: the path, or name[config]:split."""
+        if self.is_local:
+            return self.name
+        return f"{self.name}" + (f"[{self.config}]" if self.config else "") + f":{self.split}"
+
+    def short_label(self) -> str:
+        """The same without directories, for problem uids (stable across machines)."""
+        return Path(self.name).name if self.is_local else self.label()
+
+
+class MalformedRows(ValueError):
+    """Not one usable row in a dataset."""
+
+
+def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Problem], int]:
+    """(problems, number of malformed rows skipped). Logs one warning with the count and the
+    first error when any row is skipped; raises MalformedRows when none is usable."""
+    problems, skipped, first_error, total = [], 0, None, 0
+    for index, row in enumerate(_read_rows(source)):
+        total += 1
+        try:
+            if isinstance(row, _BadLine):
+                raise ValueError(f"not JSON: {row.error}")
+            problems.append(convert(row, index))
+        except (ValueError, TypeError, KeyError, ValidationError) as e:
+            skipped += 1
+            first_error = first_error or f"row {index}: {type(e).__name__}: {str(e)[:200]}"
+    if skipped:
+        logger.warning("%s: skipped %d malformed row(s) of %d; first: %s",
+                       source.label(), skipped, total, first_error)
+    if not problems:
+        raise MalformedRows(f"{source.label()}: no usable rows ({total} rows, {skipped} "
+                            f"malformed{'; first: ' + first_error if first_error else ''})")
+    return problems, skipped
+
+
+def sample_problems(problems: list[Problem], split: str, n: int | None,
+                    rng: random.Random) -> list[Problem]:
+    """Pick `n` problems of a loaded split. n=None: all, in dataset order. An evaluation split
+    gives min(n, available) distinct problems; "train" cycles through seeded shuffles (epochs)
+    when n is larger than the dataset."""
+    if n is None:
+        return list(problems)
+    if split != "train":
+        return rng.sample(problems, min(n, len(problems)))
+    out: list[Problem] = []
+    while len(out) < n:
+        epoch = list(problems)
+        rng.shuffle(epoch)
+        out.extend(epoch[: n - len(out)])
+    return out
+
+
+def require_text(row: dict, key: str, max_chars: int = 100_000) -> str:
+    """row[key] as a non-empty string (numbers are converted: some datasets store answers
+    as ints), else ValueError/KeyError naming the field."""
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise TypeError(f"field {key!r} is {type(value).__name__}, not text")
+    text = str(value).strip()
+    if not text:
+        raise ValueError(f"field {key!r} is empty")
+    if len(text) > max_chars:
+        raise ValueError(f"field {key!r} longer than {max_chars} characters")
+    return text
+
+
+class _BadLine:
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _read_rows(source: DatasetSource) -> Iterator[Any]:
+    if not source.is_local:
+        import datasets  # heavy (pyarrow, pandas): only when a hub dataset is asked for
+
+        yield from datasets.load_dataset(source.name, source.config, split=source.split)
+        return
+    path = Path(source.name)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    if path.suffix == ".parquet":
+        import datasets
+
+        yield from datasets.load_dataset("parquet", data_files=str(path), split="train")
+    elif path.suffix == ".json":
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must hold a list of rows")
+        yield from rows
+    else:  # JSON Lines (any other suffix is read as JSON Lines too)
+        with path.open(encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                if not line.strip():
+                    continue  # blank lines are not rows
+                try:
+                    yield json.loads(line)
+                except ValueError as e:
+                    yield _BadLine(str(e)[:200])

@@ -1,0 +1,79 @@
+"""Typed records at the rewards boundary: a problem handed to the policy, a scoring outcome,
+and the task interface every prompt source implements."""
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Scorer = Callable[["str", "Problem"], float]
+"""A scorer maps (completion text, problem) to a reward. It must be a module-level function
+(importable by name) so that scoring worker processes can unpickle it."""
+
+
+class Problem(BaseModel):
+    """One prompt with its verifiable answer.
+
+    `prompt` is the exact text given to the policy; `answer` the ground truth the task's scorer
+    checks against (a string even when numeric, e.g. "-17"). `uid` identifies the problem's
+    content within its task and split (the same problem drawn twice has the same uid).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uid: str
+    task: str
+    split: str
+    prompt: str
+    answer: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScoreResult(BaseModel):
+    """The outcome of scoring one completion: `reward` is 0.0 whenever `failure` is set.
+
+    failure kinds: "timeout" (the scorer ran past the pool's per-item limit), "exception" (it
+    raised), "invalid_value" (it returned None, NaN, inf or a non-number), "memory" (it hit the
+    worker's memory limit), "crash" (the worker process died).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reward: float = 0.0
+    failure: str | None = None
+    detail: str | None = None  # short human-readable reason, e.g. the exception message
+
+
+class Task(ABC):
+    """A prompt source plus a verifiable scorer.
+
+    Subclasses set `name`, `splits` and `scorer` (a module-level function, so it pickles into
+    scoring workers) and implement `_draw(split, n, rng)`. `problems` is deterministic for a
+    (split, n, seed): the random stream is seeded from the task name, split and seed, so two
+    splits never share a stream.
+    """
+
+    name: ClassVar[str]
+    splits: tuple[str, ...]
+    scorer: Scorer
+    max_new_tokens: int = 32  # completion budget the evaluation uses by default
+
+    def problems(self, split: str, n: int | None = None, seed: int = 0) -> list[Problem]:
+        """`n` problems of `split` (None: the split's default size), deterministic for `seed`."""
+        if split not in self.splits:
+            raise ValueError(f"task {self.name!r} has no split {split!r}; "
+                             f"its splits are {', '.join(self.splits)}")
+        if n is not None and n < 0:
+            raise ValueError(f"n must be >= 0 or None, got {n}")
+        # A str seed is hashed with SHA-512 by `random`: stable across runs and PYTHONHASHSEED.
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        return self._draw(split, n, rng)
+
+    @abstractmethod
+    def _draw(self, split: str, n: int | None, rng: random.Random) -> list[Problem]:
+        ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, splits={self.splits})"
