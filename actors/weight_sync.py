@@ -1,0 +1,365 @@
+"""Weight sync from the learner to the rollout workers: `publish` on learner rank 0, the
+receiving half in `RolloutWorker.load_weights` and `actors.worker_extension`.
+
+One sync, step by step:
+
+1. Learner rank 0 (a Ray actor) calls `publish(named_tensors, version, transport, ...)` with
+   the full Hugging Face-named state dict (gathered under ZeRO-3) and gets a `WeightUpdate`,
+   a small picklable record, back.
+2. The controller sends that record to every worker: `worker.load_weights.remote(update)`.
+3. The worker fetches the tensors (within `SyncConfig.timeout_s`), hands them to the vLLM
+   worker process through `collective_rpc`, where the worker extension calls
+   `model_runner.reload_weights(weights_iterator=...)`, resets the prefix cache (cached KV
+   blocks were computed with the old weights) and records the new version.
+
+Transports:
+
+- `shm`: a safetensors file in `shm_dir/klrl-<run_id>/`, written atomically (temporary file
+  + rename, so a reader never sees half a file); the two newest versions are kept, older ones
+  deleted. Learner and workers must share the node (and the tmpfs). The path travels.
+- `object_store`: the safetensors *bytes* are `ray.put` by learner rank 0 (which owns the
+  object) and fetched by each worker with `ray.get(ref, timeout=...)`: any nodes, CPU or GPU.
+  The bytes travel to vLLM's worker process as a `collective_rpc` argument (bytes survive
+  vLLM's serialisation; tensors do not, see DESIGN.md).
+- `nccl` (GPU only; written against vLLM 0.32's `vllm.distributed.weight_transfer` API, NOT
+  exercised by the CPU test-suite): `NcclWeightSender` on learner rank 0 opens the trainer end
+  of vLLM's NCCL weight-transfer group; each worker joins it once with
+  `RolloutWorker.init_nccl(sender.worker_init_info(i))` (engines built with
+  `weight_transfer_config={"backend": "nccl"}`, which the worker does when
+  `sync.transport == "nccl"`). `publish` starts the packed broadcast on a background thread
+  and returns at once; each worker's `load_weights` runs vLLM's `start_weight_update` /
+  `update_weights` / `finish_weight_update`, which receives it. The only payload in the
+  record is the parameter metadata (names, dtypes, shapes).
+
+`lm_head.weight` must be in every update, also for models with tied embeddings: vLLM's
+layerwise reload keeps the *old* values of any layer whose weights were not sent (it only
+logs "Failed to load weights"), and its tied lm_head is a layer of its own, so leaving it out
+makes the engine's log-probs silently diverge from the learner's. `publish` refuses an
+update without it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Transport = Literal["shm", "object_store", "nccl"]
+TRANSPORTS: tuple[str, ...] = ("shm", "object_store", "nccl")
+LM_HEAD = "lm_head.weight"
+KEEP_VERSIONS = 2  # shm: files kept per run (the one being published and the one before)
+_FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What the controller sends to every rollout worker for one sync (small, picklable).
+
+    Exactly one payload field is set, by transport: `path` (shm: a safetensors file),
+    `ref` (object_store: a `ray.ObjectRef` of the safetensors bytes, owned by the
+    publishing learner actor), `nccl_update_info` (nccl: names/dtype_names/shapes, the
+    update info of vLLM's NCCL engine; the tensors follow as a broadcast).
+    """
+
+    version: int                    # policy version (optimizer steps) of these weights
+    transport: Transport
+    num_bytes: int                  # size of the tensors sent
+    num_tensors: int
+    path: str | None = None
+    ref: Any = None
+    nccl_update_info: dict | None = None
+    published_at: float = 0.0       # time.time() on the learner, for sync-latency metrics
+
+    def __post_init__(self):
+        if self.version < 0:
+            raise ValueError(f"version must be >= 0, got {self.version}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; one of {TRANSPORTS}")
+        payload = {"shm": self.path, "object_store": self.ref, "nccl": self.nccl_update_info}
+        if payload[self.transport] is None:
+            raise ValueError(f"a {self.transport} WeightUpdate needs its payload field set")
+
+
+# --------------------------------------------------------------------------- sending side
+
+
+def publish(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    transport: Transport,
+    *,
+    run_id: str,
+    shm_dir: str | os.PathLike = "/dev/shm",
+    nccl_sender: NcclWeightSender | None = None,
+) -> WeightUpdate:
+    """Publish the learner's full HF-named weights as policy `version`; return the record
+    the workers load (`RolloutWorker.load_weights`).
+
+    Called once per sync by learner rank 0. `named_tensors` must hold every parameter of the
+    checkpoint, `lm_head.weight` included even when embeddings are tied (ValueError
+    otherwise; `model.state_dict()` of a HF model has it). For shm and
+    object_store the tensors are serialised before this returns, so the caller may step the
+    optimizer right away; for nccl it must `nccl_sender.wait()` first.
+
+    run_id names the shm directory (one per run, so concurrent runs do not collide);
+    shm_dir is its parent (SyncConfig.shm_dir). nccl_sender: required for transport "nccl".
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS}")
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    names = [n for n, _ in items]
+    if LM_HEAD not in names:
+        raise ValueError(
+            f"weight update for version {version} has no {LM_HEAD!r}. Send it even when "
+            "embeddings are tied (e.g. lm_head.weight = model.embed_tokens.weight): vLLM keeps "
+            "the old lm_head otherwise and its log-probs silently diverge from the learner's.")
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names in a weight update")
+    now = time.time()
+
+    if transport == "nccl":
+        if nccl_sender is None:
+            raise ValueError("transport 'nccl' needs nccl_sender (an NcclWeightSender)")
+        info = nccl_sender.send_async(items)
+        return WeightUpdate(version, "nccl", _nbytes(items), len(items),
+                            nccl_update_info=info, published_at=now)
+
+    tensors = _cpu_tensors(items)
+    metadata = {"klrl_version": str(version)}
+    if transport == "shm":
+        path = _write_shm(tensors, metadata, version, run_dir(run_id, shm_dir))
+        return WeightUpdate(version, "shm", path.stat().st_size, len(tensors), path=str(path),
+                            published_at=now)
+
+    import ray
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ray.put(data),
+                        published_at=now)
+
+
+def run_dir(run_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> Path:
+    """Directory of one run's shm files."""
+    if not run_id or "/" in run_id or run_id in (".", ".."):
+        raise ValueError(f"run_id must be a plain, non-empty name, got {run_id!r}")
+    return Path(shm_dir) / f"klrl-{run_id}"
+
+
+def remove_published(run_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> None:
+    """Delete a run's shm files (the learner calls it at shutdown; /dev/shm is RAM)."""
+    d = run_dir(run_id, shm_dir)
+    if d.is_dir():
+        for f in d.iterdir():
+            f.unlink(missing_ok=True)
+        d.rmdir()
+
+
+def _cpu_tensors(items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors safetensors can write. It refuses tensors that share
+    storage (tied embeddings), so a tensor whose storage was already seen is cloned. No other
+    copy is made: the tensors are serialised before `publish` returns."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _nbytes(items) -> int:
+    return sum(t.numel() * t.element_size() for _, t in items)
+
+
+def _write_shm(tensors, metadata, version: int, directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"v{version:09d}.safetensors"
+    tmp = directory / f".v{version:09d}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, final)  # atomic on one filesystem: readers see all or nothing
+    finally:
+        tmp.unlink(missing_ok=True)
+    for f in directory.iterdir():  # keep the newest KEEP_VERSIONS versions up to this one
+        m = _FILE_RE.match(f.name)
+        if m and int(m.group(1)) <= version - KEEP_VERSIONS:
+            f.unlink(missing_ok=True)
+    return final
+
+
+# --------------------------------------------------------------------------- receiving side
+
+
+def fetch(update: WeightUpdate, deadline: float) -> str | bytes:
+    """In the rollout worker: make the update's tensors reachable for vLLM's worker process
+    before `deadline` (a time.monotonic() value); return the shm path or the safetensors
+    bytes. Raises TimeoutError when the file never appears / the object never arrives."""
+    if update.transport == "shm":
+        path = Path(update.path)
+        while not path.exists():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"weight file {path} (version {update.version}) did not appear in time; "
+                    "the shm transport needs learner and workers on one node (use "
+                    "object_store across nodes)")
+            time.sleep(0.05)
+        return str(path)
+    if update.transport == "object_store":
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(update.ref, timeout=max(0.0, deadline - time.monotonic()))
+        except GetTimeoutError as e:
+            raise TimeoutError(f"weights of version {update.version} not fetched from the "
+                               "object store in time") from e
+    raise ValueError(f"fetch() is for shm/object_store; {update.transport} has no fetch step")
+
+
+def load_tensors(source: str | bytes) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file (path) or of safetensors bytes, on CPU."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        return load(bytes(source))
+    from safetensors.torch import load_file
+
+    # Open in Python first: an open that blocks (a FIFO, a hung network mount) then waits
+    # with the GIL released, so RolloutWorker.load_weights' timeout still fires. safetensors
+    # blocks inside Rust holding the GIL, which freezes the whole actor process.
+    with open(source, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"weight file {source} is not a regular file")
+    return load_file(source, device="cpu")
+
+
+# --------------------------------------------------------------------------- nccl (GPU only)
+
+
+def nccl_update_info(items: list[tuple[str, torch.Tensor]]) -> dict:
+    """The per-sync update info of vLLM's NCCL engine (`NCCLWeightTransferUpdateInfo`
+    fields): what each worker allocates and receives, in broadcast order."""
+    return {"names": [n for n, _ in items],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
+            "shapes": [list(t.shape) for _, t in items]}
+
+
+class NcclWeightSender:
+    """Learner rank 0's end of vLLM's NCCL weight-transfer group. GPU only; not tested on CPU.
+
+    Rendezvous (once, all at the same time, e.g. from the controller):
+        sender = NcclWeightSender(master_address, master_port, num_workers)   # learner rank 0
+        refs = [w.init_nccl.remote(sender.worker_init_info(i)) for i, w in enumerate(workers)]
+        sender.connect()                                                        # learner rank 0
+        ray.get(refs)
+    Then every sync: `publish(..., transport="nccl", nccl_sender=sender)` on the learner and
+    `load_weights(update)` on every worker (all of them: a broadcast needs the whole group).
+    Group ranks: the sender is 0; worker i's engine ranks start at 1 + i * ranks_per_worker.
+
+    The trainer end uses `vllm.distributed.weight_transfer.nccl_common.trainer_init` and
+    `packed_tensor.packed_nccl_broadcast_producer`, i.e. exactly what vLLM's own
+    `NCCLTrainerWeightTransferEngine` does, but split so the learner does not drive the
+    workers' RPCs (the controller already sends them `load_weights`).
+    """
+
+    def __init__(self, master_address: str, master_port: int, num_workers: int,
+                 ranks_per_worker: int = 1, *, packed: bool = True,
+                 buffer_size_bytes: int | None = None, num_buffers: int | None = None):
+        from vllm.distributed.weight_transfer.packed_tensor import (
+            DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+            DEFAULT_PACKED_NUM_BUFFERS,
+        )
+
+        self.master_address, self.master_port = master_address, int(master_port)
+        self.ranks_per_worker = ranks_per_worker
+        self.world_size = 1 + num_workers * ranks_per_worker
+        self.packed = packed
+        self.buffer_size_bytes = buffer_size_bytes or DEFAULT_PACKED_BUFFER_SIZE_BYTES
+        self.num_buffers = num_buffers or DEFAULT_PACKED_NUM_BUFFERS
+        self.group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def worker_init_info(self, worker_index: int) -> dict:
+        """`init_info` for worker `worker_index`'s `init_weight_transfer_engine`."""
+        return {"master_address": self.master_address, "master_port": self.master_port,
+                "rank_offset": 1 + worker_index * self.ranks_per_worker,
+                "world_size": self.world_size, "packed": self.packed,
+                "packed_buffer_size_bytes": self.buffer_size_bytes,
+                "packed_num_buffers": self.num_buffers}
+
+    def connect(self) -> None:
+        """Join the group as rank 0; blocks until every worker has joined."""
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.group = trainer_init({"master_address": self.master_address,
+                                   "master_port": self.master_port,
+                                   "world_size": self.world_size}, rank=0)
+
+    def send_async(self, items: list[tuple[str, torch.Tensor]]) -> dict:
+        """Start broadcasting `items` (CUDA tensors) on a background thread; return the
+        update info the workers need to receive them."""
+        if self.group is None:
+            raise RuntimeError("NcclWeightSender.connect() was not called")
+        self.wait()
+        items = [(n, t.detach().contiguous()) for n, t in items]
+        info = nccl_update_info(items)
+        device = items[0][1].device if items else None
+        self._error = None
+        self._thread = threading.Thread(target=self._broadcast, args=(items, device),
+                                        name="klrl-nccl-send", daemon=True)
+        self._thread.start()
+        return info
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the last broadcast has been received by every worker (the learner
+        must call it before changing the tensors it published); re-raise its error."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError("NCCL weight broadcast still running")
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _broadcast(self, items, device) -> None:
+        try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            if self.packed:
+                from vllm.distributed.weight_transfer.packed_tensor import (
+                    packed_nccl_broadcast_producer,
+                )
+
+                packed_nccl_broadcast_producer(
+                    iterator=iter(items), group=self.group, src=0,
+                    post_iter_func=lambda item: item[1],
+                    buffer_size_bytes=self.buffer_size_bytes, num_buffers=self.num_buffers)
+            else:
+                stream = torch.cuda.current_stream()
+                for _, t in items:
+                    self.group.broadcast(t, src=0, stream=stream)
+                stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the learner
+            self._error = e
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

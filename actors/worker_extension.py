@@ -1,0 +1,32 @@
+"""The class klrl mixes into vLLM's worker: `LLM(..., worker_extension_cls=EXTENSION)`.
+
+vLLM adds these methods to its worker class (the object that owns `model_runner`, in
+vLLM's worker process, or in the engine's own process when it runs in-process), and
+`llm.collective_rpc("klrl_reload_weights", args=(source,))` calls them on every worker of
+the engine (every tensor-parallel rank). Only picklable/msgpack-able control data crosses
+that boundary: a path or bytes, never tensors (they do not survive the serialisation).
+"""
+from __future__ import annotations
+
+EXTENSION = "actors.worker_extension.KlrlWorkerExtension"
+
+
+class KlrlWorkerExtension:
+    """Weight reload for the rollout worker (see actors/weight_sync.py)."""
+
+    def klrl_reload_weights(self, source: str | bytes) -> int:
+        """Replace the model's weights in place with the HF-named tensors in `source` (a
+        safetensors path, or safetensors bytes); return how many tensors were loaded.
+
+        Uses vLLM's layerwise in-place reload (`model_runner.reload_weights`), which maps
+        checkpoint names to vLLM's fused parameters (qkv, gate_up) and shards them for
+        tensor parallelism, exactly like loading a checkpoint from disk.
+        """
+        from vllm.config import set_current_vllm_config
+
+        from actors.weight_sync import load_tensors
+
+        tensors = load_tensors(source)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        return len(tensors)

@@ -1,0 +1,192 @@
+"""RolloutWorker with real Ray (loopback) and a real vLLM engine on the tiny random model:
+well-formed, scored Rollouts, and behaviour log-probs equal to what HF transformers computes
+for the distribution that was sampled (the policy at temperature 1; the tempered, top-k/top-p
+renormalised distribution otherwise)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+from actors.config import RolloutConfig, SyncConfig
+from actors.rollout_worker import RolloutWorker
+
+TASK = {"name": "arithmetic", "options": {}, "scorer_timeout_s": 5.0, "scorer_workers": 1}
+N = 4  # samples per prompt
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _stop(w):
+    try:
+        ray.get(w.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(w)
+
+
+def _start(model_dir, task=TASK, **overrides):
+    cfg = RolloutConfig(samples_per_prompt=N, max_new_tokens=8, max_model_len=128, **overrides)
+    # PYTHONPATH: the actor (and its scoring processes) can import tests.scorer_faults.
+    env = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+    return ray.remote(RolloutWorker).options(num_cpus=1, runtime_env=env).remote(
+        str(model_dir), cfg, SyncConfig(), task, worker_index=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def worker(ray_cluster, tiny_model_dir):
+    w = _start(tiny_model_dir)
+    yield w
+    _stop(w)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def problems():
+    import rewards
+
+    return rewards.get_task("arithmetic").problems("train", 5, seed=0)
+
+
+def hf_token_logits(model, rollout) -> torch.Tensor:
+    """Logits (fp32) that predicted each response token of `rollout`: [len(response), vocab]."""
+    ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    p = len(rollout.prompt_ids)
+    return logits[p - 1: p - 1 + len(rollout.response_ids)]
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """log-probs of the distribution vLLM samples from: logits / temperature, then top-k,
+    then top-p (mass of the *sorted ascending* tail <= 1 - p removed, the top token always
+    kept), renormalised. Written from the definitions, in the order vLLM applies them."""
+    x = logits / temperature
+    if top_k > 0:
+        kth = x.topk(top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_x, idx = x.sort(dim=-1)
+        tail = sorted_x.softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[:, -1] = False
+        x = x.masked_fill(torch.zeros_like(tail).scatter(-1, idx, tail), -math.inf)
+    return x.log_softmax(-1)
+
+
+def test_generate_returns_well_formed_scored_rollouts(worker, problems, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    import rewards
+
+    group_ids = [100 + i for i in range(len(problems))]
+    batch = ray.get(worker.generate.remote(problems, group_ids, 7))
+
+    assert batch.policy_version == 0 and batch.worker == 3
+    assert len(batch.rollouts) == N * len(problems)
+    assert batch.gen_seconds > 0 and batch.tokens_per_second > 0
+    assert batch.num_response_tokens == sum(len(r.response_ids) for r in batch.rollouts)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    task = rewards.get_task("arithmetic")
+    for g, p in zip(group_ids, problems):
+        group = [r for r in batch.rollouts if r.group_id == g]
+        assert len(group) == N and all(r.problem == p for r in group)
+        assert len({tuple(r.response_ids) for r in group}) > 1  # n distinct samples
+    for r in batch.rollouts:
+        assert r.policy_version == 0 and r.worker == 3
+        assert r.prompt_ids == tok(r.problem.prompt)["input_ids"]
+        assert 1 <= len(r.response_ids) == len(r.behaviour_logprobs) <= 8
+        assert all(math.isfinite(x) and x <= 0 for x in r.behaviour_logprobs)
+        if r.finish_reason == "stop":
+            assert r.response_ids[-1] == tok.eos_token_id
+        else:
+            assert r.finish_reason == "length" and len(r.response_ids) == 8
+        # The reward is the task's scorer on the decoded response.
+        text = tok.decode(r.response_ids, skip_special_tokens=True)
+        assert r.score_failure is None
+        assert r.reward == float(task.scorer(text, r.problem))
+
+    # Same weights, problems and seed: the same samples. A different seed: other samples.
+    again = ray.get(worker.generate.remote(problems, group_ids, 7))
+    assert [r.response_ids for r in again.rollouts] == [r.response_ids for r in batch.rollouts]
+    other = ray.get(worker.generate.remote(problems, group_ids, 8))
+    assert [r.response_ids for r in other.rollouts] != [r.response_ids for r in batch.rollouts]
+
+    stats = ray.get(worker.stats.remote())
+    assert stats["generate_calls"] >= 3 and stats["samples"] >= 3 * N * len(problems)
+    assert stats["response_tokens"] >= 3 * batch.num_response_tokens - 1
+    assert stats["tokens_per_s"] > 0 and stats["last_tokens_per_s"] > 0
+    assert stats["score_failures"] == 0 and stats["policy_version"] == 0
+    assert ray.get(worker.version.remote()) == 0
+
+
+def test_evaluate_reports_greedy_accuracy_per_set(worker):
+    sets = {"in": ("arithmetic", {}, "in_domain"), "out": ("arithmetic", {}, "out_of_domain")}
+    acc = ray.get(worker.evaluate.remote(sets, 6))
+    assert set(acc) == {"in", "out"} and all(0.0 <= a <= 1.0 for a in acc.values())
+    assert ray.get(worker.version.remote()) == 0
+
+
+def test_behaviour_logprobs_equal_hf_log_softmax_at_temperature_1(worker, problems, hf_model):
+    batch = ray.get(worker.generate.remote(problems, list(range(len(problems))), 11))
+    worst = 0.0
+    for r in batch.rollouts:
+        ref = hf_token_logits(hf_model, r).log_softmax(-1)
+        ref = ref.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(r.behaviour_logprobs)).abs().max().item())
+    assert worst < TOL, worst
+
+
+def test_behaviour_logprobs_are_those_of_the_processed_distribution(
+        ray_cluster, tiny_model_dir, problems, hf_model):
+    """temperature 0.5, top-k 8, top-p 0.7: the returned log-probs are those of the tempered,
+    masked, renormalised distribution (not the model's own log_softmax).
+
+    The same worker (one engine start less) also checks that scoring failures are counted,
+    never raised: its plug-in scorer raises on every completion it gets here."""
+    t, k, p = 0.5, 8, 0.7
+    failing = dict(TASK, reward="tests.scorer_faults:misbehave")
+    w = _start(tiny_model_dir, task=failing, temperature=t, top_k=k, top_p=p)
+    try:
+        batch = ray.get(w.generate.remote(problems, list(range(len(problems))), 5))
+        stats = ray.get(w.stats.remote())
+    finally:
+        _stop(w)
+    assert all(r.reward == 0.0 and r.score_failure == "exception" for r in batch.rollouts)
+    assert stats["score_failures"] == len(batch.rollouts)
+    assert stats["score_failures_by_kind"] == {"exception": len(batch.rollouts)}
+
+    worst, raw_gap, kept = 0.0, 0.0, []
+    for r in batch.rollouts:
+        logits = hf_token_logits(hf_model, r)
+        ids = torch.tensor(r.response_ids)[:, None]
+        ref_lp = processed_logprobs(logits, t, k, p)
+        kept += torch.isfinite(ref_lp).sum(-1).tolist()
+        ref = ref_lp.gather(1, ids)[:, 0]
+        got = torch.tensor(r.behaviour_logprobs)
+        assert torch.isfinite(ref).all()  # every sampled token is inside the top-k/top-p set
+        worst = max(worst, (ref - got).abs().max().item())
+        raw = logits.log_softmax(-1).gather(1, ids)[:, 0]
+        raw_gap = max(raw_gap, (raw - got).abs().max().item())
+    assert worst < TOL, worst
+    assert raw_gap > 0.5  # the check is not vacuous: raw log-probs are far off
+    # Both filters bit: top-k kept at most k tokens, top-p removed some of those.
+    assert max(kept) <= k and min(kept) < k, kept

@@ -1,0 +1,305 @@
+"""Weight sync into a live vLLM engine in a Ray actor, for each transport that runs on CPU
+(shm, object_store): after `publish` + `load_weights`, the engine's log-probs equal HF
+transformers' log-probs of the learner's (perturbed) weights in fp32; versions are checked;
+a sync that hangs raises within SyncConfig.timeout_s; lm_head.weight is required."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+from actors.config import RolloutConfig, SyncConfig
+from actors.rollout_worker import RolloutWorker, StaleWeightsError
+from actors.weight_sync import WeightUpdate, publish, remove_published, run_dir
+
+TASK = {"name": "arithmetic", "options": {}, "scorer_timeout_s": 5.0, "scorer_workers": 1}
+TIMEOUT_S = 5.0
+TOL = 1e-4
+RUN_ID = f"test-sync-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shm_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shm")  # the shm transport works on any local directory
+    yield d
+    remove_published(RUN_ID, d)
+
+
+def _stop(w):
+    try:
+        ray.get(w.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(w)
+
+
+@pytest.fixture(scope="module")
+def worker(ray_cluster, tiny_model_dir, shm_dir):
+    cfg = RolloutConfig(samples_per_prompt=3, max_new_tokens=8, max_model_len=128)
+    sync = SyncConfig(transport="shm", timeout_s=TIMEOUT_S, shm_dir=str(shm_dir))
+    w = ray.remote(RolloutWorker).options(num_cpus=1).remote(
+        str(tiny_model_dir), cfg, sync, TASK, seed=0)
+    yield w
+    _stop(w)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    import rewards
+
+    return rewards.get_task("arithmetic").problems("train", 4, seed=1)
+
+
+def load_hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def perturbed(model_dir, seed: int, scale: float = 0.05):
+    """The model after a (fake) learner step: every parameter moved by seeded noise."""
+    model = load_hf(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return model
+
+
+def max_logprob_error(model, batch) -> float:
+    """Largest |behaviour log-prob - HF log-prob of `model`| over every response token."""
+    worst = 0.0
+    for r in batch.rollouts:
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        p = len(r.prompt_ids)
+        lp = logits[p - 1: p - 1 + len(r.response_ids)].log_softmax(-1)
+        ref = lp.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(r.behaviour_logprobs)).abs().max().item())
+    return worst
+
+
+def generate(worker, problems, seed=3):
+    return ray.get(worker.generate.remote(problems, list(range(len(problems))), seed))
+
+
+def test_publish_requires_lm_head(tiny_model_dir, shm_dir):
+    state = load_hf(tiny_model_dir).state_dict()
+    del state["lm_head.weight"]
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        publish(state, 1, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+
+
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_sync_makes_engine_logprobs_equal_learner_logprobs(
+        transport, worker, problems, tiny_model_dir, shm_dir):
+    version = {"shm": 1, "object_store": 2}[transport]
+    held = ray.get(worker.version.remote())
+    before = generate(worker, problems)
+    assert before.policy_version == held
+
+    learner = perturbed(tiny_model_dir, seed=version)
+    update = publish(learner.state_dict(), version, transport, run_id=RUN_ID, shm_dir=shm_dir)
+    assert update.version == version and update.transport == transport
+    assert update.num_tensors == len(learner.state_dict()) and update.num_bytes > 0
+    assert ray.get(worker.load_weights.remote(update)) == version
+    assert ray.get(worker.version.remote()) == version
+
+    after = generate(worker, problems)  # same prompts: a stale prefix cache would show here
+    assert after.policy_version == version
+    assert all(r.policy_version == version for r in after.rollouts)
+    assert max_logprob_error(learner, after) < TOL
+    # The engine really changed: its new log-probs are far from the old weights' ones.
+    assert max_logprob_error(load_hf(tiny_model_dir), after) > 1e-2
+
+    # An update older than what the worker holds is refused, and nothing changes.
+    stale = publish(load_hf(tiny_model_dir).state_dict(), version - 1, transport,
+                    run_id=RUN_ID, shm_dir=shm_dir)
+    with pytest.raises(StaleWeightsError, match="refusing"):
+        ray.get(worker.load_weights.remote(stale))
+    assert ray.get(worker.version.remote()) == version
+    assert max_logprob_error(learner, generate(worker, problems)) < TOL
+
+
+def test_shm_keeps_only_the_newest_versions(tiny_model_dir, shm_dir):
+    state = load_hf(tiny_model_dir).state_dict()
+    for v in (10, 11, 12):
+        publish(state, v, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+    names = sorted(f.name for f in run_dir(RUN_ID, shm_dir).iterdir())
+    assert names == ["v000000011.safetensors", "v000000012.safetensors"]
+
+
+def test_without_lm_head_the_engine_silently_diverges(worker, problems, tiny_model_dir, shm_dir):
+    """Why publish insists on lm_head.weight: bypass it (write the file by hand) and the
+    reload 'succeeds', but vLLM keeps its old lm_head and the log-probs are wrong."""
+    from safetensors.torch import save_file
+
+    v = ray.get(worker.version.remote()) + 1
+    learner = perturbed(tiny_model_dir, seed=100 + v)
+    state = {k: t.contiguous() for k, t in learner.state_dict().items() if k != "lm_head.weight"}
+    path = shm_dir / "no_lm_head.safetensors"
+    save_file(state, str(path))
+    partial = WeightUpdate(v, "shm", path.stat().st_size, len(state), path=str(path))
+    assert ray.get(worker.load_weights.remote(partial)) == v
+    assert max_logprob_error(learner, generate(worker, problems)) > 1e-2
+
+    full = publish(learner.state_dict(), v, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+    assert ray.get(worker.load_weights.remote(full)) == v  # same version: reloaded
+    assert max_logprob_error(learner, generate(worker, problems)) < TOL
+
+
+def _timed_load(worker, update):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ray.get(worker.load_weights.remote(update))
+    return time.monotonic() - t0
+
+
+def test_sync_whose_file_never_appears_times_out(worker, problems, shm_dir):
+    held = ray.get(worker.version.remote())
+    never = WeightUpdate(held + 1, "shm", 0, 0, path=str(shm_dir / "never.safetensors"))
+    elapsed = _timed_load(worker, never)
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
+    assert ray.get(worker.version.remote()) == held  # still usable, nothing changed
+    generate(worker, problems)
+
+
+def test_sync_whose_object_never_arrives_times_out(worker, problems):
+    @ray.remote(num_cpus=0)
+    def never_ready():
+        time.sleep(3600)
+
+    ref = never_ready.remote()
+    held = ray.get(worker.version.remote())
+    try:
+        elapsed = _timed_load(worker, WeightUpdate(held + 1, "object_store", 0, 0, ref=ref))
+    finally:
+        ray.cancel(ref, force=True)
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
+    assert ray.get(worker.version.remote()) == held
+    generate(worker, problems)
+
+
+def test_reload_that_hangs_times_out_and_blocks_the_engine_until_a_good_load(
+        worker, problems, tiny_model_dir, shm_dir):
+    """The file exists but reading it blocks (a FIFO with no writer): the reload inside the
+    engine hangs. load_weights raises within the timeout; the engine refuses to generate
+    (its weights may be half-replaced) until a later load succeeds."""
+    held = ray.get(worker.version.remote())
+    fifo = shm_dir / "hangs.safetensors"
+    os.mkfifo(fifo)
+    elapsed = _timed_load(worker, WeightUpdate(held + 1, "shm", 0, 0, path=str(fifo)))
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
+    with pytest.raises(RuntimeError, match="did not finish"):
+        generate(worker, problems)
+    # Unblock the stuck reader (open for writing, close: it reads EOF and fails).
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    learner = perturbed(tiny_model_dir, seed=999)
+    good = publish(learner.state_dict(), held + 1, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+    deadline = time.monotonic() + 30
+    while True:  # the failed reload thread finishes shortly after the unblock
+        try:
+            assert ray.get(worker.load_weights.remote(good)) == held + 1
+            break
+        except RuntimeError as e:
+            if "still running" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    assert max_logprob_error(learner, generate(worker, problems)) < TOL
+
+
+def test_nccl_records_match_vllm_types():
+    """CPU-checkable part of the nccl transport: what the sender hands the workers parses as
+    vLLM's own init/update info types (the broadcast itself needs GPUs, below)."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferInitInfo,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    from actors.weight_sync import NcclWeightSender, nccl_update_info
+
+    sender = NcclWeightSender("10.0.0.1", 29555, num_workers=3, packed=True)
+    info = NCCLWeightTransferInitInfo(**sender.worker_init_info(2))
+    assert (info.rank_offset, info.world_size, info.packed) == (3, 4, True)
+    items = [("a.weight", torch.zeros(2, 3)), ("lm_head.weight", torch.ones(4, dtype=torch.bfloat16))]
+    update = NCCLWeightTransferUpdateInfo(**nccl_update_info(items))
+    assert [getattr(torch, d) for d in update.dtype_names] == [torch.float32, torch.bfloat16]
+    assert update.shapes == [[2, 3], [4]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="nccl weight sync needs two CUDA GPUs (learner + worker)")
+def test_nccl_sync_gpu(tiny_model_dir):
+    """GPU only, not run on CPU machines: the learner end (an actor on one GPU) broadcasts
+    through vLLM's NCCL weight-transfer group to a worker's engine on another GPU."""
+    import socket
+
+    from actors.weight_sync import NcclWeightSender
+
+    @ray.remote(num_gpus=1)
+    class Learner:  # only names importable in the actor: it is pickled by value
+        def __init__(self, model_dir, state, port):
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            self.model.load_state_dict(state)
+            self.model.cuda()
+            self.sender = NcclWeightSender("127.0.0.1", port, num_workers=1)
+
+        def worker_init_info(self):
+            return self.sender.worker_init_info(0)
+
+        def connect(self):
+            self.sender.connect()
+
+        def publish(self, version):
+            return publish(self.model.state_dict(), version, "nccl", run_id="gpu-test",
+                           nccl_sender=self.sender)
+
+        def wait(self):
+            self.sender.wait(timeout=60)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = ray.is_initialized()
+    if not started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    target = perturbed(tiny_model_dir, seed=7)
+    learner = Learner.remote(str(tiny_model_dir), target.state_dict(), port)
+    cfg = RolloutConfig(samples_per_prompt=3, max_new_tokens=8, max_model_len=128,
+                        num_gpus_per_worker=1, gpu_memory_utilization=0.3)
+    w = ray.remote(RolloutWorker).options(num_gpus=1).remote(
+        str(tiny_model_dir), cfg, SyncConfig(transport="nccl", timeout_s=120), TASK)
+    try:
+        joined = w.init_nccl.remote(ray.get(learner.worker_init_info.remote()))
+        ray.get([learner.connect.remote(), joined])
+        update = ray.get(learner.publish.remote(1))
+        assert ray.get(w.load_weights.remote(update)) == 1
+        ray.get(learner.wait.remote())
+        import rewards
+
+        problems = rewards.get_task("arithmetic").problems("train", 4, seed=1)
+        batch = generate(w, problems)
+        assert max_logprob_error(target, batch) < 1e-3
+    finally:
+        ray.kill(w)
+        ray.kill(learner)
+        if not started:
+            ray.shutdown()
