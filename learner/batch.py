@@ -1,0 +1,163 @@
+"""`TrainBatch`: the padded tensors the learner trains on, built from `Rollout` records.
+
+Alignment convention (the one every log-prob tensor in learner/ follows):
+    logp[:, t] = log p(input_ids[:, t] | input_ids[:, <t])
+so a per-token quantity lives at the position of the token it scores, and
+`response_mask[:, t]` is True iff input_ids[:, t] is a response token. Position 0 is never a
+response token (a prompt has at least one token), so logp[:, 0] is never needed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from actors.records import Rollout
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """B sequences (prompt + response, right-padded to length L) and their per-sequence data.
+
+    input_ids [B, L] long; attention_mask [B, L] long (1 on real tokens); response_mask [B, L]
+    bool; behaviour_logp [B, L] float32 (sampler log-prob of each response token, 0 elsewhere);
+    rewards [B] float32 (task rewards); advantages [B] float32 (task advantages, computed over
+    the whole global batch by the controller); group_ids [B] long (samples of one prompt share
+    it); policy_versions [B] long (version of the weights that sampled each sequence).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    behaviour_logp: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    policy_versions: torch.Tensor
+
+    def __post_init__(self):
+        B, L = self.input_ids.shape
+        for f in ("attention_mask", "response_mask", "behaviour_logp"):
+            if getattr(self, f).shape != (B, L):
+                raise ValueError(f"TrainBatch.{f} shape {tuple(getattr(self, f).shape)} != {(B, L)}")
+        for f in ("rewards", "advantages", "group_ids", "policy_versions"):
+            if getattr(self, f).shape != (B,):
+                raise ValueError(f"TrainBatch.{f} shape {tuple(getattr(self, f).shape)} != {(B,)}")
+        if self.response_mask.dtype != torch.bool:
+            raise ValueError("TrainBatch.response_mask must be bool")
+        if B and bool(self.response_mask[:, 0].any()):
+            raise ValueError("response_mask[:, 0] must be False: every sequence needs a prompt token")
+        if bool((self.response_mask & (self.attention_mask == 0)).any()):
+            raise ValueError("response tokens must be attended (response_mask implies attention_mask)")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_rollouts(cls, rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainBatch:
+        """Right-pad prompt + response of each rollout. `advantages` is [B] (any float dtype,
+        tensor or sequence), aligned with `rollouts`."""
+        if not rollouts:
+            raise ValueError("TrainBatch.from_rollouts needs at least one rollout")
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+        if adv.shape[0] != len(rollouts):
+            raise ValueError(f"{adv.shape[0]} advantages for {len(rollouts)} rollouts")
+        B = len(rollouts)
+        L = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, L), dtype=torch.long)
+        response_mask = torch.zeros((B, L), dtype=torch.bool)
+        behaviour_logp = torch.zeros((B, L), dtype=torch.float32)
+        for i, r in enumerate(rollouts):
+            if not r.prompt_ids:
+                raise ValueError(f"rollout {i} has an empty prompt")
+            p, n = len(r.prompt_ids), len(r.response_ids)
+            input_ids[i, : p + n] = torch.tensor(list(r.prompt_ids) + list(r.response_ids))
+            attention_mask[i, : p + n] = 1
+            response_mask[i, p : p + n] = True
+            behaviour_logp[i, p : p + n] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            behaviour_logp=behaviour_logp,
+            rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+            advantages=adv,
+            group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
+            policy_versions=torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
+        )
+
+    def select(self, index: torch.Tensor) -> TrainBatch:
+        """Rows `index` (a long tensor), with padding columns beyond the longest kept sequence
+        trimmed (the loss sums over tokens, so padding never changes it)."""
+        width = int(self.attention_mask[index].sum(-1).max().item()) if len(index) else 0
+        width = max(width, 1)
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)[index]
+            out[f.name] = t[:, :width] if t.dim() == 2 else t
+        return TrainBatch(**out)
+
+    def shard(self, rank: int, world_size: int) -> TrainBatch:
+        """The rank's share: whole prompt groups, the same number of sequences on every rank.
+
+        Invariant (enforced): a group is never split across ranks, because the KL baseline
+        (leave-one-out over the group) and kl_in_advantage=normalized need all of a group's
+        samples; and every rank gets B / world_size sequences, because DeepSpeed averages the
+        ranks' gradients with equal weights (see learner/rank.py). Groups are cut in order of
+        first appearance into consecutive shards when possible, else packed largest first; a
+        batch whose groups cannot be packed into equal shards is an error.
+        """
+        return self.select(self.shard_indices(rank, world_size))
+
+    def shard_indices(self, rank: int, world_size: int) -> torch.Tensor:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        B = self.num_sequences
+        if B % world_size:
+            raise ValueError(f"cannot shard {B} sequences over {world_size} learner ranks equally; "
+                             f"the global batch size must be a multiple of learner.num_ranks")
+        target = B // world_size
+        order: list[int] = []                    # group ids in order of first appearance
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(self.group_ids.tolist()):
+            if g not in members:
+                order.append(g)
+                members[g] = []
+            members[g].append(i)
+        shards = _contiguous(order, members, target) or _first_fit_decreasing(
+            order, members, target, world_size)
+        if shards is None:
+            sizes = [len(members[g]) for g in order]
+            raise ValueError(f"cannot cut prompt groups of sizes {sizes} into {world_size} "
+                             f"shards of {target} sequences without splitting a group")
+        return torch.tensor(sorted(shards[rank]), dtype=torch.long)
+
+
+def _contiguous(order, members, target) -> list[list[int]] | None:
+    """Groups in order, cut into consecutive shards of exactly `target` sequences."""
+    shards: list[list[int]] = [[]]
+    for g in order:
+        if len(shards[-1]) == target:
+            shards.append([])
+        shards[-1].extend(members[g])
+        if len(shards[-1]) > target:
+            return None
+    return shards
+
+
+def _first_fit_decreasing(order, members, target, world_size) -> list[list[int]] | None:
+    """Unequal group sizes: largest group first into the first shard with room (deterministic)."""
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for g in sorted(order, key=lambda g: -len(members[g])):  # stable: ties keep first appearance
+        for s in shards:
+            if len(s) + len(members[g]) <= target:
+                s.extend(members[g])
+                break
+        else:
+            return None
+    return shards if all(len(s) == target for s in shards) else None

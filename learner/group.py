@@ -1,0 +1,124 @@
+"""`LearnerGroup`: the controller's handle on the learner, `num_ranks` LearnerRank Ray actors.
+
+Every call fans out to all ranks at once (the ranks run collectives in lockstep) and waits for
+all of them. If any rank fails, the group is broken (the others may be blocked in a
+collective): the error is raised at once rather than waiting on the rest; call `shutdown()`.
+
+Invariant (enforced in `train_step`): `version` is the number of optimizer steps actually
+applied, on every rank alike; a refused non-finite step leaves it unchanged. One optimizer step
+per global batch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from kl.config import AdvantageConfig, KLConfig
+from learner.batch import TrainBatch
+from learner.config import LearnerConfig
+from learner.loss import merge_metrics
+from learner.rank import LearnerRank
+
+
+class LearnerGroup:
+    """Data-parallel DeepSpeed learner over Ray actors (see learner/rank.py for the math)."""
+
+    def __init__(self, model_dir: str | Path, learner_cfg: LearnerConfig, kl_cfg: KLConfig,
+                 adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run"):
+        self.cfg, self.run_id = learner_cfg, run_id
+        self.version = 0
+        world = learner_cfg.num_ranks
+        actor = ray.remote(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
+                                                num_gpus=learner_cfg.num_gpus_per_rank)
+        self.ranks = [actor.remote(r, world, str(model_dir), learner_cfg, kl_cfg, adv_cfg, seed, run_id)
+                      for r in range(world)]
+        try:
+            infos = self._all("node_info")
+            nodes = [i["node_id"] for i in infos]
+            # One node: rendezvous on loopback. Several: rank 0's node address.
+            addr = "127.0.0.1" if len(set(nodes)) == 1 else infos[0]["ip"]
+            port = ray.get(self.ranks[0].free_port.remote(addr))
+            local = [nodes[:r].count(nodes[r]) for r in range(world)]
+            self.rank_info = _get_all([  # per rank: parameter count, optimizer class
+                h.setup.remote(addr, port, local[r], nodes.count(nodes[r]))
+                for r, h in enumerate(self.ranks)])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the global batch; returns merged metrics (see
+        learner.loss.merge_metrics), including `nonfinite` (1: step refused) and `grad/norm`."""
+        world, n = self.num_ranks, batch.num_sequences
+        shards = [batch.shard(r, world) for r in range(world)]  # whole groups, equal sizes
+        parts = _get_all([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)])
+        refused = {p["nonfinite"] for p in parts}
+        assert len(refused) == 1, f"ranks disagree on refusing the step: {refused}"  # see rank.py
+        if not parts[0]["nonfinite"]:
+            self.version += 1
+        return merge_metrics(parts)
+
+    def export_weights(self, transport: str, shm_dir: str | None = None):
+        """Publish the current weights (version `self.version`); returns rank 0's WeightUpdate."""
+        return self._all("export_weights", self.version, transport, self.run_id, shm_dir)[0]
+
+    def connect_nccl(self, workers: list) -> None:
+        """GPU with sync.transport=nccl, once before the first export: join learner rank 0 and
+        every rollout worker (`RolloutWorker.init_nccl`) in vLLM's NCCL weight-transfer group.
+        Written against vLLM's API; not exercised by the CPU test-suite."""
+        infos = ray.get(self.ranks[0].nccl_sender_init.remote(len(workers)))
+        joins = [w.init_nccl.remote(info) for w, info in zip(workers, infos)]
+        _get_all(joins + [self.ranks[0].nccl_sender_connect.remote()])
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        """The policy in Hugging Face format (config, tokenizer, safetensors) under `out_dir`."""
+        return Path(self._all("save_hf", str(out_dir))[0])
+
+    def save_checkpoint(self, directory: str | Path, tag: str) -> None:
+        """DeepSpeed checkpoint under directory/tag (weights, optimizer, scheduler, version)."""
+        self._all("save_checkpoint", str(directory), tag)
+
+    def load_checkpoint(self, directory: str | Path, tag: str) -> int:
+        """Restore a checkpoint saved by `save_checkpoint`; returns (and sets) the version."""
+        versions = {s["version"] for s in self._all("load_checkpoint", str(directory), tag)}
+        assert len(versions) == 1, f"ranks restored different versions: {versions}"
+        self.version = versions.pop()
+        return self.version
+
+    def named_parameters_for_inference(self) -> dict:
+        return self._all("named_parameters_for_inference")[0]
+
+    def param_checksum(self) -> float:
+        return self._all("param_checksum")[0]
+
+    def shutdown(self) -> None:
+        """Free the ranks' shared-memory buffers, then kill the rank actors (their process
+        group dies with them). Best effort: a dead or hung rank must not block shutdown."""
+        ranks = getattr(self, "ranks", [])
+        if ranks:
+            try:
+                ray.get([h.release_shm.remote() for h in ranks], timeout=30)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        for h in ranks:
+            ray.kill(h, no_restart=True)
+        self.ranks = []
+
+    def _all(self, method: str, *args) -> list[Any]:
+        return _get_all([getattr(h, method).remote(*args) for h in self.ranks])
+
+
+def _get_all(refs: list) -> list:
+    """ray.get of every ref, raising the first error as soon as it happens: the other ranks
+    may then be blocked forever in a collective with the failed one."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)  # raises a failed rank's exception now
+    return ray.get(refs)

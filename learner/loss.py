@@ -1,0 +1,221 @@
+"""The learner's loss: task policy-gradient term + beta x KL term, and its metrics.
+
+Pure torch + kl (no DeepSpeed), so it is unit-tested without any engine. Notation: per
+response token t of sequence i, logp_t (current policy, live), mu_t (behaviour = sampler
+log-prob), rho_t = exp(logp_t - mu_t), A_i the task advantage from the controller (computed
+globally with kl.compute_advantages), sg() stop-gradient, N = num_sequences_global.
+
+Task term (learner.task_off_policy), summed over response tokens, divided by N:
+    none      -A_i * logp_t
+    tis       -sg(min(rho_t, tis_cap)) * A_i * logp_t
+    ppo_clip  -min(rho_t A_i, clip(rho_t, 1-eps, 1+eps) A_i)        (rho_t live)
+On-policy (mu = pi) all three have the gradient -A_i grad logp_t.
+
+KL term (kl.KLConfig, beta = kl.beta):
+  * kl_in_advantage = "separate", or placement = "loss":
+        beta * sum_i kl.surrogate(logp, ref_logp, mask, estimator, placement, importance,
+                                  behaviour_logp, truncate, baseline=b_i)_i / N
+    with b_i = kl.group_baseline(seq_kl, group_ids, advantage.estimator) for placements with
+    a reward part (seq_kl_i = sum_t k_t with the detached current-policy estimates; RLOO
+    gives the leave-one-out mean; "reinforce" gives no baseline). This is exactly
+    beta x the gradient contract of kl.surrogate, whatever the task rewards are.
+  * kl_in_advantage = "normalized" with a reward part: the KL reward is folded into per-token
+    advantages A_{i,t} = kl.compute_advantages(rewards, group_ids, kl_tokens=sg(k), mask,
+    beta, kl_in_advantage="normalized") (return minus group baseline, divided by the group std
+    of the KL-penalised return, as the paper and verl do), which replace A_i in the task term
+    (and get its off-policy handling). With placement "reward+loss" only the loss part goes
+    through kl.surrogate (placement "loss"). kl.importance then applies to that loss part
+    only, so placement "reward" + normalized + importance != none is rejected (it would be
+    silently ignored), and so is advantage.normalize=batch (each rank would normalise by
+    its own shard's std). loss/task then includes the folded KL reward and loss/kl only the
+    loss part.
+
+Normalisation invariant: both terms are sums over tokens divided by the constant N, never by a
+sequence's own length (that would reweight sequences by 1/|y| and bias the gradient), so
+padding never changes the loss and a batch split into shards/micro-batches, each with the
+same N, has losses (and gradients) that add up to the whole batch's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import kl
+from kl.config import AdvantageConfig, KLConfig
+from learner.batch import TrainBatch
+from learner.config import LearnerConfig
+
+
+def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] fp32 log-probs aligned with input_ids: out[:, t] = log p(ids[:, t] | ids[:, <t]);
+    out[:, 0] = 0 (no prediction for the first token)."""
+    logits = logits[:, :-1].float()
+    target = input_ids[:, 1:].unsqueeze(-1)
+    # gather - logsumexp: the same value as log_softmax().gather() without a second [B, L, V] tensor
+    lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
+
+
+def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
+    """Per-token task loss [B, L] (0 off-response) and its clipping statistic."""
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    if cfg.task_off_policy == "none":
+        return torch.where(mask, -adv * lp, zero), None
+    # Log-ratios in float64: exp() of a float32 log-ratio overflows above ~88 (inf * 0 = NaN
+    # in backward even on a clipped branch).
+    log_rho = torch.where(mask, lp.double() - mu.double(), 0.0)
+    if cfg.task_off_policy == "tis":
+        log_cap = math.log(cfg.tis_cap)
+        w = torch.exp(log_rho.detach().clamp(max=log_cap)).to(lp.dtype)
+        clipped = (log_rho.detach() > log_cap) & mask
+        return torch.where(mask, -w * adv * lp, zero), clipped
+    # ppo_clip
+    rho = torch.exp(log_rho)
+    a = adv.double()
+    eps = cfg.ppo_clip_eps
+    unclipped, clipped_obj = rho * a, rho.clamp(1 - eps, 1 + eps) * a
+    obj = torch.minimum(unclipped, clipped_obj)
+    clipped = (clipped_obj < unclipped) & mask  # the clipped (zero-gradient) branch was taken
+    return torch.where(mask, -obj.to(lp.dtype), zero), clipped
+
+
+def _importance_log_coef(log_rho: torch.Tensor, importance: str) -> torch.Tensor:
+    """log of the KL importance coefficient per token: rho_t, W or w_t (see kl.surrogate)."""
+    if importance == "token":
+        return log_rho
+    if importance == "sequence":
+        return log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    return log_rho.cumsum(-1)  # prefix
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    batch: TrainBatch,
+    kl_cfg: KLConfig,
+    adv_cfg: AdvantageConfig,
+    learner_cfg: LearnerConfig,
+    num_sequences_global: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss (a scalar to minimise) and metrics for `batch` (a shard or micro-batch of the global
+    batch); see the module docstring. `logp` [B, L] is live (fp32), `ref_logp` [B, L] constant,
+    both aligned with batch.input_ids. Metrics are merged across micro-batches and ranks by
+    `merge_metrics`."""
+    if num_sequences_global <= 0:
+        raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
+    if logp.shape != batch.input_ids.shape or ref_logp.shape != logp.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must match "
+                         f"input_ids {tuple(batch.input_ids.shape)}")
+    reward_part = "reward" in kl_cfg.placement
+    normalized = kl_cfg.kl_in_advantage == "normalized" and reward_part and kl_cfg.beta > 0
+    if normalized and kl_cfg.placement == "reward" and kl_cfg.importance != "none":
+        raise ValueError("kl.kl_in_advantage=normalized folds the KL reward into the task advantage, "
+                         "which kl.importance does not reach; use importance=none there (the task "
+                         "term's learner.task_off_policy applies), or kl_in_advantage=separate")
+    if normalized and adv_cfg.normalize == "batch":
+        raise ValueError("kl.kl_in_advantage=normalized recomputes advantages on each rank's shard "
+                         "of whole groups; advantage.normalize=batch would use the shard's std, "
+                         "not the batch's: use normalize=group or none")
+    mask = batch.response_mask
+    dt = torch.promote_types(logp.dtype, torch.float32)  # fp32 at least (fp64 in exact tests)
+    zero = torch.zeros((), dtype=dt, device=logp.device)
+    lp = torch.where(mask, logp.to(dt), zero)
+    ref = torch.where(mask, ref_logp.detach().to(dt), zero)
+    mu = torch.where(mask, batch.behaviour_logp.to(dt), zero)
+    n = float(num_sequences_global)
+
+    k1 = torch.where(mask, kl.estimate(lp.detach(), ref, "k1"), zero)
+    k_tokens = torch.where(mask, kl.estimate(lp.detach(), ref, kl_cfg.estimator), zero)
+
+    if normalized:
+        adv = kl.compute_advantages(
+            batch.rewards, batch.group_ids, estimator=adv_cfg.estimator,
+            normalize=adv_cfg.normalize, kl_tokens=k_tokens, mask=mask, beta=kl_cfg.beta,
+            kl_in_advantage="normalized", eps=adv_cfg.eps).to(dt)
+    else:
+        adv = batch.advantages.to(dt)[:, None].expand_as(lp)
+    task_tokens, task_clipped = _task_term(lp, mu, adv, mask, learner_cfg)
+    task = task_tokens.sum() / n
+
+    # What still goes through kl.surrogate: everything, or (normalized) only a loss part.
+    kl_placement = kl_cfg.placement
+    if normalized:
+        kl_placement = "loss" if kl_cfg.placement == "reward+loss" else None
+    if kl_cfg.beta > 0 and kl_placement is not None:
+        baseline = None
+        if "reward" in kl_placement and adv_cfg.estimator != "reinforce":
+            baseline = kl.group_baseline(k_tokens.sum(-1), batch.group_ids, adv_cfg.estimator)
+        per_seq = kl.surrogate(
+            lp, ref, mask, estimator=kl_cfg.estimator, placement=kl_placement,
+            importance=kl_cfg.importance,
+            behaviour_logp=mu if kl_cfg.importance != "none" else None,
+            truncate=kl_cfg.truncate, baseline=baseline)
+        kl_term = kl_cfg.beta * per_seq.sum() / n
+    else:
+        kl_term = torch.zeros((), dtype=task.dtype, device=task.device)
+    loss = task + kl_term
+
+    with torch.no_grad():
+        log_rho = torch.where(mask, lp.double() - mu.double(), 0.0)
+        tokens = int(mask.sum())
+        if tokens:
+            ratio = torch.exp(log_rho[mask])
+            ratio_min, ratio_max = float(ratio.min()), float(ratio.max())
+        else:  # no response token at all: nothing to compare, report the neutral ratio
+            ratio_min = ratio_max = 1.0
+        k3 = torch.where(mask, kl.estimate(lp.detach(), ref, "k3"), zero)
+        metrics = {
+            "loss/total": float(loss.detach()),
+            "loss/task": float(task.detach()),
+            "loss/kl": float(kl_term.detach()),
+            "kl/seq_k1": float(k1.sum(-1).mean()),
+            "kl/seq_k3": float(k3.sum(-1).mean()),
+            "is/ratio_min": ratio_min,
+            "is/ratio_max": ratio_max,
+            "response/length_mean": float(mask.sum(-1).double().mean()),
+            "response/tokens": float(tokens),
+            "response/sequences": float(mask.shape[0]),
+        }
+        if kl_cfg.truncate is not None:
+            log_c = _importance_log_coef(log_rho, kl_cfg.importance)
+            metrics["is/truncated_frac"] = _frac((log_c > math.log(kl_cfg.truncate)) & mask, tokens)
+        if task_clipped is not None:
+            metrics[f"is/{learner_cfg.task_off_policy}_clipped_frac"] = _frac(task_clipped, tokens)
+    return loss, metrics
+
+
+def _frac(flags: torch.Tensor, tokens: int) -> float:
+    return float(flags.sum()) / tokens if tokens else 0.0
+
+
+# How per-part metrics (micro-batches of a rank, then ranks) combine into the global batch's:
+# loss/* are sums over tokens / N with the global N, so they add; counts add; *_min / *_max
+# take min / max; *_frac are token-weighted means; everything else (per-sequence means, and
+# rank-level scalars such as grad/norm that are equal on every rank) is a sequence-weighted mean.
+def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    if not parts:
+        return {}
+    seqs = [p.get("response/sequences", 1.0) for p in parts]
+    toks = [p.get("response/tokens", 1.0) for p in parts]
+    out: dict[str, float] = {}
+    for key in parts[0]:
+        vals = [p[key] for p in parts]
+        if key.startswith("loss/") or key in ("response/tokens", "response/sequences"):
+            out[key] = sum(vals)
+        elif key.endswith("_min"):
+            out[key] = min(vals)
+        elif key.endswith("_max"):
+            out[key] = max(vals)
+        elif key.endswith("_frac"):
+            out[key] = _weighted(vals, toks)
+        else:
+            out[key] = _weighted(vals, seqs)
+    return out
+
+
+def _weighted(vals, weights) -> float:
+    total = sum(weights)
+    if total == 0:
+        return sum(vals) / len(vals)
+    return sum(v * w for v, w in zip(vals, weights)) / total

@@ -1,0 +1,307 @@
+"""One data-parallel learner rank: a DeepSpeed engine on the policy and a frozen reference copy.
+
+`LearnerRank` is a plain class; learner/group.py runs `num_ranks` of them as Ray actors and
+drives them in lockstep (every method that touches the engine is collective: all ranks call
+it, or a collective inside it hangs).
+
+Gradient scaling. DeepSpeed averages gradients over the W ranks. Rank r computes
+`policy_loss(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N, and
+backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
+gradient of the global-batch loss, exactly as one rank would compute it on the whole batch.
+Micro-batches of a shard all use the same N, so their gradients add up to the shard's.
+
+Non-finite refusal. A step is refused (weights, optimizer moments and LR schedule untouched,
+version not bumped, `nonfinite: 1` reported) iff the global gradient norm is NaN/inf. A rank
+whose loss is non-finite backpropagates NaN on purpose, so its NaN reaches the global norm
+through the gradient reduction and every rank refuses the same step (a rank-local decision
+would let the ranks' weights diverge). Who checks: with ZeRO (or bf16) DeepSpeed's optimizer
+finds the invalid global norm and skips the step; on the plain fp32 path (stage 0) DeepSpeed
+checks nothing, so `_GuardedAdamW` computes the (already all-reduced) global norm, refuses,
+and clips itself. After `engine.step()` we assert that DeepSpeed applied the step iff it was
+finite.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kl.config import AdvantageConfig, KLConfig
+from learner.batch import TrainBatch
+from learner.config import LearnerConfig
+from learner.loss import merge_metrics, policy_loss, sequence_logprobs
+
+
+class _GuardedAdamW(torch.optim.AdamW):
+    """AdamW that refuses a non-finite step and clips by the global norm (`clip` > 0).
+
+    Only for DeepSpeed's plain path (stage 0, fp32), where `engine.step()` all-reduces the
+    gradients before calling `step()`, so every rank sees the same norm and makes the same
+    decision. DeepSpeed reads `overflow`: True makes it skip the LR scheduler step, count a
+    skipped step and report `was_step_applied() == False`.
+    """
+
+    def __init__(self, params, *, clip: float, **kw):
+        super().__init__(params, **kw)
+        self.clip = clip
+        self.overflow = False
+        self.grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        self.grad_norm = float(norm)
+        self.overflow = not math.isfinite(self.grad_norm)
+        if self.overflow:
+            return None
+        if self.clip > 0:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
+        return super().step(closure)
+
+
+class LearnerRank:
+    """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks."""
+
+    def __init__(self, rank: int, world_size: int, model_dir: str, learner_cfg: LearnerConfig,
+                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int, run_id: str):
+        self.rank, self.world_size = rank, world_size
+        self.model_dir = str(model_dir)
+        self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
+        self.seed, self.run_id = seed, run_id
+        self.engine = self.ref = self.optimizer = self.nccl_sender = None
+        self.version = 0  # optimizer steps applied (the policy version of these weights)
+        # Ray sets OMP_NUM_THREADS from num_cpus; torch's intra-op pool needs telling as well.
+        torch.set_num_threads(max(1, int(learner_cfg.num_cpus_per_rank)))
+
+    # ------------------------------------------------------------------ start-up
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this rank runs: the group picks the rendezvous address from it."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
+    def free_port(self, host: str) -> int:
+        """A free TCP port on this node (rank 0 hosts the torch.distributed rendezvous)."""
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+
+    def release_shm(self) -> int:
+        """Delete the shared-memory all-reduce buffers DeepSpeed's CPU comm op created for this
+        process group. They live in /dev/shm (RAM) and outlive the process: ~70 MB per rank
+        per run would otherwise pile up run after run. Returns how many files were removed."""
+        rendezvous = getattr(self, "_rendezvous", None)
+        if rendezvous is None:
+            return 0
+        addr, port = rendezvous
+        removed = 0
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+            path.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def setup(self, master_addr: str, master_port: int, local_rank: int, local_size: int) -> dict:
+        """Join the process group, load policy + reference, build the DeepSpeed engine."""
+        import deepspeed
+
+        cuda = self.cfg.device_kind == "cuda"
+        os.environ.update({
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+            # On GPU Ray gives each actor its own CUDA_VISIBLE_DEVICES, so the device is cuda:0.
+            "LOCAL_RANK": "0" if cuda else str(local_rank), "LOCAL_SIZE": str(local_size),
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        })
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                   verbose=False)
+        self._rendezvous = (master_addr, master_port)
+        torch.manual_seed(self.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+        policy = self._load_model()
+        policy.train()
+        num_parameters = sum(p.numel() for p in policy.parameters())  # before ZeRO-3 partitions
+        self.ref = self._load_model().to(self.device).eval().requires_grad_(False)
+
+        cfg = self.cfg
+        params = [p for p in policy.parameters() if p.requires_grad]
+        adam = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay}
+        # Plain AdamW where DeepSpeed wraps it (it then checks and clips); ours where it does not.
+        self.optimizer = (torch.optim.AdamW(params, **adam) if cfg.deepspeed_wraps_optimizer
+                          else _GuardedAdamW(params, clip=cfg.grad_clip, **adam))
+        warmup = cfg.warmup_steps
+
+        def schedule(opt):
+            # LR factor of the k-th applied step: (k+1)/(warmup+1) during warm-up, then 1. A
+            # torch LambdaLR, so DeepSpeed checkpoints its state (last_epoch) with the engine.
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / (warmup + 1)))
+
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=policy, optimizer=self.optimizer, lr_scheduler=schedule,
+            config=cfg.deepspeed_config(cfg.micro_batch_size, self.world_size))
+        # Invariant relied on by the non-finite refusal (module docstring): DeepSpeed uses our
+        # optimizer unwrapped exactly when it does not check and clip itself.
+        assert (self.engine.optimizer is self.optimizer) == (not cfg.deepspeed_wraps_optimizer), \
+            f"unexpected DeepSpeed optimizer wrapping: {type(self.engine.optimizer).__name__}"
+        return {"rank": self.rank, "parameters": num_parameters,
+                "optimizer": type(self.engine.optimizer).__name__}
+
+    def _load_model(self):
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, shard: TrainBatch, num_sequences_global: int) -> dict[str, float]:
+        """One optimizer step on this rank's shard (collective: every rank calls it with an
+        equal-sized shard). Metrics are this rank's part; group.py merges them."""
+        t0 = time.perf_counter()
+        B = shard.num_sequences
+        micro = self.cfg.micro_batch_size or B
+        parts = []
+        for start in range(0, B, micro):  # equal shards => the same number of passes everywhere
+            mb = _to_device(shard.select(torch.arange(start, min(B, start + micro))), self.device)
+            inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
+                      "use_cache": False}
+            logp = sequence_logprobs(self.engine(**inputs).logits, mb.input_ids)
+            with torch.no_grad():
+                ref_logp = sequence_logprobs(self.ref(**inputs).logits, mb.input_ids)
+            loss, metrics = policy_loss(logp, ref_logp, mb, self.kl_cfg, self.adv_cfg, self.cfg,
+                                        num_sequences_global)
+            if torch.isfinite(loss):
+                backward = loss * self.world_size  # DeepSpeed averages over ranks (module docstring)
+            else:
+                # Poison this rank's gradients so the global norm is NaN on every rank.
+                backward = logp.sum() * float("nan")
+            self.engine.backward(backward)
+            parts.append(metrics)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.engine.step()
+        applied = self.engine.was_step_applied()
+        if self.cfg.deepspeed_wraps_optimizer:
+            norm = self.engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+        else:
+            norm = self.optimizer.grad_norm
+        finite = math.isfinite(norm)
+        assert applied == finite, f"DeepSpeed step applied={applied} but grad norm {norm}"
+        if applied:
+            self.version += 1
+        out = merge_metrics(parts)
+        out.update({"nonfinite": float(not applied), "grad/norm": norm, "lr": lr,
+                    "time/learner_step": time.perf_counter() - t0})
+        return out
+
+    # ------------------------------------------------------------------ weights out
+
+    def named_parameters_for_inference(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Full HF-named weights, copied to `device` (collective under ZeRO-3: parameters are
+        gathered one at a time, so no rank holds more than the copy plus one parameter).
+        Includes `lm_head.weight` even when tied to the embeddings: vLLM's reload needs it."""
+        import deepspeed
+
+        module = self.engine.module
+        out: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if self.cfg.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    out[name] = p.detach().to(device, copy=True)
+            else:
+                out[name] = p.detach().to(device, copy=True)
+        if "lm_head.weight" not in out:
+            head = module.get_output_embeddings()
+            tied = [n for n, p in module.named_parameters(remove_duplicate=False) if p is head.weight]
+            out["lm_head.weight"] = out[tied[0]]
+        return out
+
+    def export_weights(self, version: int, transport: str, run_id: str, shm_dir: str | None):
+        """Publish the current weights as `version` (collective; rank 0 publishes and returns
+        the WeightUpdate, the other ranks return None). nccl broadcasts copies on the GPU in
+        the background (so the next optimizer step cannot race it); shm and object_store
+        serialise CPU copies before returning."""
+        nccl = transport == "nccl"
+        weights = self.named_parameters_for_inference(str(self.device) if nccl else "cpu")
+        if self.rank != 0:
+            return None
+        assert version == self.version, f"exporting version {version} but rank 0 holds {self.version}"
+        from actors.weight_sync import publish
+
+        if nccl and self.nccl_sender is None:
+            raise RuntimeError("transport nccl: call LearnerGroup.connect_nccl(workers) first")
+        kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
+        return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender, **kw)
+
+    def nccl_sender_init(self, num_workers: int, ranks_per_worker: int = 1) -> list[dict]:
+        """Rank 0, GPU only: open the trainer end of vLLM's NCCL weight-transfer group; returns
+        each rollout worker's init info. Not exercised by the CPU test-suite."""
+        import ray
+
+        from actors.weight_sync import NcclWeightSender
+
+        ip = ray.util.get_node_ip_address()
+        self.nccl_sender = NcclWeightSender(ip, self.free_port(ip), num_workers, ranks_per_worker)
+        return [self.nccl_sender.worker_init_info(i) for i in range(num_workers)]
+
+    def nccl_sender_connect(self) -> None:
+        self.nccl_sender.connect()  # blocks until every worker has joined
+
+    def save_hf(self, out_dir: str) -> str | None:
+        """Write the policy in Hugging Face format (config, generation config, tokenizer,
+        safetensors), loadable by transformers and vLLM. Collective; rank 0 writes."""
+        weights = self.named_parameters_for_inference()
+        if self.rank != 0:
+            return None
+        from transformers import AutoTokenizer
+
+        module = self.engine.module
+        if getattr(module.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)  # tied: transformers and vLLM re-tie on load
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        module.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
+        AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(str(out))
+        return str(out)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> None:
+        """DeepSpeed checkpoint (weights, optimizer moments, LR scheduler). Collective; every
+        rank writes its own shards, so `directory` must be shared by the ranks' nodes."""
+        state = dict(client_state or {}, version=self.version)
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+
+    def load_checkpoint(self, directory: str, tag: str) -> dict:
+        path, state = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
+        self.version = int(state["version"])
+        return state
+
+    # ------------------------------------------------------------------ tests / diagnostics
+
+    def param_checksum(self) -> float:
+        """sum(p) + sum(p^2) over the inference weights in float64 (collective under ZeRO-3)."""
+        return float(sum(t.double().sum() + t.double().square().sum()
+                         for t in self.named_parameters_for_inference().values()))
+
+    def get_version(self) -> int:
+        return self.version
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if device.type == "cpu":
+        return batch
+    return TrainBatch(**{f: getattr(batch, f).to(device) for f in batch.__dataclass_fields__})
