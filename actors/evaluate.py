@@ -1,0 +1,240 @@
+"""Evaluation through vLLM: greedy pass@1 and sampled accuracy per split.
+
+Used by the trainer (on the rollout engine it already has) and by `klrl eval MODEL_DIR`.
+For each split, the same `n` problems (fixed by `seed`, so successive evaluations of a run
+are comparable) are answered
+
+- greedily (temperature 0): `greedy_accuracy` is the mean reward, i.e. pass@1 for 0/1 tasks;
+- by sampling `samples` completions at temperature 1 (the policy itself, as RL samples it):
+  `sampled_accuracy` is the mean reward over all n * samples completions.
+
+Rewards come from the task's scorer, run through `rewards.ScoringPool` (process pool with
+timeouts) when that exists. A scorer failure counts as reward 0 and is reported in
+`failures`, never raised.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from actors.engine import greedy_params, make_llm, sample_params, shutdown_llm
+
+DEFAULT_SPLITS = ("in_domain", "out_of_domain")
+CHUNK = 128  # prompts per vLLM call: the granularity of the progress bar
+
+
+class SplitResult(BaseModel):
+    """Accuracy of one split."""
+
+    split: str
+    problems: int = Field(description="number of problems evaluated")
+    greedy_accuracy: float = Field(description="mean reward of greedy completions (pass@1)")
+    samples: int = Field(description="completions sampled per problem at temperature 1")
+    sampled_accuracy: float | None = Field(
+        description="mean reward over all sampled completions (None when samples == 0)"
+    )
+    pass_at_k: float | None = Field(
+        default=None, description="share of problems with at least one sample scoring > 0"
+    )
+    failures: int = Field(0, description="completions whose scoring failed (scored 0)")
+    truncated: int = Field(0, description="completions that hit max_tokens before EOS")
+    mean_response_tokens: float = Field(0.0, description="mean completion length, all completions")
+
+
+class EvalResult(BaseModel):
+    """Result of `evaluate`: one `SplitResult` per split, in the order asked."""
+
+    task: str
+    model: str | None = None
+    seed: int
+    splits: dict[str, SplitResult]
+    seconds: float
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat metrics for logging, e.g. `eval/in_domain/greedy_accuracy`."""
+        out: dict[str, float] = {}
+        for name, r in self.splits.items():
+            for key in ("greedy_accuracy", "sampled_accuracy", "pass_at_k", "failures",
+                        "truncated", "mean_response_tokens"):
+                value = getattr(r, key)
+                if value is not None:
+                    out[f"{prefix}{name}/{key}"] = float(value)
+        out[f"{prefix}seconds"] = self.seconds
+        return out
+
+
+def evaluate(
+    llm_or_model: Any,
+    task: Any = "arithmetic",
+    splits: Sequence[str] = DEFAULT_SPLITS,
+    *,
+    n: int = 200,
+    samples: int = 4,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    progress: bool = True,
+    scoring_pool: Any = None,
+) -> EvalResult:
+    """Evaluate a policy on `splits` of `task`.
+
+    llm_or_model: a `vllm.LLM`, or a model directory (an engine is built with
+        `actors.engine.make_llm` and shut down afterwards).
+    task: a task name for `rewards.get_task` or a task object (`.problems(split, n, seed)`,
+        `.scorer(completion, problem)`).
+    n: problems per split; samples: completions per problem at temperature 1 (0: greedy only).
+    seed: fixes the problems and the sampling.
+    max_tokens: completion budget; default `task.max_new_tokens` if the task has it, else 32.
+    scoring_pool: a `rewards.ScoringPool` to reuse; by default one is made for this call.
+    """
+    task_obj = _get_task(task)
+    task_name = getattr(task_obj, "name", task if isinstance(task, str) else type(task).__name__)
+    max_tokens = max_tokens or int(getattr(task_obj, "max_new_tokens", 32))
+    owns_llm = not hasattr(llm_or_model, "generate")
+    model_name = str(llm_or_model) if owns_llm else _llm_model_name(llm_or_model)
+    t0 = time.perf_counter()
+    llm = make_llm(llm_or_model, seed=seed) if owns_llm else llm_or_model
+    try:
+        with _Scorer(task_obj, scoring_pool) as scorer, _progress(progress) as bar:
+            results = {
+                split: _evaluate_split(
+                    llm, task_obj, split, n=n, samples=samples, seed=seed,
+                    max_tokens=max_tokens, scorer=scorer, bar=bar,
+                )
+                for split in splits
+            }
+    finally:
+        if owns_llm:
+            shutdown_llm(llm)
+    return EvalResult(
+        task=str(task_name),
+        model=model_name,
+        seed=seed,
+        splits=results,
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+
+
+def _evaluate_split(llm, task, split, *, n, samples, seed, max_tokens, scorer, bar) -> SplitResult:
+    problems = list(task.problems(split, n, seed))
+    prompts = [p.prompt for p in problems]
+    greedy = _generate(llm, prompts, [greedy_params(max_tokens)] * len(prompts), bar,
+                       f"{split}: greedy")
+    greedy_texts = [c[0].text for c in greedy]
+    greedy_rewards, greedy_fail = scorer(greedy_texts, problems)
+    all_outputs = [c[0] for c in greedy]
+    failures = greedy_fail
+
+    sampled_acc = pass_k = None
+    if samples > 0:
+        # One seed per problem: reproducible, and independent streams across problems.
+        params = [
+            sample_params(max_tokens, n=samples, seed=seed * 1_000_003 + i, logprobs=None)
+            for i in range(len(prompts))
+        ]
+        sampled = _generate(llm, prompts, params, bar, f"{split}: {samples} samples")
+        texts = [c.text for comps in sampled for c in comps]
+        owners = [p for p, comps in zip(problems, sampled) for _ in comps]
+        rewards, fail = scorer(texts, owners)
+        failures += fail
+        all_outputs += [c for comps in sampled for c in comps]
+        sampled_acc = _mean(rewards)
+        per_problem = [rewards[i * samples : (i + 1) * samples] for i in range(len(problems))]
+        pass_k = _mean([float(any(r > 0 for r in rs)) for rs in per_problem])
+
+    return SplitResult(
+        split=split,
+        problems=len(problems),
+        greedy_accuracy=_mean(greedy_rewards),
+        samples=samples,
+        sampled_accuracy=sampled_acc,
+        pass_at_k=pass_k,
+        failures=failures,
+        truncated=sum(c.finish_reason == "length" for c in all_outputs),
+        mean_response_tokens=_mean([len(c.token_ids) for c in all_outputs]),
+    )
+
+
+def _generate(llm, prompts, params, bar, label):
+    """llm.generate in chunks of CHUNK prompts; returns each prompt's list of completions."""
+    job = bar.add_task(label, total=len(prompts)) if bar is not None else None
+    completions = []
+    for start in range(0, len(prompts), CHUNK):
+        outs = llm.generate(
+            prompts[start : start + CHUNK], list(params[start : start + CHUNK]), use_tqdm=False
+        )
+        completions += [o.outputs for o in outs]
+        if bar is not None:
+            bar.update(job, advance=len(outs))
+    return completions
+
+
+class _Scorer:
+    """Scores completions through a `rewards.ScoringPool` (the caller's, or one owned for this
+    evaluation). Returns (rewards, failures); a failed score is 0.0 and counted."""
+
+    def __init__(self, task, pool):
+        self.task, self.pool, self.owns_pool = task, pool, False
+
+    def __enter__(self):
+        if self.pool is None:
+            from rewards import ScoringPool
+
+            self.pool, self.owns_pool = ScoringPool(workers=1), True
+        return self
+
+    def __exit__(self, *exc):
+        if self.owns_pool:
+            _close(self.pool)
+
+    def __call__(self, completions, problems) -> tuple[list[float], int]:
+        results = self.pool.score(self.task.scorer, problems, completions)
+        return [r.reward for r in results], sum(r.failure is not None for r in results)
+
+
+def _close(pool) -> None:
+    for name in ("close", "shutdown"):
+        if hasattr(pool, name):
+            getattr(pool, name)()
+            return
+
+
+def _get_task(task):
+    if isinstance(task, str):
+        import rewards
+
+        return rewards.get_task(task)
+    return task
+
+
+def _llm_model_name(llm) -> str | None:
+    try:
+        return str(llm.llm_engine.model_config.model)
+    except AttributeError:
+        return None
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+class _NoBar:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("eval {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )

@@ -1,0 +1,109 @@
+"""`klrl init-model` and `klrl eval`: build the embedded default model, evaluate a model."""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "init-model",
+        help="build (or reuse) the warm-started tiny default model",
+        description="Build the tiny Qwen2 + character tokenizer, warm-started by a short "
+        "supervised run on the arithmetic task (a few minutes on 2 cores). Cached: a second "
+        "call returns the existing model unless --force.",
+    )
+    p.add_argument("--out", default=None,
+                   help="output directory (default: $KLRL_HOME/models/tiny-arith-v<recipe>-seed<N>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the build (default 0)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the model exists")
+    p.set_defaults(func=_init_model)
+
+    p = subparsers.add_parser(
+        "eval",
+        help="greedy pass@1 and sampled accuracy of a model, through vLLM",
+        description="Evaluate MODEL_DIR on the given splits of a task: greedy pass@1 and the "
+        "mean reward of K samples at temperature 1 per problem.",
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="model directory, or 'default' for the default model (built if missing)")
+    p.add_argument("--task", default="arithmetic", help="task name (default arithmetic)")
+    p.add_argument("--splits", default="in_domain,out_of_domain",
+                   help="comma-separated splits (default in_domain,out_of_domain)")
+    p.add_argument("--n", type=int, default=200, help="problems per split (default 200)")
+    p.add_argument("--samples", type=int, default=4,
+                   help="samples per problem at temperature 1; 0 for greedy only (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of problems and sampling")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion budget")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    p.set_defaults(func=_eval)
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from learner.tiny_model import init_default_model, read_metadata
+
+    console = Console()
+    path = init_default_model(args.out, seed=args.seed, force=args.force)
+    meta = read_metadata(path)
+    console.print(f"[bold]default model:[/bold] {path}")
+    _print_metadata(console, path, meta)
+    return 0
+
+
+def _print_metadata(console, path, meta: dict) -> None:
+    from rich.table import Table
+
+    size_mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+    table = Table(show_header=False)
+    table.add_row("parameters", f"{meta.get('parameters', 0):,}")
+    table.add_row("size on disk", f"{size_mb:.1f} MB")
+    table.add_row("build time", f"{meta.get('build_seconds', float('nan'))} s "
+                  f"({meta.get('torch_threads')} torch threads)")
+    table.add_row("warm-start", f"{meta.get('sft_steps')} SFT steps x {meta.get('sft_batch_size')}")
+    for split, acc in meta.get("greedy_accuracy_hf", {}).items():
+        table.add_row(f"greedy {split}", f"{100 * acc:.1f}% (HF, "
+                      f"{meta.get('eval_problems_per_split')} problems)")
+    console.print(table)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    # vLLM logs at INFO by default; keep the table readable unless asked otherwise.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from rich.console import Console
+    from rich.table import Table
+
+    from actors.evaluate import evaluate
+
+    console = Console()
+    model = args.model_dir
+    if model == "default":
+        from learner.tiny_model import init_default_model
+
+        model = init_default_model()
+    elif not os.path.isdir(model):
+        console.print(f"[red]not a directory:[/red] {model}")
+        return 2
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    result = evaluate(
+        str(model), args.task, splits, n=args.n, samples=args.samples, seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    table = Table(title=f"{result.task} - {model}")
+    for col in ("split", "problems", "greedy pass@1", f"sampled acc (K={args.samples})",
+                f"pass@{args.samples}", "failures", "truncated"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for r in result.splits.values():
+        table.add_row(
+            r.split, str(r.problems), f"{100 * r.greedy_accuracy:.1f}%",
+            "-" if r.sampled_accuracy is None else f"{100 * r.sampled_accuracy:.1f}%",
+            "-" if r.pass_at_k is None else f"{100 * r.pass_at_k:.1f}%",
+            str(r.failures), str(r.truncated),
+        )
+    console.print(table)
+    console.print(f"{result.seconds:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.model_dump_json(indent=2) + "\n")
+    return 0

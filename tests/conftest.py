@@ -1,0 +1,28 @@
+"""Shared fixtures. Tiny models are built locally (never downloaded), once per session."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised tiny Qwen2 + char tokenizer (the default architecture,
+    seed 0), built once per test session. Read-only: copy it before changing it."""
+    from learner.tiny_model import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """One vLLM engine (CPU: fp32) on `tiny_model_dir`, shared by every test that needs it:
+    an engine start costs about 20 s on 2 cores. Shut down at the end of the session."""
+    from actors.engine import make_llm, shutdown_llm
+
+    llm = make_llm(tiny_model_dir, seed=0, max_model_len=256)
+    yield llm
+    shutdown_llm(llm)
+    del llm
+    gc.collect()

