@@ -13,6 +13,8 @@ import sys
 
 # Order is the order shown in `klrl --help`.
 COMMAND_MODULES = [
+    "cluster.cmd_train",
+    "cluster.cmd_model",
     "cluster.cmd_kl_table",
 ]
 

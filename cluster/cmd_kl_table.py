@@ -41,8 +41,16 @@ def compute(cfg: KLTableConfig) -> dict:
 
     from kl import toy as T
     from kl.analysis import (
-        KLVariant, all_variants, cosine, expected_grad, gradient_variance, is_exact_correction,
-        on_policy_prediction, reference_grads, relative_error, unbiased_for_g_star,
+        KLVariant,
+        all_variants,
+        cosine,
+        expected_grad,
+        gradient_variance,
+        is_exact_correction,
+        on_policy_prediction,
+        reference_grads,
+        relative_error,
+        unbiased_for_g_star,
     )
 
     # The toy's tensors are tiny: thread start-up and contention cost more than the math.

@@ -41,7 +41,9 @@ def merge(base: dict, overrides: list[str]) -> dict:
         raise ConfigError(f"cannot apply overrides {overrides}: {exc}") from None
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """Read a YAML mapping. A top-level `base: other.yaml` (relative to this file) is read
+    first and this file's keys are merged over it, so variants only state what differs."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -51,6 +53,12 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    if "base" in data:
+        base_path = (path.parent / str(data.pop("base"))).resolve()
+        if base_path in _seen:
+            raise ConfigError(f"{path}: circular base: {base_path}")
+        base = read_yaml(base_path, _seen + (base_path,))
+        data = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(data)))
     return data
 
 

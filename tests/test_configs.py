@@ -13,8 +13,12 @@ def model_for(path: Path):
     """Which pydantic model a file in configs/ is validated by."""
     from cluster.cmd_kl_table import KLTableConfig
 
+    from cluster.train_config import TrainConfig
+
     if path.name == "kl_table.yaml":
         return KLTableConfig
+    if path.name == "tiny_cpu.yaml" or path.parent.name == "paper":
+        return TrainConfig
     raise AssertionError(f"no config model is registered for {path}; add it to model_for()")
 
 
@@ -48,3 +52,34 @@ def test_errors_name_the_field_and_the_file(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(KLTableConfig, tmp_path / "list.yaml")
+
+
+def test_paper_variants_differ_only_in_kl(tmp_path):
+    from cluster.train_config import TrainConfig
+
+    paper = ROOT / "configs" / "paper"
+    base = load_config(TrainConfig, paper / "qwen2.5-7b_math.yaml")
+    seen = set()
+    for est in ("k1", "k3"):
+        for placement in ("reward", "loss"):
+            cfg = load_config(TrainConfig, paper / f"qwen2.5-7b_math_{est}_{placement}.yaml")
+            assert (cfg.kl.estimator, cfg.kl.placement) == (est, placement)
+            assert cfg.model_dump(exclude={"kl"}) == base.model_dump(exclude={"kl"})
+            assert cfg.max_lag == 10 and cfg.advantage.estimator == "rloo"
+            seen.add((est, placement))
+    assert len(seen) == 4
+    countdown = load_config(TrainConfig, paper / "qwen3-4b-instruct_countdown.yaml")
+    assert countdown.task.name == "countdown" and countdown.eval.in_domain.task is None
+
+
+def test_cross_field_constraints_are_rejected_before_anything_starts():
+    from cluster.train_config import TrainConfig
+
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    for overrides, field in [(["max_lag=-1"], "max_lag"),
+                             (["learner.num_ranks=3"], "num_ranks"),
+                             (["rollout.samples_per_prompt=1"], "samples_per_prompt"),
+                             (["sync.transport=nccl"], "nccl"),
+                             (["kl.truncate=2"], "truncate")]:
+        with pytest.raises(ConfigError, match=field):
+            load_config(TrainConfig, tiny, overrides)

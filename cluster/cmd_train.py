@@ -1,0 +1,138 @@
+"""`klrl train`, `klrl demo` and `klrl submit`."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def load_train_config(path, overrides):
+    from cluster.config import load_config
+    from cluster.train_config import TrainConfig
+
+    return load_config(TrainConfig, path, overrides)
+
+
+def train(cfg) -> tuple[Path, dict]:
+    """Run one training job in this process (the Ray driver). Returns (run_dir, last metrics)."""
+    from cluster.controller import Controller
+    from cluster.launch import resolve_model, start_ray
+    from cluster.run_log import default_run_name
+
+    run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
+    if (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run; choose another run_name")
+    model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
+    started = start_ray(cfg)
+    try:
+        return run_dir, Controller(cfg, run_dir, model_dir).run()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _run_train(args) -> int:
+    from cluster.config import ConfigError
+
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    run_dir, _last = train(cfg)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _run_demo(args) -> int:
+    from rich.console import Console
+
+    from cluster.run_log import read_metrics
+
+    cfg = load_train_config(DEMO_CONFIG, args.overrides)
+    run_dir, _ = train(cfg)
+    evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
+    first, last = evals[0], evals[-1]
+    Console().print(
+        f"[bold]demo finished[/bold] in {run_dir}\n"
+        f"  in-domain accuracy      {first['eval/in_domain/accuracy']:.3f} -> {last['eval/in_domain/accuracy']:.3f}\n"
+        f"  out-of-domain accuracy  {first.get('eval/out_of_domain/accuracy', float('nan')):.3f} -> "
+        f"{last.get('eval/out_of_domain/accuracy', float('nan')):.3f}\n"
+        f"  trained policy          {run_dir / 'final'}")
+    return 0
+
+
+def submit(config: str, address: str, overrides: list[str], wait: bool = True) -> str:
+    """Submit `klrl train CONFIG overrides` as a Ray job with this repository as working_dir."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    rel = Path(config).resolve().relative_to(REPO_ROOT)
+    entrypoint = " ".join(["python -m cluster.cli train", shlex.quote(str(rel)),
+                           *map(shlex.quote, overrides)])
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={
+        "working_dir": str(REPO_ROOT),
+        "excludes": [".venv", "runs", ".git", "**/__pycache__", "wandb", ".pytest_cache"]})
+    print(f"submitted {job_id}: {entrypoint}")
+    if wait:
+        for chunk in _tail(client, job_id):
+            print(chunk, end="")
+        status = client.get_job_status(job_id)
+        print(f"job {job_id}: {status}")
+        if status != JobStatus.SUCCEEDED:
+            raise RuntimeError(f"job {job_id} ended {status}")
+    return job_id
+
+
+def _tail(client, job_id):
+    import asyncio
+
+    async def collect():
+        async for lines in client.tail_job_logs(job_id):
+            yield lines
+
+    agen = collect()
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.close()
+
+
+def _run_submit(args) -> int:
+    from cluster.config import ConfigError
+
+    try:
+        load_train_config(args.config, args.overrides)  # reject bad configs before submitting
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    submit(args.config, args.address, args.overrides, wait=not args.no_wait)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a policy (local Ray, or RAY_ADDRESS)")
+    p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. kl.estimator=k3 max_lag=2")
+    p.set_defaults(func=_run_train)
+
+    p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")
+    p.add_argument("overrides", nargs="*", help="overrides of configs/tiny_cpu.yaml")
+    p.set_defaults(func=_run_demo)
+
+    p = subparsers.add_parser("submit", help="submit a training run with `ray job submit`")
+    p.add_argument("config")
+    p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
+    p.add_argument("--no-wait", action="store_true", help="return after submission")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_run_submit)

@@ -1,0 +1,53 @@
+"""Ray start-up and actor placement for a training run."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+from cluster.train_config import TrainConfig
+
+
+def start_ray(cfg: TrainConfig) -> bool:
+    """Join RAY_ADDRESS / cfg.ray.address, or start a local loopback cluster sized for the run.
+    Returns True when this process started (and so must stop) the cluster."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    r, lc = cfg.rollout, cfg.learner
+    wanted = r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
+    num_cpus = cfg.ray.num_cpus or max(int(wanted + 0.999), os.cpu_count() or 1)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=True)
+    return True
+
+
+def resolve_model(cfg: TrainConfig) -> Path:
+    """The policy's model directory: the configured one, or the embedded tiny model."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    from learner.tiny_model import init_default_model
+
+    return Path(init_default_model())
+
+
+def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
+    from learner.group import LearnerGroup
+
+    return LearnerGroup(model_dir, cfg.learner, cfg.kl, cfg.advantage, seed=cfg.seed, run_id=run_id)
+
+
+def start_workers(cfg: TrainConfig, model_dir: Path) -> list:
+    from actors.rollout_worker import RolloutWorker
+
+    r = cfg.rollout
+    cls = ray.remote(RolloutWorker) if not hasattr(RolloutWorker, "remote") else RolloutWorker
+    workers = [cls.options(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
+        model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
+        worker_index=i, seed=cfg.seed) for i in range(r.num_workers)]
+    ray.get([w.version.remote() for w in workers])  # surface start-up errors here
+    return workers

@@ -1,0 +1,134 @@
+"""`TrainConfig`: everything `klrl train` reads, validated before anything starts.
+
+Sub-configs live with the code that reads them (kl.KLConfig, kl.AdvantageConfig,
+actors.config.RolloutConfig/SyncConfig, learner.config.LearnerConfig); this module composes
+them and checks the constraints that span several of them.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.config import RolloutConfig, SyncConfig
+from kl.config import AdvantageConfig, KLConfig
+from learner.config import LearnerConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """The policy (and initial reference) model."""
+
+    path: str | None = Field(None, min_length=1, description="Hugging Face model directory (or hub "
+                             "name on a cluster). null: the embedded tiny arithmetic model, built "
+                             "once by `klrl init-model` and cached.")
+
+
+class TaskConfig(_Strict):
+    """The training task: a prompt source and a verifiable scorer (rewards/)."""
+
+    name: Literal["arithmetic", "countdown", "math", "mmlu"] = Field(
+        "arithmetic", description="Task from rewards/ (mmlu is evaluation-only).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for "
+                                    "rewards.get_task (e.g. path=..., dataset=...).")
+    reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="Plug-in scorer "
+                               "'package.module:function' replacing the task's own.")
+    scorer_timeout_s: float = Field(5.0, gt=0, le=600, description="Per-item scoring timeout; "
+                                    "a scorer that exceeds it scores 0 and is counted.")
+    scorer_workers: int = Field(1, ge=1, le=64, description="Processes in each worker's scoring pool.")
+    train_split: str = Field("train", min_length=1, description="Split the training prompts come from.")
+
+
+class EvalSet(_Strict):
+    """One evaluation set: a task's split (by default the training task's)."""
+
+    task: Literal["arithmetic", "countdown", "math", "mmlu"] | None = Field(
+        None, description="Task to evaluate on; null: the training task with its options.")
+    options: dict[str, Any] = Field(default_factory=dict, description="rewards.get_task options "
+                                    "(ignored when task is null).")
+    split: str = Field(..., min_length=1, description="Split name of that task.")
+
+
+class EvalConfig(_Strict):
+    """Greedy pass@1 evaluation, in- and out-of-domain, every `eval_every` steps."""
+
+    in_domain: EvalSet = Field(default_factory=lambda: EvalSet(split="in_domain"),
+                               description="In-domain set (logged as eval/in_domain/accuracy).")
+    out_of_domain: EvalSet | None = Field(
+        default_factory=lambda: EvalSet(split="out_of_domain"),
+        description="Out-of-domain set (eval/out_of_domain/accuracy); null: none.")
+    num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
+
+
+class LoggingConfig(_Strict):
+    """wandb and the local run directory."""
+
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="null: the WANDB_MODE environment variable, else offline (no account needed).")
+    wandb_project: str = Field("klrl", min_length=1, description="wandb project.")
+    wandb_group: str | None = Field(None, description="wandb group (sweeps set it).")
+    tags: list[str] = Field(default_factory=list, description="wandb tags.")
+
+
+class RayConfig(_Strict):
+    """How to reach Ray. RAY_ADDRESS in the environment overrides `address`."""
+
+    address: str | None = Field(None, description="Existing cluster address (e.g. 'auto'); null "
+                                "starts a local cluster.")
+    num_cpus: int | None = Field(None, ge=1, le=100_000, description="Logical CPUs of a local "
+                                 "cluster (null: what the actors request, at least the machine's).")
+
+
+class TrainConfig(_Strict):
+    """One training run. Keys used by scripts and docs: max_lag, total_steps, seed, kl.*,
+    eval_every, checkpoint_every, run_name, output_dir."""
+
+    run_name: str | None = Field(None, pattern=r"^[\w.\-]+$", description="Run directory name "
+                                 "under output_dir (null: derived from the KL config and a timestamp).")
+    output_dir: str = Field("runs", min_length=1, description="Parent of run directories.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
+    total_steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to take.")
+    max_lag: int = Field(0, ge=0, le=1000, description="Max policy versions between the weights "
+                         "that generated a rollout and the learner training on it (0 = on-policy).")
+    eval_every: int = Field(20, ge=0, le=10_000_000, description="Evaluate every k steps (and at "
+                            "the start and end); 0: only at the start and end.")
+    checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Checkpoint every k steps; "
+                                  "0: only the final model.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Training task.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Task advantage.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner ranks.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> TrainConfig:
+        prompts, ranks = self.rollout.prompts_per_step, self.learner.num_ranks
+        if prompts % ranks:
+            raise ValueError(f"rollout.prompts_per_step ({prompts}) must be divisible by "
+                             f"learner.num_ranks ({ranks}): each rank trains on whole prompt groups")
+        if prompts % self.rollout.num_workers:
+            raise ValueError(f"rollout.prompts_per_step ({prompts}) must be divisible by "
+                             f"rollout.num_workers ({self.rollout.num_workers})")
+        if self.advantage.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
+            raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
+        if (self.kl.kl_in_advantage == "normalized" and "reward" in self.kl.placement
+                and self.advantage.normalize == "batch"):
+            raise ValueError("kl.kl_in_advantage=normalized folds the KL into per-group returns; "
+                             "use advantage.normalize=group or none (batch needs the whole batch)")
+        if (self.kl.kl_in_advantage == "normalized" and "reward" in self.kl.placement
+                and self.kl.importance != "none"):
+            raise ValueError("kl.importance is not applied to a KL reward folded into the "
+                             "advantage (kl.kl_in_advantage=normalized); use kl_in_advantage="
+                             "separate for an importance-corrected KL reward")
+        if self.sync.transport == "nccl" and self.learner.num_gpus_per_rank == 0:
+            raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
+                             "use shm (one node) or object_store on CPU")
+        return self
