@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test venv kl-table clean-venv
 
 demo: $(STAMP)
-	$(BIN)/klrl kl-table --json runs/kl_table/kl_table.json --plot runs/kl_table/bias_vs_lag.png $(ARGS)
+	$(BIN)/klrl demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -67,13 +67,24 @@ def _run_demo(args) -> int:
     return 0
 
 
-def submit(config: str, address: str, overrides: list[str], wait: bool = True) -> str:
-    """Submit `klrl train CONFIG overrides` as a Ray job with this repository as working_dir."""
+def submit(config: str, address: str, overrides: list[str], wait: bool = True,
+           python: str = "python") -> str:
+    """Submit `klrl train CONFIG overrides` as a Ray job with this repository as working_dir.
+
+    The job runs `python -m cluster.cli train ...` on the head node with the repository
+    uploaded as its working directory, so the cluster's Python needs klrl's dependencies
+    (not klrl itself). Clusters started with token auth (Ray >= 2.5x default) write
+    ~/.ray/auth_token; the client then needs RAY_AUTH_MODE=token, which is set here when the
+    token file exists and the variable is not."""
+    import os
+
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
     client = JobSubmissionClient(address)
     rel = Path(config).resolve().relative_to(REPO_ROOT)
-    entrypoint = " ".join(["python -m cluster.cli train", shlex.quote(str(rel)),
+    entrypoint = " ".join([shlex.quote(python), "-m cluster.cli train", shlex.quote(str(rel)),
                            *map(shlex.quote, overrides)])
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env={
         "working_dir": str(REPO_ROOT),
@@ -116,7 +127,7 @@ def _run_submit(args) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    submit(args.config, args.address, args.overrides, wait=not args.no_wait)
+    submit(args.config, args.address, args.overrides, wait=not args.no_wait, python=args.python)
     return 0
 
 
@@ -134,5 +145,7 @@ def register(subparsers) -> None:
     p.add_argument("config")
     p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
     p.add_argument("--no-wait", action="store_true", help="return after submission")
+    p.add_argument("--python", default="python", help="Python on the cluster that runs the job "
+                   "driver (needs klrl's dependencies)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_run_submit)

@@ -38,8 +38,8 @@ DEFAULT_SIZE: dict[str, Any] = {
 
 # Warm-start recipe. Bump RECIPE_VERSION whenever anything below changes what gets built, so
 # cached models built with an older recipe are not reused.
-RECIPE_VERSION = 1
-DEFAULT_SFT_STEPS = 600
+RECIPE_VERSION = 2
+DEFAULT_SFT_STEPS = 450  # lands at ~30% in-domain greedy: room for RL (600 gives 82%)
 SFT_BATCH_SIZE = 128
 SFT_LR = 3e-3
 SFT_WARMUP = 50
