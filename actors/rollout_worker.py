@@ -84,6 +84,10 @@ class RolloutWorker:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = _gib(rollout_cfg.cpu_kv_cache_gib)
+        # vLLM logs several INFO/WARNING lines per weight reload (prefix-cache reset, a
+        # harmless "RotaryEmbedding: Failed to load weights"); they drown the progress bar.
+        # Set VLLM_LOGGING_LEVEL=INFO in the environment to see them.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import torch
 
         torch.set_num_threads(threads)

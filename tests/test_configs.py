@@ -83,3 +83,23 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
                              (["kl.truncate=2"], "truncate")]:
         with pytest.raises(ConfigError, match=field):
             load_config(TrainConfig, tiny, overrides)
+
+
+def test_readme_documents_every_train_option():
+    from pydantic import BaseModel
+
+    from cluster.train_config import TrainConfig
+
+    readme = (ROOT / "README.md").read_text()
+
+    def keys(model, prefix=""):
+        for name, field in model.model_fields.items():
+            sub = [a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                   if isinstance(a, type) and issubclass(a, BaseModel)]
+            if sub and name not in ("in_domain", "out_of_domain"):
+                yield from keys(sub[0], prefix + name + ".")
+            else:
+                yield prefix + name
+
+    missing = [k for k in keys(TrainConfig) if f"`{k}`" not in readme]
+    assert not missing, f"README option table lacks {missing}"
