@@ -41,6 +41,8 @@ class Controller:
         self.pending: deque[InFlight] = deque()
         self.sync_refs: list = []    # outstanding load_weights calls, checked before use
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
+        self.published_version = 0   # version of the weights the workers were last sent
+        self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.prompts = PromptStream(cfg.task, cfg.seed)
         self.learner = self.workers = self.log = None
 
@@ -132,12 +134,26 @@ class Controller:
         batch = TrainBatch.from_rollouts(rollouts, adv, pad_id=self.pad_id)
         metrics = self.learner.train_step(batch)
         self.step = self.learner.version
-        return metrics | {"time/train": time.perf_counter() - t0}
+        self._count_nonfinite(bool(metrics.get("nonfinite")))
+        return metrics | {"time/train": time.perf_counter() - t0, "nonfinite/total": self.nonfinite_total}
+
+    def _count_nonfinite(self, refused: bool) -> None:
+        """A refused step leaves the weights (and version) unchanged; too many in a row stop
+        the run, since the data or the model has gone bad in a way retrying will not fix."""
+        self.nonfinite_run = self.nonfinite_run + 1 if refused else 0
+        self.nonfinite_total += refused
+        if self.nonfinite_run >= self.cfg.max_consecutive_nonfinite:
+            raise RuntimeError(
+                f"{self.nonfinite_run} consecutive non-finite (NaN/inf) learner steps; the last "
+                f"was the attempt at step {self.step + 1}. Weights are those of step {self.step}.")
 
     def _sync_weights(self) -> dict:
         """Publish the new weights and queue their load on every worker (not awaited here:
         each worker applies it before its next generate call; failures surface in _check_syncs)."""
+        if self.step == self.published_version:
+            return {}  # a refused step changed nothing: the workers already hold these weights
         t0 = time.perf_counter()
+        self.published_version = self.step
         update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
         self.sync_refs += [w.load_weights.remote(update) for w in self.workers]
         return {"time/weight_publish": time.perf_counter() - t0}

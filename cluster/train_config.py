@@ -97,6 +97,8 @@ class TrainConfig(_Strict):
                             "the start and end); 0: only at the start and end.")
     checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Checkpoint every k steps; "
                                   "0: only the final model.")
+    max_consecutive_nonfinite: int = Field(3, ge=1, le=10_000, description="Stop the run after "
+                                           "this many consecutive refused (NaN/inf) steps.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="Training task.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty.")
