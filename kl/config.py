@@ -28,7 +28,7 @@ class KLConfig(BaseModel):
         "std normalisation (paper/verl; effective beta becomes beta/sigma per prompt).")
 
     @model_validator(mode="after")
-    def _truncate_needs_importance(self) -> "KLConfig":
+    def _truncate_needs_importance(self) -> KLConfig:
         if self.truncate is not None and self.importance == "none":
             raise ValueError("kl.truncate caps an importance weight: set kl.importance "
                              "(token, sequence or prefix) or remove kl.truncate")
@@ -49,7 +49,7 @@ class AdvantageConfig(BaseModel):
     eps: float = Field(1e-6, gt=0, le=1.0, description="Added to the std before dividing.")
 
     @model_validator(mode="after")
-    def _named_estimators_fix_normalisation(self) -> "AdvantageConfig":
+    def _named_estimators_fix_normalisation(self) -> AdvantageConfig:
         if self.estimator == "grpo" and self.normalize != "group":
             raise ValueError("advantage.estimator=grpo means group-std normalisation; use "
                              "normalize=group, or estimator=drgrpo/rloo")

@@ -55,5 +55,12 @@ from rewards.records import Problem, Scorer, ScoreResult, Task
 from rewards.registry import TASKS, get_task
 
 __all__ = [
-    "Problem", "ScoreResult", "Scorer", "ScoringPool", "Task", "TASKS", "get_task", "load_scorer",
+    "TASKS",
+    "Problem",
+    "ScoreResult",
+    "Scorer",
+    "ScoringPool",
+    "Task",
+    "get_task",
+    "load_scorer",
 ]

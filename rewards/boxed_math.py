@@ -10,7 +10,13 @@ import random
 import threading
 from typing import Any
 
-from rewards.dataset_rows import DATA_DIR, DatasetSource, load_problems, require_text, sample_problems
+from rewards.dataset_rows import (
+    DATA_DIR,
+    DatasetSource,
+    load_problems,
+    require_text,
+    sample_problems,
+)
 from rewards.records import Problem, Task
 
 DEFAULT_SOURCES = {

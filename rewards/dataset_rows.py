@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from rewards.dataset_rows import DATA_DIR, DatasetSource, load_problems, require_text, sample_problems
+from rewards.dataset_rows import (
+    DATA_DIR,
+    DatasetSource,
+    load_problems,
+    require_text,
+    sample_problems,
+)
 from rewards.records import Problem, Task
 
 DEFAULT_SUBJECTS = (

@@ -20,10 +20,11 @@ import signal
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from multiprocessing.connection import wait
-from typing import Any, Sequence
+from typing import Any
 
-from rewards.records import Problem, ScoreResult, Scorer
+from rewards.records import Problem, Scorer, ScoreResult
 
 LOAD_TIMEOUT_S = 60.0  # worker start-up plus importing the scorer's module (sympy: seconds)
 _DETAIL_CHARS = 300
@@ -98,7 +99,7 @@ class ScoringPool:
     def __enter__(self) -> ScoringPool:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:

@@ -26,3 +26,18 @@ def tiny_llm(tiny_model_dir):
     shutdown_llm(llm)
     del llm
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster on loopback for one test module (reused if one is running).
+    Oversubscribed (4 logical CPUs on 2 cores): tests place a worker and 1-2 learner ranks."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    yield
+    if started:
+        ray.shutdown()

@@ -106,4 +106,4 @@ def yes_scorer(completion: str, problem) -> float:
 
 
 not_callable = 42
-lambda_scorer = lambda completion, problem: 1.0  # noqa: E731 - unpicklable on purpose
+lambda_scorer = lambda completion, problem: 1.0

@@ -12,7 +12,6 @@ CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
 def model_for(path: Path):
     """Which pydantic model a file in configs/ is validated by."""
     from cluster.cmd_kl_table import KLTableConfig
-
     from cluster.train_config import TrainConfig
 
     if path.name == "kl_table.yaml":

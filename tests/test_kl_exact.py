@@ -10,8 +10,15 @@ import torch
 
 from kl import toy as T
 from kl.analysis import (
-    KLVariant, all_variants, expected_grad, is_exact_correction, on_policy_prediction,
-    reference_grads, relative_error, truncated_prefix_bias, unbiased_for_g_star,
+    KLVariant,
+    all_variants,
+    expected_grad,
+    is_exact_correction,
+    on_policy_prediction,
+    reference_grads,
+    relative_error,
+    truncated_prefix_bias,
+    unbiased_for_g_star,
 )
 
 ON = T.ToyProblem.make(seed=0, lag=0.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kl
-from kl.analysis import KLVariant, all_variants
+from kl.analysis import all_variants
 
 VARIANTS = all_variants(truncates=(2.0,))
 

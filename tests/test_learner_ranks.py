@@ -41,13 +41,8 @@ ADV_CFG = AdvantageConfig(estimator="rloo", normalize="group")
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+def ray_local(ray_cluster):
     yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,13 @@ from fractions import Fraction
 import pytest
 
 from rewards import get_task
-from rewards.countdown import SPLIT_SHAPES, extract_expression, is_held_out, make_problem, score_countdown
+from rewards.countdown import (
+    SPLIT_SHAPES,
+    extract_expression,
+    is_held_out,
+    make_problem,
+    score_countdown,
+)
 from rewards.expression import ExpressionError, evaluate
 
 TASK = get_task("countdown")

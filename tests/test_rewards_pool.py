@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import scorer_faults
 
-from rewards import Problem, ScoringPool, ScoreResult
+from rewards import Problem, ScoreResult, ScoringPool
 from rewards.arithmetic import make_problem
 
 PROBLEM = make_problem(1, "+", 2)

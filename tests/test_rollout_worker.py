@@ -21,14 +21,6 @@ N = 4  # samples per prompt
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _stop(w):

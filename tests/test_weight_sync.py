@@ -23,14 +23,6 @@ TOL = 1e-4
 RUN_ID = f"test-sync-{os.getpid()}"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
