@@ -54,13 +54,13 @@ def make_llm(
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))
     from vllm import LLM
 
-    kwargs: dict[str, Any] = dict(
-        model=str(model),
-        seed=seed,
-        max_model_len=max_model_len,
-        dtype=dtype or ("float32" if cpu else "auto"),
-        enforce_eager=(cpu if enforce_eager is None else enforce_eager),
-    )
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "dtype": dtype or ("float32" if cpu else "auto"),
+        "enforce_eager": (cpu if enforce_eager is None else enforce_eager),
+    }
     if not cpu:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if worker_extension_cls:
