@@ -166,9 +166,11 @@ class RolloutWorker:
             detail = f"{type(e).__name__}: {e}"[:300]
             return [ScoreResult(reward=0.0, failure="pool_error", detail=detail)] * len(texts)
 
-    def evaluate(self, sets: dict[str, tuple[str, dict, str]], num_problems: int) -> dict[str, float]:
-        """Greedy pass@1 with the current weights on each named set (task name, task
-        options, split); returns {set name: accuracy}. See actors/evaluate.py."""
+    def evaluate(self, sets: dict[str, tuple[str, dict, str]], num_problems: int,
+                 samples: int = 0) -> dict[str, dict[str, float]]:
+        """Accuracy with the current weights on each named set (task name, task options,
+        split): {set name: {"accuracy": greedy pass@1, "sampled_accuracy": mean reward of
+        `samples` samples per problem at temperature 1 (when samples > 0)}}."""
         self._check_usable()
         import rewards
         from actors.evaluate import evaluate
@@ -176,9 +178,11 @@ class RolloutWorker:
         out = {}
         for name, (task_name, options, split) in sets.items():
             result = evaluate(self.llm, rewards.get_task(task_name, **options), [split],
-                              n=num_problems, samples=0, seed=self.seed, progress=False,
-                              scoring_pool=self.pool)
-            out[name] = result.splits[split].greedy_accuracy
+                              n=num_problems, samples=samples, seed=self.seed, progress=False,
+                              scoring_pool=self.pool).splits[split]
+            out[name] = {"accuracy": result.greedy_accuracy}
+            if samples:
+                out[name]["sampled_accuracy"] = result.sampled_accuracy
         return out
 
     # ------------------------------------------------------------------ weights

@@ -54,16 +54,20 @@ def _run_demo(args) -> int:
 
     from cluster.run_log import read_metrics
 
-    cfg = load_train_config(DEMO_CONFIG, args.overrides)
-    run_dir, _ = train(cfg)
+    from cluster.config import ConfigError
+
+    try:
+        run_dir, _ = train(load_train_config(DEMO_CONFIG, args.overrides))
+    except (ConfigError, FileExistsError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
     evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
     first, last = evals[0], evals[-1]
-    Console().print(
-        f"[bold]demo finished[/bold] in {run_dir}\n"
-        f"  in-domain accuracy      {first['eval/in_domain/accuracy']:.3f} -> {last['eval/in_domain/accuracy']:.3f}\n"
-        f"  out-of-domain accuracy  {first.get('eval/out_of_domain/accuracy', float('nan')):.3f} -> "
-        f"{last.get('eval/out_of_domain/accuracy', float('nan')):.3f}\n"
-        f"  trained policy          {run_dir / 'final'}")
+    rows = [(f"{name} {kind}", f"eval/{name}/{key}") for name in ("in_domain", "out_of_domain")
+            for kind, key in (("greedy", "accuracy"), ("sampled", "sampled_accuracy"))]
+    lines = [f"  {label:<26} {first[key]:.3f} -> {last[key]:.3f}" for label, key in rows if key in first]
+    Console().print(f"[bold]demo finished[/bold] in {run_dir} (step {first['step']} -> {last['step']})\n"
+                    + "\n".join(lines) + f"\n  trained policy             {run_dir / 'final'}")
     return 0
 
 

@@ -171,15 +171,15 @@ class Controller:
         return {}
 
     def _evaluate(self, step: int) -> dict:
-        """Greedy pass@1 on the eval sets with worker 0's current weights (version `step`)."""
+        """Greedy (and sampled) accuracy on the eval sets with worker 0's current weights (version `step`)."""
         ev, task = self.cfg.eval, self.cfg.task
         sets = {}
         for name, s in (("in_domain", ev.in_domain), ("out_of_domain", ev.out_of_domain)):
             if s is not None:
                 sets[name] = (s.task or task.name, s.options if s.task else task.options, s.split)
         self._check_syncs()
-        result = ray.get(self.workers[0].evaluate.remote(sets, ev.num_problems))
-        return {f"eval/{name}/accuracy": acc for name, acc in result.items()}
+        result = ray.get(self.workers[0].evaluate.remote(sets, ev.num_problems, ev.samples))
+        return {f"eval/{name}/{key}": value for name, accs in result.items() for key, value in accs.items()}
 
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint_every

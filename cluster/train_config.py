@@ -61,6 +61,8 @@ class EvalConfig(_Strict):
         default_factory=lambda: EvalSet(split="out_of_domain"),
         description="Out-of-domain set (eval/out_of_domain/accuracy); null: none.")
     num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
+    samples: int = Field(4, ge=0, le=1024, description="Samples per problem at temperature 1 for "
+                         "eval/<set>/sampled_accuracy (the quantity RL optimises); 0: greedy only.")
 
 
 class LoggingConfig(_Strict):

@@ -80,6 +80,7 @@ def test_lag0_metrics_and_exact_sync(lag0):
     evals = [m for m in metrics if "eval/in_domain/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2, 3]
     assert all(0 <= m["eval/out_of_domain/accuracy"] <= 1 for m in evals)
+    assert all(0 <= m["eval/in_domain/sampled_accuracy"] <= 1 for m in evals)
     assert (run_dir / "config.yaml").is_file()
 
 

@@ -130,10 +130,13 @@ def test_generate_returns_well_formed_scored_rollouts(worker, problems, tiny_mod
     assert ray.get(worker.version.remote()) == 0
 
 
-def test_evaluate_reports_greedy_accuracy_per_set(worker):
+def test_evaluate_reports_greedy_and_sampled_accuracy_per_set(worker):
     sets = {"in": ("arithmetic", {}, "in_domain"), "out": ("arithmetic", {}, "out_of_domain")}
     acc = ray.get(worker.evaluate.remote(sets, 6))
-    assert set(acc) == {"in", "out"} and all(0.0 <= a <= 1.0 for a in acc.values())
+    assert set(acc) == {"in", "out"} and all(set(a) == {"accuracy"} for a in acc.values())
+    acc = ray.get(worker.evaluate.remote(sets, 6, 2))
+    assert all(set(a) == {"accuracy", "sampled_accuracy"} for a in acc.values())
+    assert all(0.0 <= v <= 1.0 for a in acc.values() for v in a.values())
     assert ray.get(worker.version.remote()) == 0
 
 
