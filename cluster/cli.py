@@ -32,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may follow options (`submit CFG --address URL key=value`); argparse stops a
+    # positional list at the first option, so collect the leftovers here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

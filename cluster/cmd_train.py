@@ -77,16 +77,11 @@ def submit(config: str, address: str, overrides: list[str], wait: bool = True,
 
     The job runs `python -m cluster.cli train ...` on the head node with the repository
     uploaded as its working directory, so the cluster's Python needs klrl's dependencies
-    (not klrl itself). Clusters started with token auth (Ray >= 2.5x default) write
-    ~/.ray/auth_token; the client then needs RAY_AUTH_MODE=token, which is set here when the
-    token file exists and the variable is not."""
-    import os
-
+    (not klrl itself). Clusters started with token auth write ~/.ray/auth_token; its token
+    is sent explicitly (see _auth_headers), so RAY_AUTH_MODE=token is not needed here."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
-        os.environ["RAY_AUTH_MODE"] = "token"
-    client = JobSubmissionClient(address)
+    client = JobSubmissionClient(address, headers=_auth_headers())
     rel = Path(config).resolve().relative_to(REPO_ROOT)
     entrypoint = " ".join([shlex.quote(python), "-m cluster.cli train", shlex.quote(str(rel)),
                            *map(shlex.quote, overrides)])
@@ -102,6 +97,19 @@ def submit(config: str, address: str, overrides: list[str], wait: bool = True,
         if status != JobStatus.SUCCEEDED:
             raise RuntimeError(f"job {job_id} ended {status}")
     return job_id
+
+
+def _auth_headers() -> dict:
+    """Bearer token for a token-auth cluster: RAY_AUTH_TOKEN, else the file at
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. Sent explicitly because Ray's client decides
+    whether to attach it from process-wide state read once, before a token may exist."""
+    import os
+
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not token and path.is_file():
+        token = path.read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _tail(client, job_id):
