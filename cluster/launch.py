@@ -45,8 +45,7 @@ def start_workers(cfg: TrainConfig, model_dir: Path) -> list:
     from actors.rollout_worker import RolloutWorker
 
     r = cfg.rollout
-    cls = ray.remote(RolloutWorker) if not hasattr(RolloutWorker, "remote") else RolloutWorker
-    workers = [cls.options(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
+    workers = [ray.remote(RolloutWorker).options(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
         worker_index=i, seed=cfg.seed) for i in range(r.num_workers)]
     ray.get([w.version.remote() for w in workers])  # surface start-up errors here
