@@ -93,7 +93,10 @@ def _eval(args: argparse.Namespace) -> int:
     table = Table(title=f"{result.task} - {model}")
     for col in ("split", "problems", "greedy pass@1", f"sampled acc (K={args.samples})",
                 f"pass@{args.samples}", "failures", "truncated"):
-        table.add_column(col, justify="left" if col == "split" else "right")
+        if col == "split":  # never truncate the split name, whatever the terminal width
+            table.add_column(col, justify="left", no_wrap=True, min_width=13)
+        else:
+            table.add_column(col, justify="right")
     for r in result.splits.values():
         table.add_row(
             r.split, str(r.problems), f"{100 * r.greedy_accuracy:.1f}%",

@@ -287,6 +287,11 @@ def init_default_model(
 def _publish(tmp: Path, out: Path) -> None:
     """Rename the finished `tmp` into `out`, replacing whatever `out` was (atomic rename;
     the old directory is moved aside first and deleted afterwards)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700; give it a normal directory's mode
+    for f in tmp.iterdir():  # (and safetensors writes its file 0600)
+        os.chmod(f, 0o666 & ~umask)
     old = None
     if out.exists() or out.is_symlink():
         old = out.parent / f".{out.name}.old-{os.getpid()}-{time.time_ns()}"
@@ -296,6 +301,9 @@ def _publish(tmp: Path, out: Path) -> None:
     except OSError:
         if _model_complete(out):  # another process published the same model first
             return
+        if old is not None and not out.exists():
+            os.rename(old, out)  # put the previous model back
+            old = None
         raise
     finally:
         if old is not None:

@@ -2,6 +2,7 @@
 token log-probs in transformers and in vLLM (real engine, fp32 on CPU)."""
 from __future__ import annotations
 
+import os
 import string
 
 import pytest
@@ -104,6 +105,9 @@ def test_init_default_model_deterministic_and_atomic(tmp_path, monkeypatch):
     meta = tiny_model.read_metadata(a)
     assert meta["seed"] == 3 and meta["sft_steps"] == 3
     assert set(meta["greedy_accuracy_hf"]) == {"in_domain", "out_of_domain"}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert a.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
     assert not _same_weights(a, init_default_model(tmp_path / "c", seed=4, steps=3, progress=False))
 
     # cached: a second call reuses the model without rebuilding it
