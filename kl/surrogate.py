@@ -54,6 +54,18 @@ def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
+def importance_log_coef(log_rho: torch.Tensor, importance: Importance) -> torch.Tensor:
+    """log of the importance coefficient per token from per-token log-ratios log(pi/mu)
+    (0 on masked positions): token rho_t, sequence W (every position), prefix w_t."""
+    if importance == "token":
+        return log_rho
+    if importance == "sequence":
+        return log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    if importance == "prefix":
+        return log_rho.cumsum(-1)
+    raise ValueError(f"importance_log_coef needs token, sequence or prefix, got {importance!r}")
+
+
 def _check_inputs(logp, ref_logp, mask, behaviour_logp, estimator, placement, importance, truncate):
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
@@ -115,12 +127,7 @@ def surrogate(
     if importance != "none":
         mu = torch.where(m, behaviour_logp.detach().to(out_dtype), zero)
         log_rho = torch.where(m, lp.double() - mu.double(), 0.0)  # live
-        if importance == "token":
-            log_c = log_rho
-        elif importance == "sequence":
-            log_c = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
-        else:  # prefix
-            log_c = log_rho.cumsum(-1)
+        log_c = importance_log_coef(log_rho, importance)
         log_cap = log_c.detach()
         if truncate is not None:
             log_cap = log_cap.clamp(max=math.log(truncate))

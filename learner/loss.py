@@ -43,6 +43,7 @@ import torch
 
 import kl
 from kl.config import AdvantageConfig, KLConfig
+from kl.surrogate import importance_log_coef
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 
@@ -78,15 +79,6 @@ def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
     obj = torch.minimum(unclipped, clipped_obj)
     clipped = (clipped_obj < unclipped) & mask  # the clipped (zero-gradient) branch was taken
     return torch.where(mask, -obj.to(lp.dtype), zero), clipped
-
-
-def _importance_log_coef(log_rho: torch.Tensor, importance: str) -> torch.Tensor:
-    """log of the KL importance coefficient per token: rho_t, W or w_t (see kl.surrogate)."""
-    if importance == "token":
-        return log_rho
-    if importance == "sequence":
-        return log_rho.sum(-1, keepdim=True).expand_as(log_rho)
-    return log_rho.cumsum(-1)  # prefix
 
 
 def policy_loss(
@@ -178,7 +170,7 @@ def policy_loss(
             "response/sequences": float(mask.shape[0]),
         }
         if kl_cfg.truncate is not None:
-            log_c = _importance_log_coef(log_rho, kl_cfg.importance)
+            log_c = importance_log_coef(log_rho, kl_cfg.importance)
             metrics["is/truncated_frac"] = _frac((log_c > math.log(kl_cfg.truncate)) & mask, tokens)
         if task_clipped is not None:
             metrics[f"is/{learner_cfg.task_off_policy}_clipped_frac"] = _frac(task_clipped, tokens)
