@@ -16,19 +16,36 @@ def load_train_config(path, overrides):
     return load_config(TrainConfig, path, overrides)
 
 
-def train(cfg) -> tuple[Path, dict]:
-    """Run one training job in this process (the Ray driver). Returns (run_dir, last metrics)."""
+def train(cfg, resume: bool = False) -> tuple[Path, dict]:
+    """Run one training job in this process (the Ray driver). Returns (run_dir, last metrics).
+
+    resume=False: the run directory must not hold a run yet. resume=True: continue it from its
+    newest complete checkpoint; with none (or no directory) start it afresh, keeping an earlier
+    metrics log as metrics.jsonl.abandoned-N. Raises RunStopped (with .checkpoint set) when the
+    run stops early: a signal, worker restarts used up, too many non-finite steps."""
+    from cluster.checkpoint import latest_checkpoint
     from cluster.controller import Controller
     from cluster.launch import resolve_model, start_ray
     from cluster.run_log import default_run_name
+    from cluster.stopping import GracefulStop
 
     run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
-    if (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run; choose another run_name")
+    resume_from = latest_checkpoint(run_dir) if resume else None
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and resume_from is None:
+        if not resume:
+            raise FileExistsError(f"{run_dir} already holds a run; choose another run_name, or "
+                                  f"continue it with `klrl train --resume {run_dir}`")
+        n = len(list(run_dir.glob("metrics.jsonl.abandoned-*")))
+        metrics.rename(run_dir / f"metrics.jsonl.abandoned-{n}")
+        print(f"{run_dir} has no complete checkpoint: starting it afresh")
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
     started = start_ray(cfg)
     try:
-        return run_dir, Controller(cfg, run_dir, model_dir).run()
+        with GracefulStop() as stop_requested:
+            controller = Controller(cfg, run_dir, model_dir, resume_from=resume_from,
+                                    stop_requested=stop_requested)
+            return run_dir, controller.run()
     finally:
         if started:
             import ray
@@ -36,15 +53,58 @@ def train(cfg) -> tuple[Path, dict]:
             ray.shutdown()
 
 
-def _run_train(args) -> int:
+def _config_for(args):
+    """The TrainConfig a `klrl train` command line asks for. `--resume RUN_DIR` takes the
+    run's own config.yaml (overrides still apply, e.g. a larger total_steps)."""
     from cluster.config import ConfigError
 
+    overrides = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config:  # `--resume RUN_DIR key=value`: no config given
+        overrides.insert(0, config)
+        config = None
+    if isinstance(args.resume, str):
+        run_dir = Path(args.resume)
+        if config is not None:
+            raise ConfigError("give either a config or --resume RUN_DIR, not both")
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
+        overrides += [f"output_dir={run_dir.parent}", f"run_name={run_dir.name}"]
+        return load_train_config(run_dir / "config.yaml", overrides)
+    if config is None:
+        raise ConfigError("klrl train needs a config file (or --resume RUN_DIR)")
+    cfg = load_train_config(config, overrides)
+    if args.resume and cfg.run_name is None:
+        raise ConfigError("--resume without RUN_DIR needs run_name in the config or overrides")
+    return cfg
+
+
+def _report_stop(stop) -> int:
+    """Say why the run stopped and how to continue it; returns the exit code."""
+    msg = f"run stopped: {stop}"
+    if stop.checkpoint is not None:
+        msg += f"\ncheckpoint: {stop.checkpoint}\ncontinue with: klrl train --resume {stop.checkpoint.parent.parent}"
+    print(msg, file=sys.stderr)
+    return stop.exit_code
+
+
+def _run_train(args) -> int:
+    from ray.exceptions import RayError
+
+    from cluster.config import ConfigError
+    from cluster.stopping import RunStopped
+
     try:
-        cfg = load_train_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        cfg = _config_for(args)
+        run_dir, _last = train(cfg, resume=bool(args.resume))
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_dir, _last = train(cfg)
+    except RunStopped as stop:
+        return _report_stop(stop)
+    except RayError as exc:  # an actor (learner rank, worker) failed: everything is torn down
+        print(f"error: the run failed and was torn down: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(f"run directory: {run_dir}")
     return 0
 
@@ -52,15 +112,17 @@ def _run_train(args) -> int:
 def _run_demo(args) -> int:
     from rich.console import Console
 
-    from cluster.run_log import read_metrics
-
     from cluster.config import ConfigError
+    from cluster.run_log import read_metrics
+    from cluster.stopping import RunStopped
 
     try:
         run_dir, _ = train(load_train_config(DEMO_CONFIG, args.overrides))
     except (ConfigError, FileExistsError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    except RunStopped as stop:
+        return _report_stop(stop)
     evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
     first, last = evals[0], evals[-1]
     rows = [(f"{name} {kind}", f"eval/{name}/{key}") for name in ("in_domain", "out_of_domain")
@@ -145,8 +207,11 @@ def _run_submit(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a policy (local Ray, or RAY_ADDRESS)")
-    p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. kl.estimator=k3 max_lag=2")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
+                   help="continue a run from its newest complete checkpoint: RUN_DIR, or the run "
+                   "the config's run_name names; starts afresh if there is no checkpoint yet")
     p.set_defaults(func=_run_train)
 
     p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")

@@ -17,12 +17,17 @@ from pathlib import Path
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError, RayActorError
 
 import kl
 from actors.records import Rollout
+from cluster import checkpoint as ckpt
+from cluster.config import ConfigError
 from cluster.prompts import PromptStream
 from cluster.run_log import RunLog
+from cluster.stopping import RunStopped
 from cluster.train_config import TrainConfig
+from cluster.worker_pool import WorkerPool
 
 
 @dataclass
@@ -30,33 +35,39 @@ class InFlight:
     """One global batch being generated: one request per rollout worker."""
 
     refs: list
+    requests: list[tuple]        # per worker: the generate() arguments, to replay on a restart
+    start_position: int          # data position of its first prompt (resume replays from here)
     requested_at_version: int
     requested_at: float = field(default_factory=time.perf_counter)
 
 
 class Controller:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path,
+                 resume_from: Path | None = None, stop_requested=lambda: None):
         self.cfg, self.run_dir, self.model_dir = cfg, Path(run_dir), Path(model_dir)
+        self.resume_from = resume_from   # a complete checkpoint directory, or None
+        self.stop_requested = stop_requested  # -> a RunStopped to raise at the next step, or None
         self.step = 0                # optimizer steps taken == learner policy version
         self.pending: deque[InFlight] = deque()
-        self.sync_refs: list = []    # outstanding load_weights calls, checked before use
+        self.sync_refs: list = []    # (worker index, its incarnation, outstanding load_weights call)
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
         self.published_version = 0   # version of the weights the workers were last sent
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.prompts = PromptStream(cfg.task, cfg.seed)
-        self.learner = self.workers = self.log = None
+        self.learner = self.pool = self.log = None
+        self._reference_sha256: str | None = None
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> dict:
-        """Train for cfg.total_steps; returns the last metrics. Tears everything down on exit."""
+        """Train up to cfg.total_steps; returns the last metrics. On RunStopped, checkpoints
+        first; tears everything down on any exit."""
         from cluster.progress import TrainProgress
 
         try:
-            self._start()
-            last = self._evaluate(self.step)
-            self.log.log({"step": self.step, "policy_version": self.step, **last})
+            last = self._start()
             with TrainProgress(self.cfg.total_steps, self.step) as progress:
                 while self.step < self.cfg.total_steps:
+                    self._honour_stop_request()
                     t0 = time.perf_counter()
                     self._fill_pipeline()
                     batch, gen_metrics = self._take_batch()
@@ -64,41 +75,93 @@ class Controller:
                     metrics |= self._sync_weights()
                     metrics |= self._maybe_evaluate()
                     self._maybe_checkpoint()
-                    metrics["time/step"] = time.perf_counter() - t0
+                    metrics |= {"time/step": time.perf_counter() - t0,
+                                "faults/worker_restarts": self.pool.restarts}
                     self.log.log({"step": self.step, "policy_version": self.step, **metrics})
                     progress.update(self.step, metrics)
                     last = metrics
             self._finish()
             return last
+        except RunStopped as stop:
+            stop.checkpoint = self._checkpoint() if self.learner is not None else None
+            raise
         finally:
             self._shutdown()
 
     # ---------------------------------------------------------------- steps
-    def _start(self) -> None:
-        from cluster.launch import start_learner, start_workers
+    def _start(self) -> dict:
+        """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
+        from cluster.launch import start_learner
 
-        self.log = RunLog(self.cfg, self.run_dir)
+        state = self._read_resume_state()
+        self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name)
-        self.workers = start_workers(self.cfg, self.model_dir)
+        self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
-            self.learner.connect_nccl(self.workers)
+            self.learner.connect_nccl(self.pool.workers)
+        if state is None:
+            first = self._evaluate(self.step)
+            self.log.log({"step": 0, "policy_version": 0, **first})
+            return first
+        self.step = self.learner.load_checkpoint(self.resume_from, ckpt.LEARNER_TAG)
+        assert self.step == state.step, f"learner restored step {self.step}, controller {state.step}"
+        self.prompts.position = state.prompt_position
+        self.nonfinite_total, self.nonfinite_run = state.nonfinite_total, state.nonfinite_run
+        self.dropped_stale, self.pool.restarts = state.dropped_stale, state.worker_restarts
+        for w in self.pool.workers:
+            self._resync(w)
+        self.published_version = self.step
+        print(f"resumed {self.run_dir} at step {self.step} from {self.resume_from.name}")
+        return {}
+
+    def _read_resume_state(self) -> ckpt.ControllerState | None:
+        """The checkpoint's controller state (after checking it belongs to this run), and
+        the metrics log cut back to the checkpoint's step: later rows are redone."""
+        if self.resume_from is None:
+            return None
+        state = ckpt.read_checkpoint(self.resume_from)
+        changed = [k for k in ("model", "seed", "task", "kl", "advantage", "learner")
+                   if state.config.get(k) != self.cfg.model_dump(mode="json")[k]]
+        if changed:
+            raise ConfigError(f"cannot resume {self.resume_from}: the config changed {changed} "
+                             "(a resumed run must train the same objective from the same state)")
+        if state.reference_sha256 != self.reference_sha256:
+            raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
+                             f"in {self.model_dir} differ from the ones the run started from")
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            import json
+
+            keep = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= state.step]
+            metrics.write_text("".join(line + "\n" for line in keep))
+        return state
+
+    def _honour_stop_request(self) -> None:
+        stop = self.stop_requested()
+        if stop is not None:
+            raise stop
 
     def _fill_pipeline(self) -> None:
         """Request generation until max_lag + 1 global batches are in flight."""
-        per_worker = self.cfg.rollout.prompts_per_step // len(self.workers)
+        per_worker = self.cfg.rollout.prompts_per_step // len(self.pool)
         while len(self.pending) < self.cfg.max_lag + 1:
+            start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
             seed = self.cfg.seed * 1_000_003 + self.prompts.position
-            refs = [w.generate.remote(problems[i * per_worker:(i + 1) * per_worker],
-                                      group_ids[i * per_worker:(i + 1) * per_worker], seed + i)
-                    for i, w in enumerate(self.workers)]
-            self.pending.append(InFlight(refs, self.step))
+            requests = [(problems[i * per_worker:(i + 1) * per_worker],
+                         group_ids[i * per_worker:(i + 1) * per_worker], seed + i)
+                        for i in range(len(self.pool))]
+            refs = [self.pool.call(i, "generate", *req) for i, req in enumerate(requests)]
+            self.pending.append(InFlight(refs, requests, start, self.step))
 
     def _take_batch(self):
         """Wait for the oldest batch; drop (and count) any rollout older than max_lag."""
-        inflight = self.pending.popleft()
+        inflight = self.pending[0]  # popped only once complete: a checkpoint replays it
         t0 = time.perf_counter()
-        batches = ray.get(inflight.refs)
+        batches = [self.pool.result(i, ref, "generate", *inflight.requests[i])
+                   for i, ref in enumerate(inflight.refs)]
+        self.pending.popleft()
         wait_s = time.perf_counter() - t0
         self._check_syncs()
         rollouts: list[Rollout] = []
@@ -143,7 +206,7 @@ class Controller:
         self.nonfinite_run = self.nonfinite_run + 1 if refused else 0
         self.nonfinite_total += refused
         if self.nonfinite_run >= self.cfg.max_consecutive_nonfinite:
-            raise RuntimeError(
+            raise RunStopped(
                 f"{self.nonfinite_run} consecutive non-finite (NaN/inf) learner steps; the last "
                 f"was the attempt at step {self.step + 1}. Weights are those of step {self.step}.")
 
@@ -155,14 +218,34 @@ class Controller:
         t0 = time.perf_counter()
         self.published_version = self.step
         update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
-        self.sync_refs += [w.load_weights.remote(update) for w in self.workers]
+        self.sync_refs += [(i, self.pool.incarnation[i], self.pool.call(i, "load_weights", update))
+                           for i in range(len(self.pool))]
         return {"time/weight_publish": time.perf_counter() - t0}
 
     def _check_syncs(self) -> None:
-        """Every queued weight load must have finished, or failed loudly, within the timeout."""
-        if self.sync_refs:
-            ray.get(self.sync_refs, timeout=self.cfg.sync.timeout_s)
-            self.sync_refs = []
+        """Every queued weight load must have finished within sync.timeout_s, else the run
+        fails loudly. A worker that died meanwhile is replaced (and re-synced) instead."""
+        deadline = time.monotonic() + self.cfg.sync.timeout_s
+        for i, incarnation, ref in self.sync_refs:
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except RayActorError:
+                if self.pool.incarnation[i] == incarnation:  # not replaced (and re-synced) yet
+                    self.pool.restart(i, "died while loading weights")
+            except GetTimeoutError:
+                raise TimeoutError(f"rollout worker {i} did not load weights version "
+                                   f"{self.published_version} within sync.timeout_s="
+                                   f"{self.cfg.sync.timeout_s:g}") from None
+        self.sync_refs = []
+
+    def _resync(self, worker) -> None:
+        """Give a fresh worker the current weights and check it holds them (by version)."""
+        if self.step > 0:
+            update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
+            ray.get(worker.load_weights.remote(update), timeout=self.cfg.sync.timeout_s)
+        version = ray.get(worker.version.remote(), timeout=self.cfg.sync.timeout_s)
+        if version != self.step:
+            raise RuntimeError(f"re-synced worker holds version {version}, the learner {self.step}")
 
     def _maybe_evaluate(self) -> dict:
         every = self.cfg.eval_every
@@ -178,27 +261,50 @@ class Controller:
             if s is not None:
                 sets[name] = (s.task or task.name, s.options if s.task else task.options, s.split)
         self._check_syncs()
-        result = ray.get(self.workers[0].evaluate.remote(sets, ev.num_problems, ev.samples))
+        args = (sets, ev.num_problems, ev.samples)
+        result = self.pool.result(0, self.pool.call(0, "evaluate", *args), "evaluate", *args)
         return {f"eval/{name}/{key}": value for name, accs in result.items() for key, value in accs.items()}
 
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint_every
         if every and self.step % every == 0:
-            self.learner.save_checkpoint(self.run_dir / "checkpoints", tag=f"step_{self.step}")
+            self._checkpoint()
+
+    def _checkpoint(self) -> Path:
+        """Write a complete checkpoint of the run at the current step (atomic; see
+        cluster/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
+        on by a step <= self.step, and none after it (batches in flight are replayed)."""
+        position = self.pending[0].start_position if self.pending else self.prompts.position
+        state = ckpt.ControllerState(
+            step=self.step, prompt_position=position, nonfinite_total=self.nonfinite_total,
+            nonfinite_run=self.nonfinite_run, dropped_stale=self.dropped_stale,
+            worker_restarts=self.pool.restarts if self.pool else 0, wandb_id=self.log.wandb_id,
+            reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
+        return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
+                                     keep=self.cfg.keep_checkpoints)
 
     def _finish(self) -> None:
+        if self.cfg.checkpoint_every:  # so that the run can be extended with --resume
+            self._checkpoint()
         self.learner.save_hf(self.run_dir / "final")
 
     def _shutdown(self) -> None:
+        """Best effort, every part: a failed part must not keep the others alive."""
         if self.log is not None:
             self.log.close()
-        for w in self.workers or []:
-            ray.kill(w)
+        if self.pool is not None:
+            self.pool.kill_all()
         if self.learner is not None:
             self.learner.shutdown()
         from actors.weight_sync import remove_published
 
         remove_published(self.run_dir.name, self.cfg.sync.shm_dir)  # /dev/shm is RAM
+
+    @property
+    def reference_sha256(self) -> str:
+        if self._reference_sha256 is None:
+            self._reference_sha256 = ckpt.model_sha256(self.model_dir)
+        return self._reference_sha256
 
     @property
     def pad_id(self) -> int:

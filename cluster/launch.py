@@ -21,7 +21,9 @@ def start_ray(cfg: TrainConfig) -> bool:
     r, lc = cfg.rollout, cfg.learner
     wanted = r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
     num_cpus = cfg.ray.num_cpus or max(int(wanted + 0.999), os.cpu_count() or 1)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    # address="local": a new cluster even if another one runs on this machine (ray.init's
+    # default would join it, against `ray.address: null` meaning "start a local cluster").
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=True)
     return True
 
@@ -39,14 +41,3 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
     from learner.group import LearnerGroup
 
     return LearnerGroup(model_dir, cfg.learner, cfg.kl, cfg.advantage, seed=cfg.seed, run_id=run_id)
-
-
-def start_workers(cfg: TrainConfig, model_dir: Path) -> list:
-    from actors.rollout_worker import RolloutWorker
-
-    r = cfg.rollout
-    workers = [ray.remote(RolloutWorker).options(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
-        model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
-        worker_index=i, seed=cfg.seed) for i in range(r.num_workers)]
-    ray.get([w.version.remote() for w in workers])  # surface start-up errors here
-    return workers

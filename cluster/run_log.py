@@ -30,7 +30,7 @@ class RunLog:
         self.cfg, self.dir = cfg, Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, self.dir / "config.yaml")
-        self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the run
         self._wandb = None
         self.wandb_id = resume_wandb_id
         self._start_wandb()

@@ -75,6 +75,19 @@ class LoggingConfig(_Strict):
     tags: list[str] = Field(default_factory=list, description="wandb tags.")
 
 
+class FaultConfig(_Strict):
+    """How the controller rides out rollout-worker faults (see README, "What survives what")."""
+
+    max_worker_restarts: int = Field(3, ge=0, le=10_000, description="Rollout-worker restarts "
+                                     "allowed over the whole run (a worker that dies or hangs is "
+                                     "replaced and re-synced); one more failure stops the run with "
+                                     "a checkpoint.")
+    generate_timeout_s: float = Field(3600.0, gt=0, le=86_400, description="A rollout worker "
+                                      "that does not return a generation or evaluation request "
+                                      "this long after the controller starts waiting is "
+                                      "considered hung: it is killed and restarted.")
+
+
 class RayConfig(_Strict):
     """How to reach Ray. RAY_ADDRESS in the environment overrides `address`."""
 
@@ -97,8 +110,11 @@ class TrainConfig(_Strict):
                          "that generated a rollout and the learner training on it (0 = on-policy).")
     eval_every: int = Field(20, ge=0, le=10_000_000, description="Evaluate every k steps (and at "
                             "the start and end); 0: only at the start and end.")
-    checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Checkpoint every k steps; "
-                                  "0: only the final model.")
+    checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Checkpoint (for "
+                                  "`klrl train --resume`) every k steps; 0: only when the run "
+                                  "is stopped early (signal, worker restarts used up, NaN limit).")
+    keep_checkpoints: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept "
+                                  "under RUN_DIR/checkpoints (older ones are deleted).")
     max_consecutive_nonfinite: int = Field(3, ge=1, le=10_000, description="Stop the run after "
                                            "this many consecutive refused (NaN/inf) steps.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -110,6 +126,7 @@ class TrainConfig(_Strict):
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    faults: FaultConfig = Field(default_factory=FaultConfig, description="Fault tolerance.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
 
     @model_validator(mode="after")

@@ -279,7 +279,9 @@ class LearnerRank:
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> None:
         """DeepSpeed checkpoint (weights, optimizer moments, LR scheduler). Collective; every
         rank writes its own shards, so `directory` must be shared by the ranks' nodes."""
-        state = dict(client_state or {}, version=self.version)
+        # The RNG state too: nothing in the loss samples today, but a resumed run must not
+        # silently diverge the day something (dropout, subsampling) does.
+        state = dict(client_state or {}, version=self.version, torch_rng=torch.get_rng_state())
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:
@@ -288,7 +290,8 @@ class LearnerRank:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
         self.version = int(state["version"])
-        return state
+        torch.set_rng_state(state["torch_rng"])
+        return {"version": self.version}
 
     # ------------------------------------------------------------------ tests / diagnostics
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import gc
+import os
+from pathlib import Path
 
 import pytest
 
@@ -36,8 +38,31 @@ def ray_cluster():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1")
     yield
     if started:
         ray.shutdown()
+
+
+TESTS_DIR = str(Path(__file__).parent)
+
+
+@pytest.fixture(scope="module")
+def plugin_scorers_importable():
+    """tests/ on PYTHONPATH, so that Ray workers can import the plug-in scorers in
+    tests/scorers.py. Workers inherit PYTHONPATH from the driver when it starts the local
+    cluster, so a cluster started without it is shut down first; the caller starts one."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = TESTS_DIR + (os.pathsep + old if old else "")
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old

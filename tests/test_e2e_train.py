@@ -20,25 +20,9 @@ REQUIRED = ("step", "policy_version", "lag/max", "reward/mean", "kl/seq_k1", "is
             "is/ratio_max", "time/step")
 
 
-TESTS_DIR = str(Path(__file__).parent)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def plugin_scorers_importable():
-    """Ray workers inherit PYTHONPATH from the driver when it starts the local cluster."""
-    import os
-
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()  # a cluster started without this PYTHONPATH cannot import tests/scorers.py
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = TESTS_DIR + (os.pathsep + old if old else "")
-    yield
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old
+def _scorer_plugins(plugin_scorers_importable):
+    pass
 
 
 def _run(tiny_model_dir, out, name, steps, lag, *extra):

@@ -1,0 +1,129 @@
+"""Atomic, complete run checkpoints under RUN_DIR/checkpoints/.
+
+Layout of one checkpoint, `step_000000042/`:
+  learner/          DeepSpeed checkpoint of every rank (policy, optimizer, LR scheduler,
+                    learner version, the ranks' torch RNG states)
+  controller.json   `ControllerState`: step, data position, counters, wandb run id,
+                    reference identity, the resolved config
+  COMPLETE          written last; its presence is what makes the checkpoint loadable
+
+Atomicity (invariant): a checkpoint is written under `.partial-step_N/` and renamed to
+`step_N/` only after COMPLETE is on disk, so `step_N/` never holds half a checkpoint; a
+process killed mid-write leaves only a `.partial-*` directory, which readers ignore and the
+next write removes. The newest `keep` complete checkpoints are kept.
+
+Nothing else needs saving for an exact resume: vLLM sampling seeds are a pure function of
+(seed, data position) (see Controller._fill_pipeline), the learner has no dropout, and the
+prompt stream is a pure function of (seed, position) (cluster/prompts.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MARKER = "COMPLETE"
+LEARNER_TAG = "learner"
+_NAME = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class ControllerState:
+    """What the controller needs, besides the learner's own checkpoint, to continue a run."""
+
+    step: int                 # optimizer steps taken == learner policy version
+    prompt_position: int      # prompts before this index have been trained on
+    nonfinite_total: int = 0
+    nonfinite_run: int = 0
+    dropped_stale: int = 0
+    worker_restarts: int = 0
+    wandb_id: str | None = None
+    reference_sha256: str = ""  # identity of the initial policy = KL reference
+    config: dict = field(default_factory=dict)
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Loadable checkpoints under `root`, oldest first (half-written ones are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.match(p.name)) and (p / MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    done = complete_checkpoints(checkpoint_root(run_dir))
+    return done[-1] if done else None
+
+
+def write_checkpoint(run_dir: str | Path, state: ControllerState,
+                     save_learner: Callable[[Path, str], None], keep: int) -> Path:
+    """Write a checkpoint of `state` (and, through `save_learner(directory, tag)`, the
+    learner's) atomically; keep the newest `keep`. Returns the checkpoint directory."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step:09d}"
+    if (final / MARKER).is_file():
+        return final  # this step is already saved (e.g. a stop right after a periodic save)
+    for stale in root.glob(".partial-*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = root / f".partial-{final.name}"
+    partial.mkdir()
+    save_learner(partial, LEARNER_TAG)
+    _write_durably(partial / "controller.json", json.dumps(asdict(state), indent=1))
+    _write_durably(partial / MARKER, f"{state.step}\n")
+    if final.exists():  # a directory without MARKER cannot be from this module; never trust it
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    _fsync_dir(root)
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_checkpoint(path: str | Path) -> ControllerState:
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    return ControllerState(**json.loads((path / "controller.json").read_text()))
+
+
+def model_sha256(model_dir: str | Path) -> str:
+    """Content hash of a model directory's weight files: the reference policy's identity.
+    (A hub name on a cluster hashes as its name; weights are not fetched here.)"""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin"))
+    h = hashlib.sha256()
+    if not files:
+        h.update(str(model_dir).encode())
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,93 @@
+"""`WorkerPool`: the rollout workers, replaced when they die or hang.
+
+A worker whose call fails with a dead actor, or does not answer within
+`faults.generate_timeout_s`, is killed and replaced by a fresh one on the same model; the
+pool's owner re-syncs the current weights into it (`on_restart`, which checks the version)
+before the failed call is sent again. Replaying a generation request is exact: the request
+carries its own seed. Every replacement counts against `faults.max_worker_restarts` over the
+whole run; the failure after the last allowed restart raises `WorkerRestartsExhausted`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from cluster.stopping import RunStopped
+from cluster.train_config import TrainConfig
+
+
+class WorkerRestartsExhausted(RunStopped):
+    pass
+
+
+def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
+    from actors.rollout_worker import RolloutWorker
+
+    r = cfg.rollout
+    return ray.remote(RolloutWorker).options(
+        num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
+        model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
+        worker_index=index, seed=cfg.seed)
+
+
+class WorkerPool:
+    def __init__(self, cfg: TrainConfig, model_dir: Path, on_restart: Callable[[object], None]):
+        self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
+        self.restarts = 0
+        self.incarnation = [0] * cfg.rollout.num_workers  # bumped when worker i is replaced
+        self.workers = [start_worker(cfg, model_dir, i) for i in range(cfg.rollout.num_workers)]
+        ray.get([w.version.remote() for w in self.workers])  # surface start-up errors here
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, i: int):
+        return self.workers[i]
+
+    def call(self, i: int, method: str, *args):
+        """Start `method(*args)` on worker i; returns its object ref."""
+        return getattr(self.workers[i], method).remote(*args)
+
+    def result(self, i: int, ref, method: str, *args):
+        """The value of `ref` (a call of `method(*args)` on worker i). If the worker died or
+        hung, replace it and send the call again, until it succeeds or restarts run out."""
+        while True:
+            try:
+                return ray.get(ref, timeout=self.cfg.faults.generate_timeout_s)
+            except (RayActorError, GetTimeoutError) as exc:
+                hung = isinstance(exc, GetTimeoutError)
+                reason = (f"no answer to {method} within faults.generate_timeout_s="
+                          f"{self.cfg.faults.generate_timeout_s:g}" if hung else
+                          f"died during {method}: {type(exc).__name__}")
+                self.restart(i, reason)
+                ref = self.call(i, method, *args)
+
+    def restart(self, i: int, reason: str) -> None:
+        """Replace worker i (dead or hung) and let the owner re-sync its weights."""
+        limit = self.cfg.faults.max_worker_restarts
+        if self.restarts >= limit:
+            raise WorkerRestartsExhausted(
+                f"rollout worker {i} {reason}; all faults.max_worker_restarts={limit} restarts "
+                "are used up, so the run stops here")
+        if self.cfg.sync.transport == "nccl":  # the NCCL group is fixed at start-up
+            raise WorkerRestartsExhausted(
+                f"rollout worker {i} {reason}; with sync.transport=nccl a replaced worker "
+                "cannot join the existing NCCL group, so the run stops here")
+        self.restarts += 1
+        t0 = time.perf_counter()
+        ray.kill(self.workers[i], no_restart=True)
+        self.workers[i] = start_worker(self.cfg, self.model_dir, i)
+        self.incarnation[i] += 1
+        self.on_restart(self.workers[i])
+        print(f"rollout worker {i} {reason}; replaced and re-synced in "
+              f"{time.perf_counter() - t0:.1f}s (restart {self.restarts}/{limit})", file=sys.stderr)
+
+    def kill_all(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
