@@ -7,3 +7,14 @@ policy gradient zero; these give a reward with variance inside each group."""
 def short_answers(completion: str, problem) -> float:
     """1 for a completion of at most two characters (before a newline), else 0."""
     return 1.0 if len(completion.split("\n")[0].strip()) <= 2 else 0.0
+
+
+def short_answers_hanging_on_some(completion: str, problem) -> float:
+    """`short_answers`, but hangs forever on completions of exactly three characters: the
+    scoring pool must time these out, score them 0 and count them, and the run go on."""
+    if len(completion.split("\n")[0].strip()) == 3:
+        import time
+
+        while True:
+            time.sleep(0.05)
+    return short_answers(completion, problem)
