@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "cluster.cmd_train",
     "cluster.cmd_model",
     "cluster.cmd_kl_table",
+    "cluster.cmd_sweep",
 ]
 
 

@@ -12,10 +12,13 @@ CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
 def model_for(path: Path):
     """Which pydantic model a file in configs/ is validated by."""
     from cluster.cmd_kl_table import KLTableConfig
+    from cluster.sweep import SweepConfig
     from cluster.train_config import TrainConfig
 
     if path.name == "kl_table.yaml":
         return KLTableConfig
+    if path.parent.name == "sweeps":
+        return SweepConfig
     if path.name == "tiny_cpu.yaml" or path.parent.name == "paper":
         return TrainConfig
     raise AssertionError(f"no config model is registered for {path}; add it to model_for()")
@@ -28,6 +31,17 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_config_file_validates(path):
     load_config(model_for(path), path)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_sweep_expands_to_valid_train_configs(path):
+    from cluster.sweep import expand, load_sweep, validate_runs
+
+    cfg = load_sweep(path)
+    runs = expand(cfg)
+    configs = validate_runs(cfg, runs)  # each grid point is a valid TrainConfig
+    assert len(configs) == len(runs) > 1
 
 
 def test_overrides_are_typed_and_nested():

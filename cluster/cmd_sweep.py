@@ -1,0 +1,118 @@
+"""`klrl sweep` (a grid of training runs, resumable) and `klrl report` (plots, tables, flags)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def _run_sweep(args) -> int:
+    from cluster.config import ConfigError
+    from cluster.sweep import (
+        LocalLauncher,
+        RayJobLauncher,
+        cpus_per_run,
+        expand,
+        load_sweep,
+        run_state,
+        run_sweep,
+        sweep_dir,
+        train_command,
+        validate_runs,
+    )
+
+    try:
+        cfg = load_sweep(args.sweep, args.overrides)
+        runs = expand(cfg)
+        configs = validate_runs(cfg, runs)
+        if args.address and not Path(cfg.output_dir).is_absolute():
+            raise ConfigError(f"output_dir={cfg.output_dir!r}: with --address the runs are "
+                              "written on the cluster; give an absolute path on storage shared "
+                              "with this machine (e.g. output_dir=/shared/runs)")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    root = sweep_dir(cfg)
+    if args.dry_run:
+        for run in runs:
+            state = run_state(root / run.name)
+            print(f"[{run.index}/{len(runs)}] {run.name} ({state}): klrl "
+                  + " ".join(train_command(cfg, run, state)))
+        return 0
+    need = max(cpus_per_run(c) for c in configs.values())
+    if not args.address and cfg.parallel * need > (cores := _cores()):
+        print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
+              f"machine has {cores}: they will share cores and each will run slower", file=sys.stderr)
+    launcher = RayJobLauncher(args.address, args.python) if args.address else LocalLauncher(root / "logs")
+    outcomes, signum = run_sweep(cfg, runs, configs, launcher)
+    return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
+    """Print what happened, write the report, and choose the exit status: 128 + signal when
+    stopped, 1 when a run failed, else 0."""
+    from cluster.sweep import sweep_dir
+
+    count = {s: sum(o.status == s for o in outcomes) for s in ("finished", "skipped", "failed", "stopped")}
+    print(f"sweep {cfg.name}: {count['finished']} finished, {count['skipped']} skipped (finished "
+          f"before), {count['failed']} failed, {count['stopped']} stopped, "
+          f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")
+    if write and count["finished"] + count["skipped"] + count["stopped"]:
+        from cluster.report import write_report
+
+        print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
+    failed = [o for o in outcomes if o.status == "failed"]
+    for o in failed:
+        print(f"FAILED {o.run.name}: {o.detail}", file=sys.stderr)
+    if signum is not None:
+        print("stopped; run the same command again to continue (finished runs are skipped, "
+              "interrupted ones resume from their last checkpoint)", file=sys.stderr)
+        return 128 + signum
+    return 1 if failed else 0
+
+
+def _run_report(args) -> int:
+    from cluster.config import ConfigError, load_config, merge, validate
+    from cluster.report import ReportConfig, write_report
+
+    path = Path(args.dir)
+    try:
+        base = {}
+        if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
+            from cluster.sweep import SweepConfig
+
+            base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
+        cfg = validate(ReportConfig, merge(base, args.overrides), source="report options")
+        report = write_report(path, cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {report}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("sweep", help="run a grid of training runs (resumable), then report",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", help="sweep YAML, e.g. configs/sweeps/offpolicy_tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="overrides of the sweep file, e.g. parallel=2 "
+                   "output_dir=/shared/runs grid.seed=[0,1,2] overrides.total_steps=50")
+    p.add_argument("--address", default=None, help="Ray dashboard address: one Ray job per run "
+                   "on that cluster (default: local processes)")
+    p.add_argument("--python", default="python", help="with --address: the cluster's Python")
+    p.add_argument("--dry-run", action="store_true", help="list the runs, their state and "
+                   "commands; run nothing")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.set_defaults(func=_run_sweep)
+
+    p = subparsers.add_parser("report", help="plots, accuracy table and instability flags of a "
+                              "run or a sweep directory")
+    p.add_argument("dir", help="a run directory, or a directory of runs (a sweep)")
+    p.add_argument("overrides", nargs="*", help="report options, e.g. collapse_fraction=0.3 "
+                   "kl_max=50 smooth=1 (default: the sweep's `report:` section)")
+    p.set_defaults(func=_run_report)

@@ -1,0 +1,325 @@
+"""`klrl report DIR`: plots, a final-accuracy table and instability flags for a run or a sweep.
+
+DIR is one run directory (it holds metrics.jsonl) or a directory of them (a sweep). Runs are
+grouped into configurations by the config keys in which they differ, the seed excepted, so a
+configuration's runs are its seeds. The report reads only files (config.yaml, metrics.jsonl,
+final/), so it works on a sweep that is still running. It writes DIR/report/report.md and one
+PNG per question beside it (report_plots.py).
+
+Instability flags (per run; thresholds are ReportConfig fields, documented in README):
+- accuracy collapse: an eval accuracy falls below `collapse_fraction` x its best earlier value
+  (once that best is at least `collapse_min_peak`) and stays below at every later evaluation.
+- KL blow-up: the KL metric's trailing median over `smooth` steps exceeds `kl_growth` x its
+  early level (median of the first `kl_early_fraction` of steps, at least `kl_floor`), or
+  exceeds `kl_max` when set.
+- non-finite: a step the learner refused (NaN/inf gradient) or any logged NaN/inf value.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+# (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
+ACCURACY_KEYS = [("eval/in_domain/accuracy", "in-domain"),
+                 ("eval/out_of_domain/accuracy", "out-of-domain"),
+                 ("eval/in_domain/sampled_accuracy", "in-domain sampled"),
+                 ("eval/out_of_domain/sampled_accuracy", "out-of-domain sampled")]
+# Config keys that differ between runs without making them different configurations.
+NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.")
+ALWAYS_NAMED = ("kl.estimator", "kl.placement")
+# Label order: the KL configuration first, then the async lag, then anything else.
+KEY_ORDER = ["kl.estimator", "kl.placement", "kl.importance", "kl.truncate", "kl.beta",
+             "kl.kl_in_advantage", "max_lag"]
+
+
+class ReportConfig(BaseModel):
+    """Instability thresholds and plot smoothing of `klrl report` (a sweep file's `report:`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    collapse_fraction: float = Field(0.5, gt=0, lt=1, description="Accuracy collapse: an eval "
+                                     "accuracy below this fraction of its best earlier value "
+                                     "that stays below it until the end of the run.")
+    collapse_min_peak: float = Field(0.05, ge=0, le=1, description="An accuracy collapse counts "
+                                     "only once the best earlier accuracy reached this (falls "
+                                     "from near zero are noise).")
+    kl_metric: str = Field("kl/seq_k1", min_length=1, description="KL metric watched for "
+                           "blow-ups: the batch's mean per-sequence K1 estimate of KL(pi||ref) "
+                           "(the K3 estimate's exp(-delta) has a heavy tail: in stable runs "
+                           "single batches spike to 5-10x its usual value).")
+    kl_growth: float = Field(20.0, gt=1, le=1e9, description="KL blow-up: the smoothed KL "
+                             "exceeds this factor times its early level.")
+    kl_floor: float = Field(0.05, gt=0, le=1e6, description="The early level is at least this "
+                            "(nats per sequence): the KL starts at 0 (policy == reference), and "
+                            "growing from 0 is what training does.")
+    kl_early_fraction: float = Field(0.1, gt=0, le=1, description="The early level is the median "
+                                     "KL over this fraction of the run's first steps (at least "
+                                     "`smooth` steps).")
+    kl_max: float | None = Field(None, gt=0, le=1e9, description="KL blow-up also when the "
+                                 "smoothed KL exceeds this (nats per sequence); null: no "
+                                 "absolute limit.")
+    smooth: int = Field(5, ge=1, le=10_000, description="Window in steps: trailing median of "
+                        "the KL test, and moving average of the per-step curves in the plots "
+                        "(1: raw values).")
+
+
+@dataclass
+class RunData:
+    """One run directory as the report sees it."""
+
+    name: str
+    dir: Path
+    config: dict[str, Any]    # the resolved TrainConfig, flattened to dotted keys
+    rows: dict[int, dict]     # step -> metrics; a step logged twice (replayed after a resume)
+                              # keeps the later row
+    finished: bool            # final/config.json exists
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """Steps at which `key` was logged and its values (NaN for a non-finite value)."""
+        pts = [(s, _number(row[key])) for s, row in sorted(self.rows.items()) if key in row]
+        pts = [(s, v) for s, v in pts if v is not None]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+    @property
+    def last_step(self) -> int:
+        return max(self.rows, default=0)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One instability of one run, at the step where it was detected."""
+
+    run: str
+    kind: str      # "accuracy collapse", "KL blow-up", "non-finite"
+    step: int
+    detail: str
+
+
+def _number(value: Any) -> float | None:
+    """A metric value as a float: run_log writes NaN/inf as the strings 'nan'/'inf'."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def load_run(run_dir: Path) -> RunData:
+    rows: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        rows[int(row["step"])] = rows.get(int(row["step"]), {}) | row
+    cfg_path = run_dir / "config.yaml"
+    config = flatten(yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
+    return RunData(run_dir.name, run_dir, config, rows, (run_dir / "final" / "config.json").is_file())
+
+
+def find_runs(path: Path) -> list[RunData]:
+    """DIR itself when it is a run directory, else the run directories directly inside it."""
+    path = Path(path)
+    if (path / "metrics.jsonl").is_file():
+        return [load_run(path)]
+    return [load_run(p) for p in sorted(path.iterdir()) if (p / "metrics.jsonl").is_file()]
+
+
+def configuration_keys(runs: list[RunData]) -> list[str]:
+    """The KL estimator and placement (what "a configuration" means here, always named), then
+    the config keys whose values differ between the runs (seed, names and logging aside)."""
+    keys = {k for r in runs for k in r.config if not k.startswith(NOT_CONFIGURATION)}
+    chosen = [k for k in keys if k in ALWAYS_NAMED
+              or len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
+    return sorted(chosen, key=lambda k: (KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER), k))
+
+
+def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
+    """Configuration label (e.g. `k1-reward-lag2`) -> its runs (runs without a config.yaml:
+    their directory's name for a single run, else `all runs`)."""
+    from cluster.sweep import value_token
+
+    keys = configuration_keys(runs)
+    groups: dict[str, list[RunData]] = {}
+    for run in runs:
+        label = "-".join(value_token(k, run.config.get(k)) for k in keys)
+        groups.setdefault(label or (run.name if len(runs) == 1 else "all runs"), []).append(run)
+    return dict(sorted(groups.items()))
+
+
+# ---- instability flags ----------------------------------------------------------------------
+
+
+def accuracy_collapse(steps: list[int], values: list[float], cfg: ReportConfig) -> tuple[int, str] | None:
+    """First eval step j with acc_j < fraction x max(acc_<j) (max >= min_peak) such that every
+    later eval stays below that level too; (step, explanation) or None."""
+    for j in range(1, len(values)):
+        earlier = [v for v in values[:j] if math.isfinite(v)]
+        if not earlier:
+            continue
+        best = max(earlier)
+        level = cfg.collapse_fraction * best
+        if best >= cfg.collapse_min_peak and all(v < level for v in values[j:] if math.isfinite(v)) \
+                and math.isfinite(values[j]):
+            best_step = steps[values.index(best)]
+            return steps[j], (f"{values[j]:.3f} < {cfg.collapse_fraction:g} x best {best:.3f} "
+                              f"(step {best_step}), below at every later evaluation (last {values[-1]:.3f})")
+    return None
+
+
+def kl_blowup(steps: list[int], values: list[float], cfg: ReportConfig) -> tuple[int, str] | None:
+    """First step where the trailing median KL exceeds kl_growth x the early level (or kl_max)."""
+    finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v) and s > 0]
+    if not finite:
+        return None
+    kl = [v for _, v in finite]
+    early_n = max(cfg.smooth, math.ceil(cfg.kl_early_fraction * len(kl)))
+    early = max(statistics.median(kl[:early_n]), cfg.kl_floor)
+    for i, (step, _) in enumerate(finite):
+        smoothed = statistics.median(kl[max(0, i + 1 - cfg.smooth):i + 1])
+        if smoothed > cfg.kl_growth * early:
+            return step, (f"{cfg.kl_metric} median of {cfg.smooth} steps {smoothed:.3g} > "
+                          f"{cfg.kl_growth:g} x early level {early:.3g}")
+        if cfg.kl_max is not None and smoothed > cfg.kl_max:
+            return step, (f"{cfg.kl_metric} median of {cfg.smooth} steps {smoothed:.3g} > "
+                          f"kl_max {cfg.kl_max:g}")
+    return None
+
+
+def nonfinite_steps(run: RunData) -> tuple[int, str] | None:
+    """First step the learner refused (`nonfinite` = 1) or that logged a NaN/inf value."""
+    bad = {}
+    for step, row in sorted(run.rows.items()):
+        keys = [k for k, v in row.items() if (n := _number(v)) is not None and not math.isfinite(n)]
+        if row.get("nonfinite"):
+            keys.insert(0, "refused step")
+        if keys:
+            bad[step] = keys
+    if not bad:
+        return None
+    first = min(bad)
+    return first, f"{len(bad)} step(s); first: {', '.join(bad[first][:4])}"
+
+
+def instability_flags(run: RunData, cfg: ReportConfig) -> list[Flag]:
+    flags = []
+    for key, label in ACCURACY_KEYS:
+        if hit := accuracy_collapse(*run.series(key), cfg):
+            flags.append(Flag(run.name, f"accuracy collapse ({label})", *hit))
+    if hit := kl_blowup(*run.series(cfg.kl_metric), cfg):
+        flags.append(Flag(run.name, "KL blow-up", *hit))
+    if hit := nonfinite_steps(run):
+        flags.append(Flag(run.name, "non-finite", *hit))
+    return flags
+
+
+# ---- report.md --------------------------------------------------------------------------------
+
+
+def _mean_std(values: list[float]) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def _final(run: RunData, key: str) -> float | None:
+    _, values = run.series(key)
+    return values[-1] if values else None
+
+
+def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[str]:
+    """Markdown rows: final accuracy per configuration, mean ± std over its runs."""
+    keys = [(k, label) for k, label in ACCURACY_KEYS if any(k in row for g in groups.values()
+                                                           for r in g for row in r.rows.values())]
+    flagged = {f.run for f in flags}
+    head = ["configuration", "runs", "last step", *(label for _, label in keys), "flagged runs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, runs in groups.items():
+        unfinished = sum(not r.finished for r in runs)
+        count = f"{len(runs)}" + (f" ({unfinished} unfinished)" if unfinished else "")
+        steps = sorted({r.last_step for r in runs})
+        cells = [_mean_std([v for r in runs if (v := _final(r, k)) is not None]) for k, _ in keys]
+        n_flagged = sum(r.name in flagged for r in runs)
+        lines.append("| " + " | ".join([f"`{label}`", count, "/".join(map(str, steps)), *cells,
+                                        f"{n_flagged}/{len(runs)}"]) + " |")
+    return lines
+
+
+def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
+    """Write PATH/report/report.md and its plots; returns the report.md path."""
+    from cluster.report_plots import FIGURES, plot_figure
+
+    cfg = cfg or ReportConfig()
+    path = Path(path)
+    runs = find_runs(path)
+    if not runs:
+        raise FileNotFoundError(f"{path}: no run directory (with metrics.jsonl) here or directly inside")
+    groups = group_runs(runs)
+    flags = [f for r in runs for f in instability_flags(r, cfg)]
+    out = path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
+    keys = configuration_keys(runs)
+    seeds = sorted({str(r.config.get("seed")) for r in runs})
+    md = [f"# Report: {path.resolve().name}", "",
+          f"{len(runs)} run(s), {sum(r.finished for r in runs)} finished, in {len(groups)} "
+          f"configuration(s)" + (f" labelled by {', '.join(f'`{k}`' for k in keys)}" if keys else "")
+          + f"; seeds {', '.join(seeds)}. Written {time.strftime('%Y-%m-%d %H:%M')} by `klrl report`.",
+          "", "## Final accuracy", "",
+          ("Accuracy at each run's last evaluation (greedy pass@1; *sampled*: temperature 1), "
+           "mean ± sample std over the configuration's runs (seeds)."), "",
+          *accuracy_table(groups, flags), ""]
+    start = [(label, _mean_std([v for r in runs if (v := (r.series(k)[1] or [None])[0]) is not None]))
+             for k, label in ACCURACY_KEYS if any(k in r.rows.get(0, {}) for r in runs)]
+    if start:
+        md += ["Before training (step 0): " + ", ".join(f"{label} {v}" for label, v in start) + ".", ""]
+    md += ["## Instability flags", ""]
+    if flags:
+        md += ["| run | flag | step | detail |", "|---|---|---|---|"]
+        md += [f"| `{f.run}` | {f.kind} | {f.step} | {f.detail} |" for f in flags]
+    else:
+        md += [f"No run was flagged ({len(runs)} checked)."]
+    md += ["", _flag_definitions(cfg), "", "## Plots", "",
+           "Lines: mean over a configuration's runs (seeds); shaded: min to max over them. "
+           + (f"Per-step curves are moving averages over {cfg.smooth} steps." if cfg.smooth > 1 else ""), ""]
+    md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n" for fig, name in figures]
+    md += ["## Runs", "", "| run | configuration | seed | last step | status |", "|---|---|---|---|---|"]
+    md += [f"| `{r.name}` | `{label}` | {r.config.get('seed', '-')} | {r.last_step} | "
+           f"{'finished' if r.finished else 'unfinished'} |" for label, g in groups.items() for r in g]
+    report = out / "report.md"
+    report.write_text("\n".join(md) + "\n")
+    return report
+
+
+def _flag_definitions(cfg: ReportConfig) -> str:
+    kl_max = f", or above kl_max = {cfg.kl_max:g}" if cfg.kl_max is not None else ""
+    return (f"Flags: *accuracy collapse*: an eval accuracy falls below {cfg.collapse_fraction:g} x "
+            f"its best earlier value (when that best is at least {cfg.collapse_min_peak:g}) and "
+            f"stays below until the end; *KL blow-up*: the median of `{cfg.kl_metric}` over "
+            f"{cfg.smooth} steps exceeds {cfg.kl_growth:g} x its early level (median of the "
+            f"first {cfg.kl_early_fraction:.0%} of steps, at least {cfg.kl_floor:g}){kl_max}; "
+            "*non-finite*: a step the learner refused (NaN/inf gradient) or a logged NaN/inf.")

@@ -1,0 +1,209 @@
+"""The report's figures: one PNG per question, every configuration in each, the same colour
+for a configuration in every figure. A line is the mean over the configuration's runs (seeds)
+at each step; the band is their min-max. Per-step training metrics are smoothed by a centred
+moving average (ReportConfig.smooth); evaluations are plotted as they are."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Panel:
+    key: str                    # metric in metrics.jsonl
+    title: str
+    ylabel: str
+    log: bool | str = False     # log y axis (ratios, norms); "auto": symlog if a blow-up
+                                # would flatten everything else into a line at 0
+    per_step: bool = True       # logged every step rather than at evaluations (markers)
+    smooth: bool = True         # moving average of a per-step metric (not of a setting like lag)
+    ref: float | None = None    # a horizontal reference line (ratio 1 = on-policy)
+    y_from_0: float | None = None  # a share: the y axis starts at 0 and reaches at least this
+
+
+@dataclass(frozen=True)
+class Figure:
+    file: str
+    title: str
+    caption: str
+    panels: tuple[Panel, ...]
+    ref_key: str | None = None  # a config value drawn as a dashed line (the gradient clip)
+
+
+_ACC = "fraction of problems solved"
+_TOK = "fraction of tokens"
+# Accuracy axes span at least 0-0.1, so that a few lucky problems out of 0 do not fill a panel.
+_EVAL = {"per_step": False, "smooth": False, "y_from_0": 0.1}
+FIGURES = (
+    Figure("reward.png", "Training reward", "Mean task reward of each step's rollouts (what the "
+           "policy is trained on, sampled by the behaviour policy).",
+           (Panel("reward/mean", "Mean reward of the training batch", "mean reward"),)),
+    Figure("accuracy.png", "Evaluation accuracy", "Greedy pass@1 on the in-domain and "
+           "out-of-domain sets, and (when logged) accuracy of samples at temperature 1.",
+           (Panel("eval/in_domain/accuracy", "In-domain, greedy", _ACC, **_EVAL),
+            Panel("eval/out_of_domain/accuracy", "Out-of-domain, greedy", _ACC, **_EVAL),
+            Panel("eval/in_domain/sampled_accuracy", "In-domain, sampled (T=1)", _ACC, **_EVAL),
+            Panel("eval/out_of_domain/sampled_accuracy", "Out-of-domain, sampled (T=1)", _ACC,
+                  **_EVAL))),
+    Figure("kl.png", "KL to the reference policy", "Per-sequence KL(pi || pi_ref) of the "
+           "training batch: the K1 estimate (unbiased, noisy, can be negative) and the K3 "
+           "estimate (never negative, lower variance).",
+           (Panel("kl/seq_k1", "K1 estimate", "KL per sequence (nats)", log="auto"),
+            Panel("kl/seq_k3", "K3 estimate", "KL per sequence (nats)", log="auto"))),
+    Figure("importance_ratio.png", "How off-policy the training data was", "Extremes of the "
+           "per-token ratio pi/mu of the learner's policy to the sampler's (1 = on-policy), "
+           "the fraction of tokens whose importance weight was clipped or truncated, and the "
+           "batch's mean lag in policy versions.",
+           (Panel("is/ratio_max", "Largest token ratio pi/mu", "ratio (log scale)", log=True, ref=1.0),
+            Panel("is/ratio_min", "Smallest token ratio pi/mu", "ratio (log scale)", log=True, ref=1.0),
+            Panel("is/tis_clipped_frac", "Task term: tokens with rho > tis_cap", _TOK, y_from_0=0.0),
+            Panel("is/ppo_clip_clipped_frac", "Task term: PPO-clipped tokens", _TOK, y_from_0=0.0),
+            Panel("is/truncated_frac", "KL term: truncated prefix weights", _TOK, y_from_0=0.0),
+            Panel("lag/mean", "Mean lag of the batch", "policy versions", smooth=False))),
+    Figure("grad_norm.png", "Gradient norm", "Global L2 norm of the gradient before clipping; "
+           "the dashed line is learner.grad_clip, above which updates are scaled down.",
+           (Panel("grad/norm", "Gradient norm before clipping", "L2 norm (log scale)", log=True),),
+           ref_key="learner.grad_clip"),
+)
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Centred moving average ignoring non-finite values (NaN where a window has none)."""
+    if window <= 1:
+        return values
+    half, out = window // 2, []
+    for i in range(len(values)):
+        win = [v for v in values[max(0, i - half):i + half + 1] if math.isfinite(v)]
+        out.append(sum(win) / len(win) if win else math.nan)
+    return out
+
+
+def _aggregate(runs, panel: Panel, smooth: int):
+    """(steps, mean, min, max) over the runs at each step any of them logged."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        steps, values = run.series(panel.key)
+        if panel.smooth:
+            values = _smooth(values, smooth)
+        for s, v in zip(steps, values):
+            if math.isfinite(v):
+                by_step.setdefault(s, []).append(v)
+    steps = sorted(by_step)
+    return (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps],
+            [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps])
+
+
+def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) -> str | None:
+    """Draw one figure into out_dir; returns its file name, or None when no run logged any of
+    its metrics (for example no off-policy clip fraction in an on-policy run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in fig_spec.panels if any(p.key in row for r in runs for row in r.rows.values())]
+    if not panels:
+        return None
+    ncols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(5.4 * ncols, 7.0) + 2.6, 3.9 * nrows + 0.3),
+                             squeeze=False)
+    styles = _styles(groups, plt)
+    for ax, panel in zip(axes.flat, panels):
+        top, typical = 0.0, []
+        for label, group in groups.items():
+            steps, mean, lo, hi = _aggregate(group, panel, cfg.smooth)
+            if not steps:
+                continue
+            top, typical = max(top, *hi), typical + [abs(v) for v in mean]
+            color, linestyle = styles[label]
+            ax.plot(steps, mean, color=color, ls=linestyle, lw=1.6, label=label,
+                    marker=None if panel.per_step else "o", ms=3.5)
+            if len(group) > 1:
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
+        refs = {r.config.get(fig_spec.ref_key) for r in runs} if fig_spec.ref_key else set()
+        _style_axis(ax, panel, top, typical, fig_spec.ref_key, refs - {None, 0})
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5),
+               fontsize=8, title="configuration", title_fontsize=9, frameon=False)
+    right = 1 - 2.5 / fig.get_figwidth()  # the legend's column
+    fig.suptitle(fig_spec.title, fontsize=12, x=right / 2, y=0.99, va="top")
+    fig.text(right / 2, 0.99 - 0.3 / fig.get_figheight(), _spread_note(groups, cfg, panels),
+             ha="center", va="top", fontsize=9, color="0.3")
+    fig.tight_layout(rect=(0, 0, right, 1 - 0.25 / fig.get_figheight()))  # room for the note
+    fig.savefig(out_dir / fig_spec.file, dpi=110)
+    plt.close(fig)
+    return fig_spec.file
+
+
+def _styles(groups: dict, plt) -> dict[str, tuple]:
+    """label -> (colour, line style). When configurations differ in max_lag and in something
+    else (the paper's grid), a colour is the configuration apart from its lag and the line
+    style is the lag (solid: the smallest), so each KL configuration reads across lags."""
+    from cluster.report import configuration_keys
+
+    first = {label: group[0].config for label, group in groups.items()}
+    keys = configuration_keys([g[0] for g in groups.values()])
+    lags = sorted({c.get("max_lag", 0) for c in first.values()})
+    by_lag = "max_lag" in keys and len(keys) > 1 and len(lags) <= len(_LAG_STYLES)
+    colour_keys = [k for k in keys if not (by_lag and k == "max_lag")]
+    colour_index: dict[str, int] = {}
+    for config in first.values():
+        colour_index.setdefault(json.dumps([config.get(k) for k in colour_keys]), len(colour_index))
+    colours = plt.get_cmap("tab10" if len(colour_index) <= 10 else "tab20").colors
+    return {label: (colours[colour_index[json.dumps([c.get(k) for k in colour_keys])] % len(colours)],
+                    _LAG_STYLES[lags.index(c.get("max_lag", 0))] if by_lag else "-")
+            for label, c in first.items()}
+
+
+_LAG_STYLES = ("-", "--", ":", "-.")
+
+
+def _style_axis(ax, panel: Panel, top: float, typical: list[float], ref_key, refs) -> None:
+    """Scale, limits, reference lines and labels of one panel."""
+    from matplotlib.ticker import FuncFormatter, LogFormatter
+
+    class _PlainLog(LogFormatter):  # LogFormatter picks which ticks to label; print them as %g
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:g}"
+
+    plain = FuncFormatter(lambda y, _: f"{y:g}")  # 1000 rather than 10^3
+    ylabel = panel.ylabel
+    if panel.ref is not None:
+        ax.axhline(panel.ref, color="0.4", lw=0.8, ls=":")
+    for value in refs:
+        ax.axhline(value, color="0.3", lw=1, ls="--")
+        ax.annotate(ref_key, (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
+                    textcoords="offset points", fontsize=8, color="0.3")
+    if panel.log is True:
+        ax.set_yscale("log")
+        # plain numbers (2, 0.5) instead of 2x10^0; minor ticks labelled only on short ranges
+        ax.yaxis.set_major_formatter(_PlainLog())
+        ax.yaxis.set_minor_formatter(_PlainLog(minor_thresholds=(1, 0.5)))
+    elif panel.log == "auto" and typical:
+        usual = sorted(typical)[int(0.75 * (len(typical) - 1))]
+        if top > 30 * max(usual, 1e-6):  # linear up to the usual range, log beyond it
+            decade = 10.0 ** math.ceil(math.log10(max(usual, 1e-3)))  # ticks 0, 1, 10, ...
+            ax.set_yscale("symlog", linthresh=decade)
+            ax.yaxis.set_major_formatter(plain)
+            ylabel += ", symlog scale"
+    if panel.y_from_0 is not None:
+        ax.set_ylim(0, max(top * 1.08, panel.y_from_0) or 0.05)
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+
+
+def _spread_note(groups: dict, cfg, panels) -> str:
+    """What a line and a band are, under the title."""
+    seeds = max(len(g) for g in groups.values())
+    parts = [f"line: mean over a configuration's runs (up to {seeds}), band: min to max"
+             if seeds > 1 else "one run per configuration"]
+    if cfg.smooth > 1 and any(p.smooth for p in panels):
+        parts.append(f"per-step values: {cfg.smooth}-step moving average")
+    return "; ".join(parts)

@@ -1,0 +1,392 @@
+"""`klrl sweep`: a grid of `klrl train` runs, one normal run directory each, resumable.
+
+A sweep file names a base train config, overrides shared by every run and a grid; the runs are
+the grid's Cartesian product, named from their grid values (`k1-reward-lag2-s0`) under
+`output_dir/<sweep name>/`. Each grid point is FINISHED when its run directory holds
+`final/config.json` (the controller writes the final model last): finished runs are skipped,
+a run directory that exists but is unfinished is continued with `klrl train --resume`, and a
+missing one is started. Every configuration is validated before anything starts.
+
+Runs are separate processes (`python -m cluster.cli train ...`, each with its own local Ray
+cluster, so one run's crash or leftover actors cannot touch another's), or one Ray job each on a
+cluster (`--address`). A failed run does not stop the sweep: it is recorded, the sweep goes on,
+and the exit status says which runs failed.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.config import ConfigError, load_config
+from cluster.report import ReportConfig, flatten
+
+_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# Set by the sweep for every run (its place and its wandb grouping), so a sweep file may not.
+RESERVED_KEYS = ("run_name", "output_dir", "logging.wandb_group", "logging.tags")
+
+
+class SweepConfig(BaseModel):
+    """A grid of training runs (configs/sweeps/*.yaml): the base train config, overrides shared
+    by every run, and the grid whose Cartesian product gives the runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[\w.\-]+$", max_length=100, description="Sweep name: "
+                      "its runs go under output_dir/<name>/ and share it as their wandb group.")
+    train_config: str = Field(..., min_length=1, description="Base TrainConfig YAML, relative "
+                              "to the sweep file (or absolute). On a cluster it must lie inside "
+                              "this repository (the repository is the jobs' working_dir).")
+    output_dir: str = Field("runs", min_length=1, description="Parent of the sweep directory. "
+                            "With --address: an absolute path on storage that the cluster and "
+                            "this machine share, so finished runs are seen and skipped.")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="`key.sub: value` "
+                                      "applied to every run, over train_config (e.g. "
+                                      "total_steps: 150).")
+    grid: dict[str, Annotated[list[Any], Field(min_length=1, max_length=1000)]] = Field(
+        ..., min_length=1, max_length=20, description="`key.sub: [values]`: one run per "
+        "combination, in the order written (the last key varies fastest). `seed` is the key "
+        "the report averages over.")
+    parallel: int = Field(1, ge=1, le=1024, description="Runs at once: local processes (each "
+                          "needs the CPUs its config reserves), or Ray jobs in flight with --address.")
+    poll_s: float = Field(2.0, gt=0, le=600, description="Seconds between checks of the running "
+                          "runs (progress display and completion).")
+    report: ReportConfig = Field(default_factory=ReportConfig, description="Options of the "
+                                 "report written when the sweep ends (and by `klrl report`).")
+
+    @field_validator("overrides", "grid", mode="before")
+    @classmethod
+    def _dotted_keys(cls, value: Any) -> Any:
+        """`kl: {beta: [...]}` and `kl.beta: [...]` mean the same (CLI overrides such as
+        grid.kl.beta=[0.05,0.1] arrive nested)."""
+        return flatten(value) if isinstance(value, dict) else value
+
+    @field_validator("overrides", "grid")
+    @classmethod
+    def _plain_keys(cls, value: dict) -> dict:
+        for key in value:
+            if not _KEY.match(key):
+                raise ValueError(f"{key!r} is not a config key such as kl.beta or max_lag")
+            if key in RESERVED_KEYS:
+                raise ValueError(f"{key!r} is set by the sweep for each run (see README)")
+        return value
+
+    @field_validator("grid")
+    @classmethod
+    def _distinct_values(cls, grid: dict) -> dict:
+        for key, values in grid.items():
+            if len({json.dumps(v, sort_keys=True) for v in values}) < len(values):
+                raise ValueError(f"grid.{key} lists a value twice: {values}")
+        return grid
+
+    @model_validator(mode="after")
+    def _grid_keys_not_overridden(self) -> SweepConfig:
+        if both := sorted(set(self.grid) & set(self.overrides)):
+            raise ValueError(f"{both} both in grid and in overrides: the grid would silently win")
+        return self
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One grid point: its run name, the grid values that define it, and the `key=value`
+    overrides of `klrl train` (over the sweep's train_config) that produce it."""
+
+    index: int                # 1-based position in the sweep
+    name: str
+    values: dict[str, Any]    # grid key -> value
+    overrides: tuple[str, ...]
+
+
+RunState = Literal["finished", "partial", "new"]
+
+
+def load_sweep(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
+    """Read and validate a sweep file; train_config comes back as an absolute path."""
+    cfg = load_config(SweepConfig, path, overrides)
+    train_config = (Path(path).parent / cfg.train_config).resolve()
+    if not train_config.is_file():
+        raise ConfigError(f"{path}: train_config {cfg.train_config!r} not found ({train_config})")
+    return cfg.model_copy(update={"train_config": str(train_config)})
+
+
+def sweep_dir(cfg: SweepConfig) -> Path:
+    return Path(cfg.output_dir) / cfg.name
+
+
+# Short forms for run names: kl.beta=0.05 -> b0.05, max_lag=2 -> lag2, seed=0 -> s0; the KL
+# estimator and placement are their own names (k1, reward). Other keys: <last part>_<value>.
+_PREFIX = {"kl.beta": "b", "max_lag": "lag", "seed": "s", "kl.truncate": "C",
+           "kl.importance": "is_", "learner.lr": "lr", "total_steps": "T"}
+_BARE = {"kl.estimator", "kl.placement"}
+
+
+def value_token(key: str, value: Any) -> str:
+    """A grid value as it appears in run names and report labels (`b0.05`, `k3`, `lag2`)."""
+    text = format(value, "g") if isinstance(value, float) else str(value)
+    prefix = "" if key in _BARE else _PREFIX.get(key, key.rsplit(".", 1)[-1] + "_")
+    return re.sub(r"[^\w.\-]", "_", prefix + text)
+
+
+def override_value(value: Any) -> str:
+    """A value as the right-hand side of a `key=value` override (YAML; JSON where needed)."""
+    if isinstance(value, str) and yaml.safe_load(value) == value and "," not in value:
+        return value
+    return json.dumps(value)
+
+
+def expand(cfg: SweepConfig) -> list[RunSpec]:
+    """The sweep's runs, in grid order. Raises ConfigError when two runs would share a name."""
+    keys = list(cfg.grid)
+    shared = [f"{k}={override_value(v)}" for k, v in cfg.overrides.items()]
+    runs, seen = [], {}
+    for i, combo in enumerate(itertools.product(*cfg.grid.values()), start=1):
+        values = dict(zip(keys, combo))
+        name = "-".join(value_token(k, v) for k, v in values.items())
+        if name in seen:
+            raise ConfigError(f"grid points {seen[name]} and {values} would both be named {name!r}")
+        seen[name] = values
+        tags = [f"{k}={v}"[:64] for k, v in values.items()]  # wandb caps a tag at 64 chars
+        run_overrides = [*shared, *(f"{k}={override_value(v)}" for k, v in values.items()),
+                         f"output_dir={sweep_dir(cfg)}", f"run_name={name}",
+                         f"logging.wandb_group={cfg.name}", f"logging.tags={json.dumps(tags)}"]
+        runs.append(RunSpec(i, name, values, tuple(run_overrides)))
+    return runs
+
+
+def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
+    """Every run's TrainConfig, validated before anything starts: name -> TrainConfig. A bad
+    grid fails here, naming each bad grid point, rather than hours into the sweep."""
+    from cluster.train_config import TrainConfig
+
+    configs, errors = {}, []
+    for run in runs:
+        try:
+            configs[run.name] = load_config(TrainConfig, cfg.train_config, list(run.overrides))
+        except ConfigError as exc:
+            errors.append(f"{run.name}: {exc}")
+    if errors:
+        raise ConfigError("invalid grid points:\n" + "\n".join(errors))
+    return configs
+
+
+def run_state(run_dir: Path) -> RunState:
+    """finished: the final model is written (the controller writes final/config.json last);
+    partial: the run directory exists (continue it with --resume); new: nothing there yet."""
+    if (run_dir / "final" / "config.json").is_file():
+        return "finished"
+    return "partial" if run_dir.exists() else "new"
+
+
+def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:
+    """`klrl train` arguments of one run (after `python -m cluster.cli`)."""
+    return ["train", cfg.train_config, *run.overrides, *(["--resume"] if state == "partial" else [])]
+
+
+def last_step(run_dir: Path) -> int:
+    """Step of the last line of RUN_DIR/metrics.jsonl (0 if none yet); reads only the tail."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a half-written last line, or the cut first one
+    return 0
+
+
+def cpus_per_run(train_cfg) -> float:
+    """Ray CPUs one run reserves: its rollout workers and its learner ranks."""
+    r, lr = train_cfg.rollout, train_cfg.learner
+    return r.num_workers * r.num_cpus_per_worker + lr.num_ranks * lr.num_cpus_per_rank
+
+
+# ---- running the runs ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """How one run of the sweep ended: skipped (finished before), finished, failed, stopped."""
+
+    run: RunSpec
+    status: Literal["skipped", "finished", "failed", "stopped"]
+    seconds: float = 0.0
+    detail: str = ""  # why it failed and where its output is
+
+
+class LocalLauncher:
+    """Each run is `python -m cluster.cli train ...`, a child process with its own local Ray
+    cluster, writing its output to SWEEP_DIR/logs/NAME.log (appended to on a resume). Children
+    get their own process group, so only the signals the sweep forwards reach them."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+
+    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState):
+        import subprocess
+        import sys
+        import time
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{run.name}.log"
+        cmd = [sys.executable, "-m", "cluster.cli", *train_command(cfg, run, state)]
+        log = open(log_path, "a")  # noqa: SIM115 - closed by poll() when the child exits
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, log, log_path
+
+    def poll(self, handle) -> int | None:
+        proc, log, _ = handle
+        code = proc.poll()
+        if code is not None:
+            log.close()
+        return code
+
+    def stop(self, handle, signum: int) -> None:
+        if handle[0].poll() is None:
+            handle[0].send_signal(signum)  # klrl train: first signal checkpoints, second stops now
+
+    def where(self, handle) -> str:
+        return f"log: {handle[2]}"
+
+
+class RayJobLauncher:
+    """One Ray job per run (`klrl submit --no-wait`), polled for its status. The run
+    directories must be on storage this machine shares with the cluster (see SweepConfig)."""
+
+    def __init__(self, address: str, python: str = "python"):
+        from ray.job_submission import JobSubmissionClient
+
+        from cluster.cmd_train import _auth_headers
+
+        self.address, self.python = address, python
+        self.client = JobSubmissionClient(address, headers=_auth_headers())
+
+    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
+        from cluster.cmd_train import submit
+
+        args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
+        return submit(cfg.train_config, self.address, args, wait=False, python=self.python)
+
+    def poll(self, job_id: str) -> int | None:
+        from ray.job_submission import JobStatus
+
+        status = self.client.get_job_status(job_id)
+        if not status.is_terminal():
+            return None
+        return 0 if status == JobStatus.SUCCEEDED else 1
+
+    def stop(self, job_id: str, signum: int) -> None:
+        self.client.stop_job(job_id)  # Ray sends SIGTERM (the run checkpoints), later SIGKILL
+
+    def where(self, job_id: str) -> str:
+        return f"logs: ray job logs {job_id} --address {self.address}"
+
+
+class _ForwardedSignals:
+    """SIGINT/SIGTERM while the sweep runs: start no more runs and pass the signal on to the
+    running ones (klrl train checkpoints on the first and stops at once on the second)."""
+
+    def __enter__(self):
+        import signal
+
+        self.received: list[int] = []
+        self.unforwarded: list[int] = []
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.received.append(signum)
+        self.unforwarded.append(signum)
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
+              launcher) -> tuple[list[Outcome], int | None]:
+    """Run every unfinished run, `cfg.parallel` at a time, showing progress. Returns the
+    outcomes (in the order runs ended) and the signal that stopped the sweep, if one did."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cluster.config import dump_config
+
+    root = sweep_dir(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, root / "sweep.yaml")
+    console, n = Console(), len(runs)
+    outcomes, todo = [], []
+    for run in runs:
+        state = run_state(root / run.name)
+        if state == "finished":
+            outcomes.append(Outcome(run, "skipped"))
+            _say(console, f"[{run.index}/{n}] {run.name}: finished before, skipped")
+        else:
+            todo.append((run, state))
+    active: dict[str, tuple] = {}  # name -> (run, handle, start time, progress task)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress, _ForwardedSignals() as signals:
+        overall = progress.add_task(f"sweep {cfg.name} (runs)", total=n, completed=len(outcomes))
+        while active or (todo and not signals.received):
+            while todo and len(active) < cfg.parallel and not signals.received:
+                run, state = todo.pop(0)
+                handle = launcher.start(cfg, run, state)
+                verb = "resuming" if state == "partial" else "started"
+                _say(progress.console, f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
+                task = progress.add_task(f"  [{run.index}/{n}] {run.name} (steps)",
+                                         total=configs[run.name].total_steps)
+                active[run.name] = (run, handle, time.monotonic(), task)
+            while signals.unforwarded:
+                signum = signals.unforwarded.pop(0)
+                for _, handle, _, _ in active.values():
+                    launcher.stop(handle, signum)
+            time.sleep(cfg.poll_s)
+            for name, (run, handle, t0, task) in list(active.items()):
+                progress.update(task, completed=last_step(root / name))
+                code = launcher.poll(handle)
+                if code is None:
+                    continue
+                del active[name]
+                progress.remove_task(task)
+                progress.advance(overall)
+                outcome = _outcome(run, code, time.monotonic() - t0, root, signals.received,
+                                   launcher.where(handle))
+                outcomes.append(outcome)
+                _say(progress.console, f"[{run.index}/{n}] {run.name}: {outcome.status} after "
+                     f"{_duration(outcome.seconds)}" + (f" ({outcome.detail})" if outcome.detail else ""))
+    return outcomes, (signals.received[0] if signals.received else None)
+
+
+def _say(console, text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)  # paths stay one line
+
+
+def _outcome(run: RunSpec, code: int, seconds: float, root: Path, signalled: list, where: str) -> Outcome:
+    if code == 0 and run_state(root / run.name) == "finished":
+        return Outcome(run, "finished", seconds)
+    if signalled:
+        return Outcome(run, "stopped", seconds, f"exit {code}; {where}")
+    why = f"exit {code}" if code else "exited 0 but wrote no final model"
+    return Outcome(run, "failed", seconds, f"{why}; {where}")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

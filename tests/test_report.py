@@ -1,0 +1,158 @@
+"""`klrl report`: instability flags on synthetic series, grouping runs into configurations,
+and the written report (markdown table, flags, PNGs) for a sweep and for a single run. The
+runs are synthetic run directories (config.yaml + metrics.jsonl), which is all a report reads."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.report import (
+    ReportConfig,
+    accuracy_collapse,
+    find_runs,
+    group_runs,
+    instability_flags,
+    kl_blowup,
+    load_run,
+    write_report,
+)
+
+CFG = ReportConfig()
+
+
+def write_run(run_dir: Path, estimator="k1", placement="reward", lag=0, seed=0, steps=40,
+              kl=lambda s: 0.01 * s, acc=lambda s: 0.2 + 0.002 * s, finished=True, extra=None):
+    """A run directory like the controller's: config.yaml, metrics.jsonl (evaluations every 10
+    steps and at step 0, merged into the step's row), final/config.json when finished."""
+    run_dir.mkdir(parents=True)
+    config = {"run_name": run_dir.name, "output_dir": str(run_dir.parent), "seed": seed,
+              "max_lag": lag, "kl": {"estimator": estimator, "placement": placement, "beta": 0.05},
+              "learner": {"grad_clip": 1.0}, "logging": {"tags": [f"seed={seed}"]}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = []
+    for s in range(steps + 1):
+        row = {"step": s}
+        if s:
+            row |= {"reward/mean": 0.1 + 0.005 * s + 0.01 * seed, "kl/seq_k1": kl(s), "kl/seq_k3": kl(s),
+                    "is/ratio_max": 1 + 0.1 * lag, "is/ratio_min": 1 - 0.05 * lag, "lag/mean": lag,
+                    "grad/norm": 2.0 + math.sin(s), "nonfinite": 0.0}
+        if s % 10 == 0:
+            row |= {"eval/in_domain/accuracy": acc(s), "eval/out_of_domain/accuracy": acc(s) / 2}
+        row |= (extra or {}).get(s, {})
+        rows.append(row)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if finished:
+        (run_dir / "final").mkdir()
+        (run_dir / "final" / "config.json").write_text("{}")
+    return run_dir
+
+
+@pytest.mark.parametrize("values, expected_step", [
+    ([0.2, 0.3, 0.25, 0.1, 0.05, 0.04], 30),   # falls below 0.5 x best (0.3) and stays
+    ([0.2, 0.3, 0.1, 0.3, 0.28, 0.3], None),   # a dip that recovers
+    ([0.3, 0.2, 0.16, 0.15], None),            # a slow decline that never halves
+    ([0.04, 0.0, 0.0, 0.0], None),             # near zero: below collapse_min_peak, noise
+    ([0.2, 0.3, 0.3, 0.3, 0.3, 0.1], 50),      # collapsed at the last evaluation
+])
+def test_accuracy_collapse(values, expected_step):
+    steps = [10 * i for i in range(len(values))]
+    hit = accuracy_collapse(steps, values, CFG)
+    assert (hit[0] if hit else None) == expected_step, hit
+
+
+def test_kl_blowup_grows_past_its_early_level_and_ignores_single_spikes():
+    steps = list(range(1, 101))
+    steady = [0.3 * s / 100 for s in steps]                   # trained KL: 0 -> 0.3
+    assert kl_blowup(steps, steady, CFG) is None
+    spiky = [v if s != 50 else 100.0 for s, v in zip(steps, steady)]  # one outlier batch
+    assert kl_blowup(steps, spiky, CFG) is None
+    blowing = [0.1 if s < 60 else 0.1 * 1.5 ** (s - 60) for s in steps]
+    step, detail = kl_blowup(steps, blowing, CFG)
+    # early level 0.1 -> threshold 2; 0.1 * 1.5^k > 2 first at k = 8, and the 5-step median
+    # lags two steps behind
+    assert step == 70 and "kl/seq_k1" in detail and "20 x early level 0.1" in detail
+    assert kl_blowup(steps, steady, ReportConfig(kl_max=0.2))[0] == 69  # median 0.201 at 69
+    assert kl_blowup(steps, steady, ReportConfig(kl_growth=2, kl_floor=0.01)) is not None
+
+
+def test_flags_of_a_run(tmp_path):
+    stable = load_run(write_run(tmp_path / "stable"))
+    assert instability_flags(stable, CFG) == []
+    bad = load_run(write_run(
+        tmp_path / "bad", kl=lambda s: 0.05 if s < 20 else 5.0 * (s - 19),
+        acc=lambda s: {0: 0.2, 10: 0.4, 20: 0.3}.get(s, 0.05),
+        extra={33: {"nonfinite": 1.0, "grad/norm": "nan"}, 35: {"loss/total": "inf"}}))
+    flags = {f.kind: f for f in instability_flags(bad, CFG)}
+    assert set(flags) == {"accuracy collapse (in-domain)", "accuracy collapse (out-of-domain)",
+                          "KL blow-up", "non-finite"}
+    assert flags["accuracy collapse (in-domain)"].step == 30
+    assert flags["KL blow-up"].step == 22  # median of steps 18-22 = 5.0 * 1 > 20 x 0.05
+    assert flags["non-finite"].step == 33 and "2 step(s)" in flags["non-finite"].detail
+    assert "refused step" in flags["non-finite"].detail and "grad/norm" in flags["non-finite"].detail
+
+
+def test_replayed_steps_keep_the_later_row(tmp_path):
+    run_dir = write_run(tmp_path / "resumed", steps=5)
+    with open(run_dir / "metrics.jsonl", "a") as f:  # resumed from step 3's checkpoint
+        f.writelines(json.dumps({"step": s, "reward/mean": 9.0}) + "\n" for s in (4, 5, 6))
+        f.write('{"step": 7, "rew')  # cut by a crash
+    run = load_run(run_dir)
+    assert run.series("reward/mean")[0] == [1, 2, 3, 4, 5, 6]
+    assert run.series("reward/mean")[1][3:] == [9.0, 9.0, 9.0] and run.last_step == 6
+
+
+def test_runs_group_by_configuration_not_seed(tmp_path):
+    for est, placement, lag in (("k1", "reward", 0), ("k1", "loss", 4)):
+        for seed in (0, 1):
+            write_run(tmp_path / f"{est}-{placement}-lag{lag}-s{seed}", est, placement, lag, seed)
+    groups = group_runs(find_runs(tmp_path))
+    assert list(groups) == ["k1-loss-lag4", "k1-reward-lag0"]
+    assert [r.name for r in groups["k1-reward-lag0"]] == ["k1-reward-lag0-s0", "k1-reward-lag0-s1"]
+
+
+def test_plot_styles_colour_the_kl_configuration_and_dash_the_lag(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from cluster.report_plots import _styles
+
+    for est, placement, lag in (("k1", "reward", 0), ("k1", "reward", 4), ("k3", "loss", 0), ("k3", "loss", 4)):
+        write_run(tmp_path / f"{est}-{placement}-lag{lag}", est, placement, lag)
+    styles = _styles(group_runs(find_runs(tmp_path)), plt)
+    assert styles["k1-reward-lag0"][0] == styles["k1-reward-lag4"][0] != styles["k3-loss-lag0"][0]
+    assert [styles[k][1] for k in ("k1-reward-lag0", "k1-reward-lag4", "k3-loss-lag4")] == ["-", "--", "--"]
+
+
+def test_report_of_a_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1):
+        write_run(sweep / f"k1-reward-lag0-s{seed}", seed=seed, acc=lambda s, d=seed: 0.2 + 0.01 * s + 0.1 * d)
+        write_run(sweep / f"k1-loss-lag4-s{seed}", "k1", "loss", 4, seed, finished=seed == 0,
+                  kl=(lambda s: 0.05 * 1.3 ** s) if seed else (lambda s: 0.01 * s))
+    report = write_report(sweep)
+    assert report == sweep / "report" / "report.md"
+    md = report.read_text()
+    # final in-domain accuracy of k1-reward-lag0: 0.6 and 0.7 -> mean 0.650, sample std 0.071
+    assert "| `k1-reward-lag0` | 2 | 40 | 0.650 ± 0.071 | 0.325 ± 0.035 | 0/2 |" in md
+    assert "| `k1-loss-lag4` | 2 (1 unfinished) | 40 |" in md and "| 1/2 |" in md
+    assert "| `k1-loss-lag4-s1` | KL blow-up |" in md
+    assert "labelled by `kl.estimator`, `kl.placement`, `max_lag`" in md
+    for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
+        assert (sweep / "report" / png).stat().st_size > 10_000
+        assert f"]({png})" in md
+
+
+def test_report_of_one_run_and_the_cli(tmp_path, capsys):
+    from cluster.cli import main
+
+    run_dir = write_run(tmp_path / "my-run", acc=lambda s: 0.4 if s < 30 else 0.1)
+    assert main(["report", str(run_dir)]) == 0
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "| `k1-reward` | 1 | 40 | 0.100 | 0.050 | 1/1 |" in md
+    assert "| `my-run` | accuracy collapse (in-domain) | 30 |" in md
+    assert main(["report", str(run_dir), "collapse_fraction=0.1"]) == 0
+    assert "No run was flagged" in (run_dir / "report" / "report.md").read_text()
+    assert main(["report", str(run_dir), "colapse_fraction=0.1"]) == 2
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "colapse_fraction" in capsys.readouterr().err

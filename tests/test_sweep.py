@@ -1,0 +1,238 @@
+"""`klrl sweep`: grid expansion and run names, validation before anything starts, the
+skip-finished / resume-partial decisions and failure handling of the run loop (with a launcher
+that runs nothing), and one real 2-run sweep through the CLI that is rerun (both skipped) and
+reported."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError
+from cluster.sweep import (
+    SweepConfig,
+    expand,
+    last_step,
+    load_sweep,
+    run_state,
+    run_sweep,
+    sweep_dir,
+    train_command,
+    validate_runs,
+    value_token,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def _sweep(tmp_path, **fields) -> SweepConfig:
+    data = {"name": "grid", "train_config": str(TINY), "output_dir": str(tmp_path), "poll_s": 0.01,
+            "grid": {"kl.estimator": ["k1", "k3"], "kl.placement": ["reward", "loss"],
+                     "max_lag": [0, 2], "seed": [0, 1]}} | fields
+    return SweepConfig.model_validate(data)
+
+
+def test_grid_expands_in_order_with_names_from_values(tmp_path):
+    runs = expand(_sweep(tmp_path))
+    assert len(runs) == 16 and [r.index for r in runs] == list(range(1, 17))
+    assert [r.name for r in runs[:3]] == ["k1-reward-lag0-s0", "k1-reward-lag0-s1", "k1-reward-lag2-s0"]
+    assert runs[-1].name == "k3-loss-lag2-s1"
+    assert runs[-1].values == {"kl.estimator": "k3", "kl.placement": "loss", "max_lag": 2, "seed": 1}
+    assert len({r.name for r in runs}) == 16
+
+
+def test_value_tokens():
+    assert value_token("kl.beta", 0.05) == "b0.05"
+    assert value_token("kl.placement", "reward+loss") == "reward_loss"
+    assert value_token("kl.importance", "prefix") == "is_prefix"
+    assert value_token("kl.truncate", None) == "CNone"
+    assert value_token("rollout.temperature", 0.7) == "temperature_0.7"
+    assert value_token("learner.lr", 1e-4) == "lr0.0001"
+
+
+def test_each_run_validates_with_its_values_group_and_tags(tmp_path):
+    cfg = _sweep(tmp_path, overrides={"total_steps": 7, "eval": {"num_problems": 9}},
+                 grid={"kl.beta": [0.05, 0.5], "kl.truncate": [None, 2.0], "kl.importance": ["prefix"]})
+    runs = expand(cfg)
+    configs = validate_runs(cfg, runs)
+    assert [r.name for r in runs] == ["b0.05-CNone-is_prefix", "b0.05-C2-is_prefix",
+                                      "b0.5-CNone-is_prefix", "b0.5-C2-is_prefix"]
+    train = configs["b0.05-C2-is_prefix"]
+    assert (train.kl.beta, train.kl.truncate, train.kl.importance) == (0.05, 2.0, "prefix")
+    assert train.total_steps == 7 and train.eval.num_problems == 9
+    assert train.run_name == "b0.05-C2-is_prefix" and Path(train.output_dir) == tmp_path / "grid"
+    assert train.logging.wandb_group == "grid"
+    assert train.logging.tags == ["kl.beta=0.05", "kl.truncate=2.0", "kl.importance=prefix"]
+
+
+def test_sweep_file_and_cli_overrides(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "tiny.yaml").write_text(TINY.read_text())
+    path = tmp_path / "sweeps" / "s.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({"name": "s", "train_config": "../base/tiny.yaml",
+                                    "grid": {"kl": {"estimator": ["k1", "k3"]}}}))
+    cfg = load_sweep(path, ["grid.seed=[0,1,2]", "overrides.total_steps=5", "parallel=2"])
+    assert Path(cfg.train_config) == (tmp_path / "base" / "tiny.yaml").resolve()
+    assert cfg.grid == {"kl.estimator": ["k1", "k3"], "seed": [0, 1, 2]}
+    assert cfg.overrides == {"total_steps": 5} and cfg.parallel == 2
+    assert len(expand(cfg)) == 6
+    (tmp_path / "rel.yaml").write_text("name: r\ntrain_config: missing.yaml\ngrid: {seed: [0]}\n")
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_sweep(tmp_path / "rel.yaml")
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"grid": {"run_name": ["a", "b"]}}, "set by the sweep"),
+    ({"overrides": {"output_dir": "x"}}, "set by the sweep"),
+    ({"grid": {"seed": [0, 0]}}, "twice"),
+    ({"grid": {"seed": []}}, "at least 1"),
+    ({"grid": {}}, "at least 1"),
+    ({"grid": {"bad key": [1]}}, "config key"),
+    ({"parallel": 0}, "parallel"),
+    ({"overrides": {"seed": 3}}, "both in grid and in overrides"),
+])
+def test_bad_sweep_fields_are_rejected(tmp_path, fields, match):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=match):
+        _sweep(tmp_path, **fields)
+
+
+def test_bad_grid_points_fail_before_anything_runs(tmp_path):
+    cfg = _sweep(tmp_path, grid={"kl.beta": [0.1, "0.1"]})
+    with pytest.raises(ConfigError, match="both be named 'b0.1'"):
+        expand(cfg)
+    cfg = _sweep(tmp_path, grid={"kl.truncate": [None, 2.0]})  # truncate needs importance
+    with pytest.raises(ConfigError, match="CNone|C2") as exc:
+        validate_runs(cfg, expand(cfg))
+    assert "C2" in str(exc.value) and "CNone:" not in str(exc.value)
+
+
+def test_run_state_and_resume_flag(tmp_path):
+    cfg = _sweep(tmp_path)
+    run = expand(cfg)[0]
+    run_dir = sweep_dir(cfg) / run.name
+    assert run_state(run_dir) == "new" and "--resume" not in train_command(cfg, run, "new")
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "x"')
+    assert run_state(run_dir) == "partial" and train_command(cfg, run, "partial")[-1] == "--resume"
+    assert last_step(run_dir) == 1  # the cut last line is ignored
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "config.json").write_text("{}")
+    assert run_state(run_dir) == "finished"
+
+
+class FakeLauncher:
+    """Runs nothing: a started run 'finishes' (writes final/config.json) at once, except those
+    named in `fail`, which exit 1 without a final model."""
+
+    def __init__(self, fail=()):
+        self.fail, self.started = set(fail), []
+
+    def start(self, cfg, run, state):
+        self.started.append((run.name, state, train_command(cfg, run, state)))
+        run_dir = sweep_dir(cfg) / run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        if run.name not in self.fail:
+            (run_dir / "final").mkdir()
+            (run_dir / "final" / "config.json").write_text("{}")
+        return run.name
+
+    def poll(self, handle):
+        return 1 if handle in self.fail else 0
+
+    def stop(self, handle, signum):
+        raise AssertionError("no signal was sent")
+
+    def where(self, handle):
+        return f"fake {handle}"
+
+
+def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
+    from cluster.cmd_sweep import _summarise
+
+    cfg = _sweep(tmp_path, parallel=3, grid={"kl.estimator": ["k1", "k3"], "seed": [0, 1]})
+    runs = expand(cfg)
+    configs = validate_runs(cfg, runs)
+    done, partial = sweep_dir(cfg) / "k1-s0", sweep_dir(cfg) / "k1-s1"
+    (done / "final").mkdir(parents=True)
+    (done / "final" / "config.json").write_text("{}")
+    partial.mkdir()
+    launcher = FakeLauncher(fail={"k3-s0"})
+    outcomes, signum = run_sweep(cfg, runs, configs, launcher)
+    assert signum is None
+    assert {o.run.name: o.status for o in outcomes} == {
+        "k1-s0": "skipped", "k1-s1": "finished", "k3-s0": "failed", "k3-s1": "finished"}
+    assert [(name, state) for name, state, _ in launcher.started] == [
+        ("k1-s1", "partial"), ("k3-s0", "new"), ("k3-s1", "new")]
+    assert launcher.started[0][2][-1] == "--resume" and "--resume" not in launcher.started[1][2]
+    failed = next(o for o in outcomes if o.status == "failed")
+    assert "exit 1" in failed.detail and "fake k3-s0" in failed.detail
+    assert _summarise(cfg, runs, outcomes, None, write=False) == 1
+    assert yaml.safe_load((sweep_dir(cfg) / "sweep.yaml").read_text())["name"] == "grid"
+
+    # Again: the finished runs are skipped; the failed one (its directory exists) is resumed.
+    again = FakeLauncher()
+    outcomes, _ = run_sweep(cfg, runs, configs, again)
+    assert [(name, state) for name, state, _ in again.started] == [("k3-s0", "partial")]
+    assert _summarise(cfg, runs, outcomes, None, write=False) == 0
+
+
+def test_dry_run_lists_runs_and_states(tmp_path, capsys):
+    from cluster.cli import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "dry", "train_config": str(TINY), "output_dir": str(tmp_path),
+                                    "grid": {"max_lag": [0, 4]}}))
+    assert main(["sweep", str(path), "--dry-run", "overrides.total_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/2] lag0 (new): klrl train" in out and "[2/2] lag4 (new)" in out and "total_steps=3" in out
+    assert main(["sweep", str(path), "--dry-run", "grid.max_lag=[-1]"]) == 2
+    assert main(["sweep", str(path), "--address", "http://x:8265", "output_dir=rel"]) == 2
+
+
+@pytest.mark.slow
+def test_real_sweep_runs_resumes_and_reports(tmp_path, tiny_model_dir):
+    """Two real 3-step runs through `klrl sweep` (subprocesses, Ray + vLLM + DeepSpeed each);
+    the rerun skips both; `klrl report` tabulates both configurations."""
+    path = tmp_path / "tiny_sweep.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "e2e", "train_config": str(TINY), "output_dir": str(tmp_path / "runs"), "poll_s": 0.5,
+        "overrides": {"model.path": str(tiny_model_dir), "total_steps": 3, "eval_every": 0,
+                      "max_lag": 1, "eval.num_problems": 8, "eval.samples": 0,
+                      "rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 4,
+                      "logging.wandb_mode": "disabled"},
+        "grid": {"kl.estimator": ["k1", "k3"], "kl.placement": ["loss"]}}))
+    def klrl(*args, timeout):
+        return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, check=False,
+                              capture_output=True, text=True, timeout=timeout)
+
+    t0 = time.monotonic()
+    first = klrl("sweep", str(path), timeout=400)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "2 finished, 0 skipped" in first.stdout
+    root = tmp_path / "runs" / "e2e"
+    for name in ("k1-loss", "k3-loss"):
+        assert run_state(root / name) == "finished"
+        rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == 3
+        assert (root / "logs" / f"{name}.log").is_file()
+    assert (root / "report" / "report.md").is_file()  # the sweep reports when it ends
+    print(f"first sweep: {time.monotonic() - t0:.0f}s")
+
+    again = klrl("sweep", str(path), timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 finished, 2 skipped" in again.stdout and ": started" not in again.stdout
+
+    report = klrl("report", str(root), timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    md = (root / "report" / "report.md").read_text()
+    assert "| `k1-loss` | 1 | 3 |" in md and "| `k3-loss` | 1 | 3 |" in md
+    for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
+        assert (root / "report" / png).stat().st_size > 10_000, png
