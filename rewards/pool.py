@@ -27,6 +27,9 @@ from typing import Any
 from rewards.records import Problem, Scorer, ScoreResult
 
 LOAD_TIMEOUT_S = 60.0  # worker start-up plus importing the scorer's module (sympy: seconds)
+# Items sent to a worker in one message. Their replies (a few hundred bytes each) must fit in
+# the pipe's buffer (64 KiB on Linux), so that a worker never blocks on a parent that is busy.
+MAX_CHUNK = 64
 _DETAIL_CHARS = 300
 # Thread pools (BLAS, OpenMP) reserve address space per thread; keep workers single-threaded
 # so the address-space limit measures what the scorer allocates.
@@ -123,26 +126,46 @@ class ScoringPool:
         todo = deque(range(len(problems)))
 
         def finish(worker: _Worker, result: ScoreResult) -> None:
-            results[worker.item] = result
-            worker.item, worker.deadline = None, None
+            """`result` for the worker's current item; the next one's clock starts now."""
+            results[worker.items.popleft()] = result
+            worker.deadline = time.monotonic() + self.timeout_s if worker.items else None
 
-        def dispatch(worker: _Worker, item: int) -> None:
-            worker.item = item
+        def give_back(worker: _Worker) -> None:
+            """Items sent to a worker that is being replaced go back to the front of the queue."""
+            todo.extendleft(reversed(worker.items))
+            worker.items.clear()
+
+        def send_chunk(worker: _Worker) -> None:
+            chunk = [(problems[i], completions[i]) for i in worker.items]
             try:
-                if scorer_blob in worker.loaded:
-                    worker.send(("score", scorer_blob, problems[item], completions[item]),
-                                self.timeout_s)
-                else:
-                    worker.send(("load", scorer_blob), max(LOAD_TIMEOUT_S, self.timeout_s))
+                worker.send(("score", scorer_blob, chunk), self.timeout_s)
             except (OSError, ValueError):  # the idle worker had died (e.g. OOM killer)
                 finish(worker, _failure("crash", "scoring worker died before the item"))
+                give_back(worker)
                 self._replace(worker)
 
-        while todo or any(w.item is not None for w in self._workers):
+        def dispatch(worker: _Worker) -> None:
+            # Chunks, not single items: one message per item each way costs more than the
+            # scoring itself for cheap scorers. Items are scored in order, each under its own
+            # deadline (restarted as each result arrives), so the per-item limits still hold.
+            idle = sum(1 for w in self._workers if not w.items)
+            size = max(1, min(MAX_CHUNK, -(-len(todo) // max(1, idle))))
+            worker.items.extend(todo.popleft() for _ in range(min(size, len(todo))))
+            if scorer_blob in worker.loaded:
+                send_chunk(worker)
+                return
+            try:
+                worker.send(("load", scorer_blob), max(LOAD_TIMEOUT_S, self.timeout_s))
+            except (OSError, ValueError):
+                finish(worker, _failure("crash", "scoring worker died before the item"))
+                give_back(worker)
+                self._replace(worker)
+
+        while todo or any(w.items for w in self._workers):
             for worker in list(self._workers):
-                if worker.item is None and todo:
-                    dispatch(worker, todo.popleft())
-            busy = [w for w in self._workers if w.item is not None]
+                if not worker.items and todo:
+                    dispatch(worker)
+            busy = [w for w in self._workers if w.items]
             if not busy:
                 continue
             next_deadline = min(w.deadline for w in busy)
@@ -151,17 +174,20 @@ class ScoringPool:
             for worker in busy:
                 # Poll rather than trust wait()'s answer: a reply that arrived while this loop
                 # was replacing another worker is a result, not a timeout.
-                if worker.conn.poll() or not worker.process.is_alive():
-                    self._collect(worker, scorer_blob, finish, dispatch)
-                elif time.monotonic() >= worker.deadline:
+                while worker.items and (worker.conn.poll() or not worker.process.is_alive()):
+                    if not self._collect(worker, scorer_blob, finish, give_back, send_chunk):
+                        break
+                if worker.items and time.monotonic() >= worker.deadline:
                     phase = "loading the scorer" if worker.loading else "scoring"
                     limit = LOAD_TIMEOUT_S if worker.loading else self.timeout_s
                     finish(worker, _failure("timeout", f"{phase} took over {limit:g} s"))
+                    give_back(worker)
                     self._replace(worker)
         return [r if r is not None else _failure("crash", "lost") for r in results]
 
-    def _collect(self, worker: _Worker, scorer_blob: bytes, finish, dispatch) -> None:
-        """Handle a worker whose pipe is readable or whose process has ended."""
+    def _collect(self, worker: _Worker, scorer_blob: bytes, finish, give_back, send_chunk) -> bool:
+        """Handle one message of a worker whose pipe is readable or whose process has ended.
+        Returns False when the worker was replaced (its remaining items went back to the queue)."""
         try:
             if not worker.conn.poll():
                 raise EOFError
@@ -170,19 +196,24 @@ class ScoringPool:
             worker.process.join(timeout=1.0)
             code = worker.process.exitcode
             finish(worker, _failure("crash", f"scoring worker died (exit code {code})"))
+            give_back(worker)
             self._replace(worker)
-            return
+            return False
         kind = message[0]
         if kind == "loaded":
             worker.loaded.add(scorer_blob)
-            dispatch(worker, worker.item)
+            send_chunk(worker)
         elif kind == "load_failed":
-            finish(worker, _failure("exception", f"cannot load the scorer: {message[1]}"))
+            while worker.items:  # every item of the chunk needs the scorer
+                finish(worker, _failure("exception", f"cannot load the scorer: {message[1]}"))
         else:  # "scored"
             _, reward, failure, detail, retire = message
             finish(worker, ScoreResult(reward=reward, failure=failure, detail=detail))
-            if retire:
+            if retire:  # it exits without reading the rest of its chunk
+                give_back(worker)
                 self._replace(worker)
+                return False
+        return True
 
 
 class _Worker:
@@ -195,8 +226,8 @@ class _Worker:
         self.process.start()
         child_conn.close()
         self.loaded: set[bytes] = set()  # pickled scorers this worker has imported
-        self.item: int | None = None
-        self.deadline: float | None = None
+        self.items: deque[int] = deque()   # sent to it, not yet answered; the first is running
+        self.deadline: float | None = None  # of the first item
         self.loading = False
 
     def send(self, message: tuple, limit_s: float) -> None:
@@ -206,7 +237,7 @@ class _Worker:
 
     def stop(self) -> None:
         """Ask an idle worker to exit, then make sure it has."""
-        if self.process.is_alive() and self.item is None:
+        if self.process.is_alive() and not self.items:
             try:
                 self.conn.send(None)
                 self.process.join(timeout=1.0)
@@ -227,7 +258,8 @@ class _Worker:
 
 
 def _worker_main(conn: Any, max_memory_mb: int) -> None:
-    """Serve ("load", scorer_blob) and ("score", scorer_blob, problem, completion) until None."""
+    """Serve ("load", scorer_blob) and ("score", scorer_blob, [(problem, completion), ...])
+    until None: one ("scored", ...) reply per item, in order, as each is done."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     for name in _SINGLE_THREAD_ENV:
         os.environ[name] = "1"
@@ -249,18 +281,22 @@ def _worker_main(conn: Any, max_memory_mb: int) -> None:
                 conn.send(("load_failed", _describe(e)))
             baseline = max(baseline, _address_space())  # imports are not a leak
             continue
-        _, blob, problem, completion = message
-        reward, failure, detail = _score_limited(scorers[blob], completion, problem, budget)
-        retire = _address_space() > baseline + budget  # the scorer keeps what it allocated
-        conn.send(("scored", reward, failure, detail, retire))
-        if retire:
-            return
+        _, blob, chunk = message
+        current = _address_space()
+        for problem, completion in chunk:
+            reward, failure, detail = _score_limited(scorers[blob], completion, problem, budget,
+                                                     current)
+            current = _address_space()  # reading it costs more than most scorers: once per item
+            retire = current > baseline + budget  # the scorer keeps what it allocated
+            conn.send(("scored", reward, failure, detail, retire))
+            if retire:
+                return
 
 
-def _score_limited(scorer: Scorer, completion: str, problem: Problem,
-                   budget: int) -> tuple[float, str | None, str | None]:
-    """Run the scorer under an address-space limit of (current + budget) bytes."""
-    current = _address_space()
+def _score_limited(scorer: Scorer, completion: str, problem: Problem, budget: int,
+                   current: int) -> tuple[float, str | None, str | None]:
+    """Run the scorer under an address-space limit of (current + budget) bytes, `current`
+    being this process's address space now."""
     limited = current > 0 and _set_address_limit(current + budget)
     try:
         value = scorer(completion, problem)
