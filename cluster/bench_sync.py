@@ -1,0 +1,85 @@
+"""Weight-sync latency for `klrl bench`, per transport, against the copy-bandwidth bound.
+
+One sync is what the controller does after an optimizer step: `LearnerGroup.export_weights`
+(gather the HF-named tensors, serialise them into the transport) and then every worker's
+`RolloutWorker.load_weights` (fetch, reload into the live vLLM engine), timed from the
+driver until the worker answers. The bound is one copy of the bytes at the measured memcpy
+speed of one core (each actor has one): no sync can move the weights faster than that.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+CPU_TRANSPORTS = ("shm", "object_store")  # nccl needs GPUs
+
+
+@dataclass
+class SyncLatency:
+    model: str
+    transport: str
+    num_bytes: int
+    publish_seconds: float    # median: learner export (gather + serialise)
+    load_seconds: float       # median: worker fetch + reload, as the driver sees it
+    total_seconds: float      # median: publish + load, one sync end to end
+    bound_seconds: float      # num_bytes / memcpy bandwidth
+    reps: int
+
+    @property
+    def ratio_to_bound(self) -> float:
+        return self.total_seconds / self.bound_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "transport": self.transport, "num_bytes": self.num_bytes,
+                "publish_seconds": self.publish_seconds, "load_seconds": self.load_seconds,
+                "total_seconds": self.total_seconds, "bound_seconds": self.bound_seconds,
+                "ratio_to_bound": self.ratio_to_bound, "reps": self.reps}
+
+
+def memcpy_bytes_per_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Best-of-`reps` copy speed of one thread between two preallocated buffers."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(num_bytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in before timing
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return num_bytes / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_sync(group, worker, model: str, shm_dir: str, reps: int, bytes_per_s: float,
+                 transports: tuple[str, ...] = CPU_TRANSPORTS) -> list[SyncLatency]:
+    """Sync latency of the learner `group` to the rollout `worker` for each transport
+    (median of `reps` after one warm-up)."""
+    import ray
+
+    out = []
+    for transport in transports:
+        publish, load, total, num_bytes = [], [], [], 0
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            update = group.export_weights(transport, shm_dir)
+            t1 = time.perf_counter()
+            ray.get(worker.load_weights.remote(update))
+            t2 = time.perf_counter()
+            if r:
+                publish.append(t1 - t0)
+                load.append(t2 - t1)
+                total.append(t2 - t0)
+            num_bytes = update.num_bytes
+            del update  # object_store: frees the learner's copy in the object store
+        out.append(SyncLatency(model, transport, num_bytes, statistics.median(publish),
+                               statistics.median(load), statistics.median(total),
+                               num_bytes / bytes_per_s, reps))
+    return out

