@@ -8,7 +8,8 @@ PNG per question beside it (report_plots.py).
 
 Instability flags (per run; thresholds are ReportConfig fields, documented in README):
 - accuracy collapse: an eval accuracy falls below `collapse_fraction` x its best earlier value
-  (once that best is at least `collapse_min_peak`) and stays below at every later evaluation.
+  (once that best is at least `collapse_min_peak`) and stays below at every later evaluation,
+  at least `collapse_min_evals` evaluations in all.
 - KL blow-up: the KL metric's trailing median over `smooth` steps exceeds `kl_growth` x its
   early level (median of the first `kl_early_fraction` of steps, at least `kl_floor`), or
   exceeds `kl_max` when set.
@@ -51,6 +52,11 @@ class ReportConfig(BaseModel):
     collapse_min_peak: float = Field(0.05, ge=0, le=1, description="An accuracy collapse counts "
                                      "only once the best earlier accuracy reached this (falls "
                                      "from near zero are noise).")
+    collapse_min_evals: int = Field(2, ge=1, le=1000, description="An accuracy collapse counts "
+                                    "only when at least this many evaluations (the first low "
+                                    "one included) are below the level: a single low final "
+                                    "evaluation is as likely noise (100 problems: +/-0.03) as a "
+                                    "collapse.")
     kl_metric: str = Field("kl/seq_k1", min_length=1, description="KL metric watched for "
                            "blow-ups: the batch's mean per-sequence K1 estimate of KL(pi||ref) "
                            "(the K3 estimate's exp(-delta) has a heavy tail: in stable runs "
@@ -173,8 +179,9 @@ def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
 
 def accuracy_collapse(steps: list[int], values: list[float], cfg: ReportConfig) -> tuple[int, str] | None:
     """First eval step j with acc_j < fraction x max(acc_<j) (max >= min_peak) such that every
-    later eval stays below that level too; (step, explanation) or None."""
-    for j in range(1, len(values)):
+    later eval stays below that level too and at least `collapse_min_evals` evals (j
+    included) are below it; (step, explanation) or None."""
+    for j in range(1, len(values) - cfg.collapse_min_evals + 1):
         earlier = [v for v in values[:j] if math.isfinite(v)]
         if not earlier:
             continue
@@ -319,7 +326,7 @@ def _flag_definitions(cfg: ReportConfig) -> str:
     kl_max = f", or above kl_max = {cfg.kl_max:g}" if cfg.kl_max is not None else ""
     return (f"Flags: *accuracy collapse*: an eval accuracy falls below {cfg.collapse_fraction:g} x "
             f"its best earlier value (when that best is at least {cfg.collapse_min_peak:g}) and "
-            f"stays below until the end; *KL blow-up*: the median of `{cfg.kl_metric}` over "
+            f"stays below until the end, over at least {cfg.collapse_min_evals} evaluation(s); *KL blow-up*: the median of `{cfg.kl_metric}` over "
             f"{cfg.smooth} steps exceeds {cfg.kl_growth:g} x its early level (median of the "
             f"first {cfg.kl_early_fraction:.0%} of steps, at least {cfg.kl_floor:g}){kl_max}; "
             "*non-finite*: a step the learner refused (NaN/inf gradient) or a logged NaN/inf.")

@@ -54,12 +54,20 @@ def write_run(run_dir: Path, estimator="k1", placement="reward", lag=0, seed=0, 
     ([0.2, 0.3, 0.1, 0.3, 0.28, 0.3], None),   # a dip that recovers
     ([0.3, 0.2, 0.16, 0.15], None),            # a slow decline that never halves
     ([0.04, 0.0, 0.0, 0.0], None),             # near zero: below collapse_min_peak, noise
-    ([0.2, 0.3, 0.3, 0.3, 0.3, 0.1], 50),      # collapsed at the last evaluation
+    ([0.2, 0.3, 0.3, 0.3, 0.1, 0.1], 40),      # collapsed, confirmed by the last evaluation
+    ([0.2, 0.3, 0.3, 0.3, 0.3, 0.1], None),    # one low last evaluation: not confirmed
 ])
 def test_accuracy_collapse(values, expected_step):
     steps = [10 * i for i in range(len(values))]
     hit = accuracy_collapse(steps, values, CFG)
     assert (hit[0] if hit else None) == expected_step, hit
+
+
+def test_accuracy_collapse_at_the_last_evaluation_counts_when_asked():
+    values = [0.2, 0.3, 0.3, 0.3, 0.3, 0.1]
+    steps = [10 * i for i in range(len(values))]
+    assert accuracy_collapse(steps, values, ReportConfig(collapse_min_evals=1))[0] == 50
+    assert accuracy_collapse(steps, [0.2, 0.3, 0.1, 0.1, 0.1], ReportConfig(collapse_min_evals=4)) is None
 
 
 def test_kl_blowup_grows_past_its_early_level_and_ignores_single_spikes():
