@@ -154,9 +154,12 @@ def find_runs(path: Path) -> list[RunData]:
 
 def configuration_keys(runs: list[RunData]) -> list[str]:
     """The KL estimator and placement (what "a configuration" means here, always named), then
-    the config keys whose values differ between the runs (seed, names and logging aside)."""
+    the config keys whose values differ between the runs (seed, names and logging aside).
+    kl.beta is also named when a run has none (0): its estimator and placement then mean
+    nothing, and a label without `b0` would pass a no-KL control off as a KL configuration."""
     keys = {k for r in runs for k in r.config if not k.startswith(NOT_CONFIGURATION)}
-    chosen = [k for k in keys if k in ALWAYS_NAMED
+    no_kl = any(r.config.get("kl.beta") == 0 for r in runs)
+    chosen = [k for k in keys if k in ALWAYS_NAMED or (k == "kl.beta" and no_kl)
               or len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
     return sorted(chosen, key=lambda k: (KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER), k))
 

@@ -23,12 +23,13 @@ CFG = ReportConfig()
 
 
 def write_run(run_dir: Path, estimator="k1", placement="reward", lag=0, seed=0, steps=40,
-              kl=lambda s: 0.01 * s, acc=lambda s: 0.2 + 0.002 * s, finished=True, extra=None):
+              kl=lambda s: 0.01 * s, acc=lambda s: 0.2 + 0.002 * s, finished=True, extra=None,
+              beta=0.05):
     """A run directory like the controller's: config.yaml, metrics.jsonl (evaluations every 10
     steps and at step 0, merged into the step's row), final/config.json when finished."""
     run_dir.mkdir(parents=True)
     config = {"run_name": run_dir.name, "output_dir": str(run_dir.parent), "seed": seed,
-              "max_lag": lag, "kl": {"estimator": estimator, "placement": placement, "beta": 0.05},
+              "max_lag": lag, "kl": {"estimator": estimator, "placement": placement, "beta": beta},
               "learner": {"grad_clip": 1.0}, "logging": {"tags": [f"seed={seed}"]}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     rows = []
@@ -118,6 +119,12 @@ def test_runs_group_by_configuration_not_seed(tmp_path):
     groups = group_runs(find_runs(tmp_path))
     assert list(groups) == ["k1-loss-lag4", "k1-reward-lag0"]
     assert [r.name for r in groups["k1-reward-lag0"]] == ["k1-reward-lag0-s0", "k1-reward-lag0-s1"]
+
+
+def test_a_no_kl_control_is_labelled_with_its_beta(tmp_path):
+    for lag in (0, 4):
+        write_run(tmp_path / f"b0-lag{lag}", lag=lag, beta=0.0)
+    assert list(group_runs(find_runs(tmp_path))) == ["k1-reward-b0-lag0", "k1-reward-b0-lag4"]
 
 
 def test_plot_styles_colour_the_kl_configuration_and_dash_the_lag(tmp_path):
