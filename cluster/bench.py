@@ -63,7 +63,7 @@ FULL = BenchPlan(
                                           "rollout.samples_per_prompt=4")),
         Workload("random-100M", SIZE_100M, ("rollout.max_new_tokens=32",), engines=False),
     ),
-    headline="random-25M", engine_reps=3, sync_reps=3, measured_steps=6)
+    headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6)
 
 QUICK = BenchPlan(
     workloads=(Workload("tiny-random", "tiny", ("rollout.max_new_tokens=8", "rollout.prompts_per_step=4",
@@ -95,11 +95,14 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
     bytes_per_s = memcpy_bytes_per_s()
     results: list[WorkloadResult] = []
     started = False
+    # A fresh directory for this invocation's training runs: a kept --work-dir is reused
+    # (its models are rebuilt identically) and run directories refuse to be overwritten.
+    runs_dir = work_dir / "runs" / time.strftime("%Y%m%d-%H%M%S")
     try:
         for w in plan.workloads:
             cfg = _config(w, _model_dir(w, work_dir))
             started = start_ray(cfg) or started  # the first call starts it; the runs share it
-            results.append(_run_workload(w, cfg, plan, work_dir, bytes_per_s))
+            results.append(_run_workload(w, cfg, plan, bytes_per_s, runs_dir))
     finally:
         if started:
             ray.shutdown()
@@ -121,7 +124,7 @@ def _config(w: Workload, model_dir: Path):
     return load_train_config(DEMO_CONFIG, [*w.overrides, f"model.path={model_dir}"])
 
 
-def _run_workload(w: Workload, cfg, plan: BenchPlan, work_dir: Path, bytes_per_s: float):
+def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_dir: Path):
     import ray
 
     from actors.weight_sync import remove_published
@@ -156,7 +159,7 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, work_dir: Path, bytes_per_s
     if w.engines:
         print(f"[bench] {w.name}: end to end at max_lag 0, 1, 2", flush=True)
         result.pipeline = measure_pipeline(w.name, [*w.overrides, f"model.path={cfg.model.path}"],
-                                           work_dir / "runs", plan.measured_steps)
+                                           runs_dir, plan.measured_steps)
     return result
 
 

@@ -10,7 +10,7 @@
 Each baseline runs in a subprocess (`python -m cluster.bench_engines raw-vllm|bare-deepspeed
 SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
 imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
-after one untimed warm-up repetition.
+after WARMUP_REPS untimed ones.
 """
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 WORKER_INDEX = 0  # cluster.worker_pool starts worker 0 first; its seeds are the ones replayed
+# Untimed repetitions before the timed ones, in the baselines and through klrl alike. A fresh
+# process's first steps are slower (allocator and page-cache warm-up: a bare DeepSpeed step
+# took 2.0-2.2 s for its first two repetitions and 1.6-1.8 s after); with one warm-up the
+# bare baseline looked 25% slower than the warmed-up learner actor on the demo model.
+WARMUP_REPS = 2
 
 
 @dataclass
@@ -76,10 +81,10 @@ def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, l
             "seed": cfg.seed, "prompts": [p.prompt for p in problems], "reps": reps}
     raw = _run_baseline("raw-vllm", spec)
     klrl_s, engine_s, tokens, rollouts = [], [], [], []
-    for r in range(reps + 1):
+    for r in range(WARMUP_REPS + reps):
         t0 = time.perf_counter()
         batch = ray.get(worker.generate.remote(problems, group_ids, r))
-        if r:  # repetition 0 is the warm-up
+        if r >= WARMUP_REPS:
             klrl_s.append(time.perf_counter() - t0)
             engine_s.append(batch.gen_seconds)
             tokens.append(batch.num_response_tokens)
@@ -114,14 +119,14 @@ def _raw_vllm(spec: dict) -> dict:
     prompts, n = spec["prompts"], cfg.samples_per_prompt
     seconds, tokens = [], []
     try:
-        for r in range(spec["reps"] + 1):
+        for r in range(WARMUP_REPS + spec["reps"]):
             params = [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k,
                                      top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, logprobs=0,
                                      seed=_request_seed(r, WORKER_INDEX, i, n))
                       for i in range(len(prompts))]
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            if r:
+            if r >= WARMUP_REPS:
                 seconds.append(time.perf_counter() - t0)
                 tokens.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
     finally:
@@ -145,10 +150,10 @@ def measure_learner(group, cfg, batch, reps: int) -> Overhead:
                 "seed": cfg.seed, "batch": str(path), "reps": reps}
         raw = _run_baseline("bare-deepspeed", spec)
     klrl_s, engine_s = [], []
-    for r in range(reps + 1):
+    for r in range(WARMUP_REPS + reps):
         t0 = time.perf_counter()
         metrics = group.train_step(batch)
-        if r:
+        if r >= WARMUP_REPS:
             klrl_s.append(time.perf_counter() - t0)
             engine_s.append(metrics["time/learner_step"])
     tokens = int(batch.attention_mask.sum())
@@ -194,7 +199,7 @@ def _bare_deepspeed(spec: dict) -> dict:
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
     seconds = []
     try:
-        for r in range(spec["reps"] + 1):
+        for r in range(WARMUP_REPS + spec["reps"]):
             t0 = time.perf_counter()
             logp = sequence_logprobs(engine(**inputs).logits, batch.input_ids)
             with torch.no_grad():
@@ -204,7 +209,7 @@ def _bare_deepspeed(spec: dict) -> dict:
             if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:  # as LearnerRank's optimizer does
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
             engine.step()
-            if r:
+            if r >= WARMUP_REPS:
                 seconds.append(time.perf_counter() - t0)
     finally:
         for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):

@@ -36,3 +36,5 @@ def test_quick_bench_writes_every_figure(tmp_path, capsys):
     printed = capsys.readouterr().out
     for title in ("Engine overheads", "Weight sync", "End to end"):
         assert title in printed
+    # Each invocation trains in a directory of its own, so a kept --work-dir can be reused.
+    assert len(list((tmp_path / "work" / "runs").iterdir())) == 1
