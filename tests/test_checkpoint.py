@@ -89,6 +89,7 @@ def test_reference_identity_is_the_weights_content(tmp_path, tiny_model_dir):
 
 
 def test_first_signal_asks_for_a_stop_second_stops_at_once():
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or Ray's once a test started Ray here
     with GracefulStop() as stop:
         assert stop() is None
         os.kill(os.getpid(), signal.SIGTERM)
@@ -97,4 +98,4 @@ def test_first_signal_asks_for_a_stop_second_stops_at_once():
         assert "SIGTERM" in str(request)
         with pytest.raises(KeyboardInterrupt, match="second signal"):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
