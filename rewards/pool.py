@@ -130,19 +130,24 @@ class ScoringPool:
             results[worker.items.popleft()] = result
             worker.deadline = time.monotonic() + self.timeout_s if worker.items else None
 
-        def give_back(worker: _Worker) -> None:
-            """Items sent to a worker that is being replaced go back to the front of the queue."""
+        def replace(worker: _Worker, failure: ScoreResult | None = None) -> None:
+            """Replace `worker`: its current item gets `failure` (when given), the items sent
+            after it go back to the front of the queue."""
+            if failure is not None:
+                finish(worker, failure)
             todo.extendleft(reversed(worker.items))
             worker.items.clear()
+            self._replace(worker)
+
+        def send(worker: _Worker, message: tuple, limit_s: float) -> None:
+            try:
+                worker.send(message, limit_s)
+            except (OSError, ValueError):  # the idle worker had died (e.g. OOM killer)
+                replace(worker, _failure("crash", "scoring worker died before the item"))
 
         def send_chunk(worker: _Worker) -> None:
             chunk = [(problems[i], completions[i]) for i in worker.items]
-            try:
-                worker.send(("score", scorer_blob, chunk), self.timeout_s)
-            except (OSError, ValueError):  # the idle worker had died (e.g. OOM killer)
-                finish(worker, _failure("crash", "scoring worker died before the item"))
-                give_back(worker)
-                self._replace(worker)
+            send(worker, ("score", scorer_blob, chunk), self.timeout_s)
 
         def dispatch(worker: _Worker) -> None:
             # Chunks, not single items: one message per item each way costs more than the
@@ -153,13 +158,8 @@ class ScoringPool:
             worker.items.extend(todo.popleft() for _ in range(min(size, len(todo))))
             if scorer_blob in worker.loaded:
                 send_chunk(worker)
-                return
-            try:
-                worker.send(("load", scorer_blob), max(LOAD_TIMEOUT_S, self.timeout_s))
-            except (OSError, ValueError):
-                finish(worker, _failure("crash", "scoring worker died before the item"))
-                give_back(worker)
-                self._replace(worker)
+            else:
+                send(worker, ("load", scorer_blob), max(LOAD_TIMEOUT_S, self.timeout_s))
 
         while todo or any(w.items for w in self._workers):
             for worker in list(self._workers):
@@ -175,17 +175,15 @@ class ScoringPool:
                 # Poll rather than trust wait()'s answer: a reply that arrived while this loop
                 # was replacing another worker is a result, not a timeout.
                 while worker.items and (worker.conn.poll() or not worker.process.is_alive()):
-                    if not self._collect(worker, scorer_blob, finish, give_back, send_chunk):
+                    if not self._collect(worker, scorer_blob, finish, replace, send_chunk):
                         break
                 if worker.items and time.monotonic() >= worker.deadline:
                     phase = "loading the scorer" if worker.loading else "scoring"
                     limit = LOAD_TIMEOUT_S if worker.loading else self.timeout_s
-                    finish(worker, _failure("timeout", f"{phase} took over {limit:g} s"))
-                    give_back(worker)
-                    self._replace(worker)
+                    replace(worker, _failure("timeout", f"{phase} took over {limit:g} s"))
         return [r if r is not None else _failure("crash", "lost") for r in results]
 
-    def _collect(self, worker: _Worker, scorer_blob: bytes, finish, give_back, send_chunk) -> bool:
+    def _collect(self, worker: _Worker, scorer_blob: bytes, finish, replace, send_chunk) -> bool:
         """Handle one message of a worker whose pipe is readable or whose process has ended.
         Returns False when the worker was replaced (its remaining items went back to the queue)."""
         try:
@@ -195,9 +193,7 @@ class ScoringPool:
         except (EOFError, OSError):
             worker.process.join(timeout=1.0)
             code = worker.process.exitcode
-            finish(worker, _failure("crash", f"scoring worker died (exit code {code})"))
-            give_back(worker)
-            self._replace(worker)
+            replace(worker, _failure("crash", f"scoring worker died (exit code {code})"))
             return False
         kind = message[0]
         if kind == "loaded":
@@ -210,8 +206,7 @@ class ScoringPool:
             _, reward, failure, detail, retire = message
             finish(worker, ScoreResult(reward=reward, failure=failure, detail=detail))
             if retire:  # it exits without reading the rest of its chunk
-                give_back(worker)
-                self._replace(worker)
+                replace(worker)
                 return False
         return True
 
