@@ -172,19 +172,9 @@ def _problems(cfg) -> list:
 
 def _train_batch(cfg, rollouts):
     """The TrainBatch the controller would build from these rollouts."""
-    import torch
-    from transformers import AutoTokenizer
+    from learner.batch import TrainBatch, pad_token_id
 
-    import kl
-    from learner.batch import TrainBatch
-
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-    group_ids = torch.tensor([r.group_id for r in rollouts])
-    adv = kl.compute_advantages(rewards, group_ids, estimator=cfg.advantage.estimator,
-                                normalize=cfg.advantage.normalize, eps=cfg.advantage.eps)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return TrainBatch.from_rollouts(rollouts, adv, pad_id=pad)
+    return TrainBatch.with_advantages(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
 
 
 # --------------------------------------------------------------------------- output

@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-import kl
 from actors.records import Rollout
 from cluster import checkpoint as ckpt
 from cluster.config import ConfigError
@@ -190,11 +188,7 @@ class Controller:
         from learner.batch import TrainBatch
 
         t0 = time.perf_counter()
-        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-        group_ids = torch.tensor([r.group_id for r in rollouts])
-        adv = kl.compute_advantages(rewards, group_ids, estimator=self.cfg.advantage.estimator,
-                                    normalize=self.cfg.advantage.normalize, eps=self.cfg.advantage.eps)
-        batch = TrainBatch.from_rollouts(rollouts, adv, pad_id=self.pad_id)
+        batch = TrainBatch.with_advantages(rollouts, self.cfg.advantage, self.pad_id)
         metrics = self.learner.train_step(batch)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
@@ -309,8 +303,7 @@ class Controller:
     @property
     def pad_id(self) -> int:
         if not hasattr(self, "_pad_id"):
-            from transformers import AutoTokenizer
+            from learner.batch import pad_token_id
 
-            tok = AutoTokenizer.from_pretrained(self.model_dir)
-            self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            self._pad_id = pad_token_id(self.model_dir)
         return self._pad_id

@@ -58,6 +58,18 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     @classmethod
+    def with_advantages(cls, rollouts: Sequence[Rollout], advantage_cfg, pad_id: int) -> TrainBatch:
+        """The batch the controller trains on: task advantages over these rollouts (the
+        whole global batch) by `advantage_cfg` (kl.AdvantageConfig), then `from_rollouts`."""
+        import kl
+
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+        group_ids = torch.tensor([r.group_id for r in rollouts])
+        adv = kl.compute_advantages(rewards, group_ids, estimator=advantage_cfg.estimator,
+                                    normalize=advantage_cfg.normalize, eps=advantage_cfg.eps)
+        return cls.from_rollouts(rollouts, adv, pad_id=pad_id)
+
+    @classmethod
     def from_rollouts(cls, rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainBatch:
         """Right-pad prompt + response of each rollout. `advantages` is [B] (any float dtype,
         tensor or sequence), aligned with `rollouts`."""
@@ -161,3 +173,11 @@ def _first_fit_decreasing(order, members, target, world_size) -> list[list[int]]
         else:
             return None
     return shards if all(len(s) == target for s in shards) else None
+
+
+def pad_token_id(model_dir) -> int:
+    """The id `from_rollouts` pads with: the tokenizer's pad token, else its EOS token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
