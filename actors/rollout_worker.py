@@ -78,19 +78,7 @@ class RolloutWorker:
                        "gen_seconds": 0.0, "last_tokens_per_s": 0.0, "score_failures": 0,
                        "weight_loads": 0, "last_load_seconds": 0.0, "last_sync_latency_s": 0.0}
 
-        threads = max(1, int(rollout_cfg.num_cpus_per_worker))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = _gib(rollout_cfg.cpu_kv_cache_gib)
-        # vLLM logs several INFO/WARNING lines per weight reload (prefix-cache reset, a
-        # harmless "RotaryEmbedding: Failed to load weights"); they drown the progress bar.
-        # Set VLLM_LOGGING_LEVEL=INFO in the environment to see them.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        import torch
-
-        torch.set_num_threads(threads)
-
+        configure_engine_process(rollout_cfg)
         self.scorer = _load_scorer(task_cfg)
         from rewards import ScoringPool
 
@@ -123,13 +111,7 @@ class RolloutWorker:
         self._check_usable()
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
-        from vllm import SamplingParams
-
-        cfg, n = self.cfg, self.cfg.samples_per_prompt
-        params = [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k,
-                                 top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, logprobs=0,
-                                 seed=_request_seed(seed, self.worker_index, i, n))
-                  for i in range(len(problems))]
+        params = request_params(self.cfg, seed, self.worker_index, len(problems))
         t0 = time.perf_counter()
         outputs = self.llm.generate([p.prompt for p in problems], params, use_tqdm=False)
         gen_s = time.perf_counter() - t0
@@ -291,6 +273,36 @@ def _sampled_logprobs(completion) -> list[float]:
     if completion.logprobs is None:
         raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
     return [float(step[tok].logprob) for step, tok in zip(completion.logprobs, completion.token_ids)]
+
+
+def configure_engine_process(cfg: RolloutConfig) -> None:
+    """Threads and vLLM settings of a process about to build its engine (see the module
+    docstring on threads); `RolloutWorker` calls it, and so does `klrl bench`'s raw-vLLM
+    baseline, so that the two run vLLM alike."""
+    threads = max(1, int(cfg.num_cpus_per_worker))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = _gib(cfg.cpu_kv_cache_gib)
+    # vLLM logs several INFO/WARNING lines per weight reload (prefix-cache reset, a
+    # harmless "RotaryEmbedding: Failed to load weights"); they drown the progress bar.
+    # Set VLLM_LOGGING_LEVEL=INFO in the environment to see them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def request_params(cfg: RolloutConfig, seed: int, worker_index: int, num_prompts: int) -> list:
+    """One SamplingParams per prompt of a generate call: `samples_per_prompt` samples with
+    the configured sampler, the sampled token's log-prob, and a seed per prompt."""
+    from vllm import SamplingParams
+
+    n = cfg.samples_per_prompt
+    return [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k, top_p=cfg.top_p,
+                           max_tokens=cfg.max_new_tokens, logprobs=0,
+                           seed=_request_seed(seed, worker_index, i, n))
+            for i in range(num_prompts)]
 
 
 def _request_seed(seed: int, worker_index: int, i: int, n: int) -> int:

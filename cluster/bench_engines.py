@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +59,9 @@ class Overhead:
         return self.klrl_seconds / self.raw_seconds
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "tokens": self.tokens, "reps": self.reps,
-                "raw_seconds": self.raw_seconds, "klrl_seconds": self.klrl_seconds,
-                "engine_seconds": self.engine_seconds,
-                "raw_tokens_per_s": self.raw_tokens_per_s,
-                "klrl_tokens_per_s": self.klrl_tokens_per_s,
-                "overhead_ratio": self.overhead_ratio}
+        return asdict(self) | {"raw_tokens_per_s": self.raw_tokens_per_s,
+                               "klrl_tokens_per_s": self.klrl_tokens_per_s,
+                               "overhead_ratio": self.overhead_ratio}
 
 
 # --------------------------------------------------------------------------- rollout
@@ -100,30 +97,18 @@ def _raw_vllm(spec: dict) -> dict:
     from actors.config import RolloutConfig
 
     cfg = RolloutConfig(**spec["rollout"])
-    threads = max(1, int(cfg.num_cpus_per_worker))
-    # What RolloutWorker sets before its engine starts (see its docstring on threads).
-    os.environ.update({"OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                       "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                       "VLLM_CPU_KVCACHE_SPACE": f"{cfg.cpu_kv_cache_gib:g}"})
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    import torch
-    from vllm import SamplingParams
-
     from actors.engine import make_llm, shutdown_llm
-    from actors.rollout_worker import LOGPROBS_MODE, _request_seed
+    from actors.rollout_worker import LOGPROBS_MODE, configure_engine_process, request_params
 
-    torch.set_num_threads(threads)
+    configure_engine_process(cfg)  # what RolloutWorker does before its engine starts
     llm = make_llm(spec["model_dir"], seed=spec["seed"], max_model_len=cfg.max_model_len,
                    enforce_eager=cfg.enforce_eager, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
                    logprobs_mode=LOGPROBS_MODE)
-    prompts, n = spec["prompts"], cfg.samples_per_prompt
+    prompts = spec["prompts"]
     seconds, tokens = [], []
     try:
         for r in range(WARMUP_REPS + spec["reps"]):
-            params = [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k,
-                                     top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, logprobs=0,
-                                     seed=_request_seed(r, WORKER_INDEX, i, n))
-                      for i in range(len(prompts))]
+            params = request_params(cfg, r, WORKER_INDEX, len(prompts))
             t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             if r >= WARMUP_REPS:

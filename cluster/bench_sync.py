@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 CPU_TRANSPORTS = ("shm", "object_store")  # nccl needs GPUs
@@ -32,10 +32,7 @@ class SyncLatency:
         return self.total_seconds / self.bound_seconds
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "transport": self.transport, "num_bytes": self.num_bytes,
-                "publish_seconds": self.publish_seconds, "load_seconds": self.load_seconds,
-                "total_seconds": self.total_seconds, "bound_seconds": self.bound_seconds,
-                "ratio_to_bound": self.ratio_to_bound, "reps": self.reps}
+        return asdict(self) | {"ratio_to_bound": self.ratio_to_bound}
 
 
 def memcpy_bytes_per_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> float:
