@@ -27,11 +27,33 @@ class KLConfig(BaseModel):
         "advantage unnormalised (exact beta); 'normalized' folds it into the return before the "
         "std normalisation (paper/verl; effective beta becomes beta/sigma per prompt).")
 
+    @property
+    def folds_into_advantage(self) -> bool:
+        """Whether the KL reward is folded into the task advantage (kl_in_advantage other than
+        `separate`, with a reward placement and beta > 0) instead of going through kl.surrogate."""
+        return self.kl_in_advantage != "separate" and "reward" in self.placement and self.beta > 0
+
     @model_validator(mode="after")
-    def _truncate_needs_importance(self) -> KLConfig:
+    def _consistent(self) -> KLConfig:
         if self.truncate is not None and self.importance == "none":
             raise ValueError("kl.truncate caps an importance weight: set kl.importance "
                              "(token, sequence or prefix) or remove kl.truncate")
+        if self.kl_in_advantage != "separate" and self.placement == "reward+loss":
+            # The folded reward part is divided by each group's std while the loss part keeps
+            # plain beta: their sum is neither configuration's gradient, and the reward part
+            # does not even scale with beta on a prompt whose task reward is constant.
+            raise ValueError(f"kl.kl_in_advantage={self.kl_in_advantage} with kl.placement="
+                             "reward+loss would scale the reward part by each group's std and "
+                             "the loss part by beta alone, which is not the reward+loss "
+                             "gradient: use kl_in_advantage=separate (exact beta in both parts) "
+                             "or placement=reward")
+        if (self.kl_in_advantage != "separate" and self.placement == "reward"
+                and self.importance != "none"):
+            raise ValueError(f"kl.importance={self.importance} does not reach a KL reward folded "
+                             f"into the advantage (kl.kl_in_advantage={self.kl_in_advantage}; the "
+                             "task term's learner.task_off_policy applies instead): use "
+                             "importance=none, or kl_in_advantage=separate for an "
+                             "importance-corrected KL reward")
         return self
 
 
@@ -56,3 +78,13 @@ class AdvantageConfig(BaseModel):
         if self.estimator == "drgrpo" and self.normalize != "none":
             raise ValueError("advantage.estimator=drgrpo means no std normalisation; use normalize=none")
         return self
+
+
+def check_compatible(kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> None:
+    """The rules that span the KL and the advantage configuration (their one home: TrainConfig
+    and the learner's loss both call this). Raises ValueError naming the fix."""
+    if kl_cfg.folds_into_advantage and adv_cfg.normalize == "batch":
+        raise ValueError(f"kl.kl_in_advantage={kl_cfg.kl_in_advantage} folds the KL into the "
+                         "advantage on each learner rank's shard of whole groups, where "
+                         "advantage.normalize=batch would divide by the shard's std, not the "
+                         "batch's: use advantage.normalize=group or none")

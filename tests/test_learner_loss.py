@@ -205,24 +205,17 @@ def test_ppo_clip_survives_extreme_log_ratios():
     assert math.isinf(m["is/ratio_max"]) or m["is/ratio_max"] > 1e80
 
 
-@pytest.mark.parametrize("placement", ["reward", "reward+loss"])
-def test_normalized_folds_the_kl_reward_into_the_task_advantage(placement):
+def test_normalized_folds_the_kl_reward_into_the_task_advantage():
     batch, logp, ref = _batch(groups=(3, 4))
     beta, adv_cfg = 0.5, AdvantageConfig(estimator="rloo", normalize="group")
-    cfg = KLConfig(estimator="k3", placement=placement, beta=beta, kl_in_advantage="normalized")
+    cfg = KLConfig(estimator="k3", placement="reward", beta=beta, kl_in_advantage="normalized")
     _, grad, m = _grad(batch, logp, ref, cfg, adv_cfg=adv_cfg)
     mask = batch.response_mask
     k = torch.where(mask, kl.estimate(logp, ref, "k3"), 0.0)
     a_tok = kl.compute_advantages(batch.rewards, batch.group_ids, estimator="rloo", normalize="group",
                                   kl_tokens=k, mask=mask, beta=beta, kl_in_advantage="normalized")
     expected = torch.where(mask, -a_tok / N_GLOBAL, 0.0)  # batch.advantages is NOT used
-    if placement == "reward+loss":
-        x = logp.clone().requires_grad_(True)
-        loss_part = kl.surrogate(x, ref, mask, estimator="k3", placement="loss")
-        (beta * loss_part.sum() / N_GLOBAL).backward()
-        expected = expected + x.grad
-    else:
-        assert m["loss/kl"] == 0.0
+    assert m["loss/kl"] == 0.0
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
 
 
@@ -241,10 +234,11 @@ def test_separate_keeps_the_controller_advantage_and_an_unnormalised_kl_reward()
 
 
 def test_normalized_with_ignored_options_is_rejected():
+    from pydantic import ValidationError
+
     batch, logp, ref = _batch()
-    cfg = KLConfig(placement="reward", importance="token", kl_in_advantage="normalized")
-    with pytest.raises(ValueError, match="normalized"):
-        policy_loss(logp, ref, batch, cfg, AdvantageConfig(), LearnerConfig(), N_GLOBAL)
+    with pytest.raises(ValidationError, match="does not reach a KL reward folded"):
+        KLConfig(placement="reward", importance="token", kl_in_advantage="normalized")
     cfg = KLConfig(placement="reward", kl_in_advantage="normalized")
     with pytest.raises(ValueError, match="normalize=batch"):
         policy_loss(logp, ref, batch, cfg, AdvantageConfig(normalize="batch"), LearnerConfig(), N_GLOBAL)
@@ -285,8 +279,11 @@ def test_metrics_ratio_and_truncation():
     assert m["is/ratio_max"] == pytest.approx(float(rho.max()))
     w = torch.exp(log_rho.cumsum(-1))
     assert m["is/truncated_frac"] == pytest.approx(float(((w > 1.1) & mask).sum() / mask.sum()))
-    k1 = torch.where(mask, logp - ref, 0.0).sum(-1)
-    assert m["kl/seq_k1"] == pytest.approx(float(k1.mean()))
+    w = torch.exp(torch.where(mask, logp - batch.behaviour_logp, 0.0).cumsum(-1))
+    k1 = torch.where(mask, w * (logp - ref), 0.0).sum(-1)
+    assert m["kl/pi_ref"] == pytest.approx(float(k1.mean()))
+    mu_ref = torch.where(mask, batch.behaviour_logp - ref, 0.0).sum(-1)
+    assert m["kl/mu_ref"] == pytest.approx(float(mu_ref.mean()))
     assert m["response/length_mean"] == pytest.approx(float(mask.sum(-1).double().mean()))
 
 
@@ -341,3 +338,109 @@ def test_learner_config_bounds():
         with pytest.raises(ValidationError):
             LearnerConfig(**bad)
     LearnerConfig(dtype="bfloat16", num_gpus_per_rank=1)
+
+
+# ------------------------------------------------------------- group statistics and micro-batches
+
+ADV_CASES = [AdvantageConfig(estimator="rloo", normalize="group"),
+             AdvantageConfig(estimator="grpo", normalize="group"),
+             AdvantageConfig(estimator="drgrpo", normalize="none"),
+             AdvantageConfig(estimator="reinforce", normalize="none")]
+GROUP_CASES = [(KLConfig(estimator="k3", placement=p, beta=0.4, kl_in_advantage=mode), adv)
+               for p in ("reward", "loss", "reward+loss")
+               for mode in ("separate", "normalized")
+               if not (mode == "normalized" and p == "reward+loss")  # rejected by KLConfig
+               for adv in ADV_CASES]
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3, 5])
+@pytest.mark.parametrize("kl_cfg,adv_cfg", GROUP_CASES,
+                         ids=lambda c: getattr(c, "placement", None) and
+                         f"{c.placement}-{c.kl_in_advantage}" or getattr(c, "estimator", ""))
+def test_micro_batches_cutting_groups_add_up_to_the_whole_batch(kl_cfg, adv_cfg, micro):
+    """What learner/rank.py does: GroupStats over the whole (mini-)batch, sliced to micro-batches
+    of `micro` rows that cut the groups (sizes 4, 3, 4) anywhere; the micro-batch losses and
+    gradients sum to the whole batch's, and the merged metrics equal the whole batch's."""
+    from learner.loss import group_stats
+
+    batch, logp, ref = _batch(seed=6, groups=(4, 3, 4))
+    lcfg = LearnerConfig(task_off_policy="tis")
+    loss, grad, m = _grad(batch, logp, ref, kl_cfg, adv_cfg=adv_cfg, lcfg=lcfg)
+    stats = group_stats(logp, ref, batch, kl_cfg, adv_cfg)
+    total, g_sum, parts = 0.0, torch.zeros_like(grad), []
+    for start in range(0, batch.num_sequences, micro):
+        idx = torch.arange(start, min(batch.num_sequences, start + micro))
+        part = batch.select(idx)
+        x = logp[idx, :part.width].clone().requires_grad_(True)
+        l_p, m_p = policy_loss(x, ref[idx, :part.width], part, kl_cfg, adv_cfg, lcfg, N_GLOBAL,
+                               stats.rows(idx, part.width))
+        l_p.backward()
+        total += float(l_p.detach())
+        g_sum[idx, :part.width] += x.grad
+        parts.append(m_p)
+    assert total == pytest.approx(float(loss), rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(g_sum, grad, rtol=1e-6, atol=1e-12)
+    merged = merge_metrics(parts)
+    for key in m:
+        assert merged[key] == pytest.approx(m[key], rel=1e-9, abs=1e-12), key
+
+
+def test_without_group_stats_a_cut_group_gives_another_gradient():
+    """The control: a micro-batch left to compute its own statistics from half a group (what
+    the learner did before GroupStats) does not reproduce the whole batch's gradient."""
+    batch, logp, ref = _batch(seed=6, groups=(4, 3, 4))
+    cfg, adv = KLConfig(estimator="k3", placement="reward", beta=0.4), AdvantageConfig()
+    _, grad, _ = _grad(batch, logp, ref, cfg, adv_cfg=adv)
+    g_sum = torch.zeros_like(grad)
+    for idx in (torch.arange(0, 2), torch.arange(2, 11)):  # cuts the first group 2 | 2
+        part = batch.select(idx)
+        x = logp[idx, :part.width].clone().requires_grad_(True)
+        policy_loss(x, ref[idx, :part.width], part, cfg, adv, PLAIN_PG, N_GLOBAL)[0].backward()
+        g_sum[idx, :part.width] += x.grad
+    assert (g_sum - grad).abs().max() > 1e-3
+
+
+def test_normalized_with_reward_and_loss_is_rejected_and_separate_scales_with_beta():
+    """reward+loss with the KL folded into the normalised advantage is refused at config time;
+    with `separate` both parts of the KL gradient are exactly linear in beta, while a folded
+    (normalized) reward part is not (the group std absorbs beta)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="use kl_in_advantage=separate"):
+        KLConfig(placement="reward+loss", kl_in_advantage="normalized")
+    batch, logp, ref = _batch(seed=1, groups=(3, 4))
+    batch = _with(batch, advantages=torch.zeros_like(batch.advantages),
+                  rewards=torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64))
+
+    def kl_grad(beta, placement, mode):
+        cfg = KLConfig(estimator="k1", placement=placement, beta=beta, kl_in_advantage=mode)
+        return _grad(batch, logp, ref, cfg)[1]
+
+    for placement in ("reward", "loss", "reward+loss"):
+        g1, g3 = kl_grad(0.1, placement, "separate"), kl_grad(0.3, placement, "separate")
+        assert g1.abs().max() > 0
+        torch.testing.assert_close(g3, 3 * g1, rtol=1e-10, atol=1e-14)
+    # folded: on the first prompt (constant task reward) the KL part does not scale with beta
+    g1, g3 = kl_grad(0.1, "reward", "normalized"), kl_grad(0.3, "reward", "normalized")
+    first = batch.group_ids == batch.group_ids[0]
+    assert not torch.allclose(g3[first], 3 * g1[first], rtol=1e-3)
+    torch.testing.assert_close(g3[first], g1[first], rtol=1e-3, atol=1e-9)
+
+
+def test_merge_updates_reports_each_update_and_the_step():
+    from learner.loss import merge_updates
+
+    def update(lo, hi, refused=0.0):
+        return {"is/ratio_min": lo, "is/ratio_max": hi, "loss/total": hi - lo, "kl/pi_ref": 0.1,
+                "response/tokens": 10.0, "response/sequences": 4.0, "grad/norm": 2.0,
+                "nonfinite": refused, "time/learner_step": 1.0}
+
+    ups = [update(1.0, 1.0), update(0.9, 1.2), update(0.8, 1.1, refused=1.0), update(0.95, 1.05)]
+    m = merge_updates(ups, mini_batches=2)
+    assert m["is/ratio_min"] == 0.8 and m["is/ratio_max"] == 1.2
+    assert m["response/sequences"] == 8.0 and m["response/tokens"] == 20.0  # one pass
+    assert m["nonfinite"] == 0.0 and m["nonfinite/updates_refused"] == 1.0
+    assert m["update_0/is/ratio_max"] == 1.0 and m["update_1/is/ratio_max"] == 1.2
+    assert m["time/learner_step"] == 4.0
+    assert merge_updates([update(0.8, 1.1, 1.0)] * 2, 1)["nonfinite"] == 1.0
+    assert merge_updates(ups[:1], 1) == ups[0]

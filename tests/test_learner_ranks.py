@@ -140,8 +140,8 @@ def _assert_same_update(p0, a, b):
 def _assert_same_metrics(ms1, ms2):
     for m1, m2 in zip(ms1, ms2, strict=True):
         assert m2["grad/norm"] == pytest.approx(m1["grad/norm"], rel=1e-5)
-        for key in ("loss/total", "loss/kl", "kl/seq_k1", "is/ratio_min", "is/ratio_max"):
-            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+        for key in ("loss/total", "loss/kl", "kl/pi_ref", "kl/mu_ref", "is/ratio_min", "is/ratio_max"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
         for key in ("response/tokens", "response/sequences", "lr", "is/truncated_frac"):
             assert m2[key] == m1[key], key
 
@@ -208,7 +208,7 @@ def test_first_step_ratios_are_one_and_weights_move(stage0):
         assert m["nonfinite"] == 0 and math.isfinite(m["grad/norm"]) and m["grad/norm"] > 0
         assert m["lr"] == pytest.approx(0.1 / 3)  # warm-up: step k uses lr (k+1)/(warmup+1)
     assert m1[2]["lr"] == pytest.approx(0.1)
-    assert m1[1]["kl/seq_k1"] != 0  # the second step sees a KL to the reference
+    assert m1[1]["kl/pi_ref"] != 0  # the second step sees a KL to the reference
     assert any(not torch.equal(s1[0][n], s1[1][n]) for n in s1[0])
 
 
@@ -259,3 +259,38 @@ def test_stage3_gathers_weights_for_export_and_save_hf(stage3, tiny_model_dir):
     _, (s2, _, v2, extra) = stage3
     assert extra[0].version == v2[-1] == 2
     _check_export_and_save(s2[-1], extra, "object_store", tiny_model_dir)
+
+
+# ------------------------------------------------------- group statistics, several updates
+
+
+@pytest.fixture(scope="module")
+def micro_and_updates(ray_local, tiny_model_dir, batches, stage0):
+    """One step with micro-batches of one sequence (every group of 2 cut in half), and one
+    step of 2 epochs x 2 mini-batches, on the same batch as stage0's one-rank run."""
+    micro = _run(tiny_model_dir, _cfg(num_ranks=1, micro_batch_size=1), _Steps(batches, ["good"]))
+    updates = _run(tiny_model_dir, _cfg(num_ranks=1, epochs=2, mini_batches=2),
+                   _Steps(batches, ["good", "good"]))
+    return micro, updates
+
+
+def test_micro_batches_that_cut_groups_make_the_whole_batch_update(stage0, micro_and_updates):
+    """KL_CFG has a KL reward with an RLOO baseline over each group: micro-batches of 1 must
+    still make exactly the whole-shard step (before, RLOO raised on a 1-sample group)."""
+    (s1, m1, _, _), _, _ = stage0
+    (sm, mm, vm, _), _ = micro_and_updates
+    _assert_same_update(s1[0], s1[1], sm[1])
+    _assert_same_metrics(m1[:1], mm)
+    assert vm == [0, 1]
+
+
+def test_several_updates_per_batch_move_the_ratios_after_the_first(micro_and_updates):
+    _, (_, mu, vu, _) = micro_and_updates
+    first = mu[0]
+    for key in ("update_0/is/ratio_min", "update_0/is/ratio_max"):
+        assert abs(first[key] - 1) < 1e-4, key  # update 0 trains on its own samples
+    for k in (1, 2, 3):  # later updates: weights have moved since the data was sampled
+        assert max(abs(first[f"update_{k}/is/ratio_min"] - 1),
+                   abs(first[f"update_{k}/is/ratio_max"] - 1)) > 1e-3, k
+    assert first["response/sequences"] == GROUPS * SAMPLES  # one pass over the batch
+    assert first["nonfinite/updates_refused"] == 0 and vu == [0, 1, 2]  # version: batches
