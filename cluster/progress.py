@@ -23,7 +23,7 @@ class TrainProgress:
         if "eval/in_domain/accuracy" in metrics:
             self._acc = f" acc {metrics['eval/in_domain/accuracy']:.3f}"
         status = (f"reward {metrics.get('reward/mean', float('nan')):.3f} "
-                  f"kl {metrics.get('kl/seq_k1', float('nan')):.4f} lag {metrics.get('lag/max', 0)}{self._acc}")
+                  f"kl {metrics.get('kl/pi_ref', float('nan')):.4f} lag {metrics.get('lag/max', 0)}{self._acc}")
         self._progress.update(self._task, completed=step, status=status)
 
     def __enter__(self):

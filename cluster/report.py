@@ -57,10 +57,10 @@ class ReportConfig(BaseModel):
                                     "one included) are below the level: a single low final "
                                     "evaluation is as likely noise (100 problems: +/-0.03) as a "
                                     "collapse.")
-    kl_metric: str = Field("kl/seq_k1", min_length=1, description="KL metric watched for "
-                           "blow-ups: the batch's mean per-sequence K1 estimate of KL(pi||ref) "
-                           "(the K3 estimate's exp(-delta) has a heavy tail: in stable runs "
-                           "single batches spike to 5-10x its usual value).")
+    kl_metric: str = Field("kl/pi_ref", min_length=1, description="KL metric watched for "
+                           "blow-ups: the batch's importance-corrected per-sequence K1 estimate "
+                           "of KL(pi||ref) (the K3 estimate's exp(-delta) has a heavy tail: in "
+                           "stable runs single batches spike to 5-10x its usual value).")
     kl_growth: float = Field(20.0, gt=1, le=1e9, description="KL blow-up: the smoothed KL "
                              "exceeds this factor times its early level.")
     kl_floor: float = Field(0.05, gt=0, le=1e6, description="The early level is at least this "

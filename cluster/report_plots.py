@@ -48,10 +48,13 @@ FIGURES = (
             Panel("eval/out_of_domain/sampled_accuracy", "Out-of-domain, sampled (T=1)", _ACC,
                   **_EVAL))),
     Figure("kl.png", "KL to the reference policy", "Per-sequence KL(pi || pi_ref) of the "
-           "training batch: the K1 estimate (unbiased, noisy, can be negative) and the K3 "
-           "estimate (never negative, lower variance).",
-           (Panel("kl/seq_k1", "K1 estimate", "KL per sequence (nats)", log="auto"),
-            Panel("kl/seq_k3", "K3 estimate", "KL per sequence (nats)", log="auto"))),
+           "learner's policy, estimated from the training batch with prefix importance weights "
+           "(K1: unbiased, noisy, can be negative; K3: lower variance), and the sampler's own "
+           "KL(mu || pi_ref), which differs from it off-policy.",
+           (Panel("kl/pi_ref", "KL(pi || ref), K1 estimate", "KL per sequence (nats)", log="auto"),
+            Panel("kl/pi_ref_k3", "KL(pi || ref), K3 estimate", "KL per sequence (nats)",
+                  log="auto"),
+            Panel("kl/mu_ref", "Sampler's KL(mu || ref)", "KL per sequence (nats)", log="auto"))),
     Figure("importance_ratio.png", "How off-policy the training data was", "Extremes of the "
            "per-token ratio pi/mu of the learner's policy to the sampler's (1 = on-policy), "
            "the fraction of tokens whose importance weight was clipped or truncated, and the "

@@ -16,7 +16,7 @@ from cluster.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = ("step", "policy_version", "lag/max", "reward/mean", "kl/seq_k1", "is/ratio_min",
+REQUIRED = ("step", "policy_version", "lag/max", "reward/mean", "kl/pi_ref", "is/ratio_min",
             "is/ratio_max", "time/step")
 
 

@@ -36,7 +36,7 @@ def write_run(run_dir: Path, estimator="k1", placement="reward", lag=0, seed=0, 
     for s in range(steps + 1):
         row = {"step": s}
         if s:
-            row |= {"reward/mean": 0.1 + 0.005 * s + 0.01 * seed, "kl/seq_k1": kl(s), "kl/seq_k3": kl(s),
+            row |= {"reward/mean": 0.1 + 0.005 * s + 0.01 * seed, "kl/pi_ref": kl(s), "kl/pi_ref_k3": kl(s),
                     "is/ratio_max": 1 + 0.1 * lag, "is/ratio_min": 1 - 0.05 * lag, "lag/mean": lag,
                     "grad/norm": 2.0 + math.sin(s), "nonfinite": 0.0}
         if s % 10 == 0:
@@ -81,7 +81,7 @@ def test_kl_blowup_grows_past_its_early_level_and_ignores_single_spikes():
     step, detail = kl_blowup(steps, blowing, CFG)
     # early level 0.1 -> threshold 2; 0.1 * 1.5^k > 2 first at k = 8, and the 5-step median
     # lags two steps behind
-    assert step == 70 and "kl/seq_k1" in detail and "20 x early level 0.1" in detail
+    assert step == 70 and "kl/pi_ref" in detail and "20 x early level 0.1" in detail
     assert kl_blowup(steps, steady, ReportConfig(kl_max=0.2))[0] == 69  # median 0.201 at 69
     assert kl_blowup(steps, steady, ReportConfig(kl_growth=2, kl_floor=0.01)) is not None
 

@@ -77,7 +77,7 @@ def test_resumed_metrics_continue_the_log(runs):
     for m in read_metrics(resumed):
         if m["step"] > 0:
             assert m["reward/mean"] == one_go[m["step"]]["reward/mean"]
-            assert m["kl/seq_k1"] == one_go[m["step"]]["kl/seq_k1"]
+            assert m["kl/pi_ref"] == one_go[m["step"]]["kl/pi_ref"]
 
 
 def test_resume_keeps_the_wandb_run_and_checkpoints(runs):
