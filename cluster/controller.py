@@ -7,6 +7,11 @@ updates and generation requests in the order they were sent (Ray runs an actor's
 serially), so a batch requested right after the update to version s is generated with
 version s and trained at step s + max_lag at the latest. max_lag = 0 is synchronous
 on-policy RL: generate, train, sync, repeat.
+
+Sync deadlines: a weight load is queued behind the generate calls already sent to the worker,
+so it cannot start before the newest of them has finished. Each load therefore gets its own
+`sync.timeout_s`, counted from the moment that batch was taken (`PendingSync.ready_since`),
+never from when the load was queued (at max_lag k it waits behind up to k generate calls).
 """
 from __future__ import annotations
 
@@ -25,18 +30,26 @@ from cluster.prompts import PromptStream
 from cluster.run_log import RunLog
 from cluster.stopping import RunStopped
 from cluster.train_config import TrainConfig
-from cluster.worker_pool import WorkerPool
+from cluster.worker_pool import WorkerCall, WorkerPool
 
 
 @dataclass
 class InFlight:
-    """One global batch being generated: one request per rollout worker."""
+    """One global batch being generated: one generate call per rollout worker."""
 
-    refs: list
-    requests: list[tuple]        # per worker: the generate() arguments, to replay on a restart
+    calls: list[WorkerCall]      # replayed with their own seeds if a worker is replaced
     start_position: int          # data position of its first prompt (resume replays from here)
     requested_at_version: int
     requested_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PendingSync:
+    """A queued weight load, and when it could start (see the module docstring)."""
+
+    call: WorkerCall
+    after: InFlight | None       # the newest batch queued before it on that worker
+    ready_since: float | None    # time.monotonic() once `after` was taken; None before
 
 
 class Controller:
@@ -47,7 +60,7 @@ class Controller:
         self.stop_requested = stop_requested  # -> a RunStopped to raise at the next step, or None
         self.step = 0                # optimizer steps taken == learner policy version
         self.pending: deque[InFlight] = deque()
-        self.sync_refs: list = []    # (worker index, its incarnation, outstanding load_weights call)
+        self.syncs: list[PendingSync] = []  # weight loads not yet confirmed
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
         self.published_version = 0   # version of the weights the workers were last sent
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
@@ -147,20 +160,21 @@ class Controller:
             start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
             seed = self.cfg.seed * 1_000_003 + self.prompts.position
-            requests = [(problems[i * per_worker:(i + 1) * per_worker],
-                         group_ids[i * per_worker:(i + 1) * per_worker], seed + i)
-                        for i in range(len(self.pool))]
-            refs = [self.pool.call(i, "generate", *req) for i, req in enumerate(requests)]
-            self.pending.append(InFlight(refs, requests, start, self.step))
+            calls = [self.pool.call(i, "generate", problems[i * per_worker:(i + 1) * per_worker],
+                                    group_ids[i * per_worker:(i + 1) * per_worker], seed + i)
+                     for i in range(len(self.pool))]
+            self.pending.append(InFlight(calls, start, self.step))
 
     def _take_batch(self):
         """Wait for the oldest batch; drop (and count) any rollout older than max_lag."""
         inflight = self.pending[0]  # popped only once complete: a checkpoint replays it
         t0 = time.perf_counter()
-        batches = [self.pool.result(i, ref, "generate", *inflight.requests[i])
-                   for i, ref in enumerate(inflight.refs)]
+        batches = [self.pool.result(call) for call in inflight.calls]
         self.pending.popleft()
         wait_s = time.perf_counter() - t0
+        for sync in self.syncs:  # loads queued right behind this batch can run from now
+            if sync.after is inflight:
+                sync.ready_since = time.monotonic()
         self._check_syncs()
         rollouts: list[Rollout] = []
         for b in batches:
@@ -173,12 +187,17 @@ class Controller:
             return self._take_batch()
         lags = [self.step - r.policy_version for r in rollouts]
         assert max(lags) <= self.cfg.max_lag, "lag bound violated"  # the invariant above
+        updates = self.cfg.learner.updates_per_batch
         gen_s = max(b.gen_seconds for b in batches)
         tokens = sum(b.num_response_tokens for b in batches)
         failures = sum(r.score_failure is not None for r in rollouts)
         rewards = [r.reward for r in rollouts]
         return rollouts, {
             "lag/max": max(lags), "lag/mean": sum(lags) / len(lags), "lag/dropped_total": self.dropped_stale,
+            # In optimizer steps: update k of this batch trains on data lag * updates + k steps
+            # older than its weights (equal to lag/max with one update per batch).
+            "lag/max_optimizer_steps": max(lags) * updates + updates - 1,
+            "rollout/policy_version": sum(r.policy_version for r in rollouts) / len(rollouts),
             "reward/mean": sum(rewards) / len(rewards), "reward/score_failures": failures,
             "time/generate": gen_s, "time/wait_for_rollouts": wait_s,
             "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
@@ -212,25 +231,33 @@ class Controller:
         t0 = time.perf_counter()
         self.published_version = self.step
         update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
-        self.sync_refs += [(i, self.pool.incarnation[i], self.pool.call(i, "load_weights", update))
-                           for i in range(len(self.pool))]
+        after = self.pending[-1] if self.pending else None
+        self.syncs += [PendingSync(self.pool.call(i, "load_weights", update), after,
+                                   None if after else time.monotonic())
+                       for i in range(len(self.pool))]
         return {"time/weight_publish": time.perf_counter() - t0}
 
     def _check_syncs(self) -> None:
-        """Every queued weight load must have finished within sync.timeout_s, else the run
-        fails loudly. A worker that died meanwhile is replaced (and re-synced) instead."""
-        deadline = time.monotonic() + self.cfg.sync.timeout_s
-        for i, incarnation, ref in self.sync_refs:
+        """Every weight load that could start must finish within sync.timeout_s of that moment
+        (module docstring), else the run fails loudly. Loads still queued behind a batch in
+        flight are checked later. A worker that died meanwhile is replaced (and re-synced)."""
+        timeout, waiting = self.cfg.sync.timeout_s, []
+        for sync in self.syncs:
+            if not self.pool.is_current(sync.call):
+                continue  # its worker was replaced and re-synced to the current weights
+            if sync.ready_since is None:
+                waiting.append(sync)
+                continue
             try:
-                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                remaining = sync.ready_since + timeout - time.monotonic()
+                ray.get(sync.call.ref, timeout=max(0.0, remaining))
             except RayActorError:
-                if self.pool.incarnation[i] == incarnation:  # not replaced (and re-synced) yet
-                    self.pool.restart(i, "died while loading weights")
+                self.pool.restart(sync.call.worker, "died while loading weights")
             except GetTimeoutError:
-                raise TimeoutError(f"rollout worker {i} did not load weights version "
-                                   f"{self.published_version} within sync.timeout_s="
-                                   f"{self.cfg.sync.timeout_s:g}") from None
-        self.sync_refs = []
+                raise TimeoutError(f"rollout worker {sync.call.worker} did not load weights "
+                                   f"version {sync.call.args[0].version} within sync.timeout_s="
+                                   f"{timeout:g} of being able to start") from None
+        self.syncs = waiting
 
     def _resync(self, worker) -> None:
         """Give a fresh worker the current weights and check it holds them (by version)."""
@@ -255,8 +282,7 @@ class Controller:
             if s is not None:
                 sets[name] = (s.task or task.name, s.options if s.task else task.options, s.split)
         self._check_syncs()
-        args = (sets, ev.num_problems, ev.samples)
-        result = self.pool.result(0, self.pool.call(0, "evaluate", *args), "evaluate", *args)
+        result = self.pool.result(self.pool.call(0, "evaluate", sets, ev.num_problems, ev.samples))
         return {f"eval/{name}/{key}": value for name, accs in result.items() for key, value in accs.items()}
 
     def _maybe_checkpoint(self) -> None:

@@ -6,13 +6,20 @@ pool's owner re-syncs the current weights into it (`on_restart`, which checks th
 before the failed call is sent again. Replaying a generation request is exact: the request
 carries its own seed. Every replacement counts against `faults.max_worker_restarts` over the
 whole run; the failure after the last allowed restart raises `WorkerRestartsExhausted`.
+
+Invariant: one fault costs one restart. Every call is a `WorkerCall` that remembers which
+incarnation of its worker it was sent to; a call whose worker has since been replaced (the
+other batches in flight at max_lag >= 1, a queued weight load) is sent again to the
+replacement, which already holds the current weights, without another restart.
 """
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -23,6 +30,17 @@ from cluster.train_config import TrainConfig
 
 class WorkerRestartsExhausted(RunStopped):
     pass
+
+
+@dataclass
+class WorkerCall:
+    """`method(*args)` sent to incarnation `incarnation` of worker `worker`; `ref` its result."""
+
+    worker: int
+    incarnation: int
+    method: str
+    args: tuple
+    ref: Any
 
 
 def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
@@ -46,26 +64,32 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def __getitem__(self, i: int):
-        return self.workers[i]
+    def call(self, i: int, method: str, *args) -> WorkerCall:
+        """Start `method(*args)` on worker i."""
+        ref = getattr(self.workers[i], method).remote(*args)
+        return WorkerCall(i, self.incarnation[i], method, args, ref)
 
-    def call(self, i: int, method: str, *args):
-        """Start `method(*args)` on worker i; returns its object ref."""
-        return getattr(self.workers[i], method).remote(*args)
+    def is_current(self, call: WorkerCall) -> bool:
+        """Whether the worker `call` was sent to is still in the pool (not replaced since)."""
+        return self.incarnation[call.worker] == call.incarnation
 
-    def result(self, i: int, ref, method: str, *args):
-        """The value of `ref` (a call of `method(*args)` on worker i). If the worker died or
-        hung, replace it and send the call again, until it succeeds or restarts run out."""
+    def result(self, call: WorkerCall):
+        """The value of `call`. If its worker was replaced meanwhile, the call is sent again
+        to the replacement; if the worker dies or hangs now, it is replaced (one restart) and
+        the call sent again, until it succeeds or restarts run out."""
+        i, timeout = call.worker, self.cfg.faults.generate_timeout_s
         while True:
+            if not self.is_current(call):
+                call = self.call(i, call.method, *call.args)
             try:
-                return ray.get(ref, timeout=self.cfg.faults.generate_timeout_s)
+                return ray.get(call.ref, timeout=timeout)
             except (RayActorError, GetTimeoutError) as exc:
+                if not self.is_current(call):
+                    continue  # replaced while we waited: no new restart for the same fault
                 hung = isinstance(exc, GetTimeoutError)
-                reason = (f"no answer to {method} within faults.generate_timeout_s="
-                          f"{self.cfg.faults.generate_timeout_s:g}" if hung else
-                          f"died during {method}: {type(exc).__name__}")
-                self.restart(i, reason)
-                ref = self.call(i, method, *args)
+                self.restart(i, f"no answer to {call.method} within faults.generate_timeout_s="
+                                f"{timeout:g}" if hung else
+                                f"died during {call.method}: {type(exc).__name__}")
 
     def restart(self, i: int, reason: str) -> None:
         """Replace worker i (dead or hung) and let the owner re-sync its weights."""
@@ -83,6 +107,9 @@ class WorkerPool:
         ray.kill(self.workers[i], no_restart=True)
         self.workers[i] = start_worker(self.cfg, self.model_dir, i)
         self.incarnation[i] += 1
+        # Wait for the engine to be up first: the owner's re-sync has sync.timeout_s for the
+        # load alone, which an engine start (20 s on 2 CPU cores) must not eat into.
+        ray.get(self.workers[i].version.remote(), timeout=self.cfg.faults.generate_timeout_s)
         self.on_restart(self.workers[i])
         print(f"rollout worker {i} {reason}; replaced and re-synced in "
               f"{time.perf_counter() - t0:.1f}s (restart {self.restarts}/{limit})", file=sys.stderr)

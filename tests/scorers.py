@@ -18,3 +18,12 @@ def short_answers_hanging_on_some(completion: str, problem) -> float:
         while True:
             time.sleep(0.05)
     return short_answers(completion, problem)
+
+
+def short_answers_slowly(completion: str, problem) -> float:
+    """`short_answers` after 0.1 s: a generate call of 16 completions then takes over 1.6 s,
+    longer than the sync.timeout_s the async fault test gives a weight load."""
+    import time
+
+    time.sleep(0.1)
+    return short_answers(completion, problem)
