@@ -23,7 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -72,6 +72,11 @@ class ReportConfig(BaseModel):
     kl_max: float | None = Field(None, gt=0, le=1e9, description="KL blow-up also when the "
                                  "smoothed KL exceeds this (nats per sequence); null: no "
                                  "absolute limit.")
+    x_axis: Literal["step", "policy_version"] = Field(
+        "step", description="x axis of the per-step training curves: the training step, or "
+        "the policy version that sampled each step's batch (rollout/policy_version), which "
+        "lines up runs at different max_lag on the data they trained on. Evaluations are "
+        "always placed at the step (the version of the weights evaluated).")
     smooth: int = Field(5, ge=1, le=10_000, description="Window in steps: trailing median of "
                         "the KL test, and moving average of the per-step curves in the plots "
                         "(1: raw values).")
@@ -88,9 +93,16 @@ class RunData:
                               # keeps the later row
     finished: bool            # final/config.json exists
 
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        """Steps at which `key` was logged and its values (NaN for a non-finite value)."""
-        pts = [(s, _number(row[key])) for s, row in sorted(self.rows.items()) if key in row]
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """Where `key` was logged and its values (NaN for a non-finite value). x "step": the
+        training step; "policy_version": the version of the weights that sampled the step's
+        batch (`rollout/policy_version`; the step itself for rows without one, such as the
+        step-0 evaluation), so that runs at different lags line up on the data they used."""
+        def where(step: int, row: dict) -> float:
+            return row.get("rollout/policy_version", step) if x == "policy_version" else step
+
+        pts = [(where(s, row), _number(row[key])) for s, row in sorted(self.rows.items())
+               if key in row]
         pts = [(s, v) for s, v in pts if v is not None]
         return [s for s, _ in pts], [v for _, v in pts]
 

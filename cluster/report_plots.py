@@ -83,11 +83,12 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _aggregate(runs, panel: Panel, smooth: int):
-    """(steps, mean, min, max) over the runs at each step any of them logged."""
-    by_step: dict[int, list[float]] = {}
+def _aggregate(runs, panel: Panel, smooth: int, x_axis: str = "step"):
+    """(x, mean, min, max) over the runs at each x any of them logged (x: ReportConfig.x_axis
+    for per-step metrics, the step for evaluations)."""
+    by_step: dict[float, list[float]] = {}
     for run in runs:
-        steps, values = run.series(panel.key)
+        steps, values = run.series(panel.key, x_axis if panel.per_step else "step")
         if panel.smooth:
             values = _smooth(values, smooth)
         for s, v in zip(steps, values):
@@ -117,7 +118,7 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
     for ax, panel in zip(axes.flat, panels):
         top, typical = 0.0, []
         for label, group in groups.items():
-            steps, mean, lo, hi = _aggregate(group, panel, cfg.smooth)
+            steps, mean, lo, hi = _aggregate(group, panel, cfg.smooth, cfg.x_axis)
             if not steps:
                 continue
             top, typical = max(top, *hi), typical + [abs(v) for v in mean]
@@ -128,6 +129,8 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
                 ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
         refs = {r.config.get(fig_spec.ref_key) for r in runs} if fig_spec.ref_key else set()
         _style_axis(ax, panel, top, typical, fig_spec.ref_key, refs - {None, 0})
+        if panel.per_step and cfg.x_axis == "policy_version":
+            ax.set_xlabel("policy version that sampled the batch")
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()

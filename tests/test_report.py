@@ -171,3 +171,21 @@ def test_report_of_one_run_and_the_cli(tmp_path, capsys):
     assert main(["report", str(run_dir), "colapse_fraction=0.1"]) == 2
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "colapse_fraction" in capsys.readouterr().err
+
+
+def test_training_curves_can_be_placed_at_the_policy_version_that_sampled_them(tmp_path):
+    from cluster.report_plots import FIGURES, _aggregate
+
+    lag = 2
+    extra = {s: {"rollout/policy_version": max(0, s - 1 - lag)} for s in range(1, 41)}
+    run = load_run(write_run(tmp_path / "r", lag=lag, extra=extra))
+    reward = FIGURES[0].panels[0]
+    steps, _, _, _ = _aggregate([run], reward, 1, "step")
+    versions, _, _, _ = _aggregate([run], reward, 1, "policy_version")
+    assert steps[:4] == [1, 2, 3, 4] and versions[:3] == [0, 1, 2]  # steps 1-3 share version 0
+    xs, _ = run.series("reward/mean", "policy_version")
+    assert xs[:5] == [0, 0, 0, 1, 2]
+    acc = FIGURES[1].panels[0]  # evaluations stay at the step whose weights they measured
+    assert _aggregate([run], acc, 1, "policy_version")[0] == [0, 10, 20, 30, 40]
+    with pytest.raises(ValueError):
+        ReportConfig(x_axis="time")
