@@ -20,7 +20,7 @@ Transports:
 - `object_store`: the safetensors *bytes* are `ray.put` by learner rank 0 (which owns the
   object) and fetched by each worker with `ray.get(ref, timeout=...)`: any nodes, CPU or GPU.
   The bytes travel to vLLM's worker process as a `collective_rpc` argument (bytes survive
-  vLLM's serialisation; tensors do not, see DESIGN.md).
+  vLLM's serialisation; tensors passed that way arrive broken).
 - `nccl` (GPU only; written against vLLM 0.32's `vllm.distributed.weight_transfer` API, NOT
   exercised by the CPU test-suite): `NcclWeightSender` on learner rank 0 opens the trainer end
   of vLLM's NCCL weight-transfer group; each worker joins it once with

@@ -2,7 +2,7 @@
 
 For each configuration it prints the cosine to the true gradient g* = grad KL(pi||ref), the
 relative error |E g - g*| / |g*| and the per-sample gradient variance, on-policy and
-off-policy, whether the exact expectation matches DESIGN.md's table, and a sweep of the bias
+off-policy, whether the exact expectation matches docs/design.md's table, and a sweep of the bias
 against the behaviour policy's lag. Everything is exact enumeration (no sampling), so the
 numbers are deterministic for a seed; it runs in seconds on CPU.
 """
@@ -98,7 +98,7 @@ def print_table(result: dict) -> None:
     table = Table(title=f"KL gradient estimators on a {cfg['vocab']}-token, length-{cfg['length']} toy "
                         f"({result['num_sequences']} sequences, exact). rel.err = |E g - g*| / |g*|")
     lag = f"lag {cfg['off_policy_lag']:g}"
-    for col in ("config", "DESIGN table", "on: cos", "on: err", "on: var",
+    for col in ("config", "design table", "on: cos", "on: err", "on: var",
                 f"{lag}: cos", f"{lag}: err", f"{lag}: var", "exact off-policy"):
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for r in result["rows"]:

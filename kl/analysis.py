@@ -2,7 +2,7 @@
 
 `expected_grad` is the exact expectation under the behaviour policy mu of the autograd
 gradient of `kl.surrogate` (a finite weighted sum over all sequences, no sampling).
-`predicted_grad` is what DESIGN.md's table says that expectation must be, computed from
+`predicted_grad` is what docs/design.md's table says that expectation must be, computed from
 independent quantities: the exact sequence KL gradient g*, the token-level reverse/forward KL
 gradients and grad E[sum K2]. The tests compare the two; `klrl kl-table` prints them.
 """
@@ -105,7 +105,7 @@ def reference_grads(toy: T.ToyProblem) -> ReferenceGrads:
 
 
 def on_policy_prediction(v: KLVariant, r: ReferenceGrads) -> torch.Tensor:
-    """DESIGN.md's on-policy table (importance is inert on-policy, so it is ignored)."""
+    """docs/design.md's on-policy table (importance is inert on-policy, so it is ignored)."""
     reward = {"k1": r.g_star, "k2": r.sum_k2 - r.token_reverse, "k3": r.g_star - r.token_forward}
     loss = {"k1": torch.zeros_like(r.g_star), "k2": r.token_reverse, "k3": r.token_forward}
     if v.placement == "reward":

@@ -3,7 +3,7 @@
 Sequences in a training batch come from the sampler mu (the weights that generated them, up to
 max_lag versions old), not from the current policy pi. A plain mean of sum_t k_t over the batch
 therefore estimates E_mu[sum_t k_t], which is not KL(pi || ref) as soon as mu != pi (on the
-enumerable toy at lag 3: 0.538 against a true 0.896). The estimates here are:
+enumerable toy, seed 0 at lag 3: 0.653 against a true 0.415). The estimates here are:
 
     pi_ref     sum_t w_t * k1_t   unbiased for KL(pi || ref)   (per-decision importance sampling)
     pi_ref_k3  sum_t w_t * k3_t   unbiased for KL(pi || ref)   (K3: lower variance per token)

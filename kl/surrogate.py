@@ -2,7 +2,7 @@
 
 Contract (tested exactly by enumeration in tests/test_kl_exact.py): for sequences drawn from
 the sampler mu, the expectation of grad_logp of `surrogate(...)` is the configuration's KL
-gradient estimate as defined in DESIGN.md and the README table. With beta = 1 and sg() the
+gradient estimate as defined in docs/design.md (What each KL configuration computes). With beta = 1 and sg() the
 stop-gradient:
 
   R_t = sum_{t'>=t} k_t'                       (KL as a per-token reward, reward-to-go)

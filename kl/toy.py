@@ -84,7 +84,7 @@ def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor, space: SequenceS
 def token_kl(logits, ref_logits, space, direction: str) -> torch.Tensor:
     """Token-level KL summed over states with the state distribution held fixed (sg):
     sum_s sg(p_pi(s)) * KL(pi(.|s) || ref(.|s)) for "reverse", KL(ref(.|s) || pi(.|s)) for "forward".
-    Its gradient is the 'token-level' KL gradient of DESIGN.md's table."""
+    Its gradient is the 'token-level' KL gradient of docs/design.md's table."""
     lp, lr = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
     if direction == "reverse":
         per_state = (lp.exp() * (lp - lr)).sum(-1)

@@ -7,7 +7,7 @@ Nothing is downloaded. `build_random_model` writes a randomly initialised model 
 Why these sizes: vLLM's CPU attention needs head_dim 32 or 64 (16 is rejected), so
 hidden 128 with 4 query heads; 2 KV heads exercise grouped-query attention like real Qwen2.
 Embeddings are untied by default, so `lm_head.weight` is an ordinary parameter of the
-checkpoint (a weight sync must send it either way; see DESIGN.md).
+checkpoint (a weight sync must send it either way; see docs/design.md, Weight sync).
 
 The warm start stops after a fixed step budget chosen so the greedy in-domain accuracy lands
 well inside (10%, 60%): good enough that RL gets a reward signal, far enough from 100% that

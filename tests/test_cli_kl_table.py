@@ -1,4 +1,4 @@
-"""`klrl kl-table` end to end: the printed table, JSON and plot reproduce DESIGN.md's table."""
+"""`klrl kl-table` end to end: the printed table, JSON and plot reproduce docs/design.md's table."""
 import json
 
 from cluster.cli import main

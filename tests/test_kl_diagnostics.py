@@ -29,6 +29,16 @@ def test_logged_kl_estimates_are_unbiased_for_their_names(seed, lag):
         assert naive == pytest.approx(true_pi, rel=1e-10)
 
 
+def test_the_documented_example():
+    """docs/design.md and kl/diagnostics.py quote this toy: naive 0.653, true KL(pi||ref) 0.415."""
+    toy = ToyProblem.make(seed=0, lag=3.0)
+    space = toy.space
+    lp, ref = token_logp(toy.logits, space), token_logp(toy.ref_logits, space)
+    naive = float((sequence_prob(toy.behaviour_logits, space) * (lp - ref).sum(-1)).sum())
+    assert round(naive, 3) == 0.653
+    assert round(float(sequence_kl(toy.logits, toy.ref_logits, space)), 3) == 0.415
+
+
 def test_masked_positions_do_not_matter():
     toy = ToyProblem.make(seed=4, lag=2.0)
     space = toy.space

@@ -1,4 +1,4 @@
-"""DESIGN.md's KL table, reproduced exactly by enumeration on a tabular toy policy.
+"""docs/design.md's KL table, reproduced exactly by enumeration on a tabular toy policy.
 
 Every configuration's expected gradient E_mu[grad surrogate] is computed exactly (a weighted
 sum over all sequences) and compared with independently computed gradients: g* (sequence KL,
