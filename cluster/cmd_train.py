@@ -105,15 +105,16 @@ def _run_train(args) -> int:
     except RayError as exc:  # an actor (learner rank, worker) failed: everything is torn down
         print(f"error: the run failed and was torn down: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    from cluster.progress import print_summary
+
+    print_summary(run_dir)
     print(f"run directory: {run_dir}")
     return 0
 
 
 def _run_demo(args) -> int:
-    from rich.console import Console
-
     from cluster.config import ConfigError
-    from cluster.run_log import read_metrics
+    from cluster.progress import print_summary
     from cluster.stopping import RunStopped
 
     try:
@@ -123,13 +124,7 @@ def _run_demo(args) -> int:
         return 2
     except RunStopped as stop:
         return _report_stop(stop)
-    evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
-    first, last = evals[0], evals[-1]
-    rows = [(f"{name} {kind}", f"eval/{name}/{key}") for name in ("in_domain", "out_of_domain")
-            for kind, key in (("greedy", "accuracy"), ("sampled", "sampled_accuracy"))]
-    lines = [f"  {label:<26} {first[key]:.3f} -> {last[key]:.3f}" for label, key in rows if key in first]
-    Console().print(f"[bold]demo finished[/bold] in {run_dir} (step {first['step']} -> {last['step']})\n"
-                    + "\n".join(lines) + f"\n  trained policy             {run_dir / 'final'}")
+    print_summary(run_dir, "demo finished")
     return 0
 
 

@@ -1,6 +1,16 @@
-"""A rich progress bar for training: step, reward, KL, lag and eval accuracy at a glance."""
+"""Training progress people can read anywhere.
+
+On a terminal: a rich progress bar with step, reward, KL, lag and eval accuracy. Anywhere else
+(`ray job submit` logs, `klrl submit`, a sweep's log files, CI) a live display would only appear
+once, at the end, so plain lines are printed instead: one every `every` steps (step, reward,
+KL, lag, s/step, ETA) and one per evaluation.
+"""
 from __future__ import annotations
 
+import math
+import time
+
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -10,25 +20,90 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+EVAL_SETS = ("in_domain", "out_of_domain")
+
+
+def default_every(total_steps: int) -> int:
+    """About 20 plain lines per run, and at least one every 50 steps."""
+    return max(1, min(50, math.ceil(total_steps / 20)))
+
 
 class TrainProgress:
-    def __init__(self, total_steps: int, start_step: int = 0):
-        self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+    def __init__(self, total_steps: int, start_step: int = 0, every: int | None = None,
+                 live: bool | None = None):
+        self.total, self.start = total_steps, start_step
+        self.every = every or default_every(total_steps)
+        self.live = Console().is_terminal if live is None else live
+        self._t0 = time.monotonic()
         self._acc = ""
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
+                                                 status="")
 
     def update(self, step: int, metrics: dict) -> None:
         if "eval/in_domain/accuracy" in metrics:
             self._acc = f" acc {metrics['eval/in_domain/accuracy']:.3f}"
-        status = (f"reward {metrics.get('reward/mean', float('nan')):.3f} "
-                  f"kl {metrics.get('kl/pi_ref', float('nan')):.4f} lag {metrics.get('lag/max', 0)}{self._acc}")
-        self._progress.update(self._task, completed=step, status=status)
+        status = (f"reward {metrics.get('reward/mean', math.nan):.3f} "
+                  f"kl {metrics.get('kl/pi_ref', math.nan):.4f} lag {metrics.get('lag/max', 0)}"
+                  f"{self._acc}")
+        if self.live:
+            self._progress.update(self._task, completed=step, status=status)
+            return
+        if step % self.every == 0 or step == self.total:
+            done = step - self.start
+            per_step = (time.monotonic() - self._t0) / done if done else math.nan
+            eta = per_step * (self.total - step)
+            print(f"step {step}/{self.total} {status} | {per_step:.2f} s/step "
+                  f"eta {_duration(eta)}", flush=True)
+        line = eval_line(step, metrics)
+        if line:
+            print(line, flush=True)
 
     def __enter__(self):
-        self._progress.__enter__()
+        if self.live:
+            self._progress.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._progress.__exit__(*exc)
+        return self._progress.__exit__(*exc) if self.live else False
+
+
+def eval_line(step: int, metrics: dict) -> str | None:
+    """One line with a step's evaluation, or None when the step had none."""
+    parts = []
+    for name in EVAL_SETS:
+        keys = [(kind, f"eval/{name}/{key}") for kind, key in
+                (("greedy", "accuracy"), ("sampled", "sampled_accuracy"),
+                 ("truncated", "truncated"))]
+        shown = [f"{kind} {metrics[key]:.3f}" for kind, key in keys if key in metrics]
+        if shown:
+            parts.append(f"{name} " + " ".join(shown))
+    return f"eval step {step}: " + " | ".join(parts) if parts else None
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+def print_summary(run_dir, title: str = "run finished", file=None) -> None:
+    """The before/after table of a finished run: first and last evaluation of each set."""
+    from cluster.run_log import read_metrics
+
+    evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
+    if not evals:
+        return
+    first, last = evals[0], evals[-1]
+    rows = [(f"{name} {kind}", f"eval/{name}/{key}") for name in EVAL_SETS
+            for kind, key in (("greedy", "accuracy"), ("sampled", "sampled_accuracy"))]
+    lines = [f"  {label:<26} {first[key]:.3f} -> {last[key]:.3f}"
+             for label, key in rows if key in first and key in last]
+    Console(file=file).print(f"[bold]{title}[/bold] in {run_dir} (step {first['step']} -> "
+                             f"{last['step']})\n" + "\n".join(lines)
+                             + f"\n  trained policy             {run_dir / 'final'}",
+                             soft_wrap=True)

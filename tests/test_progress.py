@@ -1,0 +1,35 @@
+"""Progress output where stdout is not a terminal (ray job logs, sweep log files)."""
+import json
+
+from cluster.progress import TrainProgress, default_every, eval_line, print_summary
+
+
+def test_plain_lines_every_n_steps_and_one_per_evaluation(capsys):
+    with TrainProgress(10, every=4, live=False) as progress:
+        for step in range(1, 11):
+            metrics = {"reward/mean": 0.1 * step, "kl/pi_ref": 0.01, "lag/max": 2}
+            if step == 5:
+                metrics |= {"eval/in_domain/accuracy": 0.25, "eval/in_domain/sampled_accuracy": 0.2}
+            progress.update(step, metrics)
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["4/10", "8/10", "10/10"]
+    assert "reward 0.400" in steps[0] and "lag 2" in steps[0] and "s/step" in steps[0]
+    assert "eta" in steps[0] and "acc 0.250" in steps[1]
+    assert lines.count("eval step 5: in_domain greedy 0.250 sampled 0.200") == 1
+
+
+def test_default_every_gives_about_twenty_lines():
+    assert default_every(300) == 15 and default_every(5) == 1 and default_every(10_000) == 50
+    assert eval_line(3, {"reward/mean": 1.0}) is None
+
+
+def test_summary_of_a_run(tmp_path, capsys):
+    rows = [{"step": 0, "eval/in_domain/accuracy": 0.1, "eval/in_domain/sampled_accuracy": 0.05},
+            {"step": 1, "reward/mean": 0.2},
+            {"step": 2, "eval/in_domain/accuracy": 0.3, "eval/in_domain/sampled_accuracy": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print_summary(tmp_path, "run finished")
+    out = capsys.readouterr().out
+    assert "run finished" in out and "(step 0 -> 2)" in out
+    assert "in_domain greedy" in out and "0.100 -> 0.300" in out and "0.050 -> 0.250" in out
