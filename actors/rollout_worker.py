@@ -7,6 +7,8 @@ The class is a plain Python class; make it an actor at the use site, with the re
     w = Worker.options(num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker) \
               .remote(model_dir, rollout_cfg, sync_cfg, task_cfg, worker_index=0, seed=0)
 
+`task_cfg` is a `rewards.config.TaskConfig`; `evaluate` takes a `rewards.config.EvalConfig`.
+
 Keep the actor serial (Ray's default max_concurrency=1): the controller relies on a
 worker running `load_weights` and `generate` calls in the order they were sent, which is
 what bounds the policy lag.
@@ -32,20 +34,26 @@ Design choices:
   to cores, and pinning every worker to the same auto-chosen cores would make them fight.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
   task's scorer (per-item timeout, crash isolation); failures are counted, never raised.
+- Prompts: one `actors.prompting.PromptRenderer` (the task's chat template, system prompt and
+  stop strings, on the engine's tokenizer) turns problems into token ids for `generate` and
+  `evaluate` alike, so evaluation sees exactly the prompts training samples from.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from actors.config import RolloutConfig, SyncConfig
+from actors.engine import request_params, sample_params
+from actors.evaluate import EvalReport, evaluate_sets
+from actors.prompting import PromptRenderer
 from actors.records import Rollout, RolloutBatch
 from actors.weight_sync import WeightUpdate, fetch
 from actors.worker_extension import EXTENSION
+from rewards.config import EvalConfig, TaskConfig
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -59,16 +67,19 @@ class RolloutWorker:
 
     model_dir: Hugging Face model directory (version 0 of the policy, unless `version`).
     rollout_cfg / sync_cfg: see actors/config.py.
-    task_cfg: the training task: an object or mapping with `name`, `options` (kwargs of
-        `rewards.get_task`), `scorer_timeout_s`, `scorer_workers` and optionally `reward`
-        (a plug-in scorer "package.module:function"), e.g. cluster's TaskConfig.
+    task_cfg: the training task (scorer, scoring pool, prompt rendering; evaluation sets
+        without a task of their own are this task).
     worker_index: this worker's index (recorded in every Rollout; mixes into sampling seeds).
-    seed: engine seed. version: policy version of the weights in model_dir.
+    seed: engine seed (the run's; evaluation does not use it). version: policy version of
+        the weights in model_dir.
     """
 
     def __init__(self, model_dir: str | Path, rollout_cfg: RolloutConfig, sync_cfg: SyncConfig,
-                 task_cfg: Any, *, worker_index: int = 0, seed: int = 0, version: int = 0):
-        self.cfg, self.sync_cfg = rollout_cfg, sync_cfg
+                 task_cfg: TaskConfig, *, worker_index: int = 0, seed: int = 0, version: int = 0):
+        if not isinstance(task_cfg, TaskConfig):
+            raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
+                            f"{type(task_cfg).__name__}")
+        self.cfg, self.sync_cfg, self.task_cfg = rollout_cfg, sync_cfg, task_cfg
         self.worker_index, self.seed = worker_index, seed
         self._version = version
         self._broken: str | None = None         # why the engine can no longer be trusted
@@ -82,8 +93,7 @@ class RolloutWorker:
         self.scorer = _load_scorer(task_cfg)
         from rewards import ScoringPool
 
-        self.pool = ScoringPool(workers=int(_field(task_cfg, "scorer_workers", 1)),
-                                timeout_s=float(_field(task_cfg, "scorer_timeout_s", 5.0)))
+        self.pool = ScoringPool(workers=task_cfg.scorer_workers, timeout_s=task_cfg.scorer_timeout_s)
 
         from actors.engine import make_llm
 
@@ -95,6 +105,8 @@ class RolloutWorker:
             gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
             worker_extension_cls=EXTENSION, enforce_eager=rollout_cfg.enforce_eager,
             cpu_kvcache_gib=rollout_cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE, **extra)
+        # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
+        self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         self._warm_up()
 
     # ------------------------------------------------------------------ generation
@@ -111,9 +123,11 @@ class RolloutWorker:
         self._check_usable()
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
-        params = request_params(self.cfg, seed, self.worker_index, len(problems))
+        params = request_params(self.cfg, seed, self.worker_index, len(problems),
+                                stop=self.renderer.stop)
+        prompts = self.renderer.prompts(problems)
         t0 = time.perf_counter()
-        outputs = self.llm.generate([p.prompt for p in problems], params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         gen_s = time.perf_counter() - t0
 
         samples = [(p, g, out, c) for p, g, out in zip(problems, group_ids, outputs)
@@ -148,24 +162,16 @@ class RolloutWorker:
             detail = f"{type(e).__name__}: {e}"[:300]
             return [ScoreResult(reward=0.0, failure="pool_error", detail=detail)] * len(texts)
 
-    def evaluate(self, sets: dict[str, tuple[str, dict, str]], num_problems: int,
-                 samples: int = 0) -> dict[str, dict[str, float]]:
-        """Accuracy with the current weights on each named set (task name, task options,
-        split): {set name: {"accuracy": greedy pass@1, "sampled_accuracy": mean reward of
-        `samples` samples per problem at temperature 1 (when samples > 0)}}."""
+    def evaluate(self, eval_cfg: EvalConfig) -> EvalReport:
+        """Greedy and sampled accuracy with the current weights on each set of `eval_cfg`
+        (sets without a task are the training task's), with the training prompts' rendering
+        and stop strings, a budget of eval_cfg.max_new_tokens (null: the rollout budget),
+        and problems and sampling seeds fixed by eval_cfg.seed (not the run seed).
+        `EvalReport.metrics()` gives the logged eval/<set>/... metrics."""
         self._check_usable()
-        import rewards
-        from actors.evaluate import evaluate
-
-        out = {}
-        for name, (task_name, options, split) in sets.items():
-            result = evaluate(self.llm, rewards.get_task(task_name, **options), [split],
-                              n=num_problems, samples=samples, seed=self.seed, progress=False,
-                              scoring_pool=self.pool).splits[split]
-            out[name] = {"accuracy": result.greedy_accuracy}
-            if samples:
-                out[name]["sampled_accuracy"] = result.sampled_accuracy
-        return out
+        return evaluate_sets(self.llm, eval_cfg, self.task_cfg,
+                             default_max_tokens=self.cfg.max_new_tokens,
+                             renderer=self.renderer, scoring_pool=self.pool)
 
     # ------------------------------------------------------------------ weights
 
@@ -262,10 +268,7 @@ class RolloutWorker:
     def _warm_up(self) -> None:
         """One tiny sampled request with log-probs: the first one compiles vLLM's log-prob
         kernels (several seconds), which would otherwise land in the first step's timing."""
-        from vllm import SamplingParams
-
-        self.llm.generate(["1"], SamplingParams(max_tokens=2, logprobs=0, seed=0),
-                          use_tqdm=False)
+        self.llm.generate(["1"], sample_params(2, seed=0, logprobs=0), use_tqdm=False)
 
 
 def _sampled_logprobs(completion) -> list[float]:
@@ -293,37 +296,12 @@ def configure_engine_process(cfg: RolloutConfig) -> None:
     torch.set_num_threads(threads)
 
 
-def request_params(cfg: RolloutConfig, seed: int, worker_index: int, num_prompts: int) -> list:
-    """One SamplingParams per prompt of a generate call: `samples_per_prompt` samples with
-    the configured sampler, the sampled token's log-prob, and a seed per prompt."""
-    from vllm import SamplingParams
-
-    n = cfg.samples_per_prompt
-    return [SamplingParams(n=n, temperature=cfg.temperature, top_k=cfg.vllm_top_k, top_p=cfg.top_p,
-                           max_tokens=cfg.max_new_tokens, logprobs=0,
-                           seed=_request_seed(seed, worker_index, i, n))
-            for i in range(num_prompts)]
-
-
-def _request_seed(seed: int, worker_index: int, i: int, n: int) -> int:
-    """A per-prompt seed: distinct streams across calls, workers and prompts (vLLM seeds
-    sample j of a request with seed + j, hence the margin)."""
-    digest = hashlib.blake2b(f"{seed}:{worker_index}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1 - n)
-
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
-
-
-def _load_scorer(task_cfg: Any):
+def _load_scorer(task_cfg: TaskConfig):
     """The scorer to use: the task's own, or the plug-in scorer that replaces it."""
     import rewards
 
-    task = rewards.get_task(_field(task_cfg, "name"), **(_field(task_cfg, "options") or {}))
-    spec = _field(task_cfg, "reward")
+    task = rewards.get_task(task_cfg.name, **task_cfg.options)
+    spec = task_cfg.reward
     # load_scorer checks a plug-in can be pickled to scoring processes; task scorers are
     # module-level functions by the rewards.Task contract.
     return rewards.load_scorer(spec) if spec else task.scorer

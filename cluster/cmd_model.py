@@ -23,7 +23,8 @@ def register(subparsers) -> None:
         "eval",
         help="greedy pass@1 and sampled accuracy of a model, through vLLM",
         description="Evaluate MODEL_DIR on the given splits of a task: greedy pass@1 and the "
-        "mean reward of K samples at temperature 1 per problem.",
+        "mean reward of K samples per problem (temperature 1 unless --temperature). Prompts "
+        "are rendered as training renders them (chat template, system prompt, stop strings).",
     )
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="model directory, or 'default' for the default model (built if missing)")
@@ -34,7 +35,18 @@ def register(subparsers) -> None:
     p.add_argument("--samples", type=int, default=4,
                    help="samples per problem at temperature 1; 0 for greedy only (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of problems and sampling")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion budget")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="completion budget (default: the task's)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="temperature of the sampled completions (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampled completions")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of the sampled completions (0: off)")
+    p.add_argument("--chat-template", choices=("auto", "none"), default="auto",
+                   help="auto: apply the tokenizer's chat template when it has one (default); "
+                   "none: raw text prompts")
+    p.add_argument("--system-prompt", default=None, help="system message (needs a chat template)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     p.set_defaults(func=_eval)
 
@@ -75,6 +87,7 @@ def _eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from actors.evaluate import evaluate
+    from actors.prompting import PromptRenderer
 
     console = Console()
     model = args.model_dir
@@ -86,12 +99,16 @@ def _eval(args: argparse.Namespace) -> int:
         console.print(f"[red]not a directory:[/red] {model}")
         return 2
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    renderer = PromptRenderer.from_pretrained(
+        model, chat_template=args.chat_template, system_prompt=args.system_prompt, stop=args.stop)
     result = evaluate(
         str(model), args.task, splits, n=args.n, samples=args.samples, seed=args.seed,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, renderer=renderer,
     )
     table = Table(title=f"{result.task} - {model}")
-    for col in ("split", "problems", "greedy pass@1", f"sampled acc (K={args.samples})",
+    for col in ("split", "problems", "greedy pass@1",
+                f"sampled acc (K={args.samples}, T={args.temperature:g})",
                 f"pass@{args.samples}", "failures", "truncated"):
         if col == "split":  # never truncate the split name, whatever the terminal width
             table.add_column(col, justify="left", no_wrap=True, min_width=13)

@@ -275,15 +275,12 @@ class Controller:
         return {}
 
     def _evaluate(self, step: int) -> dict:
-        """Greedy (and sampled) accuracy on the eval sets with worker 0's current weights (version `step`)."""
-        ev, task = self.cfg.eval, self.cfg.task
-        sets = {}
-        for name, s in (("in_domain", ev.in_domain), ("out_of_domain", ev.out_of_domain)):
-            if s is not None:
-                sets[name] = (s.task or task.name, s.options if s.task else task.options, s.split)
+        """Evaluation with worker 0's current weights (version `step`): eval/<set>/accuracy
+        (greedy pass@1), sampled_accuracy, truncated and mean_response_tokens per set
+        (actors.evaluate.EvalReport.metrics)."""
         self._check_syncs()
-        result = self.pool.result(self.pool.call(0, "evaluate", sets, ev.num_problems, ev.samples))
-        return {f"eval/{name}/{key}": value for name, accs in result.items() for key, value in accs.items()}
+        report = self.pool.result(self.pool.call(0, "evaluate", self.cfg.eval))
+        return report.metrics()
 
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint_every

@@ -1,18 +1,20 @@
 """`TrainConfig`: everything `klrl train` reads, validated before anything starts.
 
 Sub-configs live with the code that reads them (kl.KLConfig, kl.AdvantageConfig,
-actors.config.RolloutConfig/SyncConfig, learner.config.LearnerConfig); this module composes
-them and checks the constraints that span several of them.
+actors.config.RolloutConfig/SyncConfig, learner.config.LearnerConfig,
+rewards.config.TaskConfig/EvalSet/EvalConfig); this module composes them and checks the
+constraints that span several of them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import RolloutConfig, SyncConfig
-from kl.config import AdvantageConfig, KLConfig
+from kl.config import AdvantageConfig, KLConfig, check_compatible
 from learner.config import LearnerConfig
+from rewards.config import EvalConfig, TaskConfig
 
 
 class _Strict(BaseModel):
@@ -25,44 +27,6 @@ class ModelConfig(_Strict):
     path: str | None = Field(None, min_length=1, description="Hugging Face model directory (or hub "
                              "name on a cluster). null: the embedded tiny arithmetic model, built "
                              "once by `klrl init-model` and cached.")
-
-
-class TaskConfig(_Strict):
-    """The training task: a prompt source and a verifiable scorer (rewards/)."""
-
-    name: Literal["arithmetic", "countdown", "math", "mmlu"] = Field(
-        "arithmetic", description="Task from rewards/ (mmlu is evaluation-only).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for "
-                                    "rewards.get_task (e.g. path=..., dataset=...).")
-    reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="Plug-in scorer "
-                               "'package.module:function' replacing the task's own.")
-    scorer_timeout_s: float = Field(5.0, gt=0, le=600, description="Per-item scoring timeout; "
-                                    "a scorer that exceeds it scores 0 and is counted.")
-    scorer_workers: int = Field(1, ge=1, le=64, description="Processes in each worker's scoring pool.")
-    train_split: str = Field("train", min_length=1, description="Split the training prompts come from.")
-
-
-class EvalSet(_Strict):
-    """One evaluation set: a task's split (by default the training task's)."""
-
-    task: Literal["arithmetic", "countdown", "math", "mmlu"] | None = Field(
-        None, description="Task to evaluate on; null: the training task with its options.")
-    options: dict[str, Any] = Field(default_factory=dict, description="rewards.get_task options "
-                                    "(ignored when task is null).")
-    split: str = Field(..., min_length=1, description="Split name of that task.")
-
-
-class EvalConfig(_Strict):
-    """Greedy pass@1 evaluation, in- and out-of-domain, every `eval_every` steps."""
-
-    in_domain: EvalSet = Field(default_factory=lambda: EvalSet(split="in_domain"),
-                               description="In-domain set (logged as eval/in_domain/accuracy).")
-    out_of_domain: EvalSet | None = Field(
-        default_factory=lambda: EvalSet(split="out_of_domain"),
-        description="Out-of-domain set (eval/out_of_domain/accuracy); null: none.")
-    num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
-    samples: int = Field(4, ge=0, le=1024, description="Samples per problem at temperature 1 for "
-                         "eval/<set>/sampled_accuracy (the quantity RL optimises); 0: greedy only.")
 
 
 class LoggingConfig(_Strict):
@@ -111,7 +75,7 @@ class TrainConfig(_Strict):
     eval_every: int = Field(20, ge=0, le=10_000_000, description="Evaluate every k steps (and at "
                             "the start and end); 0: only at the start and end.")
     checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Checkpoint (for "
-                                  "`klrl train --resume`) every k steps; 0: only when the run "
+                                  "`klrl train --resume`) every k steps, and at the end; 0: only when the run "
                                   "is stopped early (signal, worker restarts used up, NaN limit).")
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept "
                                   "under RUN_DIR/checkpoints (older ones are deleted).")
@@ -140,15 +104,18 @@ class TrainConfig(_Strict):
                              f"rollout.num_workers ({self.rollout.num_workers})")
         if self.advantage.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
-        if (self.kl.kl_in_advantage == "normalized" and "reward" in self.kl.placement
-                and self.advantage.normalize == "batch"):
-            raise ValueError("kl.kl_in_advantage=normalized folds the KL into per-group returns; "
-                             "use advantage.normalize=group or none (batch needs the whole batch)")
-        if (self.kl.kl_in_advantage == "normalized" and "reward" in self.kl.placement
-                and self.kl.importance != "none"):
-            raise ValueError("kl.importance is not applied to a KL reward folded into the "
-                             "advantage (kl.kl_in_advantage=normalized); use kl_in_advantage="
-                             "separate for an importance-corrected KL reward")
+        check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
+        per_rank = prompts // ranks
+        if per_rank % self.learner.mini_batches:
+            raise ValueError(f"the {per_rank} prompts per learner rank (rollout.prompts_per_step "
+                             f"/ learner.num_ranks) must be divisible by learner.mini_batches "
+                             f"({self.learner.mini_batches}): each mini-batch holds whole prompt "
+                             "groups, the same number on every rank")
+        budget = self.eval.max_new_tokens
+        if budget is not None and budget >= self.rollout.max_model_len:
+            raise ValueError(f"eval.max_new_tokens ({budget}) must be below rollout.max_model_len "
+                             f"({self.rollout.max_model_len}): evaluation runs on the rollout "
+                             "engines, whose context holds prompt and completion")
         if self.sync.transport == "nccl" and self.learner.num_gpus_per_rank == 0:
             raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
                              "use shm (one node) or object_store on CPU")

@@ -2,11 +2,14 @@
 mathematical equivalence with math-verify (e.g. \\frac{1}{2}, 0.5 and 1/2 all match).
 
 Rows need a `problem` (text) and either an `answer` or a `solution` whose last \\boxed{} holds
-the answer (MATH's format); an optional `unique_id` names the problem.
+the answer (MATH's format), or whose last line is "#### answer" (GSM8K's format); an optional
+`unique_id` names the problem. Datasets with other column names are read through the
+`columns` option, e.g. GSM8K: {question: problem, answer: solution}.
 """
 from __future__ import annotations
 
 import random
+import re
 import threading
 from typing import Any
 
@@ -32,6 +35,7 @@ MAX_ANSWER_DEPTH = 16     # brace nesting inside the box (MATH answers stay unde
 VERIFY_TIMEOUT_S = 2      # math-verify's own per-call alarm (whole seconds)
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+_FINAL_LINE = re.compile(r"^####[ \t]*(\S.*?)[ \t]*$", re.MULTILINE)  # GSM8K: "#### 72"
 
 
 def last_boxed(text: str) -> str | None:
@@ -45,18 +49,28 @@ def last_boxed(text: str) -> str | None:
     if position < 0 or text[start:position].strip() not in _BOX_COMMANDS:
         return None  # e.g. "\boxedfoo" or "\boxed 5" (no braces): not a boxed answer
     depth, begin = 0, position + 1
-    for position in range(position, min(len(text), begin + MAX_ANSWER_CHARS + 1)):
-        char = text[position]
-        if char == "{" and text[position - 1] != "\\":
+    for index in range(position, min(len(text), begin + MAX_ANSWER_CHARS + 1)):
+        char = text[index]
+        if char == "{" and text[index - 1] != "\\":
             depth += 1
             if depth > MAX_ANSWER_DEPTH:
                 return None
-        elif char == "}" and text[position - 1] != "\\":
+        elif char == "}" and text[index - 1] != "\\":
             depth -= 1
             if depth == 0:
-                content = text[begin:position].strip()
+                content = text[begin:index].strip()
                 return content or None
     return None
+
+
+def solution_answer(solution: str) -> str | None:
+    """The final answer of a worked solution: its last \\boxed{} (MATH), else the text of
+    its last "#### answer" line (GSM8K), else None."""
+    boxed = last_boxed(solution)
+    if boxed is not None:
+        return boxed
+    finals = _FINAL_LINE.findall(solution)
+    return finals[-1] if finals and len(finals[-1]) <= MAX_ANSWER_CHARS else None
 
 
 def score_math(completion: str, problem: Problem) -> float:
@@ -83,9 +97,9 @@ def math_row_to_problem(row: Any, index: int, split: str, source_label: str) -> 
     if row.get("answer") not in (None, ""):
         answer = require_text(row, "answer", MAX_ANSWER_CHARS)
     else:
-        answer = last_boxed(require_text(row, "solution"))
+        answer = solution_answer(require_text(row, "solution"))
         if answer is None:
-            raise ValueError("no answer field and no \\boxed{} answer in the solution")
+            raise ValueError("no answer field, and no \\boxed{} or '#### ' answer in the solution")
     uid = str(row.get("unique_id") or f"{source_label}#{index}")
     return Problem(uid=f"math/{split}/{uid}", task="math", split=split,
                    prompt=text + PROMPT_SUFFIX, answer=answer,
@@ -102,6 +116,10 @@ class MathTask(Task):
     - out_of_domain: optional, any other boxed-answer set (e.g. a file); adds that split.
     - path: one local file for every split (overrides the defaults); "fixture" is the small
       set shipped with klrl (rewards/data/math_fixture.jsonl), for tests and CPU demos.
+    - columns: {source column: this task's column} renaming applied to every row of the
+      sources given above (not the default hub sets, already in this schema), e.g. GSM8K's
+      {question: problem, answer: solution}; a source given as a mapping may carry its own
+      `columns` instead. Without it, rows in another schema are malformed.
     Datasets are loaded when a split is first asked for. `skipped_rows[split]` counts the
     malformed rows left out.
     """
@@ -111,14 +129,17 @@ class MathTask(Task):
     max_new_tokens = 1024
 
     def __init__(self, train: Any = None, in_domain: Any = None, out_of_domain: Any = None,
-                 path: str | None = None):
+                 path: str | None = None, columns: dict[str, str] | None = None):
         if path is not None:
             local = str(FIXTURE) if path == "fixture" else str(path)
             train = train or local
             in_domain = in_domain or local
         given = {"train": train, "in_domain": in_domain, "out_of_domain": out_of_domain}
+        if columns and all(value is None for value in given.values()):
+            raise ValueError("math: `columns` renames the columns of the datasets given by "
+                             "path/train/in_domain/out_of_domain, and none is given")
         self.sources = {
-            split: DatasetSource.coerce(value, HUB_SPLITS[split])
+            split: DatasetSource.coerce(value, HUB_SPLITS[split]).with_columns(columns)
             if value is not None else DEFAULT_SOURCES[split]
             for split, value in given.items() if value is not None or split in DEFAULT_SOURCES
         }

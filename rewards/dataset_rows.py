@@ -5,6 +5,10 @@ Hub datasets and parquet files go through `datasets.load_dataset`. JSON Lines fi
 line by line with the stdlib instead: `datasets`' json builder rejects a whole file for one
 bad line or one field whose type differs between rows, and here such a row must only be
 skipped.
+
+A dataset in another schema than the task's is read through a column mapping (source column
+-> the task's column, e.g. GSM8K's {"question": "problem", "answer": "solution"} for the
+math task), applied to each row before the task's converter sees it.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rewards.records import Problem
 
@@ -30,13 +34,30 @@ RowConverter = Callable[[Any, int], Problem]
 
 class DatasetSource(BaseModel):
     """Where one split's rows come from: a local file (.jsonl, .json or .parquet) or a hub
-    dataset `name` with an optional `config` (subset) and the hub `split` to read."""
+    dataset `name` with an optional `config` (subset) and the hub `split` to read, and the
+    `columns` to rename (source column -> the task's column) before a row is converted."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
+    name: str = Field(min_length=1)
     config: str | None = None
     split: str = "train"
+    columns: dict[str, str] = Field(default_factory=dict, max_length=1000)
+
+    @field_validator("columns")
+    @classmethod
+    def _check_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        if any(not k or not v for k, v in columns.items()):
+            raise ValueError(f"column names must not be empty: {columns}")
+        if len(set(columns.values())) != len(columns):
+            raise ValueError(f"two columns are renamed to the same name: {columns}")
+        return columns
+
+    def with_columns(self, columns: dict[str, str] | None) -> DatasetSource:
+        """This source with a task-wide column mapping, unless it has its own."""
+        if not columns or self.columns:
+            return self
+        return DatasetSource(**{**self.model_dump(), "columns": columns})
 
     @classmethod
     def coerce(cls, value: str | dict | DatasetSource, default_split: str) -> DatasetSource:
@@ -68,16 +89,28 @@ class MalformedRows(ValueError):
     """Not one usable row in a dataset."""
 
 
+def rename_columns(row: Any, columns: dict[str, str]) -> Any:
+    """`row` with its columns renamed by `columns` (source -> target); a renamed column
+    replaces a column already called `target`, and the others are kept. Not a mapping: the
+    row unchanged (the converter rejects it)."""
+    if not columns or not isinstance(row, dict):
+        return row
+    out = {k: v for k, v in row.items() if k not in columns}
+    out.update({target: row[source] for source, target in columns.items() if source in row})
+    return out
+
+
 def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Problem], int]:
-    """(problems, number of malformed rows skipped). Logs one warning with the count and the
-    first error when any row is skipped; raises MalformedRows when none is usable."""
+    """(problems, number of malformed rows skipped), each row renamed by `source.columns`
+    before `convert` sees it. Logs one warning with the count and the first error when any
+    row is skipped; raises MalformedRows when none is usable."""
     problems, skipped, first_error, total = [], 0, None, 0
     for index, row in enumerate(_read_rows(source)):
         total += 1
         try:
             if isinstance(row, _BadLine):
-                raise ValueError(f"not JSON: {row.error}")
-            problems.append(convert(row, index))
+                raise ValueError(f"not JSON: {row.error}")  # noqa: TRY004 - counted like a bad row
+            problems.append(convert(rename_columns(row, source.columns), index))
         except (ValueError, TypeError, KeyError, ValidationError) as e:
             skipped += 1
             first_error = first_error or f"row {index}: {type(e).__name__}: {str(e)[:200]}"
@@ -85,8 +118,10 @@ def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Pr
         logger.warning("%s: skipped %d malformed row(s) of %d; first: %s",
                        source.label(), skipped, total, first_error)
     if not problems:
+        hint = "" if source.columns else (" (a dataset in another schema needs the task "
+                                          "option `columns`: {its column: the task's column})")
         raise MalformedRows(f"{source.label()}: no usable rows ({total} rows, {skipped} "
-                            f"malformed{'; first: ' + first_error if first_error else ''})")
+                            f"malformed{'; first: ' + first_error if first_error else ''}){hint}")
     return problems, skipped
 
 

@@ -105,6 +105,9 @@ class MMLUTask(Task):
     - path: a local .jsonl/.json/.parquet file (or a list of them) instead of the hub; rows
       whose `subject` is not in `subjects` are left out when `subjects` is given.
       "fixture" is the small set shipped with klrl (rewards/data/mmlu_fixture.jsonl).
+    - columns: {source column: this task's column} renaming applied to every row of the
+      `path` files (e.g. {options: choices, label: answer}); needs `path` (the hub's
+      cais/mmlu is already in this schema).
     """
 
     name = "mmlu"
@@ -113,14 +116,18 @@ class MMLUTask(Task):
     max_new_tokens = 256
 
     def __init__(self, subjects: Sequence[str] | None = None, hub_split: str = "test",
-                 path: str | Sequence[str] | None = None):
+                 path: str | Sequence[str] | None = None, columns: dict[str, str] | None = None):
         if isinstance(subjects, str):
             subjects = [subjects]
         self.subjects = tuple(subjects) if subjects else None
         if path is not None:
             paths = [path] if isinstance(path, str) else list(path)
-            self.sources = [(DatasetSource(name=str(FIXTURE) if p == "fixture" else str(p)), None)
+            self.sources = [(DatasetSource(name=str(FIXTURE) if p == "fixture" else str(p),
+                                           columns=columns or {}), None)
                             for p in paths]
+        elif columns:
+            raise ValueError("mmlu: `columns` renames the columns of `path` files; the hub's "
+                             "cais/mmlu is already in this task's schema")
         else:
             self.sources = [(DatasetSource(name=HUB_DATASET, config=s, split=hub_split), s)
                             for s in (self.subjects or DEFAULT_SUBJECTS)]
@@ -132,8 +139,8 @@ class MMLUTask(Task):
             self._loaded, skipped = [], 0
             for source, subject in self.sources:
                 label = source.short_label()
-                problems, bad = load_problems(
-                    source, lambda row, i: mmlu_row_to_problem(row, i, subject, label))
+                problems, bad = load_problems(  # the converter runs before the loop moves on
+                    source, lambda row, i, s=subject, lb=label: mmlu_row_to_problem(row, i, s, lb))
                 self._loaded += problems
                 skipped += bad
             self.skipped_rows[split] = skipped

@@ -67,22 +67,25 @@ def test_errors_name_the_field_and_the_file(tmp_path):
         load_config(KLTableConfig, tmp_path / "list.yaml")
 
 
-def test_paper_variants_differ_only_in_kl(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2.5-7b_math", "qwen3-4b-instruct_countdown",
+                                    "llama-3.1-8b-instruct_math"])
+def test_paper_variants_differ_only_in_kl(family):
+    """Each family's four KL configurations (and, where shipped, its beta 0 control) differ
+    from the family's base file in kl.* alone."""
     from cluster.train_config import TrainConfig
 
     paper = ROOT / "configs" / "paper"
-    base = load_config(TrainConfig, paper / "qwen2.5-7b_math.yaml")
-    seen = set()
+    base = load_config(TrainConfig, paper / f"{family}.yaml")
     for est in ("k1", "k3"):
         for placement in ("reward", "loss"):
-            cfg = load_config(TrainConfig, paper / f"qwen2.5-7b_math_{est}_{placement}.yaml")
+            cfg = load_config(TrainConfig, paper / f"{family}_{est}_{placement}.yaml")
             assert (cfg.kl.estimator, cfg.kl.placement) == (est, placement)
             assert cfg.model_dump(exclude={"kl"}) == base.model_dump(exclude={"kl"})
-            assert cfg.max_lag == 10 and cfg.advantage.estimator == "rloo"
-            seen.add((est, placement))
-    assert len(seen) == 4
-    countdown = load_config(TrainConfig, paper / "qwen3-4b-instruct_countdown.yaml")
-    assert countdown.task.name == "countdown" and countdown.eval.in_domain.task is None
+            assert cfg.kl.beta == base.kl.beta > 0
+    nokl = paper / f"{family}_nokl.yaml"
+    if family != "llama-3.1-8b-instruct_math":
+        cfg = load_config(TrainConfig, nokl)
+        assert cfg.kl.beta == 0 and cfg.model_dump(exclude={"kl"}) == base.model_dump(exclude={"kl"})
 
 
 def test_cross_field_constraints_are_rejected_before_anything_starts():
@@ -93,9 +96,37 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
                              (["learner.num_ranks=3"], "num_ranks"),
                              (["rollout.samples_per_prompt=1"], "samples_per_prompt"),
                              (["sync.transport=nccl"], "nccl"),
-                             (["kl.truncate=2"], "truncate")]:
+                             (["kl.truncate=2"], "truncate"),
+                             (["eval.max_new_tokens=512"], "max_model_len"),
+                             (["task.chat_template=none", "task.system_prompt=hi"],
+                              "system_prompt")]:
         with pytest.raises(ConfigError, match=field):
             load_config(TrainConfig, tiny, overrides)
+
+
+def test_task_and_eval_sections_are_the_rewards_configs():
+    """TrainConfig's task/eval sections are rewards.config's models (the rollout worker takes
+    them typed); the evaluation budget, sampler and seed default to the rollout budget, the
+    policy itself (T=1, no top-k/top-p) and a seed of their own."""
+    from cluster.train_config import TrainConfig
+    from rewards.config import EvalConfig, TaskConfig
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", ["seed=7"])
+    assert isinstance(cfg.task, TaskConfig) and isinstance(cfg.eval, EvalConfig)
+    ev = cfg.eval
+    assert (ev.max_new_tokens, ev.temperature, ev.top_p, ev.top_k, ev.seed) == (None, 1.0, 1.0,
+                                                                               -1, 0)
+    assert (cfg.task.chat_template, cfg.task.system_prompt, cfg.task.stop) == ("auto", None, [])
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", [
+        "eval.max_new_tokens=32", "eval.seed=3", "eval.temperature=0.6",
+        "task.stop=[</answer>,Question]"])
+    assert (cfg.eval.max_new_tokens, cfg.eval.seed, cfg.eval.temperature) == (32, 3, 0.6)
+    assert cfg.task.stop == ["</answer>", "Question"]
+    sets = cfg.eval.sets(cfg.task)
+    assert sets["in_domain"].task == cfg.task.name == "arithmetic"
+    for bad in ("eval.temperature=0", "eval.top_p=1.5", "eval.seed=-1", "eval.max_new_tokens=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
+            load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", [bad])
 
 
 def test_readme_documents_every_train_option():

@@ -100,3 +100,26 @@ def test_klrl_eval_command(tiny_model_dir, tmp_path, capsys):
     saved = EvalResult.model_validate(json.loads(out.read_text()))
     assert saved.splits["in_domain"].problems == 8
     assert saved.model == str(tiny_model_dir)
+
+
+def test_evaluate_reports_the_budget_and_the_truncated_fraction(tiny_llm):
+    short = evaluate(tiny_llm, "arithmetic", ["in_domain"], n=10, samples=2, max_tokens=3,
+                     progress=False)
+    r = short.splits["in_domain"]
+    assert short.max_tokens == 3 and r.completions == 10 * 3
+    assert r.mean_response_tokens <= 3 and r.truncated > 0
+    assert r.truncated_fraction == pytest.approx(r.truncated / r.completions)
+    assert short.metrics()["eval/in_domain/truncated_fraction"] == r.truncated_fraction
+    longer = evaluate(tiny_llm, "arithmetic", ["in_domain"], n=10, samples=2, max_tokens=12,
+                      progress=False).splits["in_domain"]
+    assert longer.mean_response_tokens > r.mean_response_tokens
+    assert longer.problem_ids == r.problem_ids  # the same problems, only the budget differs
+
+
+def test_sampled_evaluation_uses_the_given_sampler(tiny_llm):
+    """top_k=1 leaves one token to sample: the samples are the greedy completion."""
+    task = ArithmeticWith(odd_length)
+    result = evaluate(tiny_llm, task, ["in_domain"], n=12, samples=3, top_k=1, temperature=0.7,
+                      progress=False).splits["in_domain"]
+    assert result.sampled_accuracy == result.greedy_accuracy
+    assert result.pass_at_k == result.greedy_accuracy

@@ -1,7 +1,7 @@
 """RolloutWorker with real Ray (loopback) and a real vLLM engine on the tiny random model:
-well-formed, scored Rollouts, and behaviour log-probs equal to what HF transformers computes
+well-formed, scored Rollouts, behaviour log-probs equal to what HF transformers computes
 for the distribution that was sampled (the policy at temperature 1; the tempered, top-k/top-p
-renormalised distribution otherwise)."""
+renormalised distribution otherwise), and evaluation with its own budget and seed."""
 from __future__ import annotations
 
 import math
@@ -14,13 +14,15 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from actors.config import RolloutConfig, SyncConfig
+from actors.evaluate import EvalReport
 from actors.rollout_worker import RolloutWorker
+from rewards.config import EvalConfig, EvalSet, TaskConfig
 
-TASK = {"name": "arithmetic", "options": {}, "scorer_timeout_s": 5.0, "scorer_workers": 1}
+TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 N = 4  # samples per prompt
+MAX_NEW = 10  # rollout budget: above the arithmetic task's own (8), which evaluation must not use
 TOL = 1e-4
-
-
+TEMPERED = {"temperature": 0.5, "top_k": 8, "top_p": 0.7}
 
 
 def _stop(w):
@@ -30,12 +32,13 @@ def _stop(w):
         ray.kill(w)
 
 
-def _start(model_dir, task=TASK, **overrides):
-    cfg = RolloutConfig(samples_per_prompt=N, max_new_tokens=8, max_model_len=128, **overrides)
+def _start(model_dir, task=TASK, seed=0, **overrides):
+    cfg = RolloutConfig(samples_per_prompt=N, max_new_tokens=MAX_NEW, max_model_len=128,
+                        **overrides)
     # PYTHONPATH: the actor (and its scoring processes) can import tests.scorer_faults.
     env = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
     return ray.remote(RolloutWorker).options(num_cpus=1, runtime_env=env).remote(
-        str(model_dir), cfg, SyncConfig(), task, worker_index=3, seed=0)
+        str(model_dir), cfg, SyncConfig(), task, worker_index=3, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,20 @@ def worker(ray_cluster, tiny_model_dir):
     w = _start(tiny_model_dir)
     yield w
     _stop(w)
+
+
+@pytest.fixture(scope="module")
+def tempered_worker(ray_cluster, tiny_model_dir):
+    """A second worker on the same weights that differs from `worker` in the run seed (1),
+    the sampler (TEMPERED) and the scorer (a plug-in that raises on every completion)."""
+    failing = TASK.model_copy(update={"reward": "tests.scorer_faults:misbehave"})
+    w = _start(tiny_model_dir, task=failing, seed=1, **TEMPERED)
+    yield w
+    _stop(w)
+
+
+def _without_timing(report: EvalReport) -> dict:
+    return report.model_dump(exclude={"seconds"})
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +122,12 @@ def test_generate_returns_well_formed_scored_rollouts(worker, problems, tiny_mod
     for r in batch.rollouts:
         assert r.policy_version == 0 and r.worker == 3
         assert r.prompt_ids == tok(r.problem.prompt)["input_ids"]
-        assert 1 <= len(r.response_ids) == len(r.behaviour_logprobs) <= 8
+        assert 1 <= len(r.response_ids) == len(r.behaviour_logprobs) <= MAX_NEW
         assert all(math.isfinite(x) and x <= 0 for x in r.behaviour_logprobs)
         if r.finish_reason == "stop":
             assert r.response_ids[-1] == tok.eos_token_id
         else:
-            assert r.finish_reason == "length" and len(r.response_ids) == 8
+            assert r.finish_reason == "length" and len(r.response_ids) == MAX_NEW
         # The reward is the task's scorer on the decoded response.
         text = tok.decode(r.response_ids, skip_special_tokens=True)
         assert r.score_failure is None
@@ -131,13 +148,59 @@ def test_generate_returns_well_formed_scored_rollouts(worker, problems, tiny_mod
 
 
 def test_evaluate_reports_greedy_and_sampled_accuracy_per_set(worker):
-    sets = {"in": ("arithmetic", {}, "in_domain"), "out": ("arithmetic", {}, "out_of_domain")}
-    acc = ray.get(worker.evaluate.remote(sets, 6))
-    assert set(acc) == {"in", "out"} and all(set(a) == {"accuracy"} for a in acc.values())
-    acc = ray.get(worker.evaluate.remote(sets, 6, 2))
-    assert all(set(a) == {"accuracy", "sampled_accuracy"} for a in acc.values())
-    assert all(0.0 <= v <= 1.0 for a in acc.values() for v in a.values())
+    cfg = EvalConfig(out_of_domain=EvalSet(task="arithmetic", split="out_of_domain"),
+                     num_problems=6, samples=0)
+    report = ray.get(worker.evaluate.remote(cfg))
+    assert isinstance(report, EvalReport) and set(report.sets) == {"in_domain", "out_of_domain"}
+    per_set = ["accuracy", "truncated", "mean_response_tokens"]
+    assert set(report.metrics()) == {f"eval/{s}/{k}" for s in report.sets for k in per_set}
+    report = ray.get(worker.evaluate.remote(cfg.model_copy(update={"samples": 2})))
+    metrics = report.metrics()
+    assert set(metrics) == {f"eval/{s}/{k}" for s in report.sets
+                            for k in [*per_set, "sampled_accuracy"]}
+    for s, r in report.sets.items():
+        assert r.problems == 6 and r.completions == 6 * 3
+        for key in ("accuracy", "sampled_accuracy", "truncated"):
+            assert 0.0 <= metrics[f"eval/{s}/{key}"] <= 1.0
+        assert metrics[f"eval/{s}/truncated"] == r.truncated / r.completions
+        assert 0 < metrics[f"eval/{s}/mean_response_tokens"] <= MAX_NEW
     assert ray.get(worker.version.remote()) == 0
+
+
+def test_evaluation_requests_the_configured_budget(worker):
+    """eval.max_new_tokens is the budget of every evaluation completion; null means the
+    rollout's budget (MAX_NEW), not the task's default (8)."""
+    def run(budget):
+        cfg = EvalConfig(out_of_domain=None, num_problems=8, samples=2, max_new_tokens=budget)
+        return ray.get(worker.evaluate.remote(cfg))
+
+    short, long, default = run(3), run(MAX_NEW + 6), run(None)
+    r = short.sets["in_domain"]
+    assert short.max_tokens == 3 and r.mean_response_tokens <= 3 and r.truncated_fraction > 0
+    assert short.metrics()["eval/in_domain/truncated"] == r.truncated_fraction
+    assert long.sets["in_domain"].mean_response_tokens > r.mean_response_tokens
+    assert long.sets["in_domain"].mean_response_tokens > MAX_NEW  # some ran past MAX_NEW
+    assert default.max_tokens == MAX_NEW
+    assert _without_timing(default) == _without_timing(run(MAX_NEW))
+    assert default.sets["in_domain"].mean_response_tokens > 8  # not the task's budget
+
+
+def test_evaluation_ignores_the_run_seed(worker, tempered_worker):
+    """Two workers that differ in run seed (and sampler and training scorer) evaluate the
+    same problems with the same samples; eval.seed alone chooses them."""
+    cfg = EvalConfig(num_problems=8, samples=2)
+    a = ray.get(worker.evaluate.remote(cfg))
+    b = ray.get(tempered_worker.evaluate.remote(cfg))
+    import rewards
+
+    task = rewards.get_task("arithmetic")
+    for name, r in a.sets.items():
+        assert r.problem_ids == [p.uid for p in task.problems(name, 8, seed=cfg.seed)]
+        assert b.sets[name].problem_ids == r.problem_ids
+    assert _without_timing(a) == _without_timing(b)  # same greedy and sampled completions
+    other = ray.get(worker.evaluate.remote(cfg.model_copy(update={"seed": 1})))
+    assert other.seed == 1
+    assert all(other.sets[n].problem_ids != r.problem_ids for n, r in a.sets.items())
 
 
 def test_behaviour_logprobs_equal_hf_log_softmax_at_temperature_1(worker, problems, hf_model):
@@ -151,20 +214,15 @@ def test_behaviour_logprobs_equal_hf_log_softmax_at_temperature_1(worker, proble
 
 
 def test_behaviour_logprobs_are_those_of_the_processed_distribution(
-        ray_cluster, tiny_model_dir, problems, hf_model):
+        tempered_worker, problems, hf_model):
     """temperature 0.5, top-k 8, top-p 0.7: the returned log-probs are those of the tempered,
     masked, renormalised distribution (not the model's own log_softmax).
 
     The same worker (one engine start less) also checks that scoring failures are counted,
     never raised: its plug-in scorer raises on every completion it gets here."""
-    t, k, p = 0.5, 8, 0.7
-    failing = dict(TASK, reward="tests.scorer_faults:misbehave")
-    w = _start(tiny_model_dir, task=failing, temperature=t, top_k=k, top_p=p)
-    try:
-        batch = ray.get(w.generate.remote(problems, list(range(len(problems))), 5))
-        stats = ray.get(w.stats.remote())
-    finally:
-        _stop(w)
+    t, k, p = TEMPERED["temperature"], TEMPERED["top_k"], TEMPERED["top_p"]
+    batch = ray.get(tempered_worker.generate.remote(problems, list(range(len(problems))), 5))
+    stats = ray.get(tempered_worker.stats.remote())
     assert all(r.reward == 0.0 and r.score_failure == "exception" for r in batch.rollouts)
     assert stats["score_failures"] == len(batch.rollouts)
     assert stats["score_failures_by_kind"] == {"exception": len(batch.rollouts)}

@@ -1,0 +1,101 @@
+"""Pydantic configuration of the training task (`TaskConfig`) and of its evaluation
+(`EvalSet`, `EvalConfig`): the `task:` and `eval:` sections of a TrainConfig.
+
+They live here, beside the tasks they name, so that the rollout worker (actors/) takes them
+typed without importing cluster/; cluster.train_config composes them into TrainConfig.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TaskName = Literal["arithmetic", "countdown", "math", "mmlu"]
+StopString = Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskConfig(_Strict):
+    """The training task: a prompt source and a verifiable scorer (rewards/), and how its
+    prompts are put to the model (chat template, system prompt, stop strings). Training and
+    evaluation render prompts the same way (actors.prompting)."""
+
+    name: TaskName = Field("arithmetic", description="Task from rewards/ (mmlu is evaluation-only).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for "
+                                    "rewards.get_task (e.g. path=..., dataset=..., columns=... "
+                                    "to rename dataset columns to the task's).")
+    reward: str | None = Field(None, pattern=r"^[\w.]+:\w+$", description="Plug-in scorer "
+                               "'package.module:function' replacing the task's own.")
+    scorer_timeout_s: float = Field(5.0, gt=0, le=600, description="Per-item scoring timeout; "
+                                    "a scorer that exceeds it scores 0 and is counted.")
+    scorer_workers: int = Field(1, ge=1, le=64, description="Processes in each worker's scoring pool.")
+    train_split: str = Field("train", min_length=1, description="Split the training prompts come from.")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="auto: the prompt is a user message rendered with the tokenizer's "
+        "chat template when it has one (Instruct models), else raw text; none: always raw text.")
+    system_prompt: str | None = Field(None, min_length=1, max_length=100_000, description=
+                                      "System message before each prompt (needs a chat "
+                                      "template); null: none.")
+    stop: list[StopString] = Field(default_factory=list, max_length=64, description="Stop strings: a "
+                            "completion ends after the first one it generates (finish_reason "
+                            "'stop'; the string is not part of the scored text).")
+
+    @model_validator(mode="after")
+    def _check_prompting(self) -> TaskConfig:
+        if self.system_prompt is not None and self.chat_template == "none":
+            raise ValueError("task.system_prompt needs a chat template; set "
+                             "task.chat_template=auto or drop the system prompt")
+        return self
+
+
+class EvalSet(_Strict):
+    """One evaluation set: a task's split (by default the training task's)."""
+
+    task: TaskName | None = Field(None, description="Task to evaluate on; null: the training "
+                                  "task with its options.")
+    options: dict[str, Any] = Field(default_factory=dict, description="rewards.get_task options "
+                                    "(ignored when task is null).")
+    split: str = Field(..., min_length=1, description="Split name of that task.")
+
+    def resolve(self, training: TaskConfig) -> EvalSet:
+        """This set with the training task filled in when `task` is null."""
+        if self.task is not None:
+            return self
+        return EvalSet(task=training.name, options=dict(training.options), split=self.split)
+
+
+class EvalConfig(_Strict):
+    """Greedy pass@1 and sampled accuracy, in- and out-of-domain, every `eval_every` steps.
+
+    The problems and the sampling seeds come from `seed`, not from the run's seed, so runs
+    that differ only in their seed are evaluated on the same problems.
+    """
+
+    in_domain: EvalSet = Field(default_factory=lambda: EvalSet(split="in_domain"),
+                               description="In-domain set (logged as eval/in_domain/accuracy).")
+    out_of_domain: EvalSet | None = Field(
+        default_factory=lambda: EvalSet(split="out_of_domain"),
+        description="Out-of-domain set (eval/out_of_domain/accuracy); null: none.")
+    num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
+    samples: int = Field(4, ge=0, le=1024, description="Samples per problem (at `temperature`) for "
+                         "eval/<set>/sampled_accuracy (the quantity RL optimises); 0: greedy only.")
+    max_new_tokens: int | None = Field(None, ge=1, le=1_000_000, description="Completion budget "
+                                       "of evaluation (eval/<set>/truncated counts completions "
+                                       "it cuts); null: rollout.max_new_tokens, the training "
+                                       "budget.")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="Temperature of the sampled "
+                               "evaluation (the greedy one is temperature 0).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass of the sampled "
+                         "evaluation; 1.0 = off.")
+    top_k: int = Field(-1, ge=-1, le=10_000_000, description="Top-k of the sampled evaluation; "
+                       "-1 (or 0) = off.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Fixes the evaluated problems and the "
+                      "sampling seeds, independently of the run's seed.")
+
+    def sets(self, training: TaskConfig) -> dict[str, EvalSet]:
+        """The configured sets by name ("in_domain", "out_of_domain"), tasks resolved."""
+        named = (("in_domain", self.in_domain), ("out_of_domain", self.out_of_domain))
+        return {name: s.resolve(training) for name, s in named if s is not None}
