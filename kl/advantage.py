@@ -11,9 +11,16 @@ The KL penalty as a per-token reward (reward-to-go R_t = sum_{t'>=t} k_t, beta >
 - separate (default): normalise the task part only and add -beta * (R_t - b_K) unnormalised,
   b_K the same estimator's baseline over the group's sequence KLs. The KL part of the update
   is then exactly beta times the KL-in-reward gradient, whatever the task rewards are.
-- normalized: fold the KL into the return before normalising (what the paper and verl do).
+- normalized: fold the KL into the return before normalising (verl-style).
   The effective beta becomes beta / sigma per prompt, where sigma is that prompt's return std:
   on a prompt whose task reward is constant the KL part no longer scales with beta at all.
+- centered: the form of the paper authors' code (Shah et al., tba-prime): each token's
+  estimate clamped to [-KL_CLAMP, KL_CLAMP], summed over the sequence, centred by the mean of
+  those sums over the group (the sample included), and -beta times that added to every
+  token's task advantage. No std, no reward-to-go: with K1 and no clamping its expected
+  gradient on-policy is (n-1)/n times the KL gradient (the group mean includes the sample),
+  with more variance than reward-to-go. (Their centring mean used the behaviour policy's
+  log-probs and the per-sample sum the current policy's; here both use the current policy.)
 """
 from __future__ import annotations
 
@@ -23,7 +30,9 @@ import torch
 
 AdvantageEstimator = Literal["rloo", "grpo", "drgrpo", "reinforce"]
 Normalization = Literal["none", "group", "batch"]
-KLInAdvantage = Literal["separate", "normalized"]
+KLInAdvantage = Literal["separate", "normalized", "centered"]
+KL_IN_ADVANTAGE: tuple[str, ...] = ("separate", "normalized", "centered")
+KL_CLAMP = 10.0  # per-token clamp of the `centered` form, as in the authors' code
 
 
 def _group_sums(values: torch.Tensor, group_ids: torch.Tensor):
@@ -107,4 +116,10 @@ def compute_advantages(
         adv = (token_return - group_baseline(seq_return, group_ids, estimator)[:, None]) / group_scale(
             seq_return, group_ids, normalize, eps)[:, None]
         return torch.where(m, adv, 0.0)
-    raise ValueError(f"kl_in_advantage must be 'separate' or 'normalized', got {kl_in_advantage!r}")
+    if kl_in_advantage == "centered":
+        task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
+            rewards, group_ids, normalize, eps)
+        seq_clamped = k.clamp(-KL_CLAMP, KL_CLAMP).sum(-1)  # masked positions are 0 already
+        kl_part = -beta * (seq_clamped - group_baseline(seq_clamped, group_ids, "grpo"))
+        return torch.where(m, (task + kl_part)[:, None], 0.0)
+    raise ValueError(f"kl_in_advantage must be one of {KL_IN_ADVANTAGE}, got {kl_in_advantage!r}")

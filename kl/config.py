@@ -1,9 +1,11 @@
 """Pydantic configuration of the KL penalty and of the advantage estimator."""
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kl.advantage import AdvantageEstimator, KLInAdvantage, Normalization
+from kl.estimators import Estimator
+from kl.surrogate import Importance, Placement
 
 
 class KLConfig(BaseModel):
@@ -11,21 +13,24 @@ class KLConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    estimator: Literal["k1", "k2", "k3"] = Field(
+    estimator: Estimator = Field(
         "k1", description="Per-token estimator: k1 = delta, k2 = delta^2/2, k3 = exp(-delta)-1+delta.")
-    placement: Literal["reward", "loss", "reward+loss"] = Field(
+    placement: Placement = Field(
         "reward", description="KL as a per-token reward (score function), as a differentiated loss, or both.")
-    importance: Literal["none", "token", "sequence", "prefix"] = Field(
+    importance: Importance = Field(
         "none", description="Off-policy correction of the KL term: none, per-token ratio, sequence "
         "weight W or per-decision prefix weights w_t (sequence/prefix are exact).")
     truncate: float | None = Field(
         None, gt=0, le=1e6, description="Cap C on the importance coefficient (bounded variance, "
         "bias only where a weight exceeds C). None: no cap. Needs importance != none.")
     beta: float = Field(0.1, ge=0.0, le=100.0, description="KL coefficient; 0 disables the penalty.")
-    kl_in_advantage: Literal["separate", "normalized"] = Field(
+    kl_in_advantage: KLInAdvantage = Field(
         "separate", description="With the KL in the reward: 'separate' keeps the KL part of the "
-        "advantage unnormalised (exact beta); 'normalized' folds it into the return before the "
-        "std normalisation (paper/verl; effective beta becomes beta/sigma per prompt).")
+        "advantage unnormalised with reward-to-go (exact beta); 'normalized' folds it into the "
+        "return before the std normalisation (verl-style; effective beta becomes beta/sigma per "
+        "prompt); 'centered' is the paper authors' form: the sequence sum of the per-token "
+        "estimate clamped to +-10, minus its group mean, times beta, subtracted from every "
+        "token's advantage.")
 
     @property
     def folds_into_advantage(self) -> bool:
@@ -39,14 +44,15 @@ class KLConfig(BaseModel):
             raise ValueError("kl.truncate caps an importance weight: set kl.importance "
                              "(token, sequence or prefix) or remove kl.truncate")
         if self.kl_in_advantage != "separate" and self.placement == "reward+loss":
-            # The folded reward part is divided by each group's std while the loss part keeps
-            # plain beta: their sum is neither configuration's gradient, and the reward part
-            # does not even scale with beta on a prompt whose task reward is constant.
+            # A folded reward part is reshaped by the advantage (normalized: divided by each
+            # group's std, so it does not even scale with beta on a prompt whose task reward is
+            # constant) while the loss part keeps plain beta: their sum is no documented gradient.
             raise ValueError(f"kl.kl_in_advantage={self.kl_in_advantage} with kl.placement="
-                             "reward+loss would scale the reward part by each group's std and "
-                             "the loss part by beta alone, which is not the reward+loss "
-                             "gradient: use kl_in_advantage=separate (exact beta in both parts) "
-                             "or placement=reward")
+                             "reward+loss would fold the reward part into the advantage (for "
+                             "normalized: scaled by each group's std) and leave the loss part "
+                             "at plain beta, which is not the reward+loss gradient: use "
+                             "kl_in_advantage=separate (exact beta in both parts) or "
+                             "placement=reward")
         if (self.kl_in_advantage != "separate" and self.placement == "reward"
                 and self.importance != "none"):
             raise ValueError(f"kl.importance={self.importance} does not reach a KL reward folded "
@@ -62,10 +68,10 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    estimator: Literal["rloo", "grpo", "drgrpo", "reinforce"] = Field(
+    estimator: AdvantageEstimator = Field(
         "rloo", description="rloo: leave-one-out mean; grpo: group mean and std; drgrpo: group "
         "mean only; reinforce: no baseline.")
-    normalize: Literal["none", "group", "batch"] = Field(
+    normalize: Normalization = Field(
         "group", description="Divide by the group std, the batch std, or nothing. grpo requires "
         "group and drgrpo requires none (that is what those names mean).")
     eps: float = Field(1e-6, gt=0, le=1.0, description="Added to the std before dividing.")

@@ -96,3 +96,52 @@ def test_group_baselines_expected_gradient_exactly(estimator, scale):
     (g,) = torch.autograd.grad(surrogate, x)
     (target,) = torch.autograd.grad((T.sequence_prob(x, sp) * reward).sum() * 2, x)
     assert torch.allclose(g, scale * target, rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------- the authors' form: "centered"
+
+
+def test_centered_form_clamps_sums_and_centres_by_the_group_mean():
+    """Per token clamp to +-10, sequence sum, minus the group mean (sample included), times
+    -beta, added to every token's task advantage; no std, no reward-to-go."""
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    gid = torch.tensor([3, 3, 8, 8])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    k = torch.tensor([[0.5, 25.0, 9.0], [1.0, -0.5, 0.25], [-12.0, 1.0, 1.0], [2.0, 2.0, 7.0]],
+                     dtype=torch.float64)
+    beta = 0.2
+    a = kl.compute_advantages(r, gid, estimator="drgrpo", normalize="none", kl_tokens=k,
+                              mask=mask, beta=beta, kl_in_advantage="centered")
+    seq = torch.tensor([0.5 + 10.0, 1.0 - 0.5 + 0.25, -10.0, 4.0], dtype=torch.float64)
+    mean = torch.tensor([(seq[0] + seq[1]) / 2] * 2 + [(seq[2] + seq[3]) / 2] * 2)
+    expected = (r - torch.tensor([0.5, 0.5, 0.5, 0.5])) - beta * (seq - mean)
+    torch.testing.assert_close(a, torch.where(mask, expected[:, None], 0.0))
+    a2 = kl.compute_advantages(r, gid, estimator="drgrpo", normalize="none", kl_tokens=k,
+                               mask=mask, beta=2 * beta, kl_in_advantage="centered")
+    task = torch.where(mask, (r - 0.5)[:, None], 0.0)
+    torch.testing.assert_close(a2 - task, 2 * (a - task))  # exact beta: no std absorbs it
+
+
+def test_centered_k1_reward_has_n_minus_1_over_n_times_the_kl_gradient_on_policy():
+    """Exact by enumeration over every pair of toy sequences (groups of n = 2): the task-term
+    loss -A_i logp(y_i) with the centred K1 reward has expected gradient beta (n-1)/n g*."""
+    toy = T.ToyProblem.make(seed=2, ref_scale=0.5)  # |delta| < 10: the clamp does not bind
+    space, beta = toy.space, 0.3
+    pairs = torch.tensor(list(itertools.product(range(len(space.tokens)), repeat=2)))
+    rows = pairs.reshape(-1)
+    gid = torch.arange(len(pairs)).repeat_interleave(2)
+    mask = space.mask[rows]
+
+    def loss(logits):
+        lp = T.token_logp(logits, space)[rows]
+        ref = T.token_logp(toy.ref_logits, space)[rows]
+        assert float((lp - ref).abs().max()) < 10
+        adv = kl.compute_advantages(torch.zeros(len(rows), dtype=torch.float64), gid,
+                                    estimator="drgrpo", normalize="none", kl_tokens=lp - ref,
+                                    mask=mask, beta=beta, kl_in_advantage="centered")
+        p = T.sequence_prob(logits, space).detach()[pairs].prod(-1).repeat_interleave(2)
+        return -(p[:, None] * adv * lp).sum() / 2  # the mean over the group's 2 samples
+
+    g = T.grad_of(loss, toy.logits)
+    g_star = T.grad_of(lambda x: T.sequence_kl(x, toy.ref_logits, space), toy.logits)
+    torch.testing.assert_close(g, beta * 0.5 * g_star, rtol=1e-9, atol=1e-12)

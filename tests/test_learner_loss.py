@@ -348,8 +348,8 @@ ADV_CASES = [AdvantageConfig(estimator="rloo", normalize="group"),
              AdvantageConfig(estimator="reinforce", normalize="none")]
 GROUP_CASES = [(KLConfig(estimator="k3", placement=p, beta=0.4, kl_in_advantage=mode), adv)
                for p in ("reward", "loss", "reward+loss")
-               for mode in ("separate", "normalized")
-               if not (mode == "normalized" and p == "reward+loss")  # rejected by KLConfig
+               for mode in ("separate", "normalized", "centered")
+               if not (mode != "separate" and p == "reward+loss")  # rejected by KLConfig
                for adv in ADV_CASES]
 
 
