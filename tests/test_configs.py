@@ -147,3 +147,33 @@ def test_readme_documents_every_train_option():
 
     missing = [k for k in keys(TrainConfig) if f"`{k}`" not in readme]
     assert not missing, f"README option table lacks {missing}"
+
+
+def test_readme_paper_table_matches_the_configs():
+    """The README's 'setting / key / authors / klrl' table quotes the paper configs: every row
+    with a key must hold the MATH / Countdown base files' values."""
+    import yaml
+
+    from cluster.train_config import TrainConfig
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("| setting | key | authors | klrl | why klrl differs |")
+    lines = readme[start:].split("\n\n")[0].splitlines()[2:]
+    paper = ROOT / "configs" / "paper"
+    dumps = [load_config(TrainConfig, paper / f).model_dump()
+             for f in ("qwen2.5-7b_math.yaml", "qwen3-4b-instruct_countdown.yaml")]
+    checked = 0
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        key, klrl = cells[1].strip("`"), cells[3]
+        if not key:
+            continue
+        values = [yaml.safe_load(v.strip().strip("`")) for v in klrl.split(" / ")]
+        values = values * 2 if len(values) == 1 else values
+        for dump, expected in zip(dumps, values, strict=True):
+            actual = dump
+            for part in key.split("."):
+                actual = actual[part]
+            assert actual == expected, f"README says {key} = {expected}, the config has {actual}"
+        checked += 1
+    assert checked >= 20
