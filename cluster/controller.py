@@ -10,8 +10,11 @@ on-policy RL: generate, train, sync, repeat.
 
 Sync deadlines: a weight load is queued behind the generate calls already sent to the worker,
 so it cannot start before the newest of them has finished. Each load therefore gets its own
-`sync.timeout_s`, counted from the moment that batch was taken (`PendingSync.ready_since`),
+`sync.timeout_s`, counted from the moment that batch was generated (`PendingSync.ready_since`),
 never from when the load was queued (at max_lag k it waits behind up to k generate calls).
+Invariant (enforced in `_sync_weights`): before version v is published, every load of a
+version below v - 1 has finished, so a worker never has to load a version whose shm file
+was already replaced.
 """
 from __future__ import annotations
 
@@ -49,7 +52,11 @@ class PendingSync:
 
     call: WorkerCall
     after: InFlight | None       # the newest batch queued before it on that worker
-    ready_since: float | None    # time.monotonic() once `after` was taken; None before
+    ready_since: float | None    # time.monotonic() once `after` was generated; None before
+
+    @property
+    def version(self) -> int:
+        return self.call.args[0].version
 
 
 class Controller:
@@ -173,7 +180,7 @@ class Controller:
         self.pending.popleft()
         wait_s = time.perf_counter() - t0
         for sync in self.syncs:  # loads queued right behind this batch can run from now
-            if sync.after is inflight:
+            if sync.after is inflight and sync.ready_since is None:
                 sync.ready_since = time.monotonic()
         self._check_syncs()
         rollouts: list[Rollout] = []
@@ -229,6 +236,11 @@ class Controller:
         if self.step == self.published_version:
             return {}  # a refused step changed nothing: the workers already hold these weights
         t0 = time.perf_counter()
+        # Every load of a version older than the last one published must be done before the
+        # next is published: the shm transport keeps only the newest two files, and nccl
+        # broadcasts one version at a time. So at most one version's loads are in flight per
+        # worker; confirming the older ones can wait behind generate calls sent before them.
+        self._check_syncs(settle_through=self.published_version - 1)
         self.published_version = self.step
         update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
         after = self.pending[-1] if self.pending else None
@@ -237,14 +249,20 @@ class Controller:
                        for i in range(len(self.pool))]
         return {"time/weight_publish": time.perf_counter() - t0}
 
-    def _check_syncs(self) -> None:
+    def _check_syncs(self, settle_through: int | None = None) -> None:
         """Every weight load that could start must finish within sync.timeout_s of that moment
         (module docstring), else the run fails loudly. Loads still queued behind a batch in
-        flight are checked later. A worker that died meanwhile is replaced (and re-synced)."""
+        flight are checked later, except those of versions <= `settle_through`, whose batch is
+        waited for first. A worker that died meanwhile is replaced (and re-synced)."""
         timeout, waiting = self.cfg.sync.timeout_s, []
         for sync in self.syncs:
             if not self.pool.is_current(sync.call):
                 continue  # its worker was replaced and re-synced to the current weights
+            if (sync.ready_since is None and settle_through is not None
+                    and sync.version <= settle_through):
+                self._wait_for_generation(sync)
+                if not self.pool.is_current(sync.call):
+                    continue
             if sync.ready_since is None:
                 waiting.append(sync)
                 continue
@@ -258,6 +276,18 @@ class Controller:
                                    f"version {sync.call.args[0].version} within sync.timeout_s="
                                    f"{timeout:g} of being able to start") from None
         self.syncs = waiting
+
+    def _wait_for_generation(self, sync: PendingSync) -> None:
+        """Wait until the worker of `sync` has generated the batch queued before its load (a
+        worker that dies meanwhile has answered; one that hangs is replaced); from then on the
+        load can run, and its sync.timeout_s counts."""
+        refs = [c.ref for c in sync.after.calls if c.worker == sync.call.worker]
+        limit = self.cfg.faults.generate_timeout_s
+        _, hung = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        if hung:
+            self.pool.restart(sync.call.worker, f"no answer to generate within "
+                                                f"faults.generate_timeout_s={limit:g}")
+        sync.ready_since = time.monotonic()
 
     def _resync(self, worker) -> None:
         """Give a fresh worker the current weights and check it holds them (by version)."""
