@@ -110,7 +110,7 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
 
 
 def _model_dir(w: Workload, work_dir: Path) -> Path:
-    from learner.tiny_model import build_random_model, init_default_model
+    from cluster.tiny_model import build_random_model, init_default_model
 
     if w.model == "demo":
         return Path(init_default_model())

@@ -32,7 +32,7 @@ def resolve_model(cfg: TrainConfig) -> Path:
     """The policy's model directory: the configured one, or the embedded tiny model."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    from learner.tiny_model import init_default_model
+    from cluster.tiny_model import init_default_model
 
     return Path(init_default_model())
 
