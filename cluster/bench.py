@@ -172,9 +172,9 @@ def _problems(cfg) -> list:
 
 def _train_batch(cfg, rollouts):
     """The TrainBatch the controller would build from these rollouts."""
-    from learner.batch import TrainBatch, pad_token_id
+    from cluster.batching import pad_token_id, train_batch
 
-    return TrainBatch.with_advantages(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
+    return train_batch(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
 
 
 # --------------------------------------------------------------------------- output

@@ -25,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.records import Rollout
 from cluster import checkpoint as ckpt
+from cluster.batching import pad_token_id, train_batch
 from cluster.config import ConfigError
 from cluster.prompts import PromptStream
 from cluster.run_log import RunLog
@@ -204,10 +205,8 @@ class Controller:
         }
 
     def _train(self, rollouts: list[Rollout]) -> dict:
-        from learner.batch import TrainBatch
-
         t0 = time.perf_counter()
-        batch = TrainBatch.with_advantages(rollouts, self.cfg.advantage, self.pad_id)
+        batch = train_batch(rollouts, self.cfg.advantage, self.pad_id)
         metrics = self.learner.train_step(batch)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
@@ -326,7 +325,5 @@ class Controller:
     @property
     def pad_id(self) -> int:
         if not hasattr(self, "_pad_id"):
-            from learner.batch import pad_token_id
-
             self._pad_id = pad_token_id(self.model_dir)
         return self._pad_id

@@ -26,8 +26,8 @@ import torch
 
 import kl
 from actors.records import Rollout
+from cluster.batching import pad_rollouts
 from kl.config import AdvantageConfig, KLConfig
-from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 
 ray = pytest.importorskip("ray")
@@ -80,10 +80,10 @@ def batches(tiny_model_dir):
     r = torch.tensor([x.reward for x in rollouts], dtype=torch.float64)
     adv = kl.compute_advantages(r, torch.tensor([x.group_id for x in rollouts]),
                                 estimator=ADV_CFG.estimator, normalize=ADV_CFG.normalize)
-    good = TrainBatch.from_rollouts(rollouts, adv, pad_id=tok.pad_token_id)
+    good = pad_rollouts(rollouts, adv, pad_id=tok.pad_token_id)
     nan_adv = adv.clone()
     nan_adv[-1] = float("nan")  # the last group: only rank 1's shard has it
-    return good, TrainBatch.from_rollouts(rollouts, nan_adv, pad_id=tok.pad_token_id)
+    return good, pad_rollouts(rollouts, nan_adv, pad_id=tok.pad_token_id)
 
 
 def _cfg(**kw) -> LearnerConfig:
