@@ -103,14 +103,14 @@ class Controller:
     # ---------------------------------------------------------------- steps
     def _start(self) -> dict:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
-        from cluster.launch import start_learner
+        from cluster.launch import connect_nccl, start_learner
 
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name)
         self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
-            self.learner.connect_nccl(self.pool.workers)
+            connect_nccl(self.learner, self.pool.workers)
         if state is None:
             first = self._evaluate(self.step)
             self.log.log({"step": 0, "policy_version": 0, **first})

@@ -99,10 +99,12 @@ def _params(group) -> dict[str, torch.Tensor]:
 def _run(model_dir, cfg, steps, tmp=None):
     """Run `steps` ("good", "nan", "save", "load") on a fresh group; return parameter
     snapshots (index 0: initial, then one per step), metrics and versions."""
+    from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
     good, poisoned = steps.batches
-    group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0, run_id="test")
+    group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0, run_id="test",
+                         publisher=WeightPublisher())
     try:
         snaps, metrics, versions = [_params(group)], [], [group.version]
         for action in steps.actions:
