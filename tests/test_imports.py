@@ -15,6 +15,7 @@ Nothing is imported: the files are parsed, so the check is fast and needs no Ray
 from __future__ import annotations
 
 import ast
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,37 +125,45 @@ def arrow_violations(root: Path) -> list[str]:
 
 
 def import_cycles(root: Path) -> list[str]:
-    """Cycles among each package's modules through imports that run at import time, found
-    by a depth-first search (one cycle per back edge, each edge shown with file:line)."""
+    """Cycles among each package's modules through imports that run at import time (each
+    edge shown with file:line)."""
     out = []
-    for package, files in package_files(root).items():
-        modules = {module_name(p, root): p for p in files}
+    for files in package_files(root).values():
+        modules = {module_name(p, root) for p in files}
         edges: dict[str, dict[str, str]] = {m: {} for m in modules}  # module -> target -> where
         for path in files:
             for imp in imports_of(path, root):
                 if imp.at_import and imp.target in modules and imp.target != imp.source:
                     where = f"{imp.path.relative_to(root)}:{imp.line}"
                     edges[imp.source].setdefault(imp.target, where)
-        state: dict[str, str] = {}  # "open" while on the DFS stack, then "done"
-        stack: list[str] = []
-
-        def dfs(m: str) -> None:
-            state[m] = "open"
-            stack.append(m)
-            for n in sorted(edges[m]):
-                if state.get(n) == "open":
-                    loop = stack[stack.index(n):] + [n]
-                    out.append(" -> ".join(f"{a} ({edges[a][b]})" for a, b in zip(loop, loop[1:]))
-                               + f" -> {n}")
-                elif n not in state:
-                    dfs(n)
-            stack.pop()
-            state[m] = "done"
-
-        for m in sorted(modules):
-            if m not in state:
-                dfs(m)
+        for loop in find_cycles(edges):
+            out.append(" -> ".join(f"{a} ({edges[a][b]})" for a, b in itertools.pairwise(loop))
+                       + f" -> {loop[-1]}")
     return out
+
+
+def find_cycles(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Depth-first search; one cycle (first node repeated at the end) per back edge, so an
+    acyclic graph gives [] and a cyclic one at least one cycle."""
+    state: dict[str, str] = {}  # "open" while on the DFS stack, then "done"
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def dfs(m: str) -> None:
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                dfs(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            dfs(m)
+    return cycles
 
 
 # --------------------------------------------------------------------------- the rules
