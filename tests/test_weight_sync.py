@@ -16,8 +16,9 @@ pytest.importorskip("vllm")
 from actors.config import RolloutConfig, SyncConfig
 from actors.rollout_worker import RolloutWorker, StaleWeightsError
 from actors.weight_sync import WeightUpdate, publish, remove_published, run_dir
+from rewards.config import TaskConfig
 
-TASK = {"name": "arithmetic", "options": {}, "scorer_timeout_s": 5.0, "scorer_workers": 1}
+TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 TIMEOUT_S = 5.0
 TOL = 1e-4
 RUN_ID = f"test-sync-{os.getpid()}"
