@@ -3,9 +3,9 @@ receiving half in `RolloutWorker.load_weights` and `actors.worker_extension`.
 
 One sync, step by step:
 
-1. Learner rank 0 (a Ray actor) calls `publish(named_tensors, version, transport, ...)` with
-   the full Hugging Face-named state dict (gathered under ZeRO-3) and gets a `WeightUpdate`,
-   a small picklable record, back.
+1. Learner rank 0 (a Ray actor) calls `publish(named_tensors, version, transport, ...)`
+   through the `WeightPublisher` cluster/ gave it, with the full Hugging Face-named state dict
+   (gathered under ZeRO-3), and gets a `WeightUpdate`, a small picklable record, back.
 2. The controller sends that record to every worker: `worker.load_weights.remote(update)`.
 3. The worker fetches the tensors (within `SyncConfig.timeout_s`), hands them to the vLLM
    worker process through `collective_rpc`, where the worker extension calls
@@ -144,6 +144,38 @@ def publish(
     data = save(tensors, metadata=metadata)
     return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ray.put(data),
                         published_at=now)
+
+
+class WeightPublisher:
+    """The learner's weight transport: cluster/ builds one and passes it to `LearnerGroup`,
+    which hands a (pickled) copy to every rank. Injected rather than imported because learner/
+    may import only kl/ (README, Layout); the learner calls just these three methods, and
+    only on rank 0. The NCCL sender, once opened, lives in rank 0's copy.
+    """
+
+    def __init__(self):
+        self.nccl_sender: NcclWeightSender | None = None
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int, transport: Transport, *,
+                run_id: str, shm_dir: str | os.PathLike | None = None) -> WeightUpdate:
+        """`publish` these weights; shm_dir None means its default. nccl needs `nccl_open`
+        and `nccl_connect` first (cluster.launch.connect_nccl drives both)."""
+        if transport == "nccl" and self.nccl_sender is None:
+            raise RuntimeError(
+                "transport nccl: call cluster.launch.connect_nccl(learner, workers) first")
+        kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
+        return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender,
+                       **kw)
+
+    def nccl_open(self, host: str, port: int, num_workers: int,
+                  ranks_per_worker: int = 1) -> list[dict]:
+        """GPU only: open the trainer end of vLLM's NCCL weight-transfer group at host:port
+        (a free port on learner rank 0's node); returns each rollout worker's init info."""
+        self.nccl_sender = NcclWeightSender(host, port, num_workers, ranks_per_worker)
+        return [self.nccl_sender.worker_init_info(i) for i in range(num_workers)]
+
+    def nccl_connect(self) -> None:
+        self.nccl_sender.connect()  # blocks until every worker has joined
 
 
 def run_dir(run_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> Path:

@@ -110,7 +110,7 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
 
 
 def _model_dir(w: Workload, work_dir: Path) -> Path:
-    from learner.tiny_model import build_random_model, init_default_model
+    from cluster.tiny_model import build_random_model, init_default_model
 
     if w.model == "demo":
         return Path(init_default_model())
@@ -172,9 +172,9 @@ def _problems(cfg) -> list:
 
 def _train_batch(cfg, rollouts):
     """The TrainBatch the controller would build from these rollouts."""
-    from learner.batch import TrainBatch, pad_token_id
+    from cluster.batching import pad_token_id, train_batch
 
-    return TrainBatch.with_advantages(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
+    return train_batch(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
 
 
 # --------------------------------------------------------------------------- output

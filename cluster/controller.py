@@ -28,6 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.records import Rollout
 from cluster import checkpoint as ckpt
+from cluster.batching import pad_token_id, train_batch
 from cluster.config import ConfigError
 from cluster.prompts import PromptStream
 from cluster.run_log import RunLog
@@ -109,14 +110,14 @@ class Controller:
     # ---------------------------------------------------------------- steps
     def _start(self) -> dict:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
-        from cluster.launch import start_learner
+        from cluster.launch import connect_nccl, start_learner
 
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name)
         self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
-            self.learner.connect_nccl(self.pool.workers)
+            connect_nccl(self.learner, self.pool.workers)
         if state is None:
             first = self._evaluate(self.step)
             self.log.log({"step": 0, "policy_version": 0, **first})
@@ -211,10 +212,8 @@ class Controller:
         }
 
     def _train(self, rollouts: list[Rollout]) -> dict:
-        from learner.batch import TrainBatch
-
         t0 = time.perf_counter()
-        batch = TrainBatch.with_advantages(rollouts, self.cfg.advantage, self.pad_id)
+        batch = train_batch(rollouts, self.cfg.advantage, self.pad_id)
         metrics = self.learner.train_step(batch)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
@@ -356,7 +355,5 @@ class Controller:
     @property
     def pad_id(self) -> int:
         if not hasattr(self, "_pad_id"):
-            from learner.batch import pad_token_id
-
             self._pad_id = pad_token_id(self.model_dir)
         return self._pad_id

@@ -32,12 +32,27 @@ def resolve_model(cfg: TrainConfig) -> Path:
     """The policy's model directory: the configured one, or the embedded tiny model."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    from learner.tiny_model import init_default_model
+    from cluster.tiny_model import init_default_model
 
     return Path(init_default_model())
 
 
 def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
+    """The learner group, given the weight transport of actors/ (learner/ may not import it)."""
+    from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
-    return LearnerGroup(model_dir, cfg.learner, cfg.kl, cfg.advantage, seed=cfg.seed, run_id=run_id)
+    return LearnerGroup(model_dir, cfg.learner, cfg.kl, cfg.advantage, seed=cfg.seed, run_id=run_id,
+                        publisher=WeightPublisher())
+
+
+def connect_nccl(learner, workers: list) -> None:
+    """GPU with sync.transport=nccl, once before the first export: join learner rank 0 and
+    every rollout worker (`RolloutWorker.init_nccl`) in vLLM's NCCL weight-transfer group.
+    Here rather than in learner/ because it drives the rollout workers. Written against
+    vLLM's API; not exercised by the CPU test-suite."""
+    from learner.group import get_all
+
+    infos = learner.nccl_sender_init(len(workers))
+    joins = [w.init_nccl.remote(info) for w, info in zip(workers, infos)]
+    get_all(joins + [learner.nccl_sender_connect()])

@@ -28,17 +28,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.labels import configuration_keys, flatten, value_token
+
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
 ACCURACY_KEYS = [("eval/in_domain/accuracy", "in-domain"),
                  ("eval/out_of_domain/accuracy", "out-of-domain"),
                  ("eval/in_domain/sampled_accuracy", "in-domain sampled"),
                  ("eval/out_of_domain/sampled_accuracy", "out-of-domain sampled")]
-# Config keys that differ between runs without making them different configurations.
-NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.")
-ALWAYS_NAMED = ("kl.estimator", "kl.placement")
-# Label order: the KL configuration first, then the async lag, then anything else.
-KEY_ORDER = ["kl.estimator", "kl.placement", "kl.importance", "kl.truncate", "kl.beta",
-             "kl.kl_in_advantage", "max_lag"]
 
 
 class ReportConfig(BaseModel):
@@ -133,16 +129,6 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out |= flatten(value, f"{prefix}{key}.")
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def load_run(run_dir: Path) -> RunData:
     rows: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -164,23 +150,9 @@ def find_runs(path: Path) -> list[RunData]:
     return [load_run(p) for p in sorted(path.iterdir()) if (p / "metrics.jsonl").is_file()]
 
 
-def configuration_keys(runs: list[RunData]) -> list[str]:
-    """The KL estimator and placement (what "a configuration" means here, always named), then
-    the config keys whose values differ between the runs (seed, names and logging aside).
-    kl.beta is also named when a run has none (0): its estimator and placement then mean
-    nothing, and a label without `b0` would pass a no-KL control off as a KL configuration."""
-    keys = {k for r in runs for k in r.config if not k.startswith(NOT_CONFIGURATION)}
-    no_kl = any(r.config.get("kl.beta") == 0 for r in runs)
-    chosen = [k for k in keys if k in ALWAYS_NAMED or (k == "kl.beta" and no_kl)
-              or len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
-    return sorted(chosen, key=lambda k: (KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER), k))
-
-
 def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
     """Configuration label (e.g. `k1-reward-lag2`) -> its runs (runs without a config.yaml:
     their directory's name for a single run, else `all runs`)."""
-    from cluster.sweep import value_token
-
     keys = configuration_keys(runs)
     groups: dict[str, list[RunData]] = {}
     for run in runs:

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.labels import configuration_keys
+
 
 @dataclass(frozen=True)
 class Panel:
@@ -150,8 +152,6 @@ def _styles(groups: dict, plt) -> dict[str, tuple]:
     """label -> (colour, line style). When configurations differ in max_lag and in something
     else (the paper's grid), a colour is the configuration apart from its lag and the line
     style is the lag (solid: the smallest), so each KL configuration reads across lags."""
-    from cluster.report import configuration_keys
-
     first = {label: group[0].config for label, group in groups.items()}
     keys = configuration_keys([g[0] for g in groups.values()])
     lags = sorted({c.get("max_lag", 0) for c in first.values()})

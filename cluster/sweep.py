@@ -25,7 +25,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.config import ConfigError, load_config
-from cluster.report import ReportConfig, flatten
+from cluster.labels import flatten, value_token
+from cluster.report import ReportConfig
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Set by the sweep for every run (its place and its wandb grouping), so a sweep file may not.
@@ -117,20 +118,6 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
 
 def sweep_dir(cfg: SweepConfig) -> Path:
     return Path(cfg.output_dir) / cfg.name
-
-
-# Short forms for run names: kl.beta=0.05 -> b0.05, max_lag=2 -> lag2, seed=0 -> s0; the KL
-# estimator and placement are their own names (k1, reward). Other keys: <last part>_<value>.
-_PREFIX = {"kl.beta": "b", "max_lag": "lag", "seed": "s", "kl.truncate": "C",
-           "kl.importance": "is_", "learner.lr": "lr", "total_steps": "T"}
-_BARE = {"kl.estimator", "kl.placement"}
-
-
-def value_token(key: str, value: Any) -> str:
-    """A grid value as it appears in run names and report labels (`b0.05`, `k3`, `lag2`)."""
-    text = format(value, "g") if isinstance(value, float) else str(value)
-    prefix = "" if key in _BARE else _PREFIX.get(key, key.rsplit(".", 1)[-1] + "_")
-    return re.sub(r"[^\w.\-]", "_", prefix + text)
 
 
 def override_value(value: Any) -> str:

@@ -20,20 +20,25 @@ from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loss import merge_metrics, merge_updates
-from learner.rank import LearnerRank
+from learner.rank import LearnerRank, WeightPublisher
 
 
 class LearnerGroup:
     """Data-parallel DeepSpeed learner over Ray actors (see learner/rank.py for the math)."""
 
     def __init__(self, model_dir: str | Path, learner_cfg: LearnerConfig, kl_cfg: KLConfig,
-                 adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run"):
+                 adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
+                 publisher: WeightPublisher | None = None):
+        """`publisher`: the weight transport `export_weights` uses (learner.rank.WeightPublisher;
+        cluster/ passes actors.weight_sync.WeightPublisher). Every rank gets a copy; rank 0's
+        publishes."""
         self.cfg, self.run_id = learner_cfg, run_id
         self.version = 0
         world = learner_cfg.num_ranks
         actor = ray.remote(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
                                                 num_gpus=learner_cfg.num_gpus_per_rank)
-        self.ranks = [actor.remote(r, world, str(model_dir), learner_cfg, kl_cfg, adv_cfg, seed, run_id)
+        self.ranks = [actor.remote(r, world, str(model_dir), learner_cfg, kl_cfg, adv_cfg, seed,
+                                   run_id, publisher)
                       for r in range(world)]
         try:
             infos = self._all("node_info")
@@ -42,7 +47,7 @@ class LearnerGroup:
             addr = "127.0.0.1" if len(set(nodes)) == 1 else infos[0]["ip"]
             port = ray.get(self.ranks[0].free_port.remote(addr))
             local = [nodes[:r].count(nodes[r]) for r in range(world)]
-            self.rank_info = _get_all([  # per rank: parameter count, optimizer class
+            self.rank_info = get_all([  # per rank: parameter count, optimizer class
                 h.setup.remote(addr, port, local[r], nodes.count(nodes[r]))
                 for r, h in enumerate(self.ranks)])
         except BaseException:
@@ -59,7 +64,7 @@ class LearnerGroup:
         including `nonfinite` (1: every step refused) and `grad/norm`."""
         world, n = self.num_ranks, batch.num_sequences
         shards = [batch.shard(r, world) for r in range(world)]  # whole groups, equal sizes
-        per_rank = _get_all([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)])
+        per_rank = get_all([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)])
         updates = []
         for parts in zip(*per_rank):  # update k of every rank
             refused = {p["nonfinite"] for p in parts}
@@ -74,13 +79,16 @@ class LearnerGroup:
         """Publish the current weights (version `self.version`); returns rank 0's WeightUpdate."""
         return self._all("export_weights", self.version, transport, self.run_id, shm_dir)[0]
 
-    def connect_nccl(self, workers: list) -> None:
-        """GPU with sync.transport=nccl, once before the first export: join learner rank 0 and
-        every rollout worker (`RolloutWorker.init_nccl`) in vLLM's NCCL weight-transfer group.
-        Written against vLLM's API; not exercised by the CPU test-suite."""
-        infos = ray.get(self.ranks[0].nccl_sender_init.remote(len(workers)))
-        joins = [w.init_nccl.remote(info) for w, info in zip(workers, infos)]
-        _get_all(joins + [self.ranks[0].nccl_sender_connect.remote()])
+    def nccl_sender_init(self, num_workers: int) -> list[dict]:
+        """GPU with sync.transport=nccl: rank 0 opens the trainer end of vLLM's NCCL
+        weight-transfer group (through its publisher); returns each rollout worker's init info.
+        cluster.launch.connect_nccl joins the workers: learner/ does not drive actors/."""
+        return ray.get(self.ranks[0].nccl_sender_init.remote(num_workers))
+
+    def nccl_sender_connect(self) -> ray.ObjectRef:
+        """Rank 0 joins the group. Returns the call's ref without waiting: it blocks until every
+        worker has joined, so the caller waits on it together with the joins (`get_all`)."""
+        return self.ranks[0].nccl_sender_connect.remote()
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """The policy in Hugging Face format (config, tokenizer, safetensors) under `out_dir`."""
@@ -117,10 +125,10 @@ class LearnerGroup:
         self.ranks = []
 
     def _all(self, method: str, *args) -> list[Any]:
-        return _get_all([getattr(h, method).remote(*args) for h in self.ranks])
+        return get_all([getattr(h, method).remote(*args) for h in self.ranks])
 
 
-def _get_all(refs: list) -> list:
+def get_all(refs: list) -> list:
     """ray.get of every ref, raising the first error as soon as it happens: the other ranks
     may then be blocked forever in a collective with the failed one."""
     pending = list(refs)

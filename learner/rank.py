@@ -28,7 +28,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +42,20 @@ from learner.loss import (
     policy_loss,
     sequence_logprobs,
 )
+
+
+class WeightPublisher(Protocol):
+    """What the learner needs from a weight transport. cluster/ passes in
+    actors.weight_sync.WeightPublisher; learner/ may import only kl/ (README, Layout), so the
+    transport is injected instead of imported."""
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int, transport: str, *,
+                run_id: str, shm_dir: str | None = None) -> Any: ...
+
+    def nccl_open(self, host: str, port: int, num_workers: int,
+                  ranks_per_worker: int = 1) -> list[dict]: ...
+
+    def nccl_connect(self) -> None: ...
 
 
 class _GuardedAdamW(torch.optim.AdamW):
@@ -74,15 +88,18 @@ class _GuardedAdamW(torch.optim.AdamW):
 
 
 class LearnerRank:
-    """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks."""
+    """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks.
+    `publisher` sends the weights out (`export_weights`); None: this learner cannot export."""
 
     def __init__(self, rank: int, world_size: int, model_dir: str, learner_cfg: LearnerConfig,
-                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int, run_id: str):
+                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int, run_id: str,
+                 publisher: WeightPublisher | None = None):
         self.rank, self.world_size = rank, world_size
         self.model_dir = str(model_dir)
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
         self.seed, self.run_id = seed, run_id
-        self.engine = self.ref = self.optimizer = self.nccl_sender = None
+        self.publisher = publisher
+        self.engine = self.ref = self.optimizer = None
         # The policy version of these weights: rollout batches trained with at least one applied
         # optimizer step (one batch = learner.epochs x learner.mini_batches optimizer steps).
         self.version = 0
@@ -289,26 +306,25 @@ class LearnerRank:
         if self.rank != 0:
             return None
         assert version == self.version, f"exporting version {version} but rank 0 holds {self.version}"
-        from actors.weight_sync import publish
-
-        if nccl and self.nccl_sender is None:
-            raise RuntimeError("transport nccl: call LearnerGroup.connect_nccl(workers) first")
-        kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
-        return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender, **kw)
+        return self._publisher().publish(weights, version, transport, run_id=run_id,
+                                         shm_dir=shm_dir)
 
     def nccl_sender_init(self, num_workers: int, ranks_per_worker: int = 1) -> list[dict]:
         """Rank 0, GPU only: open the trainer end of vLLM's NCCL weight-transfer group; returns
         each rollout worker's init info. Not exercised by the CPU test-suite."""
         import ray
 
-        from actors.weight_sync import NcclWeightSender
-
         ip = ray.util.get_node_ip_address()
-        self.nccl_sender = NcclWeightSender(ip, self.free_port(ip), num_workers, ranks_per_worker)
-        return [self.nccl_sender.worker_init_info(i) for i in range(num_workers)]
+        return self._publisher().nccl_open(ip, self.free_port(ip), num_workers, ranks_per_worker)
 
     def nccl_sender_connect(self) -> None:
-        self.nccl_sender.connect()  # blocks until every worker has joined
+        self._publisher().nccl_connect()  # blocks until every worker has joined
+
+    def _publisher(self) -> WeightPublisher:
+        if self.publisher is None:
+            raise RuntimeError("this learner has no weight publisher: pass "
+                               "LearnerGroup(..., publisher=actors.weight_sync.WeightPublisher())")
+        return self.publisher
 
     def save_hf(self, out_dir: str) -> str | None:
         """Write the policy in Hugging Face format (config, generation config, tokenizer,

@@ -26,8 +26,8 @@ import torch
 
 import kl
 from actors.records import Rollout
+from cluster.batching import pad_rollouts
 from kl.config import AdvantageConfig, KLConfig
-from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 
 ray = pytest.importorskip("ray")
@@ -80,10 +80,10 @@ def batches(tiny_model_dir):
     r = torch.tensor([x.reward for x in rollouts], dtype=torch.float64)
     adv = kl.compute_advantages(r, torch.tensor([x.group_id for x in rollouts]),
                                 estimator=ADV_CFG.estimator, normalize=ADV_CFG.normalize)
-    good = TrainBatch.from_rollouts(rollouts, adv, pad_id=tok.pad_token_id)
+    good = pad_rollouts(rollouts, adv, pad_id=tok.pad_token_id)
     nan_adv = adv.clone()
     nan_adv[-1] = float("nan")  # the last group: only rank 1's shard has it
-    return good, TrainBatch.from_rollouts(rollouts, nan_adv, pad_id=tok.pad_token_id)
+    return good, pad_rollouts(rollouts, nan_adv, pad_id=tok.pad_token_id)
 
 
 def _cfg(**kw) -> LearnerConfig:
@@ -99,10 +99,12 @@ def _params(group) -> dict[str, torch.Tensor]:
 def _run(model_dir, cfg, steps, tmp=None):
     """Run `steps` ("good", "nan", "save", "load") on a fresh group; return parameter
     snapshots (index 0: initial, then one per step), metrics and versions."""
+    from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
     good, poisoned = steps.batches
-    group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0, run_id="test")
+    group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0, run_id="test",
+                         publisher=WeightPublisher())
     try:
         snaps, metrics, versions = [_params(group)], [], [group.version]
         for action in steps.actions:

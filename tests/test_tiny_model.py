@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner import tiny_model
-from learner.char_tokenizer import BOS, SPECIAL_TOKENS, build_char_tokenizer
-from learner.tiny_model import build_random_model, init_default_model
+from cluster import tiny_model
+from cluster.char_tokenizer import BOS, SPECIAL_TOKENS, build_char_tokenizer
+from cluster.tiny_model import build_random_model, init_default_model
 
 
 def _weights(model_dir):

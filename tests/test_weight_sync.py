@@ -16,8 +16,9 @@ pytest.importorskip("vllm")
 from actors.config import RolloutConfig, SyncConfig
 from actors.rollout_worker import RolloutWorker, StaleWeightsError
 from actors.weight_sync import WeightUpdate, publish, remove_published, run_dir
+from rewards.config import TaskConfig
 
-TASK = {"name": "arithmetic", "options": {}, "scorer_timeout_s": 5.0, "scorer_workers": 1}
+TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 TIMEOUT_S = 5.0
 TOL = 1e-4
 RUN_ID = f"test-sync-{os.getpid()}"
@@ -232,6 +233,44 @@ def test_nccl_records_match_vllm_types():
     update = NCCLWeightTransferUpdateInfo(**nccl_update_info(items))
     assert [getattr(torch, d) for d in update.dtype_names] == [torch.float32, torch.bfloat16]
     assert update.shapes == [[2, 3], [4]]
+
+
+def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
+    """The transport cluster/ injects into the learner (learner/ may not import actors/): it
+    pickles (Ray sends a copy to every rank), refuses nccl before the group is opened, and
+    routes nccl_open / nccl_connect / publish to this module (a fake sender: no GPU here)."""
+    import pickle
+
+    from actors import weight_sync
+
+    calls = []
+
+    class FakeSender:
+        def __init__(self, host, port, num_workers, ranks_per_worker):
+            calls.append(("init", host, port, num_workers, ranks_per_worker))
+
+        def worker_init_info(self, i):
+            return {"rank_offset": 1 + i}
+
+        def connect(self):
+            calls.append(("connect",))
+
+        def send_async(self, items):
+            calls.append(("send", [n for n, _ in items]))
+            return weight_sync.nccl_update_info(items)
+
+    monkeypatch.setattr(weight_sync, "NcclWeightSender", FakeSender)
+    pub = pickle.loads(pickle.dumps(weight_sync.WeightPublisher()))
+    state = {"a.weight": torch.zeros(2), "lm_head.weight": torch.ones(3)}
+    with pytest.raises(RuntimeError, match="connect_nccl"):
+        pub.publish(state, 1, "nccl", run_id=RUN_ID)
+    assert pub.nccl_open("10.0.0.1", 29555, 2) == [{"rank_offset": 1}, {"rank_offset": 2}]
+    pub.nccl_connect()
+    update = pub.publish(state, 1, "nccl", run_id=RUN_ID)
+    assert update.transport == "nccl" and update.nccl_update_info["names"] == list(state)
+    assert calls == [("init", "10.0.0.1", 29555, 2, 1), ("connect",), ("send", list(state))]
+    shm = pub.publish(state, 2, "shm", run_id=RUN_ID, shm_dir=tmp_path)
+    assert shm.transport == "shm" and shm.path.startswith(str(run_dir(RUN_ID, tmp_path)))
 
 
 @pytest.mark.gpu

@@ -12,6 +12,9 @@ checkpoint (a weight sync must send it either way; see docs/design.md, Weight sy
 The warm start stops after a fixed step budget chosen so the greedy in-domain accuracy lands
 well inside (10%, 60%): good enough that RL gets a reward signal, far enough from 100% that
 RL has room to improve it.
+
+Why it lives in cluster/: the warm start trains and scores on a rewards/ task, and learner/ may
+import only kl/ (README, Layout); the learner itself loads any HF model directory.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def _new_model(seed: int, **size):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
+    from cluster.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     cfg = dict(DEFAULT_SIZE)

@@ -1,0 +1,70 @@
+"""Rollouts -> `TrainBatch`: task advantages over the global batch, then right-padding.
+
+This runs in the driver, between the two sides: it reads `actors.records.Rollout` fields and
+produces the tensors learner/ trains on. It lives in cluster/ because learner/ may not import
+actors/ (README, Layout), so `TrainBatch` itself only knows tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+import kl
+from learner.batch import TrainBatch
+
+if TYPE_CHECKING:
+    from actors.records import Rollout
+
+
+def train_batch(rollouts: Sequence[Rollout], advantage_cfg, pad_id: int) -> TrainBatch:
+    """The batch the controller trains on: task advantages over these rollouts (the whole
+    global batch) by `advantage_cfg` (kl.AdvantageConfig), then `pad_rollouts`."""
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+    group_ids = torch.tensor([r.group_id for r in rollouts])
+    adv = kl.compute_advantages(rewards, group_ids, estimator=advantage_cfg.estimator,
+                                normalize=advantage_cfg.normalize, eps=advantage_cfg.eps)
+    return pad_rollouts(rollouts, adv, pad_id=pad_id)
+
+
+def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainBatch:
+    """Right-pad prompt + response of each rollout. `advantages` is [B] (any float dtype,
+    tensor or sequence), aligned with `rollouts`."""
+    if not rollouts:
+        raise ValueError("a TrainBatch needs at least one rollout")
+    adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+    if adv.shape[0] != len(rollouts):
+        raise ValueError(f"{adv.shape[0]} advantages for {len(rollouts)} rollouts")
+    B = len(rollouts)
+    L = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    response_mask = torch.zeros((B, L), dtype=torch.bool)
+    behaviour_logp = torch.zeros((B, L), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        if not r.prompt_ids:
+            raise ValueError(f"rollout {i} has an empty prompt")
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, : p + n] = torch.tensor(list(r.prompt_ids) + list(r.response_ids))
+        attention_mask[i, : p + n] = 1
+        response_mask[i, p : p + n] = True
+        behaviour_logp[i, p : p + n] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        behaviour_logp=behaviour_logp,
+        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        advantages=adv,
+        group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
+        policy_versions=torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
+    )
+
+
+def pad_token_id(model_dir) -> int:
+    """The id `pad_rollouts` pads with: the tokenizer's pad token, else its EOS token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
