@@ -97,8 +97,8 @@ def _raw_vllm(spec: dict) -> dict:
     from actors.config import RolloutConfig
 
     cfg = RolloutConfig(**spec["rollout"])
-    from actors.engine import make_llm, shutdown_llm
-    from actors.rollout_worker import LOGPROBS_MODE, configure_engine_process, request_params
+    from actors.engine import make_llm, request_params, shutdown_llm
+    from actors.rollout_worker import LOGPROBS_MODE, configure_engine_process
 
     configure_engine_process(cfg)  # what RolloutWorker does before its engine starts
     llm = make_llm(spec["model_dir"], seed=spec["seed"], max_model_len=cfg.max_model_len,
