@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from actors.engine import greedy_params, make_llm, sample_params, shutdown_llm
 from actors.prompting import PromptRenderer
@@ -50,11 +50,16 @@ class SplitResult(BaseModel):
     failures: int = Field(0, description="completions whose scoring failed (scored 0)")
     completions: int = Field(0, description="completions generated: problems x (1 + samples)")
     truncated: int = Field(0, description="completions that hit max_tokens before EOS")
-    truncated_fraction: float = Field(0.0, description="truncated / completions")
     mean_response_tokens: float = Field(0.0, description="mean completion length, all completions")
     mean_prompt_tokens: float = Field(0.0, description="mean rendered prompt length in tokens")
     problem_ids: list[str] = Field(default_factory=list, description="uids of the problems "
                                    "evaluated, in order")
+
+    @computed_field
+    @property
+    def truncated_fraction(self) -> float:
+        """truncated / completions: the share of completions the budget cut."""
+        return self.truncated / self.completions if self.completions else 0.0
 
 
 class EvalResult(BaseModel):
@@ -230,7 +235,6 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
         failures=failures,
         completions=len(all_outputs),
         truncated=truncated,
-        truncated_fraction=truncated / len(all_outputs) if all_outputs else 0.0,
         mean_response_tokens=_mean([len(c.token_ids) for c in all_outputs]),
         mean_prompt_tokens=_mean([len(p["prompt_token_ids"]) for p in prompts]),
         problem_ids=[p.uid for p in problems],
