@@ -19,12 +19,12 @@ import only kl/ (README, Layout); the learner itself loads any HF model director
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,20 @@ DEFAULT_SIZE: dict[str, Any] = {
 
 # Warm-start recipe. Bump RECIPE_VERSION whenever anything below changes what gets built, so
 # cached models built with an older recipe are not reused.
-RECIPE_VERSION = 2
-DEFAULT_SFT_STEPS = 450  # lands at ~30% in-domain greedy: room for RL (600 gives 82%)
+#
+# Why a target and not a step budget: the supervised accuracy curve of this model is steep and
+# its position depends on floating-point details (thread count, CPU kernels): with a fixed
+# 450-step budget one machine got 30% greedy in-domain, another 11-15%. Training instead stops
+# at the first check where the greedy accuracy on a validation set reaches TARGET_ACCURACY, so
+# every machine starts RL from about the same accuracy (the weights still differ per machine).
+RECIPE_VERSION = 3
+TARGET_ACCURACY = 0.45  # greedy, validation set: RL gets a signal on most prompts, room above
+MAX_SFT_STEPS = 3000    # a bound, not a budget: the target is reached after ~500-900 steps
+CHECK_EVERY = 10        # steps between validation checks (the overshoot is at most this many)
+VALIDATION_PROBLEMS = 500
+VALIDATION_SEED_OFFSET = 7919  # validation problems: seed + this (not the training draw's)
 SFT_BATCH_SIZE = 128
-SFT_LR = 3e-3
+SFT_LR = 3e-3           # constant after warm-up: the schedule must not depend on where we stop
 SFT_WARMUP = 50
 EVAL_PROBLEMS = 500  # problems per split for the accuracy figures stored with the model
 METADATA_FILE = "klrl_model.json"
@@ -55,13 +65,13 @@ def klrl_home() -> Path:
     return Path(os.environ.get("KLRL_HOME") or Path.home() / ".cache" / "klrl")
 
 
-def default_model_name(seed: int = 0, steps: int = DEFAULT_SFT_STEPS) -> str:
+def default_model_name(seed: int = 0, target: float = TARGET_ACCURACY) -> str:
     name = f"tiny-arith-v{RECIPE_VERSION}-seed{seed}"
-    return name if steps == DEFAULT_SFT_STEPS else f"{name}-steps{steps}"
+    return name if target == TARGET_ACCURACY else f"{name}-target{round(100 * target)}"
 
 
-def default_model_dir(seed: int = 0, steps: int = DEFAULT_SFT_STEPS) -> Path:
-    return klrl_home() / "models" / default_model_name(seed, steps)
+def default_model_dir(seed: int = 0, target: float = TARGET_ACCURACY) -> Path:
+    return klrl_home() / "models" / default_model_name(seed, target)
 
 
 @contextmanager
@@ -179,38 +189,67 @@ def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -
     return sum(float(task.scorer(t, p)) for t, p in zip(texts, problems)) / len(problems)
 
 
-def warm_start(model, tokenizer, *, seed: int, steps: int, progress: bool = True) -> None:
-    """Supervised training on arithmetic train problems (loss on answer + EOS only).
+def exact_greedy_accuracy(model, tokenizer, examples: list[tuple[list[int], int]]) -> float:
+    """Fraction of `examples` (from `_encode_examples`) whose answer + EOS is the model's greedy
+    continuation, token by token: one teacher-forced forward pass instead of a generation, so
+    checking it every few steps costs little. It equals greedy pass@1 except for answers the
+    scorer would also accept in another spelling (e.g. "+17"), which count as wrong here."""
+    import torch
 
-    AdamW with linear warm-up and cosine decay to 10%, a fixed number of steps, one fresh
-    batch per step (the train split is large enough that nothing repeats much).
+    input_ids, labels, mask = _collate(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        predicted = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+    target = labels[:, 1:]
+    scored = target != -100
+    correct = ((predicted == target) | ~scored).all(-1)
+    return float(correct.double().mean())
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """What the warm start did: optimizer steps taken, the validation accuracy it stopped at,
+    and whether that reached the target (False: stopped at the step bound)."""
+
+    steps: int
+    validation_accuracy: float
+    reached_target: bool
+
+
+def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACCURACY,
+               max_steps: int = MAX_SFT_STEPS, progress: bool = True) -> WarmStart:
+    """Supervised training on arithmetic train problems (loss on answer + EOS only) until the
+    greedy accuracy (`exact_greedy_accuracy`) on VALIDATION_PROBLEMS train-distribution
+    problems reaches `target` (checked every CHECK_EVERY steps), or for exactly `max_steps`
+    steps when `target` is None.
+
+    AdamW with a linear warm-up to a constant learning rate; one fresh batch per step (the
+    train split is large enough that nothing repeats much). The validation problems are drawn
+    from the train distribution with their own seed; the in-domain split stays unseen.
     """
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     task = _arithmetic_task()
-    problems = task.problems("train", steps * SFT_BATCH_SIZE, seed)
+    problems = task.problems("train", max_steps * SFT_BATCH_SIZE, seed)
+    validation = _encode_examples(
+        tokenizer, task.problems("train", VALIDATION_PROBLEMS, seed + VALIDATION_SEED_OFFSET))
     examples = _encode_examples(tokenizer, problems)
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, betas=(0.9, 0.98))
-
-    def lr_at(step: int) -> float:
-        if step < SFT_WARMUP:
-            return (step + 1) / SFT_WARMUP
-        t = (step - SFT_WARMUP) / max(1, steps - SFT_WARMUP)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    model.train()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / SFT_WARMUP))
+    goal = "fixed budget" if target is None else f"until {100 * target:.0f}% greedy validation"
     columns = [
-        TextColumn("warm-start SFT"),
+        TextColumn(f"warm-start SFT ({goal})"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} steps  loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.completed} steps  loss {task.fields[loss]:.3f}  "
+                   "validation {task.fields[acc]:.1%}"),
         TimeElapsedColumn(),
     ]
+    accuracy, step = 0.0, 0
     with Progress(*columns, disable=not progress, transient=False) as bar:
-        job = bar.add_task("sft", total=steps, loss=float("nan"))
-        for step in range(steps):
-            batch = examples[step * SFT_BATCH_SIZE : (step + 1) * SFT_BATCH_SIZE]
+        job = bar.add_task("sft", total=max_steps, loss=float("nan"), acc=0.0)
+        for step in range(1, max_steps + 1):
+            model.train()
+            batch = examples[(step - 1) * SFT_BATCH_SIZE : step * SFT_BATCH_SIZE]
             input_ids, labels, mask = _collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             opt.zero_grad(set_to_none=True)
@@ -219,7 +258,16 @@ def warm_start(model, tokenizer, *, seed: int, steps: int, progress: bool = True
             opt.step()
             sched.step()
             bar.update(job, advance=1, loss=loss.item())
+            if target is not None and step % CHECK_EVERY == 0:
+                model.eval()
+                accuracy = exact_greedy_accuracy(model, tokenizer, validation)
+                bar.update(job, acc=accuracy)
+                if accuracy >= target:
+                    break
     model.eval()
+    if target is None:
+        accuracy = exact_greedy_accuracy(model, tokenizer, validation)
+    return WarmStart(step, accuracy, target is None or accuracy >= target)
 
 
 def _model_complete(path: Path) -> bool:
@@ -231,7 +279,8 @@ def init_default_model(
     seed: int = 0,
     force: bool = False,
     *,
-    steps: int = DEFAULT_SFT_STEPS,
+    target: float | None = TARGET_ACCURACY,
+    max_steps: int = MAX_SFT_STEPS,
     progress: bool = True,
     threads: int | None = None,
 ) -> Path:
@@ -240,12 +289,15 @@ def init_default_model(
     `out_dir` defaults to `$KLRL_HOME/models/tiny-arith-v<recipe>-seed<seed>`. An existing
     complete model there is reused unless `force`. The model is built in a temporary sibling
     directory and renamed into place, so an interrupted build never leaves a half-written
-    model behind. Deterministic for a seed on a given machine and thread count (`threads`,
-    default min(4, cores)); `steps` is the SFT step budget.
+    model behind. The warm start runs until the validation accuracy reaches `target` (None:
+    exactly `max_steps` steps, for tests); the same seed, thread count (`threads`, default
+    min(4, cores)) and machine give the same weights bit for bit, and any machine lands near
+    the target. The model's figures are stored beside it (`read_metadata`).
     """
     import torch
 
-    out = Path(out_dir) if out_dir is not None else default_model_dir(seed, steps)
+    out = Path(out_dir) if out_dir is not None else default_model_dir(
+        seed, TARGET_ACCURACY if target is None else target)
     if _model_complete(out) and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +308,8 @@ def init_default_model(
             model, tokenizer = _new_model(seed)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                warm_start(model, tokenizer, seed=seed, steps=steps, progress=progress)
+                done = warm_start(model, tokenizer, seed=seed, target=target,
+                                  max_steps=max_steps, progress=progress)
             train_s = time.perf_counter() - t0
             task = _arithmetic_task()
             accuracy = {
@@ -267,10 +320,14 @@ def init_default_model(
             }
         _save(model, tokenizer, tmp)
         meta = {
-            "name": default_model_name(seed, steps),
+            "name": out.name,
             "recipe_version": RECIPE_VERSION,
             "seed": seed,
-            "sft_steps": steps,
+            "target_accuracy": target,
+            "reached_target": done.reached_target,
+            "validation_accuracy": round(done.validation_accuracy, 4),
+            "validation_problems": VALIDATION_PROBLEMS,
+            "sft_steps": done.steps,
             "sft_batch_size": SFT_BATCH_SIZE,
             "parameters": sum(p.numel() for p in model.parameters()),
             "build_seconds": round(time.perf_counter() - t0, 1),

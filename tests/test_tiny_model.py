@@ -99,8 +99,8 @@ def test_hf_and_vllm_logprobs_match(tiny_model_dir, tiny_llm):
 
 def test_init_default_model_deterministic_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_model, "EVAL_PROBLEMS", 8)
-    a = init_default_model(tmp_path / "a", seed=3, steps=3, progress=False)
-    b = init_default_model(tmp_path / "b", seed=3, steps=3, progress=False)
+    a = init_default_model(tmp_path / "a", seed=3, target=None, max_steps=3, progress=False)
+    b = init_default_model(tmp_path / "b", seed=3, target=None, max_steps=3, progress=False)
     assert _same_weights(a, b)
     meta = tiny_model.read_metadata(a)
     assert meta["seed"] == 3 and meta["sft_steps"] == 3
@@ -108,21 +108,21 @@ def test_init_default_model_deterministic_and_atomic(tmp_path, monkeypatch):
     umask = os.umask(0)
     os.umask(umask)
     assert a.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
-    assert not _same_weights(a, init_default_model(tmp_path / "c", seed=4, steps=3, progress=False))
+    assert not _same_weights(a, init_default_model(tmp_path / "c", seed=4, target=None, max_steps=3, progress=False))
 
     # cached: a second call reuses the model without rebuilding it
     stamp = (a / "model.safetensors").stat().st_mtime_ns
     monkeypatch.setattr(tiny_model, "warm_start", _boom)
-    assert init_default_model(a, seed=3, steps=3) == a
+    assert init_default_model(a, seed=3, target=None, max_steps=3) == a
     assert (a / "model.safetensors").stat().st_mtime_ns == stamp
 
     # a build that dies half way leaves nothing behind ...
     with pytest.raises(RuntimeError, match="killed"):
-        init_default_model(tmp_path / "d", seed=3, steps=3, progress=False)
+        init_default_model(tmp_path / "d", seed=3, target=None, max_steps=3, progress=False)
     assert not (tmp_path / "d").exists()
     # ... and a forced rebuild that dies keeps the old model intact
     with pytest.raises(RuntimeError, match="killed"):
-        init_default_model(a, seed=3, steps=3, force=True, progress=False)
+        init_default_model(a, seed=3, target=None, max_steps=3, force=True, progress=False)
     assert _same_weights(a, b)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]  # no temp dirs
 
