@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from cluster import checkpoint as ckpt
-from cluster.stopping import GracefulStop
+from cluster.train import checkpoint as ckpt
+from cluster.train.stopping import GracefulStop
 
 
 def _state(step: int) -> ckpt.ControllerState:

@@ -1,9 +1,9 @@
 """Controller pieces that need no cluster: the prompt stream and the non-finite stop."""
 import pytest
 
-from cluster.cmd_train import DEMO_CONFIG, load_train_config
-from cluster.controller import Controller
-from cluster.prompts import PromptStream
+from cluster.cli.cmd_train import DEMO_CONFIG, load_train_config
+from cluster.train.controller import Controller
+from cluster.train.prompts import PromptStream
 
 
 def test_prompt_stream_is_deterministic_and_resumable():

@@ -86,7 +86,7 @@ def test_evaluate_counts_scorer_failures(tiny_llm):
 
 
 def test_klrl_eval_command(tiny_model_dir, tmp_path, capsys):
-    from cluster import cmd_model
+    from cluster.cli import cmd_model
 
     parser = argparse.ArgumentParser(prog="klrl")
     cmd_model.register(parser.add_subparsers(dest="command"))

@@ -36,7 +36,7 @@ PACKAGES = tuple(ALLOWED)
 class Import:
     path: Path
     line: int
-    source: str      # importing module, dotted ("cluster.controller"; a package is its name)
+    source: str      # importing module, dotted ("cluster.train.controller"; a package is its name)
     target: str      # imported module, dotted and resolved (relative imports made absolute)
     at_import: bool  # runs when `source` is imported: module level and not under TYPE_CHECKING
 

@@ -24,9 +24,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.config import ConfigError, load_config
-from cluster.labels import flatten, value_token
-from cluster.report import ReportConfig
+from cluster.config.loader import ConfigError, load_config
+from cluster.experiments.labels import flatten, value_token
+from cluster.experiments.report import ReportConfig
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Set by the sweep for every run (its place and its wandb grouping), so a sweep file may not.
@@ -149,7 +149,7 @@ def expand(cfg: SweepConfig) -> list[RunSpec]:
 def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     """Every run's TrainConfig, validated before anything starts: name -> TrainConfig. A bad
     grid fails here, naming each bad grid point, rather than hours into the sweep."""
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
 
     configs, errors = {}, []
     for run in runs:
@@ -255,13 +255,13 @@ class RayJobLauncher:
     def __init__(self, address: str, python: str = "python"):
         from ray.job_submission import JobSubmissionClient
 
-        from cluster.cmd_train import _auth_headers
+        from cluster.cli.cmd_train import _auth_headers
 
         self.address, self.python = address, python
         self.client = JobSubmissionClient(address, headers=_auth_headers())
 
     def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
-        from cluster.cmd_train import submit
+        from cluster.cli.cmd_train import submit
 
         args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
         return submit(cfg.train_config, self.address, args, wait=False, python=self.python)
@@ -313,7 +313,7 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from cluster.config import dump_config
+    from cluster.config.loader import dump_config
 
     root = sweep_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)

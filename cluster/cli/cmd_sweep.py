@@ -6,8 +6,8 @@ from pathlib import Path
 
 
 def _run_sweep(args) -> int:
-    from cluster.config import ConfigError
-    from cluster.sweep import (
+    from cluster.config.loader import ConfigError
+    from cluster.experiments.sweep import (
         LocalLauncher,
         RayJobLauncher,
         cpus_per_run,
@@ -56,14 +56,14 @@ def _cores() -> int:
 def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
     """Print what happened, write the report, and choose the exit status: 128 + signal when
     stopped, 1 when a run failed, else 0."""
-    from cluster.sweep import sweep_dir
+    from cluster.experiments.sweep import sweep_dir
 
     count = {s: sum(o.status == s for o in outcomes) for s in ("finished", "skipped", "failed", "stopped")}
     print(f"sweep {cfg.name}: {count['finished']} finished, {count['skipped']} skipped (finished "
           f"before), {count['failed']} failed, {count['stopped']} stopped, "
           f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")
     if write and count["finished"] + count["skipped"] + count["stopped"]:
-        from cluster.report import write_report
+        from cluster.experiments.report import write_report
 
         print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
     failed = [o for o in outcomes if o.status == "failed"]
@@ -77,14 +77,14 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
 
 
 def _run_report(args) -> int:
-    from cluster.config import ConfigError, load_config, merge, validate
-    from cluster.report import ReportConfig, write_report
+    from cluster.config.loader import ConfigError, load_config, merge, validate
+    from cluster.experiments.report import ReportConfig, write_report
 
     path = Path(args.dir)
     try:
         base = {}
         if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
-            from cluster.sweep import SweepConfig
+            from cluster.experiments.sweep import SweepConfig
 
             base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
         cfg = validate(ReportConfig, merge(base, args.overrides), source="report options")

@@ -81,7 +81,7 @@ def _new_model(seed: int, **size):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cluster.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
+    from cluster.tiny.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     cfg = dict(DEFAULT_SIZE)

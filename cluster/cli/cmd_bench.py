@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def run(args) -> int:
-    from cluster.bench import FULL, QUICK, check_result, print_tables, run_bench, write_json
+    from cluster.bench.run import FULL, QUICK, check_result, print_tables, run_bench, write_json
 
     plan = QUICK if args.quick else FULL
     if args.work_dir:

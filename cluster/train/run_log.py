@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from cluster.config import dump_config
+from cluster.config.loader import dump_config
 
 
 def default_run_name(cfg) -> str:

@@ -13,11 +13,11 @@ import sys
 
 # Order is the order shown in `klrl --help`.
 COMMAND_MODULES = [
-    "cluster.cmd_train",
-    "cluster.cmd_model",
-    "cluster.cmd_kl_table",
-    "cluster.cmd_sweep",
-    "cluster.cmd_bench",
+    "cluster.cli.cmd_train",
+    "cluster.cli.cmd_model",
+    "cluster.cli.cmd_kl_table",
+    "cluster.cli.cmd_sweep",
+    "cluster.cli.cmd_bench",
 ]
 
 

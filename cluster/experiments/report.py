@@ -28,7 +28,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.labels import configuration_keys, flatten, value_token
+from cluster.experiments.labels import configuration_keys, flatten, value_token
 
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
 ACCURACY_KEYS = [("eval/in_domain/accuracy", "in-domain"),
@@ -265,7 +265,7 @@ def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[
 
 def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
     """Write PATH/report/report.md and its plots; returns the report.md path."""
-    from cluster.report_plots import FIGURES, plot_figure
+    from cluster.experiments.report_plots import FIGURES, plot_figure
 
     cfg = cfg or ReportConfig()
     path = Path(path)

@@ -144,7 +144,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(args) -> int:
-    from cluster.config import ConfigError, load_config
+    from cluster.config.loader import ConfigError, load_config
 
     try:
         cfg = load_config(KLTableConfig, args.config, args.overrides)

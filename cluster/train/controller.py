@@ -27,14 +27,14 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.records import Rollout
-from cluster import checkpoint as ckpt
-from cluster.batching import pad_token_id, train_batch
-from cluster.config import ConfigError
-from cluster.prompts import PromptStream
-from cluster.run_log import RunLog
-from cluster.stopping import RunStopped
-from cluster.train_config import TrainConfig
-from cluster.worker_pool import WorkerCall, WorkerPool
+from cluster.train import checkpoint as ckpt
+from cluster.train.batching import pad_token_id, train_batch
+from cluster.config.loader import ConfigError
+from cluster.train.prompts import PromptStream
+from cluster.train.run_log import RunLog
+from cluster.train.stopping import RunStopped
+from cluster.config.train_config import TrainConfig
+from cluster.train.worker_pool import WorkerCall, WorkerPool
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Controller:
     def run(self) -> dict:
         """Train up to cfg.total_steps; returns the last metrics. On RunStopped, checkpoints
         first; tears everything down on any exit."""
-        from cluster.progress import TrainProgress
+        from cluster.train.progress import TrainProgress
 
         try:
             last = self._start()
@@ -110,7 +110,7 @@ class Controller:
     # ---------------------------------------------------------------- steps
     def _start(self) -> dict:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
-        from cluster.launch import connect_nccl, start_learner
+        from cluster.train.launch import connect_nccl, start_learner
 
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)

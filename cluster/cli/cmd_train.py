@@ -5,13 +5,13 @@ import shlex
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.yaml"
 
 
 def load_train_config(path, overrides):
-    from cluster.config import load_config
-    from cluster.train_config import TrainConfig
+    from cluster.config.loader import load_config
+    from cluster.config.train_config import TrainConfig
 
     return load_config(TrainConfig, path, overrides)
 
@@ -23,11 +23,11 @@ def train(cfg, resume: bool = False) -> tuple[Path, dict]:
     newest complete checkpoint; with none (or no directory) start it afresh, keeping an earlier
     metrics log as metrics.jsonl.abandoned-N. Raises RunStopped (with .checkpoint set) when the
     run stops early: a signal, worker restarts used up, too many non-finite steps."""
-    from cluster.checkpoint import latest_checkpoint
-    from cluster.controller import Controller
-    from cluster.launch import resolve_model, start_ray
-    from cluster.run_log import default_run_name
-    from cluster.stopping import GracefulStop
+    from cluster.train.checkpoint import latest_checkpoint
+    from cluster.train.controller import Controller
+    from cluster.train.launch import resolve_model, start_ray
+    from cluster.train.run_log import default_run_name
+    from cluster.train.stopping import GracefulStop
 
     run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
     resume_from = latest_checkpoint(run_dir) if resume else None
@@ -56,7 +56,7 @@ def train(cfg, resume: bool = False) -> tuple[Path, dict]:
 def _config_for(args):
     """The TrainConfig a `klrl train` command line asks for. `--resume RUN_DIR` takes the
     run's own config.yaml (overrides still apply, e.g. a larger total_steps)."""
-    from cluster.config import ConfigError
+    from cluster.config.loader import ConfigError
 
     overrides = list(args.overrides)
     config = args.config
@@ -91,8 +91,8 @@ def _report_stop(stop) -> int:
 def _run_train(args) -> int:
     from ray.exceptions import RayError
 
-    from cluster.config import ConfigError
-    from cluster.stopping import RunStopped
+    from cluster.config.loader import ConfigError
+    from cluster.train.stopping import RunStopped
 
     try:
         cfg = _config_for(args)
@@ -105,7 +105,7 @@ def _run_train(args) -> int:
     except RayError as exc:  # an actor (learner rank, worker) failed: everything is torn down
         print(f"error: the run failed and was torn down: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    from cluster.progress import print_summary
+    from cluster.train.progress import print_summary
 
     print_summary(run_dir)
     print(f"run directory: {run_dir}")
@@ -113,9 +113,9 @@ def _run_train(args) -> int:
 
 
 def _run_demo(args) -> int:
-    from cluster.config import ConfigError
-    from cluster.progress import print_summary
-    from cluster.stopping import RunStopped
+    from cluster.config.loader import ConfigError
+    from cluster.train.progress import print_summary
+    from cluster.train.stopping import RunStopped
 
     try:
         run_dir, _ = train(load_train_config(DEMO_CONFIG, args.overrides))
@@ -189,7 +189,7 @@ def _tail(client, job_id):
 
 
 def _run_submit(args) -> int:
-    from cluster.config import ConfigError
+    from cluster.config.loader import ConfigError
 
     try:
         load_train_config(args.config, args.overrides)  # reject bad configs before submitting

@@ -54,7 +54,7 @@ def register(subparsers) -> None:
 def _init_model(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from cluster.tiny_model import init_default_model, read_metadata
+    from cluster.tiny.model import init_default_model, read_metadata
 
     console = Console()
     path = init_default_model(args.out, seed=args.seed, force=args.force)
@@ -92,7 +92,7 @@ def _eval(args: argparse.Namespace) -> int:
     console = Console()
     model = args.model_dir
     if model == "default":
-        from cluster.tiny_model import init_default_model
+        from cluster.tiny.model import init_default_model
 
         model = init_default_model()
     elif not os.path.isdir(model):
