@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.experiments.labels import configuration_keys, flatten, value_token
+from cluster.experiments.report_plots import FIGURES, plot_figure
 
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
 ACCURACY_KEYS = [("eval/in_domain/accuracy", "in-domain"),
@@ -265,8 +266,6 @@ def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[
 
 def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
     """Write PATH/report/report.md and its plots; returns the report.md path."""
-    from cluster.experiments.report_plots import FIGURES, plot_figure
-
     cfg = cfg or ReportConfig()
     path = Path(path)
     runs = find_runs(path)

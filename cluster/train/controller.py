@@ -27,13 +27,16 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.records import Rollout
+from actors.weight_sync import remove_published
+from cluster.config.loader import ConfigError
+from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, train_batch
-from cluster.config.loader import ConfigError
+from cluster.train.launch import connect_nccl, start_learner
+from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
 from cluster.train.run_log import RunLog
 from cluster.train.stopping import RunStopped
-from cluster.config.train_config import TrainConfig
 from cluster.train.worker_pool import WorkerCall, WorkerPool
 
 
@@ -80,8 +83,6 @@ class Controller:
     def run(self) -> dict:
         """Train up to cfg.total_steps; returns the last metrics. On RunStopped, checkpoints
         first; tears everything down on any exit."""
-        from cluster.train.progress import TrainProgress
-
         try:
             last = self._start()
             with TrainProgress(self.cfg.total_steps, self.step) as progress:
@@ -110,8 +111,6 @@ class Controller:
     # ---------------------------------------------------------------- steps
     def _start(self) -> dict:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
-        from cluster.train.launch import connect_nccl, start_learner
-
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name)
@@ -318,7 +317,7 @@ class Controller:
 
     def _checkpoint(self) -> Path:
         """Write a complete checkpoint of the run at the current step (atomic; see
-        cluster/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
+        cluster/train/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
         on by a step <= self.step, and none after it (batches in flight are replayed)."""
         position = self.pending[0].start_position if self.pending else self.prompts.position
         state = ckpt.ControllerState(
@@ -342,8 +341,6 @@ class Controller:
             self.pool.kill_all()
         if self.learner is not None:
             self.learner.shutdown()
-        from actors.weight_sync import remove_published
-
         remove_published(self.run_dir.name, self.cfg.sync.shm_dir)  # /dev/shm is RAM
 
     @property
