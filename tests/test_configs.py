@@ -11,9 +11,9 @@ CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
 
 def model_for(path: Path):
     """Which pydantic model a file in configs/ is validated by."""
-    from cluster.cli.cmd_kl_table import KLTableConfig
-    from cluster.experiments.sweep import SweepConfig
     from cluster.config.train_config import TrainConfig
+    from cluster.experiments.sweep import SweepConfig
+    from kl.table import KLTableConfig
 
     if path.name == "kl_table.yaml":
         return KLTableConfig
@@ -52,7 +52,7 @@ def test_overrides_are_typed_and_nested():
 
 
 def test_errors_name_the_field_and_the_file(tmp_path):
-    from cluster.cli.cmd_kl_table import KLTableConfig
+    from kl.table import KLTableConfig
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("seed: -1\nvocab: 3\n")

@@ -1,7 +1,8 @@
 """Controller pieces that need no cluster: the prompt stream and the non-finite stop."""
 import pytest
 
-from cluster.cli.cmd_train import DEMO_CONFIG, load_train_config
+from cluster.config.loader import DEMO_CONFIG
+from cluster.config.train_config import load_train_config
 from cluster.train.controller import Controller
 from cluster.train.prompts import PromptStream
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.config.train_config import load_train_config
 from cluster.train import checkpoint as ckpt
-from cluster.cli.cmd_train import DEMO_CONFIG, load_train_config, train
-from cluster.config.loader import ConfigError
+from cluster.train.run import train
 from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow

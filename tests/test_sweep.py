@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from cluster.config.loader import ConfigError
+from cluster.experiments.labels import value_token
 from cluster.experiments.sweep import (
     SweepConfig,
     expand,
@@ -22,7 +23,6 @@ from cluster.experiments.sweep import (
     sweep_dir,
     train_command,
     validate_runs,
-    value_token,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.config.loader import DEMO_CONFIG
+from cluster.config.train_config import load_train_config
+from cluster.train.run import train
+from cluster.train.run_log import read_metrics
+
 
 @dataclass
 class LagRun:
@@ -77,9 +82,6 @@ def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measure
                      lags: tuple[int, ...] = (0, 1, 2)) -> PipelineResult:
     """Train at each max_lag in `lags` (0 must be among them) with the demo config plus
     `overrides`; Ray must already be running (the runs share it)."""
-    from cluster.cli.cmd_train import DEMO_CONFIG, load_train_config, train
-    from cluster.train.run_log import read_metrics
-
     result = PipelineResult(workload)
     for lag in lags:
         warmup = lag + 2

@@ -1,62 +1,20 @@
-"""`klrl train`, `klrl demo` and `klrl submit`."""
+"""`klrl train`, `klrl demo` and `klrl submit`: parse, call cluster.train, print the outcome."""
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.yaml"
-
-
-def load_train_config(path, overrides):
-    from cluster.config.loader import load_config
-    from cluster.config.train_config import TrainConfig
-
-    return load_config(TrainConfig, path, overrides)
-
-
-def train(cfg, resume: bool = False) -> tuple[Path, dict]:
-    """Run one training job in this process (the Ray driver). Returns (run_dir, last metrics).
-
-    resume=False: the run directory must not hold a run yet. resume=True: continue it from its
-    newest complete checkpoint; with none (or no directory) start it afresh, keeping an earlier
-    metrics log as metrics.jsonl.abandoned-N. Raises RunStopped (with .checkpoint set) when the
-    run stops early: a signal, worker restarts used up, too many non-finite steps."""
-    from cluster.train.checkpoint import latest_checkpoint
-    from cluster.train.controller import Controller
-    from cluster.train.launch import resolve_model, start_ray
-    from cluster.train.run_log import default_run_name
-    from cluster.train.stopping import GracefulStop
-
-    run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
-    resume_from = latest_checkpoint(run_dir) if resume else None
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and resume_from is None:
-        if not resume:
-            raise FileExistsError(f"{run_dir} already holds a run; choose another run_name, or "
-                                  f"continue it with `klrl train --resume {run_dir}`")
-        n = len(list(run_dir.glob("metrics.jsonl.abandoned-*")))
-        metrics.rename(run_dir / f"metrics.jsonl.abandoned-{n}")
-        print(f"{run_dir} has no complete checkpoint: starting it afresh")
-    model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
-    started = start_ray(cfg)
-    try:
-        with GracefulStop() as stop_requested:
-            controller = Controller(cfg, run_dir, model_dir, resume_from=resume_from,
-                                    stop_requested=stop_requested)
-            return run_dir, controller.run()
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.train.jobs import submit
+from cluster.train.progress import print_summary
+from cluster.train.stopping import RunStopped
 
 
 def _config_for(args):
     """The TrainConfig a `klrl train` command line asks for. `--resume RUN_DIR` takes the
     run's own config.yaml (overrides still apply, e.g. a larger total_steps)."""
-    from cluster.config.loader import ConfigError
+    # torch (kl's configs) and Ray: loaded when a command runs, not at `klrl --help`.
+    from cluster.config.train_config import load_train_config
 
     overrides = list(args.overrides)
     config = args.config
@@ -89,10 +47,10 @@ def _report_stop(stop) -> int:
 
 
 def _run_train(args) -> int:
+    # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
     from ray.exceptions import RayError
 
-    from cluster.config.loader import ConfigError
-    from cluster.train.stopping import RunStopped
+    from cluster.train.run import train
 
     try:
         cfg = _config_for(args)
@@ -105,17 +63,15 @@ def _run_train(args) -> int:
     except RayError as exc:  # an actor (learner rank, worker) failed: everything is torn down
         print(f"error: the run failed and was torn down: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    from cluster.train.progress import print_summary
-
     print_summary(run_dir)
     print(f"run directory: {run_dir}")
     return 0
 
 
 def _run_demo(args) -> int:
-    from cluster.config.loader import ConfigError
-    from cluster.train.progress import print_summary
-    from cluster.train.stopping import RunStopped
+    # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
+    from cluster.config.train_config import load_train_config
+    from cluster.train.run import train
 
     try:
         run_dir, _ = train(load_train_config(DEMO_CONFIG, args.overrides))
@@ -128,68 +84,8 @@ def _run_demo(args) -> int:
     return 0
 
 
-def submit(config: str, address: str, overrides: list[str], wait: bool = True,
-           python: str = "python") -> str:
-    """Submit `klrl train CONFIG overrides` as a Ray job with this repository as working_dir.
-
-    The job runs `python -m cluster.cli train ...` on the head node with the repository
-    uploaded as its working directory, so the cluster's Python needs klrl's dependencies
-    (not klrl itself). Clusters started with token auth write ~/.ray/auth_token; its token
-    is sent explicitly (see _auth_headers), so RAY_AUTH_MODE=token is not needed here."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    client = JobSubmissionClient(address, headers=_auth_headers())
-    rel = Path(config).resolve().relative_to(REPO_ROOT)
-    entrypoint = " ".join([shlex.quote(python), "-m cluster.cli train", shlex.quote(str(rel)),
-                           *map(shlex.quote, overrides)])
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={
-        "working_dir": str(REPO_ROOT),
-        "excludes": [".venv", "runs", ".git", "**/__pycache__", "wandb", ".pytest_cache"]})
-    print(f"submitted {job_id}: {entrypoint}")
-    if wait:
-        for chunk in _tail(client, job_id):
-            print(chunk, end="")
-        status = client.get_job_status(job_id)
-        print(f"job {job_id}: {status}")
-        if status != JobStatus.SUCCEEDED:
-            raise RuntimeError(f"job {job_id} ended {status}")
-    return job_id
-
-
-def _auth_headers() -> dict:
-    """Bearer token for a token-auth cluster: RAY_AUTH_TOKEN, else the file at
-    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. Sent explicitly because Ray's client decides
-    whether to attach it from process-wide state read once, before a token may exist."""
-    import os
-
-    token = os.environ.get("RAY_AUTH_TOKEN")
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if not token and path.is_file():
-        token = path.read_text().strip()
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def _tail(client, job_id):
-    import asyncio
-
-    async def collect():
-        async for lines in client.tail_job_logs(job_id):
-            yield lines
-
-    agen = collect()
-    loop = asyncio.new_event_loop()
-    try:
-        while True:
-            try:
-                yield loop.run_until_complete(agen.__anext__())
-            except StopAsyncIteration:
-                return
-    finally:
-        loop.close()
-
-
 def _run_submit(args) -> int:
-    from cluster.config.loader import ConfigError
+    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
 
     try:
         load_train_config(args.config, args.overrides)  # reject bad configs before submitting
