@@ -16,7 +16,6 @@ from cluster.experiments.labels import value_token
 from cluster.experiments.sweep import (
     SweepConfig,
     expand,
-    last_step,
     load_sweep,
     run_state,
     run_sweep,
@@ -24,6 +23,7 @@ from cluster.experiments.sweep import (
     train_command,
     validate_runs,
 )
+from cluster.train.run_log import last_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"

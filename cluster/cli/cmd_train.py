@@ -7,6 +7,7 @@ from pathlib import Path
 from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.train.jobs import submit
 from cluster.train.progress import print_summary
+from cluster.train.run_log import config_path
 from cluster.train.stopping import RunStopped
 
 
@@ -25,10 +26,10 @@ def _config_for(args):
         run_dir = Path(args.resume)
         if config is not None:
             raise ConfigError("give either a config or --resume RUN_DIR, not both")
-        if not (run_dir / "config.yaml").is_file():
+        if not config_path(run_dir).is_file():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
         overrides += [f"output_dir={run_dir.parent}", f"run_name={run_dir.name}"]
-        return load_train_config(run_dir / "config.yaml", overrides)
+        return load_train_config(config_path(run_dir), overrides)
     if config is None:
         raise ConfigError("klrl train needs a config file (or --resume RUN_DIR)")
     cfg = load_train_config(config, overrides)

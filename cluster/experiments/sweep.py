@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cluster.config.loader import ConfigError, dump_config, load_config
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.report import ReportConfig
+from cluster.train.run_log import is_finished, last_step
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Set by the sweep for every run (its place and its wandb grouping), so a sweep file may not.
@@ -169,7 +170,7 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
 def run_state(run_dir: Path) -> RunState:
     """finished: the final model is written (the controller writes final/config.json last);
     partial: the run directory exists (continue it with --resume); new: nothing there yet."""
-    if (run_dir / "final" / "config.json").is_file():
+    if is_finished(run_dir):
         return "finished"
     return "partial" if run_dir.exists() else "new"
 
@@ -177,23 +178,6 @@ def run_state(run_dir: Path) -> RunState:
 def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:
     """`klrl train` arguments of one run (after `python -m cluster.cli`)."""
     return ["train", cfg.train_config, *run.overrides, *(["--resume"] if state == "partial" else [])]
-
-
-def last_step(run_dir: Path) -> int:
-    """Step of the last line of RUN_DIR/metrics.jsonl (0 if none yet); reads only the tail."""
-    path = run_dir / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 8192))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a half-written last line, or the cut first one
-    return 0
 
 
 def cpus_per_run(train_cfg) -> float:

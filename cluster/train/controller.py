@@ -35,7 +35,7 @@ from cluster.train.batching import pad_token_id, train_batch
 from cluster.train.launch import connect_nccl, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
-from cluster.train.run_log import RunLog
+from cluster.train.run_log import RunLog, final_dir, keep_metrics_through
 from cluster.train.stopping import RunStopped
 from cluster.train.worker_pool import WorkerCall, WorkerPool
 
@@ -146,13 +146,7 @@ class Controller:
         if state.reference_sha256 != self.reference_sha256:
             raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
                              f"in {self.model_dir} differ from the ones the run started from")
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            import json
-
-            keep = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= state.step]
-            metrics.write_text("".join(line + "\n" for line in keep))
+        keep_metrics_through(self.run_dir, state.step)
         return state
 
     def _honour_stop_request(self) -> None:
@@ -331,7 +325,7 @@ class Controller:
     def _finish(self) -> None:
         if self.cfg.checkpoint_every:  # so that the run can be extended with --resume
             self._checkpoint()
-        self.learner.save_hf(self.run_dir / "final")
+        self.learner.save_hf(final_dir(self.run_dir))
 
     def _shutdown(self) -> None:
         """Best effort, every part: a failed part must not keep the others alive."""

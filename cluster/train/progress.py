@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cluster.train.run_log import read_metrics
+from cluster.train.run_log import final_dir, read_metrics
 
 EVAL_SETS = ("in_domain", "out_of_domain")
 
@@ -105,5 +105,5 @@ def print_summary(run_dir, title: str = "run finished", file=None) -> None:
              for label, key in rows if key in first and key in last]
     Console(file=file).print(f"[bold]{title}[/bold] in {run_dir} (step {first['step']} -> "
                              f"{last['step']})\n" + "\n".join(lines)
-                             + f"\n  trained policy             {run_dir / 'final'}",
+                             + f"\n  trained policy             {final_dir(run_dir)}",
                              soft_wrap=True)

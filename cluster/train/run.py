@@ -10,7 +10,7 @@ from cluster.config.train_config import TrainConfig
 from cluster.train.checkpoint import latest_checkpoint
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.run_log import default_run_name
+from cluster.train.run_log import abandon_metrics, default_run_name, has_metrics
 from cluster.train.stopping import GracefulStop
 
 
@@ -23,13 +23,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
     run stops early: a signal, worker restarts used up, too many non-finite steps."""
     run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
     resume_from = latest_checkpoint(run_dir) if resume else None
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and resume_from is None:
+    if has_metrics(run_dir) and resume_from is None:
         if not resume:
             raise FileExistsError(f"{run_dir} already holds a run; choose another run_name, or "
                                   f"continue it with `klrl train --resume {run_dir}`")
-        n = len(list(run_dir.glob("metrics.jsonl.abandoned-*")))
-        metrics.rename(run_dir / f"metrics.jsonl.abandoned-{n}")
+        abandon_metrics(run_dir)
         print(f"{run_dir} has no complete checkpoint: starting it afresh")
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
     started = start_ray(cfg)
