@@ -37,3 +37,54 @@ def test_consecutive_nonfinite_steps_stop_the_run_naming_the_step(tmp_path):
     with pytest.raises(RuntimeError, match="3 consecutive.*step 8.*step 7"):
         c._count_nonfinite(True)
     assert c.nonfinite_total == 5
+
+
+class _Part:
+    """A stand-in for the log, the worker pool or the learner: records that it was stopped,
+    in `order`, and raises `error` if given one."""
+
+    def __init__(self, name, order, error=None):
+        self.name, self.order, self.error = name, order, error
+
+    def _stop(self):
+        self.order.append(self.name)
+        if self.error is not None:
+            raise self.error
+
+    close = kill_all = shutdown = _stop
+
+
+def _controller_with_parts(tmp_path, log_error=None, learner_error=None):
+    cfg = load_train_config(DEMO_CONFIG, [f"sync.shm_dir={tmp_path / 'shm'}"])
+    c = Controller(cfg, tmp_path / "run", tmp_path / "model")
+    order = []
+    c.log = _Part("log", order, log_error)
+    c.pool = _Part("pool", order)
+    c.learner = _Part("learner", order, learner_error)
+    published = tmp_path / "shm" / "klrl-run"  # what the shm transport leaves in /dev/shm
+    published.mkdir(parents=True)
+    (published / "v1.safetensors").write_bytes(b"w")
+    return c, order, published
+
+
+def test_shutdown_stops_every_part_when_one_fails_then_raises_the_first(tmp_path, capsys):
+    c, order, published = _controller_with_parts(
+        tmp_path, log_error=OSError("disk full"), learner_error=RuntimeError("rank gone"))
+    with pytest.raises(OSError, match="disk full"):
+        c._shutdown()
+    assert order == ["log", "pool", "learner"] and not published.exists()
+    err = capsys.readouterr().err
+    assert "metrics log failed: OSError: disk full" in err and "RuntimeError: rank gone" in err
+
+
+def test_a_failed_run_reports_its_own_error_not_the_shutdown_s(tmp_path, capsys):
+    c, order, published = _controller_with_parts(tmp_path, log_error=OSError("disk full"))
+
+    def start():
+        raise RuntimeError("learner rank 1 died")
+
+    c._start = start
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        c.run()
+    assert order == ["log", "pool", "learner"] and not published.exists()
+    assert "OSError: disk full" in capsys.readouterr().err

@@ -18,6 +18,7 @@ was already replaced.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ class Controller:
     def run(self) -> dict:
         """Train up to cfg.total_steps; returns the last metrics. On RunStopped, checkpoints
         first; tears everything down on any exit."""
+        completed = False
         try:
             last = self._start()
             with TrainProgress(self.cfg.total_steps, self.step) as progress:
@@ -101,12 +103,15 @@ class Controller:
                     progress.update(self.step, metrics)
                     last = metrics
             self._finish()
+            completed = True
             return last
         except RunStopped as stop:
             stop.checkpoint = self._checkpoint() if self.learner is not None else None
             raise
         finally:
-            self._shutdown()
+            # A failed or stopped run raises its own exception; a part that then fails to
+            # stop as well is printed, not raised in its place.
+            self._shutdown(raise_errors=completed)
 
     # ---------------------------------------------------------------- steps
     def _start(self) -> dict:
@@ -327,15 +332,25 @@ class Controller:
             self._checkpoint()
         self.learner.save_hf(final_dir(self.run_dir))
 
-    def _shutdown(self) -> None:
-        """Best effort, every part: a failed part must not keep the others alive."""
-        if self.log is not None:
-            self.log.close()
-        if self.pool is not None:
-            self.pool.kill_all()
-        if self.learner is not None:
-            self.learner.shutdown()
-        remove_published(self.run_dir.name, self.cfg.sync.shm_dir)  # /dev/shm is RAM
+    def _shutdown(self, raise_errors: bool = True) -> None:
+        """Stop every part, each on its own: a part that fails (a log that cannot be closed)
+        must not keep the others (workers, learner ranks, shm files) alive. Every failure is
+        printed; once all parts have run, the first is raised (when `raise_errors`)."""
+        parts = [(name, getattr(part, method)) for name, part, method in (
+            ("metrics log", self.log, "close"), ("rollout workers", self.pool, "kill_all"),
+            ("learner", self.learner, "shutdown")) if part is not None]
+        parts.append(("published weights", lambda: remove_published(  # /dev/shm is RAM
+            self.run_dir.name, self.cfg.sync.shm_dir)))
+        errors = []
+        for name, stop in parts:
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - every part gets its turn; raised below
+                print(f"shutdown: stopping the {name} failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+                errors.append(exc)
+        if errors and raise_errors:
+            raise errors[0]
 
     @property
     def reference_sha256(self) -> str:
