@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from rewards import Problem
 
+# `Rollout.score_failure` of every rollout of a generate call whose scoring pool itself failed
+# (rewards.ScoringPoolError); the controller counts those calls as faults/scoring_pool_errors.
+POOL_ERROR = "pool_error"
+
 
 @dataclass(frozen=True)
 class Rollout:

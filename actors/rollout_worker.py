@@ -33,7 +33,9 @@ Design choices:
   engine starts; vLLM's CPU thread pinning is off ("nobind") because Ray does not pin actors
   to cores, and pinning every worker to the same auto-chosen cores would make them fight.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
-  task's scorer (per-item timeout, crash isolation); failures are counted, never raised.
+  task's scorer (per-item timeout, crash isolation); failures are counted, never raised. If
+  the pool itself fails (`rewards.ScoringPoolError`), every completion of the call scores 0
+  with failure `POOL_ERROR`; any other exception is a bug and propagates: the run stops.
 - Prompts: one `actors.prompting.PromptRenderer` (the task's chat template, system prompt and
   stop strings, on the engine's tokenizer) turns problems into token ids for `generate` and
   `evaluate` alike, so evaluation sees exactly the prompts training samples from.
@@ -50,9 +52,10 @@ from actors.config import RolloutConfig, SyncConfig
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
 from actors.prompting import PromptRenderer
-from actors.records import Rollout, RolloutBatch
+from actors.records import POOL_ERROR, Rollout, RolloutBatch
 from actors.weight_sync import WeightUpdate, fetch
 from actors.worker_extension import EXTENSION
+from rewards import ScoreResult, ScoringPool, ScoringPoolError
 from rewards.config import EvalConfig, TaskConfig
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -91,8 +94,6 @@ class RolloutWorker:
 
         configure_engine_process(rollout_cfg)
         self.scorer = _load_scorer(task_cfg)
-        from rewards import ScoringPool
-
         self.pool = ScoringPool(workers=task_cfg.scorer_workers, timeout_s=task_cfg.scorer_timeout_s)
 
         from actors.engine import make_llm
@@ -152,15 +153,16 @@ class RolloutWorker:
                             worker=self.worker_index, gen_seconds=gen_s,
                             num_response_tokens=tokens)
 
-    def _score(self, problems, texts):
-        """ScoreResults for the completions; a pool failure scores every item 0 (counted)."""
-        from rewards import ScoreResult
-
+    def _score(self, problems, texts) -> list[ScoreResult]:
+        """ScoreResults for the completions. A failure of the scoring pool itself scores every
+        item 0 with failure POOL_ERROR (counted by the controller); anything else the pool
+        raises is a bug here (a scorer that cannot be pickled, mismatched lists) and stops
+        the run rather than silently training on zero rewards."""
         try:
             return self.pool.score(self.scorer, problems, texts)
-        except Exception as e:  # noqa: BLE001 - scoring must never take generation down
+        except ScoringPoolError as e:
             detail = f"{type(e).__name__}: {e}"[:300]
-            return [ScoreResult(reward=0.0, failure="pool_error", detail=detail)] * len(texts)
+            return [ScoreResult(reward=0.0, failure=POOL_ERROR, detail=detail)] * len(texts)
 
     def evaluate(self, eval_cfg: EvalConfig) -> EvalReport:
         """Greedy and sampled accuracy with the current weights on each set of `eval_cfg`

@@ -1,9 +1,12 @@
-"""Controller pieces that need no cluster: the prompt stream and the non-finite stop."""
+"""Controller pieces that need no cluster: the prompt stream, the non-finite stop, the
+metrics of a batch taken from the workers, and shutdown."""
 import pytest
+
+from actors.records import POOL_ERROR, Rollout, RolloutBatch
 
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
-from cluster.train.controller import Controller
+from cluster.train.controller import Controller, InFlight
 from cluster.train.prompts import PromptStream
 
 
@@ -88,3 +91,33 @@ def test_a_failed_run_reports_its_own_error_not_the_shutdown_s(tmp_path, capsys)
         c.run()
     assert order == ["log", "pool", "learner"] and not published.exists()
     assert "OSError: disk full" in capsys.readouterr().err
+
+
+class _AnsweringPool:
+    """Workers that have answered: `result` returns the batch of each call (a worker index)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def result(self, call):
+        return self.batches[call]
+
+
+def _batch(worker, problems, failure=None):
+    rollouts = [Rollout(problem=p, group_id=i, prompt_ids=[1], response_ids=[2, 3],
+                        behaviour_logprobs=[-0.5, -0.5], policy_version=0, finish_reason="stop",
+                        reward=0.0 if failure else 1.0, score_failure=failure, worker=worker)
+                for i, p in enumerate(problems)]
+    return RolloutBatch(rollouts=rollouts, policy_version=0, worker=worker, gen_seconds=0.5,
+                        num_response_tokens=2 * len(rollouts))
+
+
+def test_failed_scoring_pools_are_logged_as_faults(tmp_path):
+    cfg = load_train_config(DEMO_CONFIG, ["rollout.num_workers=2"])
+    c = Controller(cfg, tmp_path / "run", tmp_path / "model")
+    problems, _ = c.prompts.next_batch(4)
+    c.pool = _AnsweringPool([_batch(0, problems[:2], POOL_ERROR), _batch(1, problems[2:])])
+    c.pending.append(InFlight(calls=[0, 1], start_position=0, requested_at_version=0))
+    rollouts, metrics = c._take_batch()
+    assert len(rollouts) == 4 and metrics["faults/scoring_pool_errors"] == 1
+    assert metrics["reward/score_failures"] == 2 and metrics["reward/mean"] == 0.5

@@ -243,3 +243,36 @@ def test_behaviour_logprobs_are_those_of_the_processed_distribution(
     assert raw_gap > 0.5  # the check is not vacuous: raw log-probs are far off
     # Both filters bit: top-k kept at most k tokens, top-p removed some of those.
     assert max(kept) <= k and min(kept) < k, kept
+
+
+class _FailingPool:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def score(self, scorer, problems, completions):
+        raise self.error
+
+
+def _scoring_only_worker(pool) -> RolloutWorker:
+    """A RolloutWorker without an engine: only its scoring step (`_score`) is exercised."""
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.pool, w.scorer = pool, None
+    return w
+
+
+def test_a_failed_scoring_pool_scores_the_call_zero_as_counted_failures(problems):
+    from actors.records import POOL_ERROR
+    from rewards import ScoringPoolError
+
+    w = _scoring_only_worker(_FailingPool(ScoringPoolError("fork failed")))
+    results = w._score(problems, ["1"] * len(problems))
+    assert [(r.reward, r.failure) for r in results] == [(0.0, POOL_ERROR)] * len(problems)
+    assert "fork failed" in results[0].detail
+
+
+@pytest.mark.parametrize("bug", [TypeError("scorer is not picklable"), AttributeError("x"),
+                                 NameError("y"), ValueError("2 problems but 1 completions")])
+def test_programming_errors_in_scoring_stop_the_run(problems, bug):
+    w = _scoring_only_worker(_FailingPool(bug))
+    with pytest.raises(type(bug)):
+        w._score(problems, ["1"] * len(problems))

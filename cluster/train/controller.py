@@ -27,7 +27,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from actors.records import Rollout
+from actors.records import POOL_ERROR, Rollout
 from actors.weight_sync import remove_published
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
@@ -197,6 +197,7 @@ class Controller:
         gen_s = max(b.gen_seconds for b in batches)
         tokens = sum(b.num_response_tokens for b in batches)
         failures = sum(r.score_failure is not None for r in rollouts)
+        pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
         rewards = [r.reward for r in rollouts]
         return rollouts, {
             "lag/max": max(lags), "lag/mean": sum(lags) / len(lags), "lag/dropped_total": self.dropped_stale,
@@ -205,6 +206,7 @@ class Controller:
             "lag/max_optimizer_steps": max(lags) * updates + updates - 1,
             "rollout/policy_version": sum(r.policy_version for r in rollouts) / len(rollouts),
             "reward/mean": sum(rewards) / len(rewards), "reward/score_failures": failures,
+            "faults/scoring_pool_errors": pool_errors,  # generate calls whose pool failed
             "time/generate": gen_s, "time/wait_for_rollouts": wait_s,
             "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         }
