@@ -72,18 +72,6 @@ class EvalResult(BaseModel):
     splits: dict[str, SplitResult]
     seconds: float
 
-    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        """Flat metrics for logging, e.g. `eval/in_domain/greedy_accuracy`."""
-        out: dict[str, float] = {}
-        for name, r in self.splits.items():
-            for key in ("greedy_accuracy", "sampled_accuracy", "pass_at_k", "failures",
-                        "truncated", "truncated_fraction", "mean_response_tokens"):
-                value = getattr(r, key)
-                if value is not None:
-                    out[f"{prefix}{name}/{key}"] = float(value)
-        out[f"{prefix}seconds"] = self.seconds
-        return out
-
 
 def evaluate(
     llm_or_model: Any,

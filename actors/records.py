@@ -53,7 +53,3 @@ class RolloutBatch:
     worker: int
     gen_seconds: float                # wall time inside the engine
     num_response_tokens: int = field(default=0)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_response_tokens / self.gen_seconds if self.gen_seconds > 0 else 0.0

@@ -88,9 +88,6 @@ class RolloutWorker:
         self._broken: str | None = None         # why the engine can no longer be trusted
         self._reload_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-reload")
         self._pending: concurrent.futures.Future | None = None
-        self._stats = {"generate_calls": 0, "samples": 0, "response_tokens": 0,
-                       "gen_seconds": 0.0, "last_tokens_per_s": 0.0, "score_failures": 0,
-                       "weight_loads": 0, "last_load_seconds": 0.0, "last_sync_latency_s": 0.0}
 
         configure_engine_process(rollout_cfg)
         self.scorer = _load_scorer(task_cfg)
@@ -141,17 +138,9 @@ class RolloutWorker:
                     reward=s.reward, score_failure=s.failure, worker=self.worker_index)
             for (p, g, out, c), s in zip(samples, scores)]
 
-        tokens = sum(len(r.response_ids) for r in rollouts)
-        st = self._stats
-        st["generate_calls"] += 1
-        st["samples"] += len(rollouts)
-        st["response_tokens"] += tokens
-        st["gen_seconds"] += gen_s
-        st["last_tokens_per_s"] = tokens / gen_s if gen_s > 0 else 0.0
-        st["score_failures"] += sum(s.failure is not None for s in scores)
         return RolloutBatch(rollouts=rollouts, policy_version=self._version,
                             worker=self.worker_index, gen_seconds=gen_s,
-                            num_response_tokens=tokens)
+                            num_response_tokens=sum(len(r.response_ids) for r in rollouts))
 
     def _score(self, problems, texts) -> list[ScoreResult]:
         """ScoreResults for the completions. A failure of the scoring pool itself scores every
@@ -195,7 +184,6 @@ class RolloutWorker:
             raise StaleWeightsError(
                 f"worker {self.worker_index} holds policy version {self._version}; refusing "
                 f"the older weight update (version {update.version})")
-        t0 = time.perf_counter()
         timeout = self.sync_cfg.timeout_s
         deadline = time.monotonic() + timeout
         if update.transport == "nccl":
@@ -224,10 +212,6 @@ class RolloutWorker:
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         self._version, self._broken = update.version, None
-        self._stats["weight_loads"] += 1
-        self._stats["last_load_seconds"] = time.perf_counter() - t0
-        if update.published_at:  # publish -> loaded, including time queued behind generate
-            self._stats["last_sync_latency_s"] = time.time() - update.published_at
         return self._version
 
     def init_nccl(self, init_info: dict) -> None:
@@ -240,18 +224,6 @@ class RolloutWorker:
     def version(self) -> int:
         """Policy version of the weights the engine holds."""
         return self._version
-
-    def stats(self) -> dict[str, Any]:
-        """Counters since start: generation throughput (response tokens per second inside
-        the engine, cumulative and of the last call), tokens and samples generated, scoring
-        failures (total and by kind), weight loads (count, duration of the last one, and
-        the time from its publish to loaded)."""
-        st = dict(self._stats)
-        st["tokens_per_s"] = st["response_tokens"] / st["gen_seconds"] if st["gen_seconds"] else 0.0
-        st["score_failures_by_kind"] = dict(self.pool.failure_counts)
-        st["policy_version"] = self._version
-        st["worker"] = self.worker_index
-        return st
 
     def shutdown(self) -> None:
         """Stop the scoring pool and the engine (ray.kill also works; this is tidier)."""

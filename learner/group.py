@@ -108,9 +108,6 @@ class LearnerGroup:
     def named_parameters_for_inference(self) -> dict:
         return self._all("named_parameters_for_inference")[0]
 
-    def param_checksum(self) -> float:
-        return self._all("param_checksum")[0]
-
     def shutdown(self) -> None:
         """Free the ranks' shared-memory buffers, then kill the rank actors (their process
         group dies with them). Best effort: a dead or hung rank must not block shutdown."""
