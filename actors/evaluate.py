@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, computed_field
 
 from actors.engine import greedy_params, make_llm, sample_params, shutdown_llm
 from actors.prompting import PromptRenderer
+from actors.seeds import stream_seed
 from rewards.config import EvalConfig, TaskConfig
 
 DEFAULT_SPLITS = ("in_domain", "out_of_domain")
@@ -198,7 +199,7 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
     if samples > 0:
         # One seed per problem: reproducible, and independent streams across problems.
         params = [
-            sample_params(max_tokens, n=samples, seed=seed * 1_000_003 + i, logprobs=None,
+            sample_params(max_tokens, n=samples, seed=stream_seed(seed, i), logprobs=None,
                           stop=stop, **sampler)
             for i in range(len(prompts))
         ]

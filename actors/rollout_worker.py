@@ -115,8 +115,8 @@ class RolloutWorker:
 
         group_ids[i] is the group id of problems[i]'s samples. `seed` makes the call
         reproducible (same weights, same problems, same seed: same samples); each problem
-        gets its own seed derived from (seed, worker_index, i) and vLLM gives sample j of it
-        that seed + j.
+        gets its own seed derived from (seed, worker_index, i) (`actors.seeds.request_seed`),
+        and vLLM gives sample j of it that seed + j.
         """
         self._check_usable()
         if len(problems) != len(group_ids):

@@ -28,6 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.records import POOL_ERROR, Rollout
+from actors.seeds import generate_seed
 from actors.weight_sync import remove_published
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
@@ -165,9 +166,10 @@ class Controller:
         while len(self.pending) < self.cfg.max_lag + 1:
             start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
-            seed = self.cfg.seed * 1_000_003 + self.prompts.position
+            end = self.prompts.position
             calls = [self.pool.call(i, "generate", problems[i * per_worker:(i + 1) * per_worker],
-                                    group_ids[i * per_worker:(i + 1) * per_worker], seed + i)
+                                    group_ids[i * per_worker:(i + 1) * per_worker],
+                                    generate_seed(self.cfg.seed, end, i))
                      for i in range(len(self.pool))]
             self.pending.append(InFlight(calls, start, self.step))
 
