@@ -155,10 +155,10 @@ class WeightPublisher:
     def publish(self, weights: Mapping[str, torch.Tensor], version: int, transport: Transport, *,
                 run_id: str, shm_dir: str | os.PathLike | None = None) -> WeightUpdate:
         """`publish` these weights; shm_dir None means its default. nccl needs `nccl_open`
-        and `nccl_connect` first (cluster.launch.connect_nccl drives both)."""
+        and `nccl_connect` first (cluster.train.launch.connect_nccl drives both)."""
         if transport == "nccl" and self.nccl_sender is None:
             raise RuntimeError(
-                "transport nccl: call cluster.launch.connect_nccl(learner, workers) first")
+                "transport nccl: call cluster.train.launch.connect_nccl(learner, workers) first")
         kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
         return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender,
                        **kw)

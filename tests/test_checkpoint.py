@@ -1,5 +1,5 @@
-"""Checkpoint atomicity and bookkeeping (cluster/checkpoint.py), and the signal policy
-(cluster/stopping.py). No Ray: a process really is killed mid-write."""
+"""Checkpoint atomicity and bookkeeping (cluster/train/checkpoint.py), and the signal policy
+(cluster/train/stopping.py). No Ray: a process really is killed mid-write."""
 import multiprocessing
 import os
 import signal

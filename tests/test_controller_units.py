@@ -3,7 +3,6 @@ metrics of a batch taken from the workers, and shutdown."""
 import pytest
 
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
-
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.train.controller import Controller, InFlight

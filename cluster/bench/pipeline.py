@@ -1,6 +1,6 @@
 """End-to-end throughput and overlap efficiency for `klrl bench`.
 
-Each max_lag runs the real trainer (`cluster.cli.cmd_train.train`) for warm-up + measured + 1
+Each max_lag runs the real trainer (`cluster.train.run.train`) for warm-up + measured + 1
 steps and reads its metrics.jsonl. Only the measured steps count: start-up, the initial
 evaluation, the steps that fill the pipeline (max_lag + 2 warm-up steps) and the last step
 (it includes the final evaluation) are left out.
