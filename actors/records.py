@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from rewards import Problem
 
+# `Rollout.score_failure` of every rollout of a generate call whose scoring pool itself failed
+# (rewards.ScoringPoolError); the controller counts those calls as faults/scoring_pool_errors.
+POOL_ERROR = "pool_error"
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -49,7 +53,3 @@ class RolloutBatch:
     worker: int
     gen_seconds: float                # wall time inside the engine
     num_response_tokens: int = field(default=0)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_response_tokens / self.gen_seconds if self.gen_seconds > 0 else 0.0

@@ -33,7 +33,9 @@ Design choices:
   engine starts; vLLM's CPU thread pinning is off ("nobind") because Ray does not pin actors
   to cores, and pinning every worker to the same auto-chosen cores would make them fight.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
-  task's scorer (per-item timeout, crash isolation); failures are counted, never raised.
+  task's scorer (per-item timeout, crash isolation); failures are counted, never raised. If
+  the pool itself fails (`rewards.ScoringPoolError`), every completion of the call scores 0
+  with failure `POOL_ERROR`; any other exception is a bug and propagates: the run stops.
 - Prompts: one `actors.prompting.PromptRenderer` (the task's chat template, system prompt and
   stop strings, on the engine's tokenizer) turns problems into token ids for `generate` and
   `evaluate` alike, so evaluation sees exactly the prompts training samples from.
@@ -50,9 +52,10 @@ from actors.config import RolloutConfig, SyncConfig
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
 from actors.prompting import PromptRenderer
-from actors.records import Rollout, RolloutBatch
+from actors.records import POOL_ERROR, Rollout, RolloutBatch
 from actors.weight_sync import WeightUpdate, fetch
 from actors.worker_extension import EXTENSION
+from rewards import ScoreResult, ScoringPool, ScoringPoolError
 from rewards.config import EvalConfig, TaskConfig
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -85,14 +88,9 @@ class RolloutWorker:
         self._broken: str | None = None         # why the engine can no longer be trusted
         self._reload_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-reload")
         self._pending: concurrent.futures.Future | None = None
-        self._stats = {"generate_calls": 0, "samples": 0, "response_tokens": 0,
-                       "gen_seconds": 0.0, "last_tokens_per_s": 0.0, "score_failures": 0,
-                       "weight_loads": 0, "last_load_seconds": 0.0, "last_sync_latency_s": 0.0}
 
         configure_engine_process(rollout_cfg)
         self.scorer = _load_scorer(task_cfg)
-        from rewards import ScoringPool
-
         self.pool = ScoringPool(workers=task_cfg.scorer_workers, timeout_s=task_cfg.scorer_timeout_s)
 
         from actors.engine import make_llm
@@ -117,8 +115,8 @@ class RolloutWorker:
 
         group_ids[i] is the group id of problems[i]'s samples. `seed` makes the call
         reproducible (same weights, same problems, same seed: same samples); each problem
-        gets its own seed derived from (seed, worker_index, i) and vLLM gives sample j of it
-        that seed + j.
+        gets its own seed derived from (seed, worker_index, i) (`actors.seeds.request_seed`),
+        and vLLM gives sample j of it that seed + j.
         """
         self._check_usable()
         if len(problems) != len(group_ids):
@@ -140,27 +138,20 @@ class RolloutWorker:
                     reward=s.reward, score_failure=s.failure, worker=self.worker_index)
             for (p, g, out, c), s in zip(samples, scores)]
 
-        tokens = sum(len(r.response_ids) for r in rollouts)
-        st = self._stats
-        st["generate_calls"] += 1
-        st["samples"] += len(rollouts)
-        st["response_tokens"] += tokens
-        st["gen_seconds"] += gen_s
-        st["last_tokens_per_s"] = tokens / gen_s if gen_s > 0 else 0.0
-        st["score_failures"] += sum(s.failure is not None for s in scores)
         return RolloutBatch(rollouts=rollouts, policy_version=self._version,
                             worker=self.worker_index, gen_seconds=gen_s,
-                            num_response_tokens=tokens)
+                            num_response_tokens=sum(len(r.response_ids) for r in rollouts))
 
-    def _score(self, problems, texts):
-        """ScoreResults for the completions; a pool failure scores every item 0 (counted)."""
-        from rewards import ScoreResult
-
+    def _score(self, problems, texts) -> list[ScoreResult]:
+        """ScoreResults for the completions. A failure of the scoring pool itself scores every
+        item 0 with failure POOL_ERROR (counted by the controller); anything else the pool
+        raises is a bug here (a scorer that cannot be pickled, mismatched lists) and stops
+        the run rather than silently training on zero rewards."""
         try:
             return self.pool.score(self.scorer, problems, texts)
-        except Exception as e:  # noqa: BLE001 - scoring must never take generation down
+        except ScoringPoolError as e:
             detail = f"{type(e).__name__}: {e}"[:300]
-            return [ScoreResult(reward=0.0, failure="pool_error", detail=detail)] * len(texts)
+            return [ScoreResult(reward=0.0, failure=POOL_ERROR, detail=detail)] * len(texts)
 
     def evaluate(self, eval_cfg: EvalConfig) -> EvalReport:
         """Greedy and sampled accuracy with the current weights on each set of `eval_cfg`
@@ -193,7 +184,6 @@ class RolloutWorker:
             raise StaleWeightsError(
                 f"worker {self.worker_index} holds policy version {self._version}; refusing "
                 f"the older weight update (version {update.version})")
-        t0 = time.perf_counter()
         timeout = self.sync_cfg.timeout_s
         deadline = time.monotonic() + timeout
         if update.transport == "nccl":
@@ -222,10 +212,6 @@ class RolloutWorker:
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         self._version, self._broken = update.version, None
-        self._stats["weight_loads"] += 1
-        self._stats["last_load_seconds"] = time.perf_counter() - t0
-        if update.published_at:  # publish -> loaded, including time queued behind generate
-            self._stats["last_sync_latency_s"] = time.time() - update.published_at
         return self._version
 
     def init_nccl(self, init_info: dict) -> None:
@@ -238,18 +224,6 @@ class RolloutWorker:
     def version(self) -> int:
         """Policy version of the weights the engine holds."""
         return self._version
-
-    def stats(self) -> dict[str, Any]:
-        """Counters since start: generation throughput (response tokens per second inside
-        the engine, cumulative and of the last call), tokens and samples generated, scoring
-        failures (total and by kind), weight loads (count, duration of the last one, and
-        the time from its publish to loaded)."""
-        st = dict(self._stats)
-        st["tokens_per_s"] = st["response_tokens"] / st["gen_seconds"] if st["gen_seconds"] else 0.0
-        st["score_failures_by_kind"] = dict(self.pool.failure_counts)
-        st["policy_version"] = self._version
-        st["worker"] = self.worker_index
-        return st
 
     def shutdown(self) -> None:
         """Stop the scoring pool and the engine (ray.kill also works; this is tidier)."""

@@ -75,7 +75,6 @@ class WeightUpdate:
     path: str | None = None
     ref: Any = None
     nccl_update_info: dict | None = None
-    published_at: float = 0.0       # time.time() on the learner, for sync-latency metrics
 
     def __post_init__(self):
         if self.version < 0:
@@ -122,28 +121,25 @@ def publish(
             "the old lm_head otherwise and its log-probs silently diverge from the learner's.")
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names in a weight update")
-    now = time.time()
 
     if transport == "nccl":
         if nccl_sender is None:
             raise ValueError("transport 'nccl' needs nccl_sender (an NcclWeightSender)")
         info = nccl_sender.send_async(items)
         return WeightUpdate(version, "nccl", _nbytes(items), len(items),
-                            nccl_update_info=info, published_at=now)
+                            nccl_update_info=info)
 
     tensors = _cpu_tensors(items)
     metadata = {"klrl_version": str(version)}
     if transport == "shm":
         path = _write_shm(tensors, metadata, version, run_dir(run_id, shm_dir))
-        return WeightUpdate(version, "shm", path.stat().st_size, len(tensors), path=str(path),
-                            published_at=now)
+        return WeightUpdate(version, "shm", path.stat().st_size, len(tensors), path=str(path))
 
     import ray
     from safetensors.torch import save
 
     data = save(tensors, metadata=metadata)
-    return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ray.put(data),
-                        published_at=now)
+    return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ray.put(data))
 
 
 class WeightPublisher:
@@ -159,10 +155,10 @@ class WeightPublisher:
     def publish(self, weights: Mapping[str, torch.Tensor], version: int, transport: Transport, *,
                 run_id: str, shm_dir: str | os.PathLike | None = None) -> WeightUpdate:
         """`publish` these weights; shm_dir None means its default. nccl needs `nccl_open`
-        and `nccl_connect` first (cluster.launch.connect_nccl drives both)."""
+        and `nccl_connect` first (cluster.train.launch.connect_nccl drives both)."""
         if transport == "nccl" and self.nccl_sender is None:
             raise RuntimeError(
-                "transport nccl: call cluster.launch.connect_nccl(learner, workers) first")
+                "transport nccl: call cluster.train.launch.connect_nccl(learner, workers) first")
         kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
         return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender,
                        **kw)

@@ -1,6 +1,6 @@
 """`TrainBatch`: the padded tensors the learner trains on.
 
-Only tensors and tensor-level operations (select, shard) live here: cluster/batching.py builds
+Only tensors and tensor-level operations (select, shard) live here: cluster/train/batching.py builds
 a TrainBatch from the actors' `Rollout` records, since learner/ may import only kl/.
 
 Alignment convention (the one every log-prob tensor in learner/ follows):

@@ -82,7 +82,7 @@ class LearnerGroup:
     def nccl_sender_init(self, num_workers: int) -> list[dict]:
         """GPU with sync.transport=nccl: rank 0 opens the trainer end of vLLM's NCCL
         weight-transfer group (through its publisher); returns each rollout worker's init info.
-        cluster.launch.connect_nccl joins the workers: learner/ does not drive actors/."""
+        cluster.train.launch.connect_nccl joins the workers: learner/ does not drive actors/."""
         return ray.get(self.ranks[0].nccl_sender_init.remote(num_workers))
 
     def nccl_sender_connect(self) -> ray.ObjectRef:
@@ -107,9 +107,6 @@ class LearnerGroup:
 
     def named_parameters_for_inference(self) -> dict:
         return self._all("named_parameters_for_inference")[0]
-
-    def param_checksum(self) -> float:
-        return self._all("param_checksum")[0]
 
     def shutdown(self) -> None:
         """Free the ranks' shared-memory buffers, then kill the rank actors (their process

@@ -362,16 +362,6 @@ class LearnerRank:
         torch.set_rng_state(state["torch_rng"])
         return {"version": self.version}
 
-    # ------------------------------------------------------------------ tests / diagnostics
-
-    def param_checksum(self) -> float:
-        """sum(p) + sum(p^2) over the inference weights in float64 (collective under ZeRO-3)."""
-        return float(sum(t.double().sum() + t.double().square().sum()
-                         for t in self.named_parameters_for_inference().values()))
-
-    def get_version(self) -> int:
-        return self.version
-
 
 def _cuts_groups(group_ids: torch.Tensor, chunks: list[torch.Tensor]) -> bool:
     """Whether some prompt group has samples in two of `chunks` (micro-batch row indices)."""

@@ -48,9 +48,10 @@ Scoring
     results[0].reward, results[0].failure   # failure: None, "timeout", "exception",
                                             # "invalid_value", "memory" or "crash"
     pool.failure_counts                     # {"timeout": 3, ...} since the pool was made
+`score` raises `ScoringPoolError` only when the pool's own processes or pipes fail.
 """
 from rewards.plugin import load_scorer
-from rewards.pool import ScoringPool
+from rewards.pool import ScoringPool, ScoringPoolError
 from rewards.records import Problem, Scorer, ScoreResult, Task
 from rewards.registry import TASKS, get_task
 
@@ -60,6 +61,7 @@ __all__ = [
     "ScoreResult",
     "Scorer",
     "ScoringPool",
+    "ScoringPoolError",
     "Task",
     "get_task",
     "load_scorer",

@@ -2,7 +2,7 @@
 (`EvalSet`, `EvalConfig`): the `task:` and `eval:` sections of a TrainConfig.
 
 They live here, beside the tasks they name, so that the rollout worker (actors/) takes them
-typed without importing cluster/; cluster.train_config composes them into TrainConfig.
+typed without importing cluster/; cluster.config.train_config composes them into TrainConfig.
 """
 from __future__ import annotations
 

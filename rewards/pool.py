@@ -3,7 +3,9 @@
 Each item runs in a worker process under a wall-clock deadline and an address-space limit.
 Whatever the scorer does (raise, hang, allocate without bound, kill its process, return None,
 NaN, inf or a non-number) the item gets reward 0.0 and a failure kind, counted in
-`failure_counts`; a hung worker is SIGKILLed and a dead one replaced.
+`failure_counts`; a hung worker is SIGKILLed and a dead one replaced. `score` itself raises
+`ScoringPoolError` only when the pool's own machinery fails (a process or pipe cannot be
+made); any other exception from it is the caller's mistake (see `score`).
 
 Why not `concurrent.futures.ProcessPoolExecutor`: it cannot kill one hung task, and one dead
 worker breaks the whole executor (BrokenProcessPool). Workers are started with "spawn", which
@@ -34,6 +36,12 @@ _DETAIL_CHARS = 300
 # Thread pools (BLAS, OpenMP) reserve address space per thread; keep workers single-threaded
 # so the address-space limit measures what the scorer allocates.
 _SINGLE_THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class ScoringPoolError(RuntimeError):
+    """The pool itself could not score the batch: starting a worker process or using a pipe
+    failed at the OS level (no item was scored by a scorer that failed; that is a per-item
+    failure, never raised)."""
 
 
 class ScoringPool:
@@ -75,7 +83,11 @@ class ScoringPool:
 
     def score(self, scorer: Scorer, problems: Sequence[Problem],
               completions: Sequence[str]) -> list[ScoreResult]:
-        """Score `completions[i]` against `problems[i]`; results in input order."""
+        """Score `completions[i]` against `problems[i]`; results in input order.
+
+        Raises ScoringPoolError when the pool's processes or pipes fail; TypeError for a
+        scorer that cannot be sent to the workers, ValueError for mismatched lengths and
+        RuntimeError for a closed pool (the caller's mistakes)."""
         if len(problems) != len(completions):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         try:
@@ -86,7 +98,11 @@ class ScoringPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("ScoringPool is closed")
-            results = self._run(scorer_blob, list(problems), list(completions))
+            try:
+                results = self._run(scorer_blob, list(problems), list(completions))
+            except OSError as e:  # fork/spawn, a pipe or wait() failed: the pool, not a scorer
+                self._drop_unfinished()
+                raise ScoringPoolError(f"the scoring pool failed: {_describe(e)}") from e
         self._failures.update(r.failure for r in results if r.failure is not None)
         return results
 
@@ -119,6 +135,18 @@ class ScoringPool:
     def _replace(self, worker: _Worker) -> None:
         worker.kill()  # hung, dead or retiring: nothing to wait for
         self._workers[self._workers.index(worker)] = self._start_worker()
+
+    def _drop_unfinished(self) -> None:
+        """After a failed batch: replace the workers still holding its items, so that the
+        next batch starts clean (best effort: one that cannot be replaced now is replaced
+        when sending to it fails)."""
+        for worker in list(self._workers):
+            if worker.items:
+                worker.items.clear()
+                try:
+                    self._replace(worker)
+                except OSError:
+                    pass
 
     def _run(self, scorer_blob: bytes, problems: list[Problem],
              completions: list[str]) -> list[ScoreResult]:

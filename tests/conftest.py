@@ -12,7 +12,7 @@ import pytest
 def tiny_model_dir(tmp_path_factory):
     """A randomly initialised tiny Qwen2 + char tokenizer (the default architecture,
     seed 0), built once per test session. Read-only: copy it before changing it."""
-    from cluster.tiny_model import build_random_model
+    from cluster.tiny.model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
 

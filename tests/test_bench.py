@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from cluster.cli import main
+from cluster.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,13 @@
-"""Checkpoint atomicity and bookkeeping (cluster/checkpoint.py), and the signal policy
-(cluster/stopping.py). No Ray: a process really is killed mid-write."""
+"""Checkpoint atomicity and bookkeeping (cluster/train/checkpoint.py), and the signal policy
+(cluster/train/stopping.py). No Ray: a process really is killed mid-write."""
 import multiprocessing
 import os
 import signal
 
 import pytest
 
-from cluster import checkpoint as ckpt
-from cluster.stopping import GracefulStop
+from cluster.train import checkpoint as ckpt
+from cluster.train.stopping import GracefulStop
 
 
 def _state(step: int) -> ckpt.ControllerState:

@@ -1,7 +1,7 @@
 """`klrl kl-table` end to end: the printed table, JSON and plot reproduce docs/design.md's table."""
 import json
 
-from cluster.cli import main
+from cluster.cli.main import main
 
 
 def test_kl_table_command_writes_json_and_plot(tmp_path, capsys):

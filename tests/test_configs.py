@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config, parse_overrides
+from cluster.config.loader import ConfigError, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -11,9 +11,9 @@ CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
 
 def model_for(path: Path):
     """Which pydantic model a file in configs/ is validated by."""
-    from cluster.cmd_kl_table import KLTableConfig
-    from cluster.sweep import SweepConfig
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
+    from cluster.experiments.sweep import SweepConfig
+    from kl.table import KLTableConfig
 
     if path.name == "kl_table.yaml":
         return KLTableConfig
@@ -36,7 +36,7 @@ def test_every_config_file_validates(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_sweep_expands_to_valid_train_configs(path):
-    from cluster.sweep import expand, load_sweep, validate_runs
+    from cluster.experiments.sweep import expand, load_sweep, validate_runs
 
     cfg = load_sweep(path)
     runs = expand(cfg)
@@ -52,7 +52,7 @@ def test_overrides_are_typed_and_nested():
 
 
 def test_errors_name_the_field_and_the_file(tmp_path):
-    from cluster.cmd_kl_table import KLTableConfig
+    from kl.table import KLTableConfig
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("seed: -1\nvocab: 3\n")
@@ -72,7 +72,7 @@ def test_errors_name_the_field_and_the_file(tmp_path):
 def test_paper_variants_differ_only_in_kl(family):
     """Each family's four KL configurations (and, where shipped, its beta 0 control) differ
     from the family's base file in kl.* alone."""
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
 
     paper = ROOT / "configs" / "paper"
     base = load_config(TrainConfig, paper / f"{family}.yaml")
@@ -89,7 +89,7 @@ def test_paper_variants_differ_only_in_kl(family):
 
 
 def test_cross_field_constraints_are_rejected_before_anything_starts():
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
 
     tiny = ROOT / "configs" / "tiny_cpu.yaml"
     for overrides, field in [(["max_lag=-1"], "max_lag"),
@@ -108,7 +108,7 @@ def test_task_and_eval_sections_are_the_rewards_configs():
     """TrainConfig's task/eval sections are rewards.config's models (the rollout worker takes
     them typed); the evaluation budget, sampler and seed default to the rollout budget, the
     policy itself (T=1, no top-k/top-p) and a seed of their own."""
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
     from rewards.config import EvalConfig, TaskConfig
 
     cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", ["seed=7"])
@@ -132,7 +132,7 @@ def test_task_and_eval_sections_are_the_rewards_configs():
 def test_readme_documents_every_train_option():
     from pydantic import BaseModel
 
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
 
     readme = (ROOT / "README.md").read_text()
 
@@ -154,7 +154,7 @@ def test_readme_paper_table_matches_the_configs():
     with a key must hold the MATH / Countdown base files' values."""
     import yaml
 
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import TrainConfig
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("| setting | key | authors | klrl | why klrl differs |")

@@ -1,9 +1,12 @@
-"""Controller pieces that need no cluster: the prompt stream and the non-finite stop."""
+"""Controller pieces that need no cluster: the prompt stream, the non-finite stop, the
+metrics of a batch taken from the workers, and shutdown."""
 import pytest
 
-from cluster.cmd_train import DEMO_CONFIG, load_train_config
-from cluster.controller import Controller
-from cluster.prompts import PromptStream
+from actors.records import POOL_ERROR, Rollout, RolloutBatch
+from cluster.config.loader import DEMO_CONFIG
+from cluster.config.train_config import load_train_config
+from cluster.train.controller import Controller, InFlight
+from cluster.train.prompts import PromptStream
 
 
 def test_prompt_stream_is_deterministic_and_resumable():
@@ -36,3 +39,84 @@ def test_consecutive_nonfinite_steps_stop_the_run_naming_the_step(tmp_path):
     with pytest.raises(RuntimeError, match="3 consecutive.*step 8.*step 7"):
         c._count_nonfinite(True)
     assert c.nonfinite_total == 5
+
+
+class _Part:
+    """A stand-in for the log, the worker pool or the learner: records that it was stopped,
+    in `order`, and raises `error` if given one."""
+
+    def __init__(self, name, order, error=None):
+        self.name, self.order, self.error = name, order, error
+
+    def _stop(self):
+        self.order.append(self.name)
+        if self.error is not None:
+            raise self.error
+
+    close = kill_all = shutdown = _stop
+
+
+def _controller_with_parts(tmp_path, log_error=None, learner_error=None):
+    cfg = load_train_config(DEMO_CONFIG, [f"sync.shm_dir={tmp_path / 'shm'}"])
+    c = Controller(cfg, tmp_path / "run", tmp_path / "model")
+    order = []
+    c.log = _Part("log", order, log_error)
+    c.pool = _Part("pool", order)
+    c.learner = _Part("learner", order, learner_error)
+    published = tmp_path / "shm" / "klrl-run"  # what the shm transport leaves in /dev/shm
+    published.mkdir(parents=True)
+    (published / "v1.safetensors").write_bytes(b"w")
+    return c, order, published
+
+
+def test_shutdown_stops_every_part_when_one_fails_then_raises_the_first(tmp_path, capsys):
+    c, order, published = _controller_with_parts(
+        tmp_path, log_error=OSError("disk full"), learner_error=RuntimeError("rank gone"))
+    with pytest.raises(OSError, match="disk full"):
+        c._shutdown()
+    assert order == ["log", "pool", "learner"] and not published.exists()
+    err = capsys.readouterr().err
+    assert "metrics log failed: OSError: disk full" in err and "RuntimeError: rank gone" in err
+
+
+def test_a_failed_run_reports_its_own_error_not_the_shutdown_s(tmp_path, capsys):
+    c, order, published = _controller_with_parts(tmp_path, log_error=OSError("disk full"))
+
+    def start():
+        raise RuntimeError("learner rank 1 died")
+
+    c._start = start
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        c.run()
+    assert order == ["log", "pool", "learner"] and not published.exists()
+    assert "OSError: disk full" in capsys.readouterr().err
+
+
+class _AnsweringPool:
+    """Workers that have answered: `result` returns the batch of each call (a worker index)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def result(self, call):
+        return self.batches[call]
+
+
+def _batch(worker, problems, failure=None):
+    rollouts = [Rollout(problem=p, group_id=i, prompt_ids=[1], response_ids=[2, 3],
+                        behaviour_logprobs=[-0.5, -0.5], policy_version=0, finish_reason="stop",
+                        reward=0.0 if failure else 1.0, score_failure=failure, worker=worker)
+                for i, p in enumerate(problems)]
+    return RolloutBatch(rollouts=rollouts, policy_version=0, worker=worker, gen_seconds=0.5,
+                        num_response_tokens=2 * len(rollouts))
+
+
+def test_failed_scoring_pools_are_logged_as_faults(tmp_path):
+    cfg = load_train_config(DEMO_CONFIG, ["rollout.num_workers=2"])
+    c = Controller(cfg, tmp_path / "run", tmp_path / "model")
+    problems, _ = c.prompts.next_batch(4)
+    c.pool = _AnsweringPool([_batch(0, problems[:2], POOL_ERROR), _batch(1, problems[2:])])
+    c.pending.append(InFlight(calls=[0, 1], start_position=0, requested_at_version=0))
+    rollouts, metrics = c._take_batch()
+    assert len(rollouts) == 4 and metrics["faults/scoring_pool_errors"] == 1
+    assert metrics["reward/score_failures"] == 2 and metrics["reward/mean"] == 0.5

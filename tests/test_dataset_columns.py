@@ -53,7 +53,7 @@ def test_a_source_may_carry_its_own_mapping(tmp_path):
 
 
 def test_training_prompts_load_through_the_task_config(tmp_path):
-    from cluster.prompts import PromptStream
+    from cluster.train.prompts import PromptStream
 
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     cfg = TaskConfig(name="math", options={"path": path, "columns": GSM8K_COLUMNS})

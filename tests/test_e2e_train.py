@@ -1,6 +1,6 @@
 """End to end with real components: Ray on loopback, a vLLM engine, a DeepSpeed learner.
 
-Small runs of the real entry point (`cluster.cmd_train.train`) on the tiny random model, at
+Small runs of the real entry point (`cluster.train.run.train`) on the tiny random model, at
 max_lag 0 and max_lag 2; they check the lag bound, the importance ratios (at max_lag 0 the
 learner's log-probs must equal the sampler's: that checks weight sync end to end), that
 weights change, the run directory and the final Hugging Face model.
@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.cmd_train import DEMO_CONFIG, load_train_config, train
-from cluster.run_log import read_metrics
+from cluster.config.loader import DEMO_CONFIG
+from cluster.config.train_config import load_train_config
+from cluster.train.run import train
+from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 

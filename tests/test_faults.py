@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster import checkpoint as ckpt
-from cluster.run_log import read_metrics
+from cluster.train import checkpoint as ckpt
+from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,16 @@
 """The import rules between klrl's packages (README, Layout), checked on the source with `ast`.
 
 Arrows: cluster -> {actors, learner, rewards, kl}; learner -> kl; actors -> rewards; kl and
-rewards import none of the others. Every import counts for the arrows: module level,
-function-local and `if TYPE_CHECKING:` alike (a function-local import still couples the
-packages; it only delays the coupling), and so does `importlib.import_module("<constant>")`.
+rewards import none of the others. Inside cluster/, between its subpackages: cli -> any of
+them; bench -> {config, train, tiny}; experiments -> {config, train}; train -> {config, tiny};
+config and tiny -> none. Every import counts for the arrows: module level, function-local and
+`if TYPE_CHECKING:` alike (a function-local import still couples the packages; it only delays
+the coupling), and so does `importlib.import_module("<constant>")`.
 
-Cycles: inside one package the graph of imports that run when a module is imported (module
-level, not under TYPE_CHECKING) must be acyclic, so any module can be imported first.
+Cycles: inside one package (subpackages included) the graph of imports that run when a module
+is imported (module level, not under TYPE_CHECKING) must be acyclic, so any module can be
+imported first. Importing `a.b.c` also runs the `__init__` of `a` and `a.b`: those count as
+edges too, except for the importer's own enclosing packages (already imported before it).
 Function-local imports are left out of that graph on purpose: deferring an import into the
 function that needs it is the ordinary way to keep import time cheap or to break a cycle.
 
@@ -30,13 +34,23 @@ ALLOWED: dict[str, set[str]] = {
     "rewards": set(),
 }
 PACKAGES = tuple(ALLOWED)
+# cluster/'s subpackages and the subpackages each may import (README, Layout).
+SUBPACKAGES: dict[str, set[str]] = {
+    "cluster.cli": {"cluster.config", "cluster.train", "cluster.experiments", "cluster.bench",
+                    "cluster.tiny"},
+    "cluster.bench": {"cluster.config", "cluster.train", "cluster.tiny"},
+    "cluster.experiments": {"cluster.config", "cluster.train"},
+    "cluster.train": {"cluster.config", "cluster.tiny"},
+    "cluster.config": set(),
+    "cluster.tiny": set(),
+}
 
 
 @dataclass(frozen=True)
 class Import:
     path: Path
     line: int
-    source: str      # importing module, dotted ("cluster.controller"; a package is its name)
+    source: str      # importing module, dotted ("cluster.train.controller"; a package is its name)
     target: str      # imported module, dotted and resolved (relative imports made absolute)
     at_import: bool  # runs when `source` is imported: module level and not under TYPE_CHECKING
 
@@ -111,17 +125,40 @@ def package_files(root: Path) -> dict[str, list[Path]]:
     return {p: sorted((root / p).rglob("*.py")) for p in PACKAGES if (root / p).is_dir()}
 
 
+def subpackage(module: str) -> str | None:
+    """The cluster subpackage `module` belongs to ("cluster.train.run" -> "cluster.train")."""
+    parts = module.split(".")
+    name = ".".join(parts[:2])
+    return name if len(parts) >= 2 and name in SUBPACKAGES else None
+
+
 def arrow_violations(root: Path) -> list[str]:
     out = []
     for package, files in package_files(root).items():
         for path in files:
             for imp in imports_of(path, root):
+                where = f"{imp.path.relative_to(root)}:{imp.line}"
                 dest = imp.target.split(".")[0]
                 if dest in ALLOWED and dest != package and dest not in ALLOWED[package]:
                     allowed = ", ".join(sorted(ALLOWED[package])) or "none of the others"
-                    out.append(f"{imp.path.relative_to(root)}:{imp.line}: {package} -> {dest} "
+                    out.append(f"{where}: {package} -> {dest} "
                                f"(imports {imp.target}); {package} may import {allowed}")
+                src, dst = subpackage(imp.source), subpackage(imp.target)
+                if src and dst and src != dst and dst not in SUBPACKAGES[src]:
+                    allowed = ", ".join(sorted(SUBPACKAGES[src])) or "none of the others"
+                    out.append(f"{where}: {src} -> {dst} (imports {imp.target}); {src} may "
+                               f"import {allowed}")
     return out
+
+
+def runs_on_import(imp: Import) -> list[str]:
+    """The modules importing `imp.target` runs: the target and its enclosing packages (their
+    `__init__`), less the importer's own enclosing packages, which ran before it."""
+    own = imp.source.split(".")[:-1] if imp.path.name != "__init__.py" else imp.source.split(".")
+    own_packages = {".".join(own[:i]) for i in range(1, len(own) + 1)}
+    parts = imp.target.split(".")
+    parents = [".".join(parts[:i]) for i in range(1, len(parts))]
+    return [p for p in parents if p not in own_packages] + [imp.target]
 
 
 def import_cycles(root: Path) -> list[str]:
@@ -133,9 +170,12 @@ def import_cycles(root: Path) -> list[str]:
         edges: dict[str, dict[str, str]] = {m: {} for m in modules}  # module -> target -> where
         for path in files:
             for imp in imports_of(path, root):
-                if imp.at_import and imp.target in modules and imp.target != imp.source:
-                    where = f"{imp.path.relative_to(root)}:{imp.line}"
-                    edges[imp.source].setdefault(imp.target, where)
+                if not imp.at_import:
+                    continue
+                for target in runs_on_import(imp):
+                    if target in modules and target != imp.source:
+                        where = f"{imp.path.relative_to(root)}:{imp.line}"
+                        edges[imp.source].setdefault(target, where)
         for loop in find_cycles(edges):
             out.append(" -> ".join(f"{a} ({edges[a][b]})" for a, b in itertools.pairwise(loop))
                        + f" -> {loop[-1]}")
@@ -177,6 +217,18 @@ def test_every_package_is_scanned():
     assert sum(len(imports_of(p, ROOT)) for ps in files.values() for p in ps) > 100
 
 
+def test_every_cluster_module_is_in_a_subpackage_with_its_arrows():
+    """A new file directly in cluster/, or a new subpackage, must first be given its place
+    (and its arrows) here and in README, Layout."""
+    subdirs = {p.parent for p in (ROOT / "cluster").rglob("*.py")}
+    for d in subdirs:  # every folder is a package, so `cluster.x.y` names one module
+        assert (d / "__init__.py").is_file(), d
+    found = {module_name(p, ROOT) for p in (ROOT / "cluster").rglob("*.py")}
+    outside = sorted(m for m in found if m != "cluster" and subpackage(m) is None)
+    assert not outside, f"cluster modules outside the subpackages of SUBPACKAGES: {outside}"
+    assert {".".join(m.split(".")[:2]) for m in found if m != "cluster"} == set(SUBPACKAGES)
+
+
 def test_imports_follow_the_layout_arrows():
     violations = arrow_violations(ROOT)
     assert not violations, "imports outside the layout rules (README, Layout):\n" + "\n".join(
@@ -196,6 +248,7 @@ def _write(root: Path, files: dict[str, str]) -> None:
         (root / package).mkdir(parents=True, exist_ok=True)
         (root / package / "__init__.py").touch()
     for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
 
 
@@ -227,3 +280,33 @@ def test_checker_finds_module_level_cycles_only(tmp_path, deferred):
         assert cycles == []
     else:
         assert cycles == ["kl.a (kl/a.py:1) -> kl.b (kl/b.py:2) -> kl.a"]
+
+
+def test_checker_follows_the_arrows_between_cluster_subpackages(tmp_path):
+    _write(tmp_path, {
+        "cluster/config/__init__.py": "", "cluster/train/__init__.py": "",
+        "cluster/cli/__init__.py": "",
+        "cluster/config/a.py": "def f():\n    from cluster.train import b\n",
+        "cluster/train/b.py": "from cluster.config import a\nimport cluster.cli.c\n",
+        "cluster/cli/c.py": "from cluster.train.b import x\nfrom cluster.config.a import f\n",
+    })
+    found = sorted(v.split(" (")[0] for v in arrow_violations(tmp_path))
+    assert found == ["cluster/config/a.py:2: cluster.config -> cluster.train",
+                     "cluster/train/b.py:2: cluster.train -> cluster.cli"]
+
+
+def test_checker_finds_cycles_across_cluster_subpackages(tmp_path):
+    """experiments.y imports train.w, which first runs cluster/train/__init__.py; that imports
+    train.x, which imports experiments.y while y is half-initialised: a cycle through an
+    `__init__` that no single import line shows."""
+    _write(tmp_path, {
+        "cluster/train/__init__.py": "from cluster.train.x import g\n",
+        "cluster/train/x.py": "from cluster.experiments.y import f\ng = 1\n",
+        "cluster/train/w.py": "",
+        "cluster/experiments/__init__.py": "",
+        "cluster/experiments/y.py": "import cluster.train.w\nf = 1\n",
+    })
+    assert import_cycles(tmp_path) == [(
+        "cluster.experiments.y (cluster/experiments/y.py:1) -> cluster.train "
+        "(cluster/train/__init__.py:1) -> cluster.train.x (cluster/train/x.py:1) -> "
+        "cluster.experiments.y")]

@@ -26,7 +26,7 @@ import torch
 
 import kl
 from actors.records import Rollout
-from cluster.batching import pad_rollouts
+from cluster.train.batching import pad_rollouts
 from kl.config import AdvantageConfig, KLConfig
 from learner.config import LearnerConfig
 

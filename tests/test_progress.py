@@ -1,7 +1,7 @@
 """Progress output where stdout is not a terminal (ray job logs, sweep log files)."""
 import json
 
-from cluster.progress import TrainProgress, default_every, eval_line, print_summary
+from cluster.train.progress import TrainProgress, default_every, eval_line, print_summary
 
 
 def test_plain_lines_every_n_steps_and_one_per_evaluation(capsys):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.report import (
+from cluster.experiments.report import (
     ReportConfig,
     accuracy_collapse,
     find_runs,
@@ -130,7 +130,7 @@ def test_a_no_kl_control_is_labelled_with_its_beta(tmp_path):
 def test_plot_styles_colour_the_kl_configuration_and_dash_the_lag(tmp_path):
     import matplotlib.pyplot as plt
 
-    from cluster.report_plots import _styles
+    from cluster.experiments.report_plots import _styles
 
     for est, placement, lag in (("k1", "reward", 0), ("k1", "reward", 4), ("k3", "loss", 0), ("k3", "loss", 4)):
         write_run(tmp_path / f"{est}-{placement}-lag{lag}", est, placement, lag)
@@ -159,7 +159,7 @@ def test_report_of_a_sweep(tmp_path):
 
 
 def test_report_of_one_run_and_the_cli(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     run_dir = write_run(tmp_path / "my-run", acc=lambda s: 0.4 if s < 30 else 0.1)
     assert main(["report", str(run_dir)]) == 0
@@ -174,7 +174,7 @@ def test_report_of_one_run_and_the_cli(tmp_path, capsys):
 
 
 def test_training_curves_can_be_placed_at_the_policy_version_that_sampled_them(tmp_path):
-    from cluster.report_plots import FIGURES, _aggregate
+    from cluster.experiments.report_plots import FIGURES, _aggregate
 
     lag = 2
     extra = {s: {"rollout/policy_version": max(0, s - 1 - lag)} for s in range(1, 41)}

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster import checkpoint as ckpt
-from cluster.cmd_train import DEMO_CONFIG, load_train_config, train
-from cluster.config import ConfigError
-from cluster.run_log import read_metrics
+from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.config.train_config import load_train_config
+from cluster.train import checkpoint as ckpt
+from cluster.train.run import train
+from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 

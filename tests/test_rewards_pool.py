@@ -142,3 +142,21 @@ def test_results_carry_problems_of_any_task(pool):
                 for i in range(5)]
     results = pool.score(scorer_faults.misbehave, problems, ["ok"] * 5)
     assert [r.reward for r in results] == [1.0] * 5
+
+
+def test_a_failure_of_the_pool_itself_is_its_own_error_and_the_pool_recovers(monkeypatch):
+    """An OS-level failure of the pool's machinery (here: waiting on its pipes) raises
+    ScoringPoolError, the one exception callers may turn into failed items; the next batch
+    is scored normally."""
+    import rewards.pool
+    from rewards import ScoringPoolError
+
+    with ScoringPool(workers=1, timeout_s=TIMEOUT_S) as pool:
+        def broken_wait(*args, **kwargs):
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(rewards.pool, "wait", broken_wait)
+        with pytest.raises(ScoringPoolError, match="Too many open files"):
+            score(pool, ["ok"] * 3)
+        monkeypatch.undo()
+        assert [r.reward for r in score(pool, ["ok"] * 3)] == [1.0] * 3

@@ -5,6 +5,7 @@ renormalised distribution otherwise), and evaluation with its own budget and see
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,18 @@ def tempered_worker(ray_cluster, tiny_model_dir):
     w = _start(tiny_model_dir, task=failing, seed=1, **TEMPERED)
     yield w
     _stop(w)
+
+
+def _stats(batches) -> dict:
+    """Counters of a worker's generate calls, computed from what they returned."""
+    failures = [r.score_failure for b in batches for r in b.rollouts if r.score_failure]
+    tokens, seconds = (sum(b.num_response_tokens for b in batches),
+                       sum(b.gen_seconds for b in batches))
+    return {"generate_calls": len(batches), "samples": sum(len(b.rollouts) for b in batches),
+            "response_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "last_tokens_per_s": batches[-1].num_response_tokens / batches[-1].gen_seconds,
+            "score_failures": len(failures), "score_failures_by_kind": dict(Counter(failures)),
+            "policy_version": batches[-1].policy_version}
 
 
 def _without_timing(report: EvalReport) -> dict:
@@ -111,7 +124,7 @@ def test_generate_returns_well_formed_scored_rollouts(worker, problems, tiny_mod
 
     assert batch.policy_version == 0 and batch.worker == 3
     assert len(batch.rollouts) == N * len(problems)
-    assert batch.gen_seconds > 0 and batch.tokens_per_second > 0
+    assert batch.gen_seconds > 0 and batch.num_response_tokens / batch.gen_seconds > 0
     assert batch.num_response_tokens == sum(len(r.response_ids) for r in batch.rollouts)
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     task = rewards.get_task("arithmetic")
@@ -139,7 +152,7 @@ def test_generate_returns_well_formed_scored_rollouts(worker, problems, tiny_mod
     other = ray.get(worker.generate.remote(problems, group_ids, 8))
     assert [r.response_ids for r in other.rollouts] != [r.response_ids for r in batch.rollouts]
 
-    stats = ray.get(worker.stats.remote())
+    stats = _stats([batch, again, other])
     assert stats["generate_calls"] >= 3 and stats["samples"] >= 3 * N * len(problems)
     assert stats["response_tokens"] >= 3 * batch.num_response_tokens - 1
     assert stats["tokens_per_s"] > 0 and stats["last_tokens_per_s"] > 0
@@ -222,7 +235,7 @@ def test_behaviour_logprobs_are_those_of_the_processed_distribution(
     never raised: its plug-in scorer raises on every completion it gets here."""
     t, k, p = TEMPERED["temperature"], TEMPERED["top_k"], TEMPERED["top_p"]
     batch = ray.get(tempered_worker.generate.remote(problems, list(range(len(problems))), 5))
-    stats = ray.get(tempered_worker.stats.remote())
+    stats = _stats([batch])
     assert all(r.reward == 0.0 and r.score_failure == "exception" for r in batch.rollouts)
     assert stats["score_failures"] == len(batch.rollouts)
     assert stats["score_failures_by_kind"] == {"exception": len(batch.rollouts)}
@@ -243,3 +256,36 @@ def test_behaviour_logprobs_are_those_of_the_processed_distribution(
     assert raw_gap > 0.5  # the check is not vacuous: raw log-probs are far off
     # Both filters bit: top-k kept at most k tokens, top-p removed some of those.
     assert max(kept) <= k and min(kept) < k, kept
+
+
+class _FailingPool:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def score(self, scorer, problems, completions):
+        raise self.error
+
+
+def _scoring_only_worker(pool) -> RolloutWorker:
+    """A RolloutWorker without an engine: only its scoring step (`_score`) is exercised."""
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.pool, w.scorer = pool, None
+    return w
+
+
+def test_a_failed_scoring_pool_scores_the_call_zero_as_counted_failures(problems):
+    from actors.records import POOL_ERROR
+    from rewards import ScoringPoolError
+
+    w = _scoring_only_worker(_FailingPool(ScoringPoolError("fork failed")))
+    results = w._score(problems, ["1"] * len(problems))
+    assert [(r.reward, r.failure) for r in results] == [(0.0, POOL_ERROR)] * len(problems)
+    assert "fork failed" in results[0].detail
+
+
+@pytest.mark.parametrize("bug", [TypeError("scorer is not picklable"), AttributeError("x"),
+                                 NameError("y"), ValueError("2 problems but 1 completions")])
+def test_programming_errors_in_scoring_stop_the_run(problems, bug):
+    w = _scoring_only_worker(_FailingPool(bug))
+    with pytest.raises(type(bug)):
+        w._score(problems, ["1"] * len(problems))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from cluster.cli.main import main
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

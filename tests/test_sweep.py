@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ConfigError
-from cluster.sweep import (
+from cluster.config.loader import ConfigError
+from cluster.experiments.labels import value_token
+from cluster.experiments.sweep import (
     SweepConfig,
     expand,
-    last_step,
     load_sweep,
     run_state,
     run_sweep,
     sweep_dir,
     train_command,
     validate_runs,
-    value_token,
 )
+from cluster.train.run_log import last_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -155,7 +155,7 @@ class FakeLauncher:
 
 
 def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
-    from cluster.cmd_sweep import _summarise
+    from cluster.cli.cmd_sweep import _summarise
 
     cfg = _sweep(tmp_path, parallel=3, grid={"kl.estimator": ["k1", "k3"], "seed": [0, 1]})
     runs = expand(cfg)
@@ -185,7 +185,7 @@ def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
 
 
 def test_dry_run_lists_runs_and_states(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"name": "dry", "train_config": str(TINY), "output_dir": str(tmp_path),

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster import tiny_model
-from cluster.char_tokenizer import BOS, SPECIAL_TOKENS, build_char_tokenizer
-from cluster.tiny_model import build_random_model, init_default_model
+from cluster.tiny import model as tiny_model
+from cluster.tiny.char_tokenizer import BOS, SPECIAL_TOKENS, build_char_tokenizer
+from cluster.tiny.model import build_random_model, init_default_model
 
 
 def _weights(model_dir):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import ray
 
-from cluster.train_config import TrainConfig
+from cluster.config.train_config import TrainConfig
+from cluster.tiny.model import init_default_model
 
 
 def start_ray(cfg: TrainConfig) -> bool:
@@ -32,8 +33,6 @@ def resolve_model(cfg: TrainConfig) -> Path:
     """The policy's model directory: the configured one, or the embedded tiny model."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    from cluster.tiny_model import init_default_model
-
     return Path(init_default_model())
 
 

@@ -2,23 +2,18 @@
 
 Each sub-command lives in its own module exposing `register(subparsers)`, which adds its
 parser and sets `func` (called with the parsed namespace, returning an exit code). Command
-modules import heavy libraries (Ray, vLLM, DeepSpeed) inside their functions, so
-`klrl --help` and light commands such as `kl-table` start fast.
+modules import the modules that load torch, Ray, vLLM or DeepSpeed inside their functions
+(each such import says so), so `klrl --help` and light commands such as `report` start fast.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from cluster.cli import cmd_bench, cmd_kl_table, cmd_model, cmd_sweep, cmd_train
+
 # Order is the order shown in `klrl --help`.
-COMMAND_MODULES = [
-    "cluster.cmd_train",
-    "cluster.cmd_model",
-    "cluster.cmd_kl_table",
-    "cluster.cmd_sweep",
-    "cluster.cmd_bench",
-]
+COMMANDS = [cmd_train, cmd_model, cmd_kl_table, cmd_sweep, cmd_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed asynchronous RL for LLMs with exact, tested KL regularisation.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for command in COMMANDS:
+        command.register(subparsers)
     return parser
 
 

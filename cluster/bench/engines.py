@@ -7,7 +7,7 @@
   against a bare DeepSpeed step in one fresh process: the same model, DeepSpeed config,
   optimizer, clipping and loss (`learner.loss.policy_loss`) on the same batch.
 
-Each baseline runs in a subprocess (`python -m cluster.bench_engines raw-vllm|bare-deepspeed
+Each baseline runs in a subprocess (`python -m cluster.bench.engines raw-vllm|bare-deepspeed
 SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
 imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
 after WARMUP_REPS untimed ones.
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-WORKER_INDEX = 0  # cluster.worker_pool starts worker 0 first; its seeds are the ones replayed
+WORKER_INDEX = 0  # cluster.train.worker_pool starts worker 0 first; its seeds are the ones replayed
 # Untimed repetitions before the timed ones, in the baselines and through klrl alike. A fresh
 # process's first steps are slower (allocator and page-cache warm-up: a bare DeepSpeed step
 # took 2.0-2.2 s for its first two repetitions and 1.6-1.8 s after); with one warm-up the
@@ -211,7 +211,7 @@ def _run_baseline(kind: str, spec: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "cluster.bench_engines", kind, str(spec_path),
+        proc = subprocess.run([sys.executable, "-m", "cluster.bench.engines", kind, str(spec_path),
                                str(out_path)], check=False, capture_output=True, text=True,
                               timeout=1800)
         if proc.returncode != 0:

@@ -1,11 +1,13 @@
 """A deterministic, resumable stream of training prompts.
 
-Problems are drawn in chunks: chunk c is `task.problems(split, n=CHUNK, seed=f(seed, c))`, so
-the stream is a pure function of (seed, position) and a resumed run continues with exactly the
+Problems are drawn in chunks: chunk c is `task.problems(split, n=CHUNK, seed=stream_seed(seed,
+c))` (actors/seeds.py), so the stream is a pure function of (seed, position) and a resumed run continues with exactly the
 prompts it would have seen. Group ids count prompts from the start of the run, so they are
 unique across batches (a group = the n samples of one prompt).
 """
 from __future__ import annotations
+
+from actors.seeds import stream_seed
 
 CHUNK = 4096
 
@@ -24,7 +26,7 @@ class PromptStream:
 
     def _chunk_for(self, index: int) -> list:
         if index != self._chunk_index:
-            self._chunk = self.task.problems(self.split, n=CHUNK, seed=self.seed * 1_000_003 + index)
+            self._chunk = self.task.problems(self.split, n=CHUNK, seed=stream_seed(self.seed, index))
             if not self._chunk:
                 raise ValueError(f"task split {self.split!r} yielded no problems")
             self._chunk_index = index

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
+REPO_ROOT = Path(__file__).resolve().parents[2]  # a Ray job's working_dir (cluster/train/jobs.py)
+DEMO_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.yaml"  # `klrl demo`, the benchmarks
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field."""

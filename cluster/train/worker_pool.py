@@ -24,8 +24,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from cluster.stopping import RunStopped
-from cluster.train_config import TrainConfig
+from cluster.config.train_config import TrainConfig
+from cluster.train.stopping import RunStopped
 
 
 class WorkerRestartsExhausted(RunStopped):

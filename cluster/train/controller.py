@@ -18,6 +18,7 @@ was already replaced.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,15 +27,19 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from actors.records import Rollout
-from cluster import checkpoint as ckpt
-from cluster.batching import pad_token_id, train_batch
-from cluster.config import ConfigError
-from cluster.prompts import PromptStream
-from cluster.run_log import RunLog
-from cluster.stopping import RunStopped
-from cluster.train_config import TrainConfig
-from cluster.worker_pool import WorkerCall, WorkerPool
+from actors.records import POOL_ERROR, Rollout
+from actors.seeds import generate_seed
+from actors.weight_sync import remove_published
+from cluster.config.loader import ConfigError
+from cluster.config.train_config import TrainConfig
+from cluster.train import checkpoint as ckpt
+from cluster.train.batching import pad_token_id, train_batch
+from cluster.train.launch import connect_nccl, start_learner
+from cluster.train.progress import TrainProgress
+from cluster.train.prompts import PromptStream
+from cluster.train.run_log import RunLog, final_dir, keep_metrics_through
+from cluster.train.stopping import RunStopped
+from cluster.train.worker_pool import WorkerCall, WorkerPool
 
 
 @dataclass
@@ -80,8 +85,7 @@ class Controller:
     def run(self) -> dict:
         """Train up to cfg.total_steps; returns the last metrics. On RunStopped, checkpoints
         first; tears everything down on any exit."""
-        from cluster.progress import TrainProgress
-
+        completed = False
         try:
             last = self._start()
             with TrainProgress(self.cfg.total_steps, self.step) as progress:
@@ -100,18 +104,19 @@ class Controller:
                     progress.update(self.step, metrics)
                     last = metrics
             self._finish()
+            completed = True
             return last
         except RunStopped as stop:
             stop.checkpoint = self._checkpoint() if self.learner is not None else None
             raise
         finally:
-            self._shutdown()
+            # A failed or stopped run raises its own exception; a part that then fails to
+            # stop as well is printed, not raised in its place.
+            self._shutdown(raise_errors=completed)
 
     # ---------------------------------------------------------------- steps
     def _start(self) -> dict:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
-        from cluster.launch import connect_nccl, start_learner
-
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name)
@@ -147,13 +152,7 @@ class Controller:
         if state.reference_sha256 != self.reference_sha256:
             raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
                              f"in {self.model_dir} differ from the ones the run started from")
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            import json
-
-            keep = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= state.step]
-            metrics.write_text("".join(line + "\n" for line in keep))
+        keep_metrics_through(self.run_dir, state.step)
         return state
 
     def _honour_stop_request(self) -> None:
@@ -167,9 +166,10 @@ class Controller:
         while len(self.pending) < self.cfg.max_lag + 1:
             start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
-            seed = self.cfg.seed * 1_000_003 + self.prompts.position
+            end = self.prompts.position
             calls = [self.pool.call(i, "generate", problems[i * per_worker:(i + 1) * per_worker],
-                                    group_ids[i * per_worker:(i + 1) * per_worker], seed + i)
+                                    group_ids[i * per_worker:(i + 1) * per_worker],
+                                    generate_seed(self.cfg.seed, end, i))
                      for i in range(len(self.pool))]
             self.pending.append(InFlight(calls, start, self.step))
 
@@ -199,6 +199,7 @@ class Controller:
         gen_s = max(b.gen_seconds for b in batches)
         tokens = sum(b.num_response_tokens for b in batches)
         failures = sum(r.score_failure is not None for r in rollouts)
+        pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
         rewards = [r.reward for r in rollouts]
         return rollouts, {
             "lag/max": max(lags), "lag/mean": sum(lags) / len(lags), "lag/dropped_total": self.dropped_stale,
@@ -207,6 +208,7 @@ class Controller:
             "lag/max_optimizer_steps": max(lags) * updates + updates - 1,
             "rollout/policy_version": sum(r.policy_version for r in rollouts) / len(rollouts),
             "reward/mean": sum(rewards) / len(rewards), "reward/score_failures": failures,
+            "faults/scoring_pool_errors": pool_errors,  # generate calls whose pool failed
             "time/generate": gen_s, "time/wait_for_rollouts": wait_s,
             "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         }
@@ -318,7 +320,7 @@ class Controller:
 
     def _checkpoint(self) -> Path:
         """Write a complete checkpoint of the run at the current step (atomic; see
-        cluster/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
+        cluster/train/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
         on by a step <= self.step, and none after it (batches in flight are replayed)."""
         position = self.pending[0].start_position if self.pending else self.prompts.position
         state = ckpt.ControllerState(
@@ -332,19 +334,27 @@ class Controller:
     def _finish(self) -> None:
         if self.cfg.checkpoint_every:  # so that the run can be extended with --resume
             self._checkpoint()
-        self.learner.save_hf(self.run_dir / "final")
+        self.learner.save_hf(final_dir(self.run_dir))
 
-    def _shutdown(self) -> None:
-        """Best effort, every part: a failed part must not keep the others alive."""
-        if self.log is not None:
-            self.log.close()
-        if self.pool is not None:
-            self.pool.kill_all()
-        if self.learner is not None:
-            self.learner.shutdown()
-        from actors.weight_sync import remove_published
-
-        remove_published(self.run_dir.name, self.cfg.sync.shm_dir)  # /dev/shm is RAM
+    def _shutdown(self, raise_errors: bool = True) -> None:
+        """Stop every part, each on its own: a part that fails (a log that cannot be closed)
+        must not keep the others (workers, learner ranks, shm files) alive. Every failure is
+        printed; once all parts have run, the first is raised (when `raise_errors`)."""
+        parts = [(name, getattr(part, method)) for name, part, method in (
+            ("metrics log", self.log, "close"), ("rollout workers", self.pool, "kill_all"),
+            ("learner", self.learner, "shutdown")) if part is not None]
+        parts.append(("published weights", lambda: remove_published(  # /dev/shm is RAM
+            self.run_dir.name, self.cfg.sync.shm_dir)))
+        errors = []
+        for name, stop in parts:
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - every part gets its turn; raised below
+                print(f"shutdown: stopping the {name} failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+                errors.append(exc)
+        if errors and raise_errors:
+            raise errors[0]
 
     @property
     def reference_sha256(self) -> str:

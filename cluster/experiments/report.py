@@ -17,7 +17,6 @@ Instability flags (per run; thresholds are ReportConfig fields, documented in RE
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -25,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.labels import configuration_keys, flatten, value_token
+from cluster.experiments.labels import configuration_keys, flatten, value_token
+from cluster.experiments.report_plots import FIGURES, plot_figure
+from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
 
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
 ACCURACY_KEYS = [("eval/in_domain/accuracy", "in-domain"),
@@ -131,23 +131,17 @@ def _number(value: Any) -> float | None:
 
 def load_run(run_dir: Path) -> RunData:
     rows: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-        rows[int(row["step"])] = rows.get(int(row["step"]), {}) | row
-    cfg_path = run_dir / "config.yaml"
-    config = flatten(yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
-    return RunData(run_dir.name, run_dir, config, rows, (run_dir / "final" / "config.json").is_file())
+    for row in read_metrics(run_dir):
+        rows[row["step"]] = rows.get(row["step"], {}) | row
+    return RunData(run_dir.name, run_dir, flatten(read_config(run_dir)), rows, is_finished(run_dir))
 
 
 def find_runs(path: Path) -> list[RunData]:
     """DIR itself when it is a run directory, else the run directories directly inside it."""
     path = Path(path)
-    if (path / "metrics.jsonl").is_file():
+    if has_metrics(path):
         return [load_run(path)]
-    return [load_run(p) for p in sorted(path.iterdir()) if (p / "metrics.jsonl").is_file()]
+    return [load_run(p) for p in sorted(path.iterdir()) if has_metrics(p)]
 
 
 def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
@@ -265,8 +259,6 @@ def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[
 
 def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
     """Write PATH/report/report.md and its plots; returns the report.md path."""
-    from cluster.report_plots import FIGURES, plot_figure
-
     cfg = cfg or ReportConfig()
     path = Path(path)
     runs = find_runs(path)

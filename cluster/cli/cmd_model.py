@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from cluster.tiny.model import init_default_model, read_metadata
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -54,8 +56,6 @@ def register(subparsers) -> None:
 def _init_model(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from cluster.tiny_model import init_default_model, read_metadata
-
     console = Console()
     path = init_default_model(args.out, seed=args.seed, force=args.force)
     meta = read_metadata(path)
@@ -92,8 +92,6 @@ def _eval(args: argparse.Namespace) -> int:
     console = Console()
     model = args.model_dir
     if model == "default":
-        from cluster.tiny_model import init_default_model
-
         model = init_default_model()
     elif not os.path.isdir(model):
         console.print(f"[red]not a directory:[/red] {model}")

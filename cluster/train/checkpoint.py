@@ -13,7 +13,7 @@ process killed mid-write leaves only a `.partial-*` directory, which readers ign
 next write removes. The newest `keep` complete checkpoints are kept.
 
 Nothing else needs saving for an exact resume: vLLM sampling seeds are a pure function of
-(seed, data position) (see Controller._fill_pipeline), the learner has no dropout, and the
+(seed, data position) (actors/seeds.py), the learner has no dropout, and the
 prompt stream is a pure function of (seed, position) (cluster/prompts.py).
 """
 from __future__ import annotations

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.tiny.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
+
 # Architecture of the default model; `build_random_model(**size)` overrides any of these.
 DEFAULT_SIZE: dict[str, Any] = {
     "hidden_size": 128,
@@ -90,8 +92,6 @@ def _new_model(seed: int, **size):
     """A randomly initialised Qwen2ForCausalLM (fp32) with the char tokenizer's vocabulary."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from cluster.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     cfg = dict(DEFAULT_SIZE)

@@ -1,4 +1,4 @@
-"""`klrl bench`: throughput against the raw engines and the ideal (see cluster/bench.py)."""
+"""`klrl bench`: throughput against the raw engines and the ideal (see cluster/bench/run.py)."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def run(args) -> int:
-    from cluster.bench import FULL, QUICK, check_result, print_tables, run_bench, write_json
+    # Ray, torch, vLLM and DeepSpeed: loaded when the benchmark runs, not at `klrl --help`.
+    from cluster.bench.run import FULL, QUICK, check_result, print_tables, run_bench, write_json
 
     plan = QUICK if args.quick else FULL
     if args.work_dir:

@@ -1,6 +1,6 @@
 """End-to-end throughput and overlap efficiency for `klrl bench`.
 
-Each max_lag runs the real trainer (`cluster.cmd_train.train`) for warm-up + measured + 1
+Each max_lag runs the real trainer (`cluster.train.run.train`) for warm-up + measured + 1
 steps and reads its metrics.jsonl. Only the measured steps count: start-up, the initial
 evaluation, the steps that fill the pipeline (max_lag + 2 warm-up steps) and the last step
 (it includes the final evaluation) are left out.
@@ -20,6 +20,11 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cluster.config.loader import DEMO_CONFIG
+from cluster.config.train_config import load_train_config
+from cluster.train.run import train
+from cluster.train.run_log import read_metrics
 
 
 @dataclass
@@ -77,9 +82,6 @@ def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measure
                      lags: tuple[int, ...] = (0, 1, 2)) -> PipelineResult:
     """Train at each max_lag in `lags` (0 must be among them) with the demo config plus
     `overrides`; Ray must already be running (the runs share it)."""
-    from cluster.cmd_train import DEMO_CONFIG, load_train_config, train
-    from cluster.run_log import read_metrics
-
     result = PipelineResult(workload)
     for lag in lags:
         warmup = lag + 2

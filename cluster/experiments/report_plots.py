@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.labels import configuration_keys
+from cluster.experiments.labels import configuration_keys
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from cluster.train.run_log import final_dir, read_metrics
+
 EVAL_SETS = ("in_domain", "out_of_domain")
 
 
@@ -93,8 +95,6 @@ def _duration(seconds: float) -> str:
 
 def print_summary(run_dir, title: str = "run finished", file=None) -> None:
     """The before/after table of a finished run: first and last evaluation of each set."""
-    from cluster.run_log import read_metrics
-
     evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
     if not evals:
         return
@@ -105,5 +105,5 @@ def print_summary(run_dir, title: str = "run finished", file=None) -> None:
              for label, key in rows if key in first and key in last]
     Console(file=file).print(f"[bold]{title}[/bold] in {run_dir} (step {first['step']} -> "
                              f"{last['step']})\n" + "\n".join(lines)
-                             + f"\n  trained policy             {run_dir / 'final'}",
+                             + f"\n  trained policy             {final_dir(run_dir)}",
                              soft_wrap=True)

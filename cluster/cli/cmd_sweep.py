@@ -1,25 +1,27 @@
 """`klrl sweep` (a grid of training runs, resumable) and `klrl report` (plots, tables, flags)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+from cluster.config.loader import ConfigError, load_config, merge, validate
+from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
+from cluster.experiments.report import ReportConfig, write_report
+from cluster.experiments.sweep import (
+    SweepConfig,
+    cpus_per_run,
+    expand,
+    load_sweep,
+    run_state,
+    run_sweep,
+    sweep_dir,
+    train_command,
+    validate_runs,
+)
+
 
 def _run_sweep(args) -> int:
-    from cluster.config import ConfigError
-    from cluster.sweep import (
-        LocalLauncher,
-        RayJobLauncher,
-        cpus_per_run,
-        expand,
-        load_sweep,
-        run_state,
-        run_sweep,
-        sweep_dir,
-        train_command,
-        validate_runs,
-    )
-
     try:
         cfg = load_sweep(args.sweep, args.overrides)
         runs = expand(cfg)
@@ -48,23 +50,17 @@ def _run_sweep(args) -> int:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
     """Print what happened, write the report, and choose the exit status: 128 + signal when
     stopped, 1 when a run failed, else 0."""
-    from cluster.sweep import sweep_dir
-
     count = {s: sum(o.status == s for o in outcomes) for s in ("finished", "skipped", "failed", "stopped")}
     print(f"sweep {cfg.name}: {count['finished']} finished, {count['skipped']} skipped (finished "
           f"before), {count['failed']} failed, {count['stopped']} stopped, "
           f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")
     if write and count["finished"] + count["skipped"] + count["stopped"]:
-        from cluster.report import write_report
-
         print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
     failed = [o for o in outcomes if o.status == "failed"]
     for o in failed:
@@ -77,15 +73,10 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
 
 
 def _run_report(args) -> int:
-    from cluster.config import ConfigError, load_config, merge, validate
-    from cluster.report import ReportConfig, write_report
-
     path = Path(args.dir)
     try:
         base = {}
         if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
-            from cluster.sweep import SweepConfig
-
             base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
         cfg = validate(ReportConfig, merge(base, args.overrides), source="report options")
         report = write_report(path, cfg)

@@ -9,7 +9,7 @@ missing one is started. Every configuration is validated before anything starts.
 
 Runs are separate processes (`python -m cluster.cli train ...`, each with its own local Ray
 cluster, so one run's crash or leftover actors cannot touch another's), or one Ray job each on a
-cluster (`--address`). A failed run does not stop the sweep: it is recorded, the sweep goes on,
+cluster (`--address`); launchers.py starts them. A failed run does not stop the sweep: it is recorded, the sweep goes on,
 and the exit status says which runs failed.
 """
 from __future__ import annotations
@@ -17,16 +17,21 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster.config import ConfigError, load_config
-from cluster.labels import flatten, value_token
-from cluster.report import ReportConfig
+from cluster.config.loader import ConfigError, dump_config, load_config
+from cluster.experiments.labels import flatten, value_token
+from cluster.experiments.report import ReportConfig
+from cluster.train.run_log import is_finished, last_step
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Set by the sweep for every run (its place and its wandb grouping), so a sweep file may not.
@@ -149,12 +154,12 @@ def expand(cfg: SweepConfig) -> list[RunSpec]:
 def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     """Every run's TrainConfig, validated before anything starts: name -> TrainConfig. A bad
     grid fails here, naming each bad grid point, rather than hours into the sweep."""
-    from cluster.train_config import TrainConfig
+    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
 
     configs, errors = {}, []
     for run in runs:
         try:
-            configs[run.name] = load_config(TrainConfig, cfg.train_config, list(run.overrides))
+            configs[run.name] = load_train_config(cfg.train_config, list(run.overrides))
         except ConfigError as exc:
             errors.append(f"{run.name}: {exc}")
     if errors:
@@ -165,7 +170,7 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
 def run_state(run_dir: Path) -> RunState:
     """finished: the final model is written (the controller writes final/config.json last);
     partial: the run directory exists (continue it with --resume); new: nothing there yet."""
-    if (run_dir / "final" / "config.json").is_file():
+    if is_finished(run_dir):
         return "finished"
     return "partial" if run_dir.exists() else "new"
 
@@ -173,23 +178,6 @@ def run_state(run_dir: Path) -> RunState:
 def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:
     """`klrl train` arguments of one run (after `python -m cluster.cli`)."""
     return ["train", cfg.train_config, *run.overrides, *(["--resume"] if state == "partial" else [])]
-
-
-def last_step(run_dir: Path) -> int:
-    """Step of the last line of RUN_DIR/metrics.jsonl (0 if none yet); reads only the tail."""
-    path = run_dir / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 8192))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a half-written last line, or the cut first one
-    return 0
 
 
 def cpus_per_run(train_cfg) -> float:
@@ -211,83 +199,11 @@ class Outcome:
     detail: str = ""  # why it failed and where its output is
 
 
-class LocalLauncher:
-    """Each run is `python -m cluster.cli train ...`, a child process with its own local Ray
-    cluster, writing its output to SWEEP_DIR/logs/NAME.log (appended to on a resume). Children
-    get their own process group, so only the signals the sweep forwards reach them."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = Path(log_dir)
-
-    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState):
-        import subprocess
-        import sys
-        import time
-
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{run.name}.log"
-        cmd = [sys.executable, "-m", "cluster.cli", *train_command(cfg, run, state)]
-        log = open(log_path, "a")  # noqa: SIM115 - closed by poll() when the child exits
-        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return proc, log, log_path
-
-    def poll(self, handle) -> int | None:
-        proc, log, _ = handle
-        code = proc.poll()
-        if code is not None:
-            log.close()
-        return code
-
-    def stop(self, handle, signum: int) -> None:
-        if handle[0].poll() is None:
-            handle[0].send_signal(signum)  # klrl train: first signal checkpoints, second stops now
-
-    def where(self, handle) -> str:
-        return f"log: {handle[2]}"
-
-
-class RayJobLauncher:
-    """One Ray job per run (`klrl submit --no-wait`), polled for its status. The run
-    directories must be on storage this machine shares with the cluster (see SweepConfig)."""
-
-    def __init__(self, address: str, python: str = "python"):
-        from ray.job_submission import JobSubmissionClient
-
-        from cluster.cmd_train import _auth_headers
-
-        self.address, self.python = address, python
-        self.client = JobSubmissionClient(address, headers=_auth_headers())
-
-    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
-        from cluster.cmd_train import submit
-
-        args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
-        return submit(cfg.train_config, self.address, args, wait=False, python=self.python)
-
-    def poll(self, job_id: str) -> int | None:
-        from ray.job_submission import JobStatus
-
-        status = self.client.get_job_status(job_id)
-        if not status.is_terminal():
-            return None
-        return 0 if status == JobStatus.SUCCEEDED else 1
-
-    def stop(self, job_id: str, signum: int) -> None:
-        self.client.stop_job(job_id)  # Ray sends SIGTERM (the run checkpoints), later SIGKILL
-
-    def where(self, job_id: str) -> str:
-        return f"logs: ray job logs {job_id} --address {self.address}"
-
-
 class _ForwardedSignals:
     """SIGINT/SIGTERM while the sweep runs: start no more runs and pass the signal on to the
     running ones (klrl train checkpoints on the first and stops at once on the second)."""
 
     def __enter__(self):
-        import signal
-
         self.received: list[int] = []
         self.unforwarded: list[int] = []
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -298,8 +214,6 @@ class _ForwardedSignals:
         self.unforwarded.append(signum)
 
     def __exit__(self, *exc) -> None:
-        import signal
-
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
@@ -308,13 +222,6 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
               launcher) -> tuple[list[Outcome], int | None]:
     """Run every unfinished run, `cfg.parallel` at a time, showing progress. Returns the
     outcomes (in the order runs ended) and the signal that stopped the sweep, if one did."""
-    import time
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from cluster.config import dump_config
-
     root = sweep_dir(cfg)
     root.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, root / "sweep.yaml")

@@ -7,11 +7,13 @@ constraints that span several of them.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import RolloutConfig, SyncConfig
+from cluster.config.loader import load_config
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from learner.config import LearnerConfig
 from rewards.config import EvalConfig, TaskConfig
@@ -120,3 +122,8 @@ class TrainConfig(_Strict):
             raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
                              "use shm (one node) or object_store on CPU")
         return self
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """The TrainConfig of a YAML file (None: the defaults) with `key=value` overrides."""
+    return load_config(TrainConfig, path, overrides)

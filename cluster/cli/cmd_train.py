@@ -1,0 +1,120 @@
+"""`klrl train`, `klrl demo` and `klrl submit`: parse, call cluster.train, print the outcome."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.train.jobs import submit
+from cluster.train.progress import print_summary
+from cluster.train.run_log import config_path
+from cluster.train.stopping import RunStopped
+
+
+def _config_for(args):
+    """The TrainConfig a `klrl train` command line asks for. `--resume RUN_DIR` takes the
+    run's own config.yaml (overrides still apply, e.g. a larger total_steps)."""
+    # torch (kl's configs) and Ray: loaded when a command runs, not at `klrl --help`.
+    from cluster.config.train_config import load_train_config
+
+    overrides = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config:  # `--resume RUN_DIR key=value`: no config given
+        overrides.insert(0, config)
+        config = None
+    if isinstance(args.resume, str):
+        run_dir = Path(args.resume)
+        if config is not None:
+            raise ConfigError("give either a config or --resume RUN_DIR, not both")
+        if not config_path(run_dir).is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
+        overrides += [f"output_dir={run_dir.parent}", f"run_name={run_dir.name}"]
+        return load_train_config(config_path(run_dir), overrides)
+    if config is None:
+        raise ConfigError("klrl train needs a config file (or --resume RUN_DIR)")
+    cfg = load_train_config(config, overrides)
+    if args.resume and cfg.run_name is None:
+        raise ConfigError("--resume without RUN_DIR needs run_name in the config or overrides")
+    return cfg
+
+
+def _report_stop(stop) -> int:
+    """Say why the run stopped and how to continue it; returns the exit code."""
+    msg = f"run stopped: {stop}"
+    if stop.checkpoint is not None:
+        msg += f"\ncheckpoint: {stop.checkpoint}\ncontinue with: klrl train --resume {stop.checkpoint.parent.parent}"
+    print(msg, file=sys.stderr)
+    return stop.exit_code
+
+
+def _run_train(args) -> int:
+    # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
+    from ray.exceptions import RayError
+
+    from cluster.train.run import train
+
+    try:
+        cfg = _config_for(args)
+        run_dir, _last = train(cfg, resume=bool(args.resume))
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RunStopped as stop:
+        return _report_stop(stop)
+    except RayError as exc:  # an actor (learner rank, worker) failed: everything is torn down
+        print(f"error: the run failed and was torn down: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print_summary(run_dir)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _run_demo(args) -> int:
+    # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
+    from cluster.config.train_config import load_train_config
+    from cluster.train.run import train
+
+    try:
+        run_dir, _ = train(load_train_config(DEMO_CONFIG, args.overrides))
+    except (ConfigError, FileExistsError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except RunStopped as stop:
+        return _report_stop(stop)
+    print_summary(run_dir, "demo finished")
+    return 0
+
+
+def _run_submit(args) -> int:
+    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
+
+    try:
+        load_train_config(args.config, args.overrides)  # reject bad configs before submitting
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    submit(args.config, args.address, args.overrides, wait=not args.no_wait, python=args.python)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a policy (local Ray, or RAY_ADDRESS)")
+    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. kl.estimator=k3 max_lag=2")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
+                   help="continue a run from its newest complete checkpoint: RUN_DIR, or the run "
+                   "the config's run_name names; starts afresh if there is no checkpoint yet")
+    p.set_defaults(func=_run_train)
+
+    p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")
+    p.add_argument("overrides", nargs="*", help="overrides of configs/tiny_cpu.yaml")
+    p.set_defaults(func=_run_demo)
+
+    p = subparsers.add_parser("submit", help="submit a training run with `ray job submit`")
+    p.add_argument("config")
+    p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
+    p.add_argument("--no-wait", action="store_true", help="return after submission")
+    p.add_argument("--python", default="python", help="Python on the cluster that runs the job "
+                   "driver (needs klrl's dependencies)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_run_submit)

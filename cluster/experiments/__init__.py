@@ -1,0 +1,2 @@
+"""Many runs: sweeps (a grid of training runs, `sweep.py`, started by `launchers.py`), reports
+(`report.py`, figures in `report_plots.py`) and how config values become labels (`labels.py`)."""

@@ -1,0 +1,71 @@
+"""How a sweep starts its runs: `LocalLauncher` (one local process each) or `RayJobLauncher`
+(one Ray job each). Both offer start / poll / stop / where, which is all `run_sweep` uses."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster.experiments.sweep import RunSpec, RunState, SweepConfig, train_command
+from cluster.train.jobs import job_client, submit
+
+
+class LocalLauncher:
+    """Each run is `python -m cluster.cli train ...`, a child process with its own local Ray
+    cluster, writing its output to SWEEP_DIR/logs/NAME.log (appended to on a resume). Children
+    get their own process group, so only the signals the sweep forwards reach them."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+
+    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState):
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{run.name}.log"
+        cmd = [sys.executable, "-m", "cluster.cli", *train_command(cfg, run, state)]
+        log = open(log_path, "a")  # noqa: SIM115 - closed by poll() when the child exits
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, log, log_path
+
+    def poll(self, handle) -> int | None:
+        proc, log, _ = handle
+        code = proc.poll()
+        if code is not None:
+            log.close()
+        return code
+
+    def stop(self, handle, signum: int) -> None:
+        if handle[0].poll() is None:
+            handle[0].send_signal(signum)  # klrl train: first signal checkpoints, second stops now
+
+    def where(self, handle) -> str:
+        return f"log: {handle[2]}"
+
+
+class RayJobLauncher:
+    """One Ray job per run (`klrl submit --no-wait`), polled for its status. The run
+    directories must be on storage this machine shares with the cluster (see SweepConfig)."""
+
+    def __init__(self, address: str, python: str = "python"):
+        self.address, self.python = address, python
+        self.client = job_client(address)
+
+    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
+        args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
+        return submit(cfg.train_config, self.address, args, wait=False, python=self.python)
+
+    def poll(self, job_id: str) -> int | None:
+        from ray.job_submission import JobStatus  # Ray: only once a cluster sweep runs
+
+        status = self.client.get_job_status(job_id)
+        if not status.is_terminal():
+            return None
+        return 0 if status == JobStatus.SUCCEEDED else 1
+
+    def stop(self, job_id: str, signum: int) -> None:
+        self.client.stop_job(job_id)  # Ray sends SIGTERM (the run checkpoints), later SIGKILL
+
+    def where(self, job_id: str) -> str:
+        return f"logs: ray job logs {job_id} --address {self.address}"

@@ -1,0 +1,155 @@
+"""The run directory (`runs/<name>/`): its one owner. Every other module reads and writes it
+through here.
+
+Layout: `config.yaml` (the resolved TrainConfig), `metrics.jsonl` (one JSON object per step,
+with at least `step`; flushed each line so a crash loses nothing), `wandb/`, `checkpoints/`
+(cluster/train/checkpoint.py) and `final/` (the trained policy; `final/config.json` is written
+last, so it marks a finished run). The local directory is always written, whatever wandb does;
+wandb mirrors the same metrics, its mode from the config, else WANDB_MODE, else offline (files
+only, no account needed).
+
+One rule for metrics.jsonl lines that are not a JSON object with an integer `step`: they are
+skipped, by every reader. The writer only ever leaves one such line, the last, cut by a crash.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from cluster.config.loader import dump_config
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+FINAL_DIR = "final"
+
+
+def metrics_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def config_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CONFIG_FILE
+
+
+def final_dir(run_dir: str | Path) -> Path:
+    """Where the trained policy goes, in Hugging Face format."""
+    return Path(run_dir) / FINAL_DIR
+
+
+def has_metrics(run_dir: str | Path) -> bool:
+    """Whether `run_dir` holds a run (started: it has a metrics log)."""
+    return metrics_path(run_dir).is_file()
+
+
+def is_finished(run_dir: str | Path) -> bool:
+    """Whether the run finished: the final model's config.json, written last, is there."""
+    return (final_dir(run_dir) / "config.json").is_file()
+
+
+def default_run_name(cfg) -> str:
+    k = cfg.kl
+    trunc = f"-C{k.truncate:g}" if k.truncate is not None else ""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{k.estimator}-{k.placement.replace('+', '_')}-{k.importance}{trunc}-b{k.beta:g}-lag{cfg.max_lag}-s{cfg.seed}-{stamp}"
+
+
+class RunLog:
+    """Owns runs/<name>/ and the metrics sinks. Use as a context manager."""
+
+    def __init__(self, cfg, run_dir: Path, resume_wandb_id: str | None = None):
+        self.cfg, self.dir = cfg, Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, config_path(self.dir))
+        self._metrics = open(metrics_path(self.dir), "a", buffering=1)  # noqa: SIM115 - open for the run
+        self._wandb = None
+        self.wandb_id = resume_wandb_id
+        self._start_wandb()
+
+    def _start_wandb(self) -> None:
+        mode = self.cfg.logging.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+        if mode == "disabled":
+            return
+        import wandb
+
+        lg = self.cfg.logging
+        self._wandb = wandb.init(
+            project=lg.wandb_project, group=lg.wandb_group, tags=lg.tags or None, mode=mode,
+            name=self.dir.name, dir=str(self.dir), config=self.cfg.model_dump(mode="json"),
+            id=self.wandb_id, resume="allow" if self.wandb_id else None)
+        self.wandb_id = self._wandb.id
+
+    def log(self, metrics: dict) -> None:
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self._metrics.write(json.dumps(clean) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+    def close(self) -> None:
+        self._metrics.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def parse_row(line: str) -> dict | None:
+    """One metrics.jsonl line as a dict, or None when it breaks the rule (module docstring)."""
+    try:
+        row = json.loads(line)
+    except ValueError:  # not JSON: a line cut by a crash (or the cut start of a tail)
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Every row of RUN_DIR/metrics.jsonl, in order (a resumed run may log a step twice)."""
+    lines = metrics_path(run_dir).read_text().splitlines()
+    return [row for line in lines if (row := parse_row(line)) is not None]
+
+
+def last_step(run_dir: str | Path) -> int:
+    """Step of the last row of RUN_DIR/metrics.jsonl (0 if none yet); reads only the tail,
+    so a sweep can poll every running run cheaply."""
+    path = metrics_path(run_dir)
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    rows = (parse_row(line) for line in reversed(lines))
+    return next((row["step"] for row in rows if row is not None), 0)
+
+
+def keep_metrics_through(run_dir: str | Path, step: int) -> None:
+    """Cut RUN_DIR/metrics.jsonl back to the rows of steps <= `step` (a resume redoes the
+    later ones); lines that break the rule go too."""
+    path = metrics_path(run_dir)
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines()
+                if (row := parse_row(line)) is not None and row["step"] <= step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def abandon_metrics(run_dir: str | Path) -> Path:
+    """Move RUN_DIR/metrics.jsonl aside, as metrics.jsonl.abandoned-N (a run started afresh
+    in a directory whose earlier attempt left no checkpoint); returns its new path."""
+    run_dir = Path(run_dir)
+    n = len(list(run_dir.glob(f"{METRICS_FILE}.abandoned-*")))
+    return metrics_path(run_dir).rename(run_dir / f"{METRICS_FILE}.abandoned-{n}")
+
+
+def read_config(run_dir: str | Path) -> dict:
+    """The run's resolved config as written (a plain dict; {} when there is none)."""
+    path = config_path(run_dir)
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
