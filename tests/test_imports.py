@@ -2,7 +2,7 @@
 
 Arrows: cluster -> {actors, learner, rewards, kl}; learner -> kl; actors -> rewards; kl and
 rewards import none of the others. Inside cluster/, between its subpackages: cli -> any of
-them; bench -> {config, train, tiny}; experiments -> {config, train}; train -> {config, tiny};
+them; bench -> {config, train, tiny}; experiments -> {config, train, tiny}; train -> {config, tiny};
 config and tiny -> none. Every import counts for the arrows: module level, function-local and
 `if TYPE_CHECKING:` alike (a function-local import still couples the packages; it only delays
 the coupling), and so does `importlib.import_module("<constant>")`.
@@ -39,7 +39,7 @@ SUBPACKAGES: dict[str, set[str]] = {
     "cluster.cli": {"cluster.config", "cluster.train", "cluster.experiments", "cluster.bench",
                     "cluster.tiny"},
     "cluster.bench": {"cluster.config", "cluster.train", "cluster.tiny"},
-    "cluster.experiments": {"cluster.config", "cluster.train"},
+    "cluster.experiments": {"cluster.config", "cluster.train", "cluster.tiny"},
     "cluster.train": {"cluster.config", "cluster.tiny"},
     "cluster.config": set(),
     "cluster.tiny": set(),

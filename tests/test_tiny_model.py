@@ -136,3 +136,39 @@ def test_default_model_dir_uses_klrl_home(tmp_path, monkeypatch):
     assert tiny_model.default_model_dir(seed=2) == (
         tmp_path / "models" / f"tiny-arith-v{tiny_model.RECIPE_VERSION}-seed2"
     )
+
+
+def test_warm_start_check_is_greedy_pass_at_1():
+    """The warm start's cheap stopping check (one teacher-forced pass) says "correct" exactly
+    when greedy generation writes the answer: true for answers set to the model's own greedy
+    outputs, false when one character is added, and equal to greedy_accuracy on real problems."""
+    model, tok = tiny_model._new_model(0)
+    task = tiny_model._arithmetic_task()
+    done = tiny_model.warm_start(model, tok, seed=0, target=None, max_steps=60, progress=False)
+    assert done.steps == 60 and done.reached_target
+    problems = task.problems("in_domain", 64, 0)
+    enc = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    own = []
+    for p, ids in zip(problems, out[:, enc["input_ids"].shape[1]:].tolist()):
+        if tok.eos_token_id in ids[1:]:  # a non-empty completion that ends
+            own.append(p.model_copy(update={"answer": tok.decode(ids[: ids.index(tok.eos_token_id)])}))
+    assert len(own) >= 16, "the 60-step model should end most completions"
+    check = tiny_model.exact_greedy_accuracy
+    assert check(model, tok, tiny_model._encode_examples(tok, own)) == 1.0
+    longer = [p.model_copy(update={"answer": p.answer + "1"}) for p in own]
+    assert check(model, tok, tiny_model._encode_examples(tok, longer)) == 0.0
+    assert check(model, tok, tiny_model._encode_examples(tok, problems)) == pytest.approx(
+        tiny_model.greedy_accuracy(model, tok, task, problems))
+
+
+def test_warm_start_stops_at_the_first_check_that_reaches_the_target():
+    model, tok = tiny_model._new_model(0)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=50, progress=False)
+    assert done == tiny_model.WarmStart(tiny_model.CHECK_EVERY, done.validation_accuracy, True)
+    model, tok = tiny_model._new_model(0)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.99, max_steps=2 * tiny_model.CHECK_EVERY,
+                                 progress=False)
+    assert done.steps == 2 * tiny_model.CHECK_EVERY and not done.reached_target

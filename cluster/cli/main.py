@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.cli import cmd_bench, cmd_kl_table, cmd_model, cmd_sweep, cmd_train
+from cluster.cli import cmd_bench, cmd_figures, cmd_kl_table, cmd_model, cmd_sweep, cmd_train
 
 # Order is the order shown in `klrl --help`.
-COMMANDS = [cmd_train, cmd_model, cmd_kl_table, cmd_sweep, cmd_bench]
+COMMANDS = [cmd_train, cmd_model, cmd_kl_table, cmd_sweep, cmd_bench, cmd_figures]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,289 @@
+"""`klrl figures` (`make figures`): regenerate, on this machine, every figure the README quotes
+about the embedded model and the CPU demo, and write them into the README.
+
+Three blocks, each between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in README.md
+(and, with every number, in docs/figures/NAME.json):
+- model:    the embedded model's build (`klrl init-model`: steps, validation accuracy, in-domain
+            greedy, build seconds), read from the metadata cached beside it;
+- demo:     `klrl demo` at max_lag 0 and 2 for each seed: in-domain sampled and greedy accuracy
+            before and after, out-of-domain greedy, wall time (start-up included), s/step;
+- learning: the demo configuration against plain GRPO in klrl (group mean/std advantages, K3 in
+            the loss, everything else equal) at max_lag 0 for the same seeds: training reward
+            and in-domain accuracy gained per 1,000 samples.
+
+Each run is a `klrl demo` subprocess, exactly what a user runs, timed from launch to exit.
+Nothing is typed by hand: a block is replaced only by what this module computed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cluster.config.loader import REPO_ROOT
+from cluster.tiny.model import init_default_model, read_metadata
+from cluster.train.run_log import read_config, read_metrics
+
+BLOCKS = ("model", "demo", "learning")
+GRPO = ("advantage.estimator=grpo", "kl.estimator=k3", "kl.placement=loss")
+TAIL = 0.1  # the training reward "before" and "after": means over the first and last 10% of steps
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One `klrl demo` run: a label for the tables, its lag, seed and extra overrides."""
+
+    label: str
+    max_lag: int
+    seed: int
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        form = "grpo" if self.overrides else "demo"
+        return f"figures-{form}-lag{self.max_lag}-seed{self.seed}"
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """What one finished run measured. Accuracies are in-domain unless named otherwise."""
+
+    label: str
+    max_lag: int
+    seed: int
+    steps: int
+    samples: int
+    wall_seconds: float
+    seconds_per_step: float
+    sampled_before: float
+    sampled_after: float
+    greedy_before: float
+    greedy_after: float
+    ood_greedy_after: float
+    reward_before: float
+    reward_after: float
+    kl_pi_ref_after: float
+
+    def per_1k(self, gain: float) -> float:
+        return 1000 * gain / self.samples
+
+
+def plan(seeds: Sequence[int], blocks: Sequence[str]) -> list[DemoRun]:
+    runs = []
+    if "demo" in blocks or "learning" in blocks:
+        runs += [DemoRun("klrl demo", 0, s) for s in seeds]
+    if "demo" in blocks:
+        runs += [DemoRun("klrl demo", 2, s) for s in seeds]
+    if "learning" in blocks:
+        runs += [DemoRun("plain GRPO", 0, s, GRPO) for s in seeds]
+    return runs
+
+
+def run_demo(run: DemoRun, output_dir: Path, log_dir: Path) -> RunFigures:
+    """Run `klrl demo` for `run` (its output in LOG_DIR/<name>.log) and read its figures."""
+    args = [f"output_dir={output_dir}", f"run_name={run.name}", f"seed={run.seed}",
+            f"max_lag={run.max_lag}", *run.overrides]
+    log = log_dir / f"{run.name}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        code = subprocess.call([sys.executable, "-m", "cluster.cli", "demo", *args],
+                               stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    wall = time.monotonic() - t0
+    if code != 0:
+        raise RuntimeError(f"klrl demo {' '.join(args)} exited with {code}; see {log}")
+    return run_figures(run, output_dir / run.name, wall)
+
+
+def run_figures(run: DemoRun, run_dir: Path, wall_seconds: float) -> RunFigures:
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/in_domain/accuracy" in r]
+    if not train or len(evals) < 2:
+        raise RuntimeError(f"{run_dir}: needs training steps and two evaluations")
+    cfg = read_config(run_dir)
+    per_step = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
+    k = max(1, round(TAIL * len(train)))
+    first, last = evals[0], evals[-1]
+    return RunFigures(
+        label=run.label, max_lag=run.max_lag, seed=run.seed, steps=len(train),
+        samples=len(train) * per_step, wall_seconds=round(wall_seconds, 1),
+        seconds_per_step=statistics.fmean(r["time/step"] for r in train[1:] or train),
+        sampled_before=first["eval/in_domain/sampled_accuracy"],
+        sampled_after=last["eval/in_domain/sampled_accuracy"],
+        greedy_before=first["eval/in_domain/accuracy"], greedy_after=last["eval/in_domain/accuracy"],
+        ood_greedy_after=last["eval/out_of_domain/accuracy"],
+        reward_before=statistics.fmean(r["reward/mean"] for r in train[:k]),
+        reward_after=statistics.fmean(r["reward/mean"] for r in train[-k:]),
+        kl_pi_ref_after=statistics.fmean(r["kl/pi_ref"] for r in train[-k:]),
+    )
+
+
+def machine() -> str:
+    """The machine in words: CPU model, cores, memory (the demo runs on CPU only)."""
+    cpu = platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                   if line.startswith("model name"))
+        mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal"))
+        memory = f", {mem_kb / 2**20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        memory = ""
+    return f"{cpu}, {os.cpu_count()} cores{memory}, CPU only, Python {platform.python_version()}"
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _range(values: Sequence[float], fmt: str = "{:.3f}") -> str:
+    """mean (min-max) over seeds, or the value alone for one seed."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    lo, hi = min(values), max(values)
+    return f"{fmt.format(statistics.fmean(values))} ({fmt.format(lo)}-{fmt.format(hi)})"
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s"
+
+
+def model_block(meta: dict, where: str) -> str:
+    return (f"Built by `klrl init-model` on {where}: {meta['parameters']:,} parameters, "
+            f"{meta['sft_steps']} supervised steps of {meta['sft_batch_size']} problems, stopped "
+            f"at {100 * meta['validation_accuracy']:.1f}% greedy validation accuracy (target "
+            f"{100 * meta['target_accuracy']:.0f}%, {meta['validation_problems']} problems); "
+            f"greedy in-domain {100 * meta['greedy_accuracy_hf']['in_domain']:.1f}% and "
+            f"out-of-domain {100 * meta['greedy_accuracy_hf']['out_of_domain']:.1f}% "
+            f"({meta['eval_problems_per_split']} problems each, transformers); "
+            f"{meta['build_seconds']:.0f} s with {meta['torch_threads']} torch threads.")
+
+
+def demo_block(figures: list[RunFigures], where: str) -> str:
+    seeds = sorted({f.seed for f in figures})
+    lines = [
+        (f"`klrl demo` on {where}; seeds {', '.join(map(str, seeds))} (mean, and min-max "
+         "over seeds); 200 in-domain problems, sampled accuracy from 4 samples each at "
+         "temperature 1; wall time from launch to exit, start-up and evaluations included."),
+        "",
+        "| | in-domain sampled | in-domain greedy | out-of-domain greedy | wall time | s/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    demo = [f for f in figures if f.label == "klrl demo"]
+    lag0 = [f for f in demo if f.max_lag == 0] or demo
+    lines.append(f"| before training | {_range([f.sampled_before for f in lag0])} | "
+                 f"{_range([f.greedy_before for f in lag0])} | | | |")
+    for lag, how in ((0, "`make demo`"), (2, '`make demo ARGS="max_lag=2"`')):
+        rows = [f for f in demo if f.max_lag == lag]
+        if rows:
+            lines.append(
+                f"| `max_lag: {lag}` ({how}) | **{_range([f.sampled_after for f in rows])}** | "
+                f"**{_range([f.greedy_after for f in rows])}** | "
+                f"{_range([f.ood_greedy_after for f in rows])} | "
+                f"{_duration(statistics.fmean(f.wall_seconds for f in rows))} "
+                f"(max {_duration(max(f.wall_seconds for f in rows))}) | "
+                f"{_range([f.seconds_per_step for f in rows], '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def learning_block(figures: list[RunFigures], where: str) -> str:
+    lines = [
+        (f"max_lag 0, {figures[0].steps} steps x {figures[0].samples // figures[0].steps} "
+         f"samples, seeds {', '.join(str(s) for s in sorted({f.seed for f in figures}))}, on "
+         f"{where} (mean, and min-max over seeds). Gains per 1,000 training samples; the reward "
+         f"is the mean over the first and last {round(100 * TAIL)}% of steps."),
+        "",
+        ("| configuration | reward before -> after | reward gain / 1k samples | in-domain sampled "
+         "gain / 1k | in-domain greedy gain / 1k | KL(pi, ref) at the end |"),
+        "|---|---|---|---|---|---|",
+    ]
+    for label, how in (("klrl demo", "klrl demo (K1 in reward, RLOO + group std)"),
+                       ("plain GRPO", "plain GRPO (group mean/std, K3 in loss)")):
+        rows = [f for f in figures if f.label == label and f.max_lag == 0]
+        if not rows:
+            continue
+        lines.append(
+            f"| {how} | {_range([f.reward_before for f in rows])} -> "
+            f"{_range([f.reward_after for f in rows])} | "
+            f"{_range([f.per_1k(f.reward_after - f.reward_before) for f in rows], '{:.4f}')} | "
+            f"{_range([f.per_1k(f.sampled_after - f.sampled_before) for f in rows], '{:.4f}')} | "
+            f"{_range([f.per_1k(f.greedy_after - f.greedy_before) for f in rows], '{:.4f}')} | "
+            f"{_range([f.kl_pi_ref_after for f in rows])} |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """`text` with the lines between `<!-- figures:name -->` and `<!-- /figures:name -->`
+    replaced by `body` (the markers stay); an error if the markers are missing."""
+    pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"README.md has no <!-- figures:{name} --> ... "
+                         f"<!-- /figures:{name} --> block")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
+
+
+def blocks_from_json(out_dir: Path) -> dict[str, str]:
+    """Every block's text from the JSON files in OUT_DIR (what `regenerate` wrote): the README
+    blocks must equal these, which tests check."""
+    texts = {}
+    for name in BLOCKS:
+        path = out_dir / f"{name}.json"
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if name == "model":
+            texts[name] = model_block(data["metadata"], data["machine"])
+        else:
+            figures = [RunFigures(**row) for row in data["runs"]]
+            texts[name] = (demo_block if name == "demo" else learning_block)(figures, data["machine"])
+    return texts
+
+
+def _keeps(name: str, fig: RunFigures) -> bool:
+    """Which runs a block shows: demo, the demo's runs; learning, every run at max_lag 0."""
+    return fig.label == "klrl demo" if name == "demo" else fig.max_lag == 0
+
+
+def regenerate(seeds: Sequence[int], blocks: Sequence[str], work_dir: Path,
+               readme: Path = REPO_ROOT / "README.md", out_dir: Path = REPO_ROOT / "docs" / "figures",
+               say: Callable[[str], None] = print) -> dict[str, str]:
+    """Run what `blocks` need, write their figures to OUT_DIR/<block>.json, and rewrite the
+    README blocks from those files."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    where = machine()
+    if "model" in blocks:
+        say("building (or reusing) the embedded model ...")
+        meta = read_metadata(init_default_model())
+        _write_json(out_dir / "model.json", {"machine": where, "metadata": meta})
+    runs = plan(seeds, blocks)
+    figures: list[RunFigures] = []
+    for i, run in enumerate(runs, 1):
+        say(f"[{i}/{len(runs)}] klrl demo {run.name} (log: {work_dir / (run.name + '.log')})")
+        fig = run_demo(run, work_dir / "runs", work_dir)
+        say(f"    sampled {fig.sampled_before:.3f} -> {fig.sampled_after:.3f}, greedy "
+            f"{fig.greedy_before:.3f} -> {fig.greedy_after:.3f}, {_duration(fig.wall_seconds)}")
+        figures.append(fig)
+    for name in ("demo", "learning"):
+        if name in blocks:
+            runs_json = [asdict(f) for f in figures if _keeps(name, f)]
+            _write_json(out_dir / f"{name}.json", {"machine": where, "runs": runs_json})
+    texts = {k: v for k, v in blocks_from_json(out_dir).items() if k in blocks}
+    text = readme.read_text()
+    for name, body in texts.items():
+        text = replace_block(text, name, body)
+    readme.write_text(text)
+    return texts
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
