@@ -19,6 +19,17 @@ def test_plain_lines_every_n_steps_and_one_per_evaluation(capsys):
     assert lines.count("eval step 5: in_domain greedy 0.250 sampled 0.200") == 1
 
 
+def test_the_step_0_evaluation_has_its_line_and_sets_the_accuracy(capsys):
+    with TrainProgress(4, every=2, live=False) as progress:
+        progress.show_evaluation(0, {"eval/in_domain/accuracy": 0.455,
+                                     "eval/in_domain/sampled_accuracy": 0.315})
+        progress.show_evaluation(0, {})  # a resumed run logs no step-0 evaluation
+        progress.update(2, {"reward/mean": 0.5})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "eval step 0: in_domain greedy 0.455 sampled 0.315"
+    assert len(lines) == 2 and lines[1].startswith("step 2/4") and "acc 0.455" in lines[1]
+
+
 def test_default_every_gives_about_twenty_lines():
     assert default_every(300) == 15 and default_every(5) == 1 and default_every(10_000) == 50
     assert eval_line(3, {"reward/mean": 1.0}) is None

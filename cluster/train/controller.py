@@ -89,6 +89,7 @@ class Controller:
         try:
             last = self._start()
             with TrainProgress(self.cfg.total_steps, self.step) as progress:
+                progress.show_evaluation(self.step, last)
                 while self.step < self.cfg.total_steps:
                     self._honour_stop_request()
                     t0 = time.perf_counter()

@@ -45,6 +45,15 @@ class TrainProgress:
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
                                                  status="")
 
+    def show_evaluation(self, step: int, metrics: dict) -> None:
+        """An evaluation logged outside a training step (the step-0 one): its line, and its
+        accuracy in the status that follows."""
+        if "eval/in_domain/accuracy" in metrics:
+            self._acc = f" acc {metrics['eval/in_domain/accuracy']:.3f}"
+        line = eval_line(step, metrics)
+        if line:
+            (self._progress.console.print if self.live else print)(line)
+
     def update(self, step: int, metrics: dict) -> None:
         if "eval/in_domain/accuracy" in metrics:
             self._acc = f" acc {metrics['eval/in_domain/accuracy']:.3f}"
