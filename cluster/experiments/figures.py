@@ -71,6 +71,10 @@ class RunFigures:
     reward_before: float
     reward_after: float
     kl_pi_ref_after: float
+    # Steps on which a token-mean loss (the sequence-sum/N gradient divided by the mean response
+    # length) would have been clipped too, i.e. taken exactly klrl's step: grad/norm above
+    # grad_clip x response/length_mean.
+    same_step_as_token_mean: float
 
     def per_1k(self, gain: float) -> float:
         return 1000 * gain / self.samples
@@ -123,6 +127,9 @@ def run_figures(run: DemoRun, run_dir: Path, wall_seconds: float) -> RunFigures:
         reward_before=statistics.fmean(r["reward/mean"] for r in train[:k]),
         reward_after=statistics.fmean(r["reward/mean"] for r in train[-k:]),
         kl_pi_ref_after=statistics.fmean(r["kl/pi_ref"] for r in train[-k:]),
+        same_step_as_token_mean=statistics.fmean(
+            float(r["grad/norm"] > clip * max(1.0, r["response/length_mean"])) for r in train)
+        if (clip := cfg["learner"]["grad_clip"]) > 0 else 0.0,
     )
 
 
@@ -145,8 +152,8 @@ def machine() -> str:
 
 
 def _range(values: Sequence[float], fmt: str = "{:.3f}") -> str:
-    """mean (min-max) over seeds, or the value alone for one seed."""
-    if len(values) == 1:
+    """mean (min-max) over seeds, or the value alone when the seeds agree."""
+    if len({fmt.format(v) for v in values}) == 1:
         return fmt.format(values[0])
     lo, hi = min(values), max(values)
     return f"{fmt.format(statistics.fmean(values))} ({fmt.format(lo)}-{fmt.format(hi)})"
@@ -218,6 +225,12 @@ def learning_block(figures: list[RunFigures], where: str) -> str:
             f"{_range([f.per_1k(f.sampled_after - f.sampled_before) for f in rows], '{:.4f}')} | "
             f"{_range([f.per_1k(f.greedy_after - f.greedy_before) for f in rows], '{:.4f}')} | "
             f"{_range([f.kl_pi_ref_after for f in rows])} |")
+    same = [f.same_step_as_token_mean for f in figures if f.label == "klrl demo"]
+    if same:
+        share = "every step" if min(same) == 1 else f"at least {100 * min(same):.0f}% of the steps"
+        lines += ["", f"A token-mean loss would have taken exactly the demo's step on {share} of "
+                  "each demo run: its gradient is the demo's divided by the mean response length, "
+                  "and would have been clipped as well."]
     return "\n".join(lines)
 
 
