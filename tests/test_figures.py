@@ -50,13 +50,14 @@ def test_demo_runs_meet_the_learning_targets_the_readme_promises():
 def _write_run(run_dir: Path, rewards: list[float], evals: dict[int, tuple[float, float]]):
     run_dir.mkdir(parents=True)
     config_path(run_dir).write_text(yaml.safe_dump(
-        {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 2}}))
+        {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 2}, "learner": {"grad_clip": 1.0}}))
     rows = []
     for step in range(len(rewards) + 1):
         row: dict = {"step": step}
         if step:
             row.update({"reward/mean": rewards[step - 1], "time/step": 9.0 if step == 1 else 1.0,
-                        "kl/pi_ref": 0.1 * step})
+                        "kl/pi_ref": 0.1 * step, "response/length_mean": 3.0,
+                        "grad/norm": 2.0 if step % 4 == 0 else 4.0})
         if step in evals:
             greedy, sampled = evals[step]
             row.update({"eval/in_domain/accuracy": greedy,
@@ -77,6 +78,7 @@ def test_run_figures_reads_a_run_directory(tmp_path):
     assert fig.seconds_per_step == 1.0  # the first step (engine warm-up) is left out
     assert (fig.reward_before, fig.reward_after) == (0.0, 1.0)  # first and last 10% (2 steps)
     assert fig.kl_pi_ref_after == pytest.approx(1.95)
+    assert fig.same_step_as_token_mean == 0.75  # grad/norm 2 < clip x length 3 on every 4th step
     assert fig.per_1k(fig.reward_after - fig.reward_before) == pytest.approx(1000 / 160)
     text = figures.demo_block([fig], "a test machine")
     assert "| `max_lag: 2`" in text and "**0.400**" in text and "1 min 01 s" in text
@@ -103,5 +105,5 @@ def test_replace_block_rewrites_only_between_its_markers():
 ])
 def test_bad_figures_arguments_fail_before_anything_runs(args, message):
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "figures", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
     assert proc.returncode == 2 and message in proc.stderr

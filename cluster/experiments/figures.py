@@ -228,9 +228,9 @@ def learning_block(figures: list[RunFigures], where: str) -> str:
     same = [f.same_step_as_token_mean for f in figures if f.label == "klrl demo"]
     if same:
         share = "every step" if min(same) == 1 else f"at least {100 * min(same):.0f}% of the steps"
-        lines += ["", f"A token-mean loss would have taken exactly the demo's step on {share} of "
-                  "each demo run: its gradient is the demo's divided by the mean response length, "
-                  "and would have been clipped as well."]
+        lines += ["", (f"A token-mean loss would have taken exactly the demo's step on {share} of "
+                       "each demo run: its gradient is the demo's divided by the mean response "
+                       "length, and would have been clipped as well.")]
     return "\n".join(lines)
 
 
