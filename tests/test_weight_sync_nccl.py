@@ -1,13 +1,15 @@
-"""The version-dependent parts of the nccl transport, which need neither vLLM nor a GPU: where
-the packing settings go for each of the two field layouts of vLLM's NCCL weight-transfer types
-(0.26: on the update info; 0.32: on the init info), and the call to vLLM's trainer_init for
-each of its two signatures. tests/test_weight_sync.py checks the records against the
-installed vLLM's types."""
+"""The parts of the nccl transport that need neither vLLM nor a GPU: where the packing
+settings go for each of the two field layouts of vLLM's NCCL weight-transfer types (0.26: on
+the update info; 0.32: on the init info), the call to vLLM's trainer_init for each of its two
+signatures, and the refusal of a group with two members on one GPU (at start-up, from the
+devices' UUIDs; the config-time check is in tests/test_configs.py).
+tests/test_weight_sync.py checks the records against the installed vLLM's types."""
 import pytest
 import torch
 
 from actors.weight_sync import (
     NCCL_PACKING_FIELDS,
+    check_nccl_devices,
     nccl_packing_split,
     nccl_update_info,
     trainer_init_kwargs,
@@ -53,3 +55,17 @@ def test_trainer_init_gets_rank_0_only_where_it_takes_a_rank():
     assert trainer_init_kwargs(trainer_init_026) == {}
     assert trainer_init_kwargs(trainer_init_032) == {"rank": 0}
     trainer_init_026({}, **trainer_init_kwargs(trainer_init_026))  # accepted as called
+
+
+def test_distinct_gpus_pass():
+    check_nccl_devices("GPU-a", [["GPU-b"], ["GPU-c", "GPU-d"]])
+
+
+@pytest.mark.parametrize("learner, workers, who", [
+    ("GPU-a", [["GPU-b"], ["GPU-a"]], "learner rank 0 and rollout worker 1"),
+    ("GPU-a", [["GPU-b"], ["GPU-b"]], "rollout worker 0 and rollout worker 1"),
+])
+def test_a_shared_gpu_is_refused_naming_the_alternatives(learner, workers, who):
+    with pytest.raises(RuntimeError, match=who) as e:
+        check_nccl_devices(learner, workers)
+    assert "sync.transport: shm" in str(e.value) and "object_store" in str(e.value)
