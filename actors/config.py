@@ -57,6 +57,18 @@ class RolloutConfig(BaseModel):
                                        "GPU with the learner.")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs / torch.compile. "
                                        "null: True on CPU (no compile start-up cost), False on GPU.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weight and compute dtype of the vLLM engine (vLLM's `dtype`). null: "
+        "learner.dtype, so that sampler and learner compute in the same precision (vLLM's own "
+        "'auto' loads a float32 checkpoint as bfloat16 on GPU, which spreads the learner/sampler "
+        "ratios at max_lag 0 to 0.82-1.18; README, GPU). float16: GPUs without bfloat16.")
+
+    def resolved(self, learner_dtype: str) -> RolloutConfig:
+        """This config as a run's rollout workers get it: `dtype` null becomes the learner's
+        dtype. The one place that default is resolved (`TrainConfig.worker_rollout`)."""
+        if self.dtype is not None:
+            return self
+        return self.model_copy(update={"dtype": learner_dtype})
 
     @property
     def vllm_top_k(self) -> int:

@@ -134,6 +134,39 @@ def test_nccl_is_refused_when_two_group_members_could_share_a_gpu(learner_gpus, 
     assert shm.sync.transport == "shm"
 
 
+def test_rollout_dtype_defaults_to_the_learners_and_reaches_the_engine():
+    """rollout.dtype null is learner.dtype, resolved in one place (RolloutConfig.resolved, via
+    TrainConfig.worker_rollout, which the workers get), and the engine is built with it: on a
+    GPU an fp32 learner gets an fp32 engine, not vLLM's 'auto' (bf16 for fp32 checkpoints)."""
+    from actors.config import RolloutConfig
+    from actors.engine import llm_kwargs
+    from actors.rollout_worker import engine_options
+    from cluster.config.train_config import TrainConfig
+    from learner.config import LearnerConfig
+
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    gpu = ["learner.num_gpus_per_rank=1", "rollout.num_gpus_per_worker=1"]
+    cases = [([], "float32"), (gpu, "float32"), (gpu + ["learner.dtype=bfloat16"], "bfloat16"),
+             (gpu + ["learner.dtype=bfloat16", "rollout.dtype=float32"], "float32"),
+             (gpu + ["rollout.dtype=float16"], "float16")]
+    for overrides, want in cases:
+        cfg = load_config(TrainConfig, tiny, overrides)
+        assert cfg.worker_rollout.dtype == want, overrides
+        assert cfg.worker_rollout.model_dump(exclude={"dtype"}) == cfg.rollout.model_dump(
+            exclude={"dtype"})
+        options = engine_options(cfg.worker_rollout, cfg.sync, cfg.seed)
+        options.pop("cpu_kvcache_gib")  # make_llm sets it as an environment variable
+        for cpu in (True, False):
+            assert llm_kwargs("model", cpu=cpu, **options)["dtype"] == want, (overrides, cpu)
+    assert load_config(TrainConfig, tiny).rollout.dtype is None  # the file keeps null
+    assert RolloutConfig().resolved(LearnerConfig().dtype).dtype == "float32"
+    # A worker built by hand with dtype null: make_llm's own default.
+    assert llm_kwargs("model", cpu=True)["dtype"] == "float32"
+    assert llm_kwargs("model", cpu=False)["dtype"] == "auto"
+    with pytest.raises(ConfigError, match="dtype"):
+        load_config(TrainConfig, tiny, ["rollout.dtype=float64"])
+
+
 def test_task_and_eval_sections_are_the_rewards_configs():
     """TrainConfig's task/eval sections are rewards.config's models (the rollout worker takes
     them typed); the evaluation budget, sampler and seed default to the rollout budget, the

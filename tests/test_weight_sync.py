@@ -328,8 +328,9 @@ def test_nccl_sync_gpu(tiny_model_dir):
         ray.init(include_dashboard=False, log_to_driver=False)
     target = perturbed(tiny_model_dir, seed=7)
     learner = Learner.remote(str(tiny_model_dir), target.state_dict(), port)
+    # float32 like the learner: vLLM's 'auto' would load this fp32 checkpoint as bf16.
     cfg = RolloutConfig(samples_per_prompt=3, max_new_tokens=8, max_model_len=128,
-                        num_gpus_per_worker=1, gpu_memory_utilization=0.3)
+                        num_gpus_per_worker=1, gpu_memory_utilization=0.3, dtype="float32")
     w = ray.remote(RolloutWorker).options(num_gpus=1).remote(
         str(tiny_model_dir), cfg, SyncConfig(transport="nccl", timeout_s=120), TASK)
     try:

@@ -133,6 +133,12 @@ class TrainConfig(_Strict):
                     "object_store, which work on a shared GPU")
         return self
 
+    @property
+    def worker_rollout(self) -> RolloutConfig:
+        """`rollout` as the rollout workers get it: its dtype resolved against learner.dtype
+        (`RolloutConfig.resolved`)."""
+        return self.rollout.resolved(self.learner.dtype)
+
 
 def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
     """Why Ray could place two members of the NCCL weight-transfer group (learner rank 0 and
