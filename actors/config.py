@@ -54,9 +54,22 @@ class RolloutConfig(BaseModel):
                                        "down, at least 1).")
     num_gpus_per_worker: float = Field(0.0, ge=0.0, le=64.0, description="Ray GPUs per worker: "
                                        "0 on CPU, 1 for one engine per GPU, a fraction to share a "
-                                       "GPU with the learner.")
+                                       "GPU with the learner (not with sync.transport nccl).")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs / torch.compile. "
                                        "null: True on CPU (no compile start-up cost), False on GPU.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Weight and compute dtype of the vLLM engine (vLLM's `dtype`): float32, "
+        "bfloat16 or float16. null: learner.dtype, so that sampler and learner compute in the same "
+        "precision (vLLM's own 'auto' loads a float32 checkpoint as bfloat16 on GPU, which spreads "
+        "the learner/sampler ratios at max_lag 0 to 0.82-1.18; see GPU in the README). float16: "
+        "GPUs without bfloat16.")
+
+    def resolved(self, learner_dtype: str) -> RolloutConfig:
+        """This config as a run's rollout workers get it: `dtype` null becomes the learner's
+        dtype. The one place that default is resolved (`TrainConfig.worker_rollout`)."""
+        if self.dtype is not None:
+            return self
+        return self.model_copy(update={"dtype": learner_dtype})
 
     @property
     def vllm_top_k(self) -> int:
@@ -72,7 +85,8 @@ class SyncConfig(BaseModel):
     transport: Literal["shm", "object_store", "nccl"] = Field(
         "shm", description="shm: a safetensors file in shm_dir (learner and workers on one node). "
         "object_store: the safetensors bytes in Ray's object store (any nodes, CPU or GPU). "
-        "nccl: GPU only, a broadcast through vLLM's NCCL weight-transfer engine.")
+        "nccl: GPU only, a broadcast through vLLM's NCCL weight-transfer engine; learner rank 0 "
+        "and every worker need a GPU of their own.")
     timeout_s: float = Field(300.0, gt=0.0, le=86_400.0, description="A worker's weight load "
                              "(fetch + reload) that takes longer raises TimeoutError; so does a "
                              "controller waiting on it.")

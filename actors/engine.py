@@ -40,13 +40,41 @@ def make_llm(
     cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_GIB,
     **engine_kwargs: Any,
 ):
-    """Return a `vllm.LLM` for the model directory (or hub name on a cluster) `model`.
+    """Return a `vllm.LLM` for the model directory (or hub name on a cluster) `model`, built
+    with `llm_kwargs(...)` for this machine's platform (see there for the arguments).
+    On CPU, `VLLM_CPU_KVCACHE_SPACE` is set to `cpu_kvcache_gib` unless already set."""
+    cpu = on_cpu()
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))
+    from vllm import LLM
 
-    - dtype: float32 on CPU (so logprobs match the fp32 learner), "auto" on GPU.
+    return LLM(**llm_kwargs(model, cpu=cpu, seed=seed, max_model_len=max_model_len,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            worker_extension_cls=worker_extension_cls, dtype=dtype,
+                            enforce_eager=enforce_eager, **engine_kwargs))
+
+
+def llm_kwargs(
+    model: str | Path,
+    *,
+    cpu: bool,
+    seed: int = 0,
+    max_model_len: int = 512,
+    gpu_memory_utilization: float = 0.5,
+    worker_extension_cls: str | None = None,
+    dtype: str | None = None,
+    enforce_eager: bool | None = None,
+    **engine_kwargs: Any,
+) -> dict[str, Any]:
+    """The keyword arguments `make_llm` passes to `vllm.LLM` (pure: no vLLM needed).
+
+    - dtype: the engine's weight and compute dtype, as given. None: float32 on CPU (so
+      logprobs match the fp32 learner), "auto" on GPU (the checkpoint's dtype, except that
+      vLLM loads float32 checkpoints as bfloat16). A run's rollout workers always pass one:
+      `rollout.dtype`, defaulting to `learner.dtype` (`RolloutConfig.resolved`).
     - enforce_eager: True on CPU (no torch.compile / graph capture start-up cost), False on
       GPU (CUDA graphs speed decoding up).
-    - On CPU, `VLLM_CPU_KVCACHE_SPACE` is set to `cpu_kvcache_gib` unless already set.
-    - gpu_memory_utilization: the share of GPU memory vLLM may take (ignored on CPU); leave
+    - gpu_memory_utilization: the share of GPU memory vLLM may take (left out on CPU); leave
       room for the learner when both share a GPU.
     - worker_extension_cls: dotted path "pkg.mod.Class" of a class mixed into vLLM's worker,
       whose methods `llm.collective_rpc("method", args=...)` calls (the rollout worker uses
@@ -54,11 +82,6 @@ def make_llm(
     - engine_kwargs: passed to `vllm.LLM` unchanged (e.g. `logprobs_mode=...`,
       `max_num_seqs=...`, `tensor_parallel_size=...`).
     """
-    cpu = on_cpu()
-    if cpu:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))
-    from vllm import LLM
-
     kwargs: dict[str, Any] = {
         "model": str(model),
         "seed": seed,
@@ -71,7 +94,7 @@ def make_llm(
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls
     kwargs.update(engine_kwargs)
-    return LLM(**kwargs)
+    return kwargs
 
 
 def _gib_str(gib: float) -> str:

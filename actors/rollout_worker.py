@@ -69,7 +69,9 @@ class RolloutWorker:
     """Owns one vLLM engine; generates scored Rollouts and reloads weights on request.
 
     model_dir: Hugging Face model directory (version 0 of the policy, unless `version`).
-    rollout_cfg / sync_cfg: see actors/config.py.
+    rollout_cfg / sync_cfg: see actors/config.py. The engine's dtype is rollout_cfg.dtype: a
+        run hands its workers `TrainConfig.worker_rollout`, where null is already learner.dtype;
+        null here (a worker built by hand) is `make_llm`'s default.
     task_cfg: the training task (scorer, scoring pool, prompt rendering; evaluation sets
         without a task of their own are this task).
     worker_index: this worker's index (recorded in every Rollout; mixes into sampling seeds).
@@ -95,14 +97,7 @@ class RolloutWorker:
 
         from actors.engine import make_llm
 
-        extra: dict[str, Any] = {}
-        if sync_cfg.transport == "nccl":
-            extra["weight_transfer_config"] = {"backend": "nccl"}
-        self.llm = make_llm(
-            model_dir, seed=seed, max_model_len=rollout_cfg.max_model_len,
-            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-            worker_extension_cls=EXTENSION, enforce_eager=rollout_cfg.enforce_eager,
-            cpu_kvcache_gib=rollout_cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE, **extra)
+        self.llm = make_llm(model_dir, **engine_options(rollout_cfg, sync_cfg, seed))
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         self._warm_up()
@@ -219,6 +214,11 @@ class RolloutWorker:
         Needs the engine built for it: sync.transport == "nccl"."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
+    def cuda_device_uuids(self) -> list[str]:
+        """GPU only: the CUDA device UUID of each of the engine's ranks (one without tensor
+        parallelism), for `actors.weight_sync.check_nccl_devices`."""
+        return [str(u) for u in self.llm.collective_rpc("klrl_cuda_device_uuid")]
+
     # ------------------------------------------------------------------ introspection
 
     def version(self) -> int:
@@ -243,6 +243,20 @@ class RolloutWorker:
         """One tiny sampled request with log-probs: the first one compiles vLLM's log-prob
         kernels (several seconds), which would otherwise land in the first step's timing."""
         self.llm.generate(["1"], sample_params(2, seed=0, logprobs=0), use_tqdm=False)
+
+
+def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int) -> dict[str, Any]:
+    """`make_llm`'s arguments for a rollout worker's engine: the engine settings of `cfg`
+    (its dtype as given: a run resolves null to learner.dtype before the worker sees it,
+    `TrainConfig.worker_rollout`; null here leaves it to `make_llm`), the weight-reload
+    extension, processed log-probs, and vLLM's NCCL weight transfer when sync is nccl."""
+    extra: dict[str, Any] = {}
+    if sync_cfg.transport == "nccl":
+        extra["weight_transfer_config"] = {"backend": "nccl"}
+    return dict(seed=seed, max_model_len=cfg.max_model_len,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
+                dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
+                cpu_kvcache_gib=cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE, **extra)
 
 
 def _sampled_logprobs(completion) -> list[float]:

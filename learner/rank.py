@@ -320,6 +320,11 @@ class LearnerRank:
     def nccl_sender_connect(self) -> None:
         self._publisher().nccl_connect()  # blocks until every worker has joined
 
+    def cuda_device_uuid(self) -> str:
+        """GPU only: the UUID of this rank's CUDA device (the nccl transport refuses to put
+        rank 0 on a GPU a rollout worker uses)."""
+        return str(torch.cuda.get_device_properties(self.device).uuid)
+
     def _publisher(self) -> WeightPublisher:
         if self.publisher is None:
             raise RuntimeError("this learner has no weight publisher: pass "

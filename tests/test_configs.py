@@ -104,6 +104,69 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
             load_config(TrainConfig, tiny, overrides)
 
 
+@pytest.mark.parametrize("learner_gpus, worker_gpus, workers, refused", [
+    (1, 1, 2, None),
+    (2, 1, 4, None),
+    (0.6, 0.6, 1, None),        # cannot both fit on one GPU
+    (1, 0.5, 1, None),          # the learner holds its GPU whole; one worker
+    (0.5, 1, 2, None),
+    (0.5, 0.5, 1, "learner rank 0 and a rollout worker"),
+    (0.3, 0.7, 2, "learner rank 0 and a rollout worker"),
+    (1, 0.5, 2, "two rollout workers"),
+    (1, 0, 1, "no GPU of its own"),
+])
+def test_nccl_is_refused_when_two_group_members_could_share_a_gpu(learner_gpus, worker_gpus,
+                                                                   workers, refused):
+    """NCCL refuses two ranks of one group on a GPU; the config knows the Ray GPU requests,
+    from which Ray's packing of fractional requests follows."""
+    from cluster.config.train_config import TrainConfig
+
+    overrides = ["sync.transport=nccl", f"learner.num_gpus_per_rank={learner_gpus}",
+                 f"rollout.num_gpus_per_worker={worker_gpus}", f"rollout.num_workers={workers}"]
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    if refused is None:
+        assert load_config(TrainConfig, tiny, overrides).sync.transport == "nccl"
+        return
+    with pytest.raises(ConfigError, match=refused) as e:
+        load_config(TrainConfig, tiny, overrides)
+    assert "sync.transport: shm" in str(e.value) and "object_store" in str(e.value)
+    shm = load_config(TrainConfig, tiny, overrides[1:])  # the same placement with shm is fine
+    assert shm.sync.transport == "shm"
+
+
+def test_rollout_dtype_defaults_to_the_learners_and_reaches_the_engine():
+    """rollout.dtype null is learner.dtype, resolved in one place (RolloutConfig.resolved, via
+    TrainConfig.worker_rollout, which the workers get), and the engine is built with it: on a
+    GPU an fp32 learner gets an fp32 engine, not vLLM's 'auto' (bf16 for fp32 checkpoints)."""
+    from actors.config import RolloutConfig
+    from actors.engine import llm_kwargs
+    from actors.rollout_worker import engine_options
+    from cluster.config.train_config import TrainConfig
+    from learner.config import LearnerConfig
+
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    gpu = ["learner.num_gpus_per_rank=1", "rollout.num_gpus_per_worker=1"]
+    cases = [([], "float32"), (gpu, "float32"), (gpu + ["learner.dtype=bfloat16"], "bfloat16"),
+             (gpu + ["learner.dtype=bfloat16", "rollout.dtype=float32"], "float32"),
+             (gpu + ["rollout.dtype=float16"], "float16")]
+    for overrides, want in cases:
+        cfg = load_config(TrainConfig, tiny, overrides)
+        assert cfg.worker_rollout.dtype == want, overrides
+        assert cfg.worker_rollout.model_dump(exclude={"dtype"}) == cfg.rollout.model_dump(
+            exclude={"dtype"})
+        options = engine_options(cfg.worker_rollout, cfg.sync, cfg.seed)
+        options.pop("cpu_kvcache_gib")  # make_llm sets it as an environment variable
+        for cpu in (True, False):
+            assert llm_kwargs("model", cpu=cpu, **options)["dtype"] == want, (overrides, cpu)
+    assert load_config(TrainConfig, tiny).rollout.dtype is None  # the file keeps null
+    assert RolloutConfig().resolved(LearnerConfig().dtype).dtype == "float32"
+    # A worker built by hand with dtype null: make_llm's own default.
+    assert llm_kwargs("model", cpu=True)["dtype"] == "float32"
+    assert llm_kwargs("model", cpu=False)["dtype"] == "auto"
+    with pytest.raises(ConfigError, match="dtype"):
+        load_config(TrainConfig, tiny, ["rollout.dtype=float64"])
+
+
 def test_task_and_eval_sections_are_the_rewards_configs():
     """TrainConfig's task/eval sections are rewards.config's models (the rollout worker takes
     them typed); the evaluation budget, sampler and seed default to the rollout budget, the

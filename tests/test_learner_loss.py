@@ -287,6 +287,32 @@ def test_metrics_ratio_and_truncation():
     assert m["response/length_mean"] == pytest.approx(float(mask.sum(-1).double().mean()))
 
 
+def test_abs_log_ratio_metrics_measure_the_learner_sampler_mismatch():
+    """is/abs_log_ratio_token_mean and _max: mean and max of |log pi - log mu| over response
+    tokens (padding and prompt excluded), 0 when pi = mu; merged across parts as a token mean
+    (a sequence-weighted mean would be wrong when parts differ in tokens per sequence)."""
+    batch, logp, ref = _batch(seed=5)
+    mask = batch.response_mask
+    _, _, m = _grad(batch, logp, ref, KLConfig())
+    diff = (logp - batch.behaviour_logp)[mask].abs()
+    assert m["is/abs_log_ratio_token_mean"] == pytest.approx(float(diff.mean()))
+    assert m["is/abs_log_ratio_max"] == pytest.approx(float(diff.max()))
+    on_policy = torch.where(mask, batch.behaviour_logp, logp)  # pi = mu on every response token
+    _, _, m0 = _grad(batch, on_policy, ref, KLConfig())
+    assert m0["is/abs_log_ratio_token_mean"] == 0.0 == m0["is/abs_log_ratio_max"]
+    _, _, empty = _grad(_with(batch, response_mask=torch.zeros_like(mask)), logp, ref, KLConfig())
+    assert empty["is/abs_log_ratio_token_mean"] == 0.0 == empty["is/abs_log_ratio_max"]
+
+    # One part of 1 sequence x 10 tokens at 0.5, one of 3 sequences x 1 token at 0.1.
+    parts = [{"is/abs_log_ratio_token_mean": 0.5, "is/abs_log_ratio_max": 0.5,
+              "response/tokens": 10.0, "response/sequences": 1.0},
+             {"is/abs_log_ratio_token_mean": 0.1, "is/abs_log_ratio_max": 0.2,
+              "response/tokens": 3.0, "response/sequences": 3.0}]
+    merged = merge_metrics(parts)
+    assert merged["is/abs_log_ratio_token_mean"] == pytest.approx((10 * 0.5 + 3 * 0.1) / 13)
+    assert merged["is/abs_log_ratio_max"] == 0.5
+
+
 def test_nan_advantage_gives_a_nonfinite_loss():
     """The rank refuses such a step; the loss must not hide the NaN."""
     batch, logp, ref = _batch()

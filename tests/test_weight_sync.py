@@ -218,21 +218,35 @@ def test_reload_that_hangs_times_out_and_blocks_the_engine_until_a_good_load(
 
 def test_nccl_records_match_vllm_types():
     """CPU-checkable part of the nccl transport: what the sender hands the workers parses as
-    vLLM's own init/update info types (the broadcast itself needs GPUs, below)."""
+    the installed vLLM's own init/update info types, the packing settings sit on whichever of
+    the two carries them, and vLLM's trainer_init accepts the call the sender makes (the
+    broadcast itself needs GPUs, below; both field layouts: tests/test_weight_sync_nccl.py)."""
+    import dataclasses
+    import inspect
+
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
     from vllm.distributed.weight_transfer.nccl_engine import (
         NCCLWeightTransferInitInfo,
         NCCLWeightTransferUpdateInfo,
     )
 
-    from actors.weight_sync import NcclWeightSender, nccl_update_info
+    from actors.weight_sync import NCCL_PACKING_FIELDS, NcclWeightSender, trainer_init_kwargs
 
     sender = NcclWeightSender("10.0.0.1", 29555, num_workers=3, packed=True)
     info = NCCLWeightTransferInitInfo(**sender.worker_init_info(2))
-    assert (info.rank_offset, info.world_size, info.packed) == (3, 4, True)
+    assert (info.rank_offset, info.world_size) == (3, 4)
     items = [("a.weight", torch.zeros(2, 3)), ("lm_head.weight", torch.ones(4, dtype=torch.bfloat16))]
-    update = NCCLWeightTransferUpdateInfo(**nccl_update_info(items))
+    update = NCCLWeightTransferUpdateInfo(**sender.update_info(items))
     assert [getattr(torch, d) for d in update.dtype_names] == [torch.float32, torch.bfloat16]
     assert update.shapes == [[2, 3], [4]]
+    on_init = {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)} >= set(NCCL_PACKING_FIELDS)
+    carrier = info if on_init else update
+    assert (carrier.packed, carrier.packed_buffer_size_bytes, carrier.packed_num_buffers) == (
+        True, sender.buffer_size_bytes, sender.num_buffers)
+    rendezvous = {"master_address": "10.0.0.1", "master_port": 29555, "world_size": 4}
+    bound = inspect.signature(trainer_init).bind(rendezvous, **trainer_init_kwargs(trainer_init))
+    bound.apply_defaults()
+    assert bound.arguments.get("rank", 0) == 0
 
 
 def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
@@ -314,8 +328,9 @@ def test_nccl_sync_gpu(tiny_model_dir):
         ray.init(include_dashboard=False, log_to_driver=False)
     target = perturbed(tiny_model_dir, seed=7)
     learner = Learner.remote(str(tiny_model_dir), target.state_dict(), port)
+    # float32 like the learner: vLLM's 'auto' would load this fp32 checkpoint as bf16.
     cfg = RolloutConfig(samples_per_prompt=3, max_new_tokens=8, max_model_len=128,
-                        num_gpus_per_worker=1, gpu_memory_utilization=0.3)
+                        num_gpus_per_worker=1, gpu_memory_utilization=0.3, dtype="float32")
     w = ray.remote(RolloutWorker).options(num_gpus=1).remote(
         str(tiny_model_dir), cfg, SyncConfig(transport="nccl", timeout_s=120), TASK)
     try:
@@ -332,5 +347,34 @@ def test_nccl_sync_gpu(tiny_model_dir):
     finally:
         ray.kill(w)
         ray.kill(learner)
+        if not started:
+            ray.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_start_up_refuses_a_gpu_shared_with_the_learner_gpu(tiny_model_dir):
+    """GPU only, not run on CPU machines: on a one-GPU machine a rollout worker's engine
+    reports the UUID of the only GPU, which is the learner's too, and the start-up check of
+    the nccl transport refuses the pair before NCCL would ("Duplicate GPU detected")."""
+    from actors.weight_sync import check_nccl_devices
+
+    if torch.cuda.device_count() != 1:
+        pytest.skip("checks the one-GPU case")
+    started = ray.is_initialized()
+    if not started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, max_model_len=128,
+                        num_gpus_per_worker=0.5, gpu_memory_utilization=0.3)
+    w = ray.remote(RolloutWorker).options(num_gpus=0.5).remote(
+        str(tiny_model_dir), cfg, SyncConfig(transport="shm"), TASK)
+    try:
+        worker_uuids = ray.get(w.cuda_device_uuids.remote())
+        learner_uuid = str(torch.cuda.get_device_properties(0).uuid)
+        assert worker_uuids == [learner_uuid]
+        with pytest.raises(RuntimeError, match="learner rank 0 and rollout worker 0"):
+            check_nccl_devices(learner_uuid, [worker_uuids])
+    finally:
+        ray.kill(w)
         if not started:
             ray.shutdown()

@@ -74,8 +74,9 @@ def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, l
     import ray
 
     group_ids = list(range(len(problems)))
-    spec = {"model_dir": str(cfg.model.path), "rollout": cfg.rollout.model_dump(mode="json"),
-            "seed": cfg.seed, "prompts": [p.prompt for p in problems], "reps": reps}
+    spec = {"model_dir": str(cfg.model.path),
+            "rollout": cfg.worker_rollout.model_dump(mode="json"), "seed": cfg.seed,
+            "prompts": [p.prompt for p in problems], "reps": reps}
     raw = _run_baseline("raw-vllm", spec)
     klrl_s, engine_s, tokens, rollouts = [], [], [], []
     for r in range(WARMUP_REPS + reps):
@@ -102,8 +103,8 @@ def _raw_vllm(spec: dict) -> dict:
 
     configure_engine_process(cfg)  # what RolloutWorker does before its engine starts
     llm = make_llm(spec["model_dir"], seed=spec["seed"], max_model_len=cfg.max_model_len,
-                   enforce_eager=cfg.enforce_eager, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
-                   logprobs_mode=LOGPROBS_MODE)
+                   dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
+                   cpu_kvcache_gib=cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE)
     prompts = spec["prompts"]
     seconds, tokens = [], []
     try:

@@ -121,7 +121,45 @@ class TrainConfig(_Strict):
         if self.sync.transport == "nccl" and self.learner.num_gpus_per_rank == 0:
             raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
                              "use shm (one node) or object_store on CPU")
+        if self.sync.transport == "nccl":
+            shared = nccl_gpu_sharing(self.learner.num_gpus_per_rank,
+                                      self.rollout.num_gpus_per_worker, self.rollout.num_workers)
+            if shared:
+                raise ValueError(
+                    f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every "
+                    f"rollout worker (NCCL refuses two ranks of one group on the same GPU), but "
+                    f"{shared}. Request whole GPUs (learner.num_gpus_per_rank and "
+                    "rollout.num_gpus_per_worker >= 1), or use sync.transport: shm (one node) or "
+                    "object_store, which work on a shared GPU")
         return self
+
+    @property
+    def worker_rollout(self) -> RolloutConfig:
+        """`rollout` as the rollout workers get it: its dtype resolved against learner.dtype
+        (`RolloutConfig.resolved`)."""
+        return self.rollout.resolved(self.learner.dtype)
+
+
+def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
+    """Why Ray could place two members of the NCCL weight-transfer group (learner rank 0 and
+    each rollout worker) on one GPU, from their GPU requests alone; None if it cannot.
+
+    What the config knows: Ray gives a request of 1 GPU or more whole GPUs of its own, and
+    packs requests below 1 onto one GPU while their sum fits in it; how many GPUs the cluster
+    has is not in the config (a run that asks for more whole GPUs than exist waits for them
+    rather than sharing). A worker without a GPU request cannot hold a rank of the group (and
+    Ray 2.60 does not hide the node's GPUs from it, so its engine could still start on the
+    learner's). `cluster.train.launch.connect_nccl` compares the devices' UUIDs at start-up."""
+    if worker_gpus == 0:
+        return "rollout.num_gpus_per_worker is 0, so a worker has no GPU of its own"
+    fits = 1.0 + 1e-9
+    if learner_gpus < 1 and worker_gpus < 1 and learner_gpus + worker_gpus <= fits:
+        return (f"learner.num_gpus_per_rank={learner_gpus:g} and rollout.num_gpus_per_worker="
+                f"{worker_gpus:g} let Ray place learner rank 0 and a rollout worker on one GPU")
+    if num_workers >= 2 and worker_gpus < 1 and 2 * worker_gpus <= fits:
+        return (f"rollout.num_gpus_per_worker={worker_gpus:g} with {num_workers} workers lets "
+                "Ray place two rollout workers on one GPU")
+    return None
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

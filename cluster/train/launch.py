@@ -48,10 +48,15 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
 def connect_nccl(learner, workers: list) -> None:
     """GPU with sync.transport=nccl, once before the first export: join learner rank 0 and
     every rollout worker (`RolloutWorker.init_nccl`) in vLLM's NCCL weight-transfer group.
-    Here rather than in learner/ because it drives the rollout workers. Written against
-    vLLM's API; not exercised by the CPU test-suite."""
+    First it compares their CUDA device UUIDs and refuses a GPU shared by two of them, which
+    NCCL would refuse ("Duplicate GPU detected"); TrainConfig already refuses GPU requests
+    that let Ray share one. Here rather than in learner/ because it drives the rollout
+    workers. Written against vLLM's API; not exercised by the CPU test-suite."""
+    from actors.weight_sync import check_nccl_devices
     from learner.group import get_all
 
+    check_nccl_devices(learner.cuda_device_uuid(),
+                       get_all([w.cuda_device_uuids.remote() for w in workers]))
     infos = learner.nccl_sender_init(len(workers))
     joins = [w.init_nccl.remote(info) for w, info in zip(workers, infos)]
     get_all(joins + [learner.nccl_sender_connect()])

@@ -46,7 +46,7 @@ class WorkerCall:
 def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
     from actors.rollout_worker import RolloutWorker
 
-    r = cfg.rollout
+    r = cfg.worker_rollout  # rollout.dtype resolved against learner.dtype
     return ray.remote(RolloutWorker).options(
         num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
