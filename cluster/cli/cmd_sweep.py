@@ -78,7 +78,8 @@ def _run_report(args) -> int:
         base = {}
         if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
             base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
-        cfg = validate(ReportConfig, merge(base, args.overrides), source="report options")
+        cfg = validate(ReportConfig, merge(base, args.overrides), source="report options",
+                       overrides=args.overrides)
         report = write_report(path, cfg)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
