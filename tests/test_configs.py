@@ -145,7 +145,14 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
                              (["kl.truncate=2"], "truncate"),
                              (["eval.max_new_tokens=512"], "max_model_len"),
                              (["task.chat_template=none", "task.system_prompt=hi"],
-                              "system_prompt")]:
+                              "system_prompt"),
+                             # the task's own rules (rewards.registry), not a worker's crash
+                             (["task.options.foo=1"], "task.options: task 'arithmetic' has no option 'foo'"),
+                             (["task.train_split=trian"], "task.train_split: .*did you mean 'train'"),
+                             (["task.name=mmlu"], "task.train_split: task 'mmlu' has no split 'train'"),
+                             (["eval.in_domain.split=test"], "eval.in_domain.split: .*no split 'test'"),
+                             (["eval.out_of_domain.task=mmlu", "eval.out_of_domain.options.subject=[x]"],
+                              "eval.out_of_domain.options: .*did you mean 'subjects'")]:
         with pytest.raises(ConfigError, match=field):
             load_config(TrainConfig, tiny, overrides)
 

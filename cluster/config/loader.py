@@ -114,7 +114,8 @@ def validate(model: type[M], data: dict, source: str = "config", overrides: list
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            shown = "input" in err and not isinstance(err["input"], dict) and err["type"] != "value_error"
+            got = f" (got {err['input']!r})" if shown else ""  # a ValueError's message names it
             line = f"  {msg}" if field and msg.startswith(field) or not field else f"  {field}: {msg}{got}"
             if hint := _did_you_mean(model, err):
                 line += f"; did you mean {hint!r}?"

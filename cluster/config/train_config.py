@@ -107,6 +107,7 @@ class TrainConfig(_Strict):
         if self.advantage.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
+        self.eval.check_sets(self.task)  # every evaluated task has its split
         per_rank = prompts // ranks
         if per_rank % self.learner.mini_batches:
             raise ValueError(f"the {per_rank} prompts per learner rank (rollout.prompts_per_step "
