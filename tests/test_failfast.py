@@ -183,3 +183,28 @@ def test_resuming_a_finished_run_asks_for_more_steps(guarded, capsys, tmp_path):
     assert code == 2 and "it finished at step 2" in err and "total_steps=4" in err
     with pytest.raises(GotPastPreflight):
         main(["train", "--resume", str(run), "total_steps=4"])
+
+
+# ---- sweeps, reports, eval ------------------------------------------------------------------
+
+
+def test_a_local_sweep_runs_every_pre_flight_before_the_first_run(guarded, capsys, tmp_path):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+
+    def sweep(overrides, grid, *extra):
+        path.write_text(yaml.safe_dump({"name": "s", "train_config": str(DEMO_CONFIG),
+                                        "output_dir": str(tmp_path / "runs"),
+                                        "overrides": overrides, "grid": grid}))
+        code, err, seconds = _klrl(capsys, "sweep", str(path), *extra)
+        assert code == 2 and "runs that would fail before they start" in err, err
+        assert not (tmp_path / "runs").exists() and seconds < 20
+        return err
+
+    for extra in ([], ["--dry-run"]):
+        err = sweep({"task.reward": "no_such_module:score"}, {"seed": [0, 1]}, *extra)
+        assert "  every run: task.reward: scorer 'no_such_module:score'" in err
+    err = sweep({}, {"model.path": [None, "/nonexistent/klrl-model"], "seed": [0, 1]})
+    assert "  path__nonexistent_klrl-model-s0, path__nonexistent_klrl-model-s1: model.path=" in err
+    assert err.count("no such directory") == 1

@@ -3,6 +3,7 @@ skip-finished / resume-partial decisions and failure handling of the run loop (w
 that runs nothing), and one real 2-run sweep through the CLI that is rerun (both skipped) and
 reported."""
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -193,6 +194,12 @@ def test_dry_run_lists_runs_and_states(tmp_path, capsys):
     assert main(["sweep", str(path), "--dry-run", "overrides.total_steps=3"]) == 0
     out = capsys.readouterr().out
     assert "[1/2] lag0 (new): klrl train" in out and "[2/2] lag4 (new)" in out and "total_steps=3" in out
+    # each command pastes into a shell: the tags' quotes and spaces survive
+    runs = expand(load_sweep(path, ["overrides.total_steps=3"]))
+    for line, run in zip(out.strip().splitlines(), runs, strict=True):
+        assert shlex.split(line.split(": ", 1)[1]) == ["klrl", *train_command(
+            load_sweep(path, ["overrides.total_steps=3"]), run, "new")]
+    assert "'logging.tags=[\"max_lag=0\"]'" in out
     assert main(["sweep", str(path), "--dry-run", "grid.max_lag=[-1]"]) == 2
     assert main(["sweep", str(path), "--address", "http://x:8265", "output_dir=rel"]) == 2
 

@@ -167,6 +167,28 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     return configs
 
 
+def preflight_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict[str, Any]) -> None:
+    """Each unfinished run's pre-flight (cluster/train/preflight.py: its model, plug-in scorer,
+    wandb key, and for a run to resume its checkpoint's config) on this machine, before the
+    first run starts: a mistake common to every run is one message, not N failed runs.
+    Local sweeps only: on a cluster the jobs check themselves where they run."""
+    from cluster.train.preflight import preflight
+
+    failures: dict[str, list[str]] = {}
+    for run in runs:
+        state = run_state(sweep_dir(cfg) / run.name)
+        if state == "finished":
+            continue
+        try:
+            preflight(configs[run.name], resume=state == "partial")
+        except (ConfigError, FileExistsError) as exc:
+            failures.setdefault(str(exc), []).append(run.name)
+    if failures:
+        raise ConfigError("runs that would fail before they start:\n" + "\n".join(
+            f"  {', '.join(names) if len(names) < len(runs) else 'every run'}: {msg}"
+            for msg, names in failures.items()))
+
+
 def run_state(run_dir: Path) -> RunState:
     """finished: the final model is written (the controller writes final/config.json last);
     partial: the run directory exists (continue it with --resume); new: nothing there yet."""
