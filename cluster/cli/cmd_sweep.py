@@ -65,7 +65,11 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
           f"before), {count['failed']} failed, {count['stopped']} stopped, "
           f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")
     if write and count["finished"] + count["skipped"] + count["stopped"]:
-        print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
+        try:
+            print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
+        except ConfigError as exc:  # e.g. a report.kl_metric no run logged: the runs stand
+            print(f"report not written: {exc}; fix it and run `klrl report {sweep_dir(cfg)}`",
+                  file=sys.stderr)
     failed = [o for o in outcomes if o.status == "failed"]
     for o in failed:
         print(f"FAILED {o.run.name}: {o.detail}", file=sys.stderr)
