@@ -208,3 +208,42 @@ def test_a_local_sweep_runs_every_pre_flight_before_the_first_run(guarded, capsy
     err = sweep({}, {"model.path": [None, "/nonexistent/klrl-model"], "seed": [0, 1]})
     assert "  path__nonexistent_klrl-model-s0, path__nonexistent_klrl-model-s1: model.path=" in err
     assert err.count("no such directory") == 1
+
+
+@pytest.fixture
+def eval_guarded(monkeypatch):
+    """`klrl eval` in-process that cannot build a model, load a tokenizer or start vLLM."""
+    import actors.evaluate
+    import cluster.cli.cmd_model as cmd_model
+    from actors.prompting import PromptRenderer
+
+    def refuse(*_args, **_kw):
+        raise GotPastPreflight("klrl eval got past its checks")
+
+    monkeypatch.setattr(actors.evaluate, "evaluate", refuse)
+    monkeypatch.setattr(PromptRenderer, "from_pretrained", refuse)
+    monkeypatch.setattr(cmd_model, "init_default_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "nosuch"], "error: --task: unknown task 'nosuch'; known tasks: arithmetic"),
+    (["--task", "countdown", "--splits", "in_domian,train"],
+     "error: --splits: task 'countdown' has no split 'in_domian' (did you mean 'in_domain'?)"),
+    (["--task", "mmlu"], "error: --splits: task 'mmlu' has no split 'in_domain'; its splits are out_of_domain"),
+    (["--splits", " , "], "error: --splits: no split given"),
+])
+def test_klrl_eval_checks_task_and_splits_before_vllm(eval_guarded, capsys, argv, message):
+    for model in ("default", "/nonexistent/model"):
+        code, err, seconds = _klrl(capsys, "eval", model, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and seconds < 20
+        assert err.startswith(message), err
+
+
+@pytest.mark.parametrize("argv", [["--n", "0"], ["--n", "-3"], ["--samples", "-1"]])
+def test_klrl_eval_refuses_no_problems(eval_guarded, capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "default", *argv])
+    assert exc.value.code == 2
+    assert f"argument {argv[0]}: must be at least" in capsys.readouterr().err
+    with pytest.raises(GotPastPreflight):  # the smallest valid values go on
+        main(["eval", "default", "--n", "1", "--samples", "0"])
