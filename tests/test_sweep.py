@@ -112,6 +112,13 @@ def test_bad_grid_points_fail_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="CNone|C2") as exc:
         validate_runs(cfg, expand(cfg))
     assert "C2" in str(exc.value) and "CNone:" not in str(exc.value)
+    assert "(from the override kl.truncate=2.0)" in str(exc.value)  # the grid value, not the file
+    cfg = _sweep(tmp_path, grid={"seed": [0, 1], "kl.betta": [0.1]})
+    with pytest.raises(ConfigError) as exc:
+        validate_runs(cfg, expand(cfg))
+    lines = str(exc.value).splitlines()  # one message for the runs that fail alike
+    assert lines[1].startswith("every grid point: ") and len(lines) == 3
+    assert "kl.betta: unknown key (got 0.1); did you mean 'beta'?" in lines[2]
 
 
 def test_run_state_and_resume_flag(tmp_path):

@@ -156,14 +156,16 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     grid fails here, naming each bad grid point, rather than hours into the sweep."""
     from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
 
-    configs, errors = {}, []
+    configs, errors = {}, {}
     for run in runs:
         try:
             configs[run.name] = load_train_config(cfg.train_config, list(run.overrides))
-        except ConfigError as exc:
-            errors.append(f"{run.name}: {exc}")
+        except ConfigError as exc:  # grid points that fail alike are listed once
+            errors.setdefault(str(exc), []).append(run.name)
     if errors:
-        raise ConfigError("invalid grid points:\n" + "\n".join(errors))
+        raise ConfigError("invalid grid points:\n" + "\n".join(
+            f"{', '.join(names) if len(names) < len(runs) else 'every grid point'}: {msg}"
+            for msg, names in errors.items()))
     return configs
 
 
