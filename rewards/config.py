@@ -126,7 +126,9 @@ class EvalConfig(_Strict):
             try:
                 task.check_split(s.split)
             except ValueError as e:
-                raise ValueError(f"eval.{name}.split: {e}") from None
+                other = ("; or evaluate another task (eval.out_of_domain.task, e.g. mmlu) or none "
+                         "(eval.out_of_domain=null)" if name == "out_of_domain" else "")
+                raise ValueError(f"eval.{name}.split: {e}{other}") from None
 
     def sets(self, training: TaskConfig) -> dict[str, EvalSet]:
         """The configured sets by name ("in_domain", "out_of_domain"), tasks resolved."""

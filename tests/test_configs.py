@@ -151,6 +151,8 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
                              (["task.train_split=trian"], "task.train_split: .*did you mean 'train'"),
                              (["task.name=mmlu"], "task.train_split: task 'mmlu' has no split 'train'"),
                              (["eval.in_domain.split=test"], "eval.in_domain.split: .*no split 'test'"),
+                             (["task.name=math", "task.options.path=fixture"],
+                              "eval.out_of_domain.split: .*or none \\(eval.out_of_domain=null\\)"),
                              (["eval.out_of_domain.task=mmlu", "eval.out_of_domain.options.subject=[x]"],
                               "eval.out_of_domain.options: .*did you mean 'subjects'")]:
         with pytest.raises(ConfigError, match=field):
