@@ -2,8 +2,8 @@
 build, Ray, DeepSpeed, vLLM) or writes anything, so that a mistake costs a second and one
 message, not a traceback from an actor and a run directory that then blocks the name.
 
-`train()` (cluster/train/run.py) calls `preflight` first; a local `klrl sweep` calls
-`check_environment` for every run before it starts the first. Each rule lives with what it
+`train()` (cluster/train/run.py) calls `preflight` first; a local `klrl sweep` calls it for
+every unfinished run before it starts the first (cluster/experiments/sweep.py, preflight_runs). Each rule lives with what it
 checks; this module only calls them:
 - the config itself (fields, task options and splits): pydantic, at load time (train_config.py,
   rewards/config.py);
