@@ -27,7 +27,7 @@ class GotPastPreflight(AssertionError):
 @pytest.fixture
 def guarded(monkeypatch, tmp_path):
     """`klrl train` in-process that cannot start anything; no wandb key in sight."""
-    import cluster.train.run as run
+    from cluster.train import run
 
     def refuse(*_args, **_kw):
         raise GotPastPreflight("the run got past pre-flight")
@@ -119,8 +119,8 @@ def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: {DEMO_CONFIG} with overrides: invalid configuration",
-        "  task.train_split: task 'arithmetic' has no split 'trian' (did you mean 'train'?); its "
-        "splits are train, in_domain, out_of_domain (from the override task.train_split=trian)"]
+        ("  task.train_split: task 'arithmetic' has no split 'trian' (did you mean 'train'?); its "
+         "splits are train, in_domain, out_of_domain (from the override task.train_split=trian)")]
     assert not out.exists() and time.monotonic() - t0 < 60
 
 
@@ -214,8 +214,8 @@ def test_a_local_sweep_runs_every_pre_flight_before_the_first_run(guarded, capsy
 def eval_guarded(monkeypatch):
     """`klrl eval` in-process that cannot build a model, load a tokenizer or start vLLM."""
     import actors.evaluate
-    import cluster.cli.cmd_model as cmd_model
     from actors.prompting import PromptRenderer
+    from cluster.cli import cmd_model
 
     def refuse(*_args, **_kw):
         raise GotPastPreflight("klrl eval got past its checks")
