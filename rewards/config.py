@@ -3,12 +3,17 @@
 
 They live here, beside the tasks they name, so that the rollout worker (actors/) takes them
 typed without importing cluster/; cluster.config.train_config composes them into TrainConfig.
+
+Validation builds the named tasks (cheap: no data is loaded before a split is drawn), so an
+unknown option or split fails here, before any process starts, not in a rollout worker.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from rewards.registry import get_task
 
 TaskName = Literal["arithmetic", "countdown", "math", "mmlu"]
 StopString = Annotated[str, Field(min_length=1, max_length=1000)]
@@ -42,6 +47,21 @@ class TaskConfig(_Strict):
     stop: list[StopString] = Field(default_factory=list, max_length=64, description="Stop strings: a "
                             "completion ends after the first one it generates (finish_reason "
                             "'stop'; the string is not part of the scored text).")
+
+    @field_validator("options")
+    @classmethod
+    def _task_takes_the_options(cls, options: dict, info: ValidationInfo) -> dict:
+        if (name := info.data.get("name")) is not None:
+            get_task(name, **options)  # ValueError naming the unknown option
+        return options
+
+    @field_validator("train_split")
+    @classmethod
+    def _task_has_the_split(cls, split: str, info: ValidationInfo) -> str:
+        name, options = info.data.get("name"), info.data.get("options")
+        if name is not None and options is not None:
+            get_task(name, **options).check_split(split)
+        return split
 
     @model_validator(mode="after")
     def _check_prompting(self) -> TaskConfig:
@@ -94,6 +114,21 @@ class EvalConfig(_Strict):
                        "-1 (or 0) = off.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Fixes the evaluated problems and the "
                       "sampling seeds, independently of the run's seed.")
+
+    def check_sets(self, training: TaskConfig) -> None:
+        """Raise ValueError, naming `eval.<set>.options` or `eval.<set>.split`, when a set's
+        task does not take its options or has no such split."""
+        for name, s in self.sets(training).items():
+            try:
+                task = get_task(s.task, **s.options)
+            except ValueError as e:
+                raise ValueError(f"eval.{name}.options: {e}") from None
+            try:
+                task.check_split(s.split)
+            except ValueError as e:
+                other = ("; or evaluate another task (eval.out_of_domain.task, e.g. mmlu) or none "
+                         "(eval.out_of_domain=null)" if name == "out_of_domain" else "")
+                raise ValueError(f"eval.{name}.split: {e}{other}") from None
 
     def sets(self, training: TaskConfig) -> dict[str, EvalSet]:
         """The configured sets by name ("in_domain", "out_of_domain"), tasks resolved."""

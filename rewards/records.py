@@ -2,6 +2,7 @@
 and the task interface every prompt source implements."""
 from __future__ import annotations
 
+import difflib
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -63,14 +64,21 @@ class Task(ABC):
 
     def problems(self, split: str, n: int | None = None, seed: int = 0) -> list[Problem]:
         """`n` problems of `split` (None: the split's default size), deterministic for `seed`."""
-        if split not in self.splits:
-            raise ValueError(f"task {self.name!r} has no split {split!r}; "
-                             f"its splits are {', '.join(self.splits)}")
+        self.check_split(split)
         if n is not None and n < 0:
             raise ValueError(f"n must be >= 0 or None, got {n}")
         # A str seed is hashed with SHA-512 by `random`: stable across runs and PYTHONHASHSEED.
         rng = random.Random(f"{self.name}:{split}:{seed}")
         return self._draw(split, n, rng)
+
+    def check_split(self, split: str) -> None:
+        """Raise ValueError, naming the splits there are, when `split` is not one of them."""
+        if split not in self.splits:
+            close = [c for c in difflib.get_close_matches(split, self.splits, n=1, cutoff=0.8)
+                     if abs(len(c) - len(split)) <= 2]  # a typo, not another split (in/out_of_domain)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"task {self.name!r} has no split {split!r}{hint}; "
+                             f"its splits are {', '.join(self.splits)}")
 
     @abstractmethod
     def _draw(self, split: str, n: int | None, rng: random.Random) -> list[Problem]:

@@ -67,6 +67,52 @@ def test_errors_name_the_field_and_the_file(tmp_path):
         load_config(KLTableConfig, tmp_path / "list.yaml")
 
 
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
+    """Plain YAML keeps the last of two equal keys: a second `kl:` section would silently drop
+    the first one's settings."""
+    from cluster.config.train_config import TrainConfig
+
+    for text, key, lines in [("seed: 1\nkl:\n  beta: 0.1\nseed: 2\n", "'seed'", (4, 1)),
+                             ("kl:\n  beta: 0.1\nmax_lag: 1\nkl:\n  estimator: k3\n", "'kl'", (4, 1)),
+                             ("kl:\n  beta: 0.1\n  beta: 0.2\n", "'beta'", (3, 2))]:
+        (tmp_path / "dup.yaml").write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            load_config(TrainConfig, tmp_path / "dup.yaml")
+        assert f"dup.yaml, line {lines[0]}: key {key} is written twice" in str(exc.value)
+        assert f"first on line {lines[1]}" in str(exc.value)
+    # YAML merge keys are not duplicates: `<<: *base` then an override of one of its keys
+    (tmp_path / "merge.yaml").write_text("x: &b {beta: 0.1, estimator: k3}\n"
+                                         "kl: {<<: *b, beta: 0.2}\n")
+    from cluster.config.loader import read_yaml
+
+    assert read_yaml(tmp_path / "merge.yaml")["kl"] == {"beta": 0.2, "estimator": "k3"}
+
+
+def test_errors_name_the_override_and_suggest_the_key():
+    from cluster.config.train_config import TrainConfig
+
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError) as exc:
+        load_config(TrainConfig, tiny, ["kl.betta=3", "max_lag=-1", "task.name=arith", "seed=1"])
+    text = str(exc.value)
+    assert "tiny_cpu.yaml with overrides: invalid configuration" in text
+    assert "kl.betta: unknown key (got 3); did you mean 'beta'? (from the override kl.betta=3)" in text
+    assert "max_lag: " in text and "(from the override max_lag=-1)" in text
+    assert "did you mean 'arithmetic'?" in text and "seed=1" not in text
+    # an error about several fields names the overrides it is about
+    with pytest.raises(ConfigError, match=r"learner\.num_ranks \(3\).*override learner\.num_ranks=3"):
+        load_config(TrainConfig, tiny, ["learner.num_ranks=3", "seed=1"])
+
+def test_an_error_in_the_file_blames_no_override(tmp_path):
+    from cluster.config.train_config import TrainConfig
+
+    (tmp_path / "bad.yaml").write_text("max_lag: -1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(TrainConfig, tmp_path / "bad.yaml", ["seed=1"])
+    assert str(exc.value).startswith(f"{tmp_path / 'bad.yaml'}: invalid configuration\n  max_lag:")
+    assert "override" not in str(exc.value)
+
+
 @pytest.mark.parametrize("family", ["qwen2.5-7b_math", "qwen3-4b-instruct_countdown",
                                     "llama-3.1-8b-instruct_math"])
 def test_paper_variants_differ_only_in_kl(family):
@@ -99,7 +145,16 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
                              (["kl.truncate=2"], "truncate"),
                              (["eval.max_new_tokens=512"], "max_model_len"),
                              (["task.chat_template=none", "task.system_prompt=hi"],
-                              "system_prompt")]:
+                              "system_prompt"),
+                             # the task's own rules (rewards.registry), not a worker's crash
+                             (["task.options.foo=1"], "task.options: task 'arithmetic' has no option 'foo'"),
+                             (["task.train_split=trian"], "task.train_split: .*did you mean 'train'"),
+                             (["task.name=mmlu"], "task.train_split: task 'mmlu' has no split 'train'"),
+                             (["eval.in_domain.split=test"], "eval.in_domain.split: .*no split 'test'"),
+                             (["task.name=math", "task.options.path=fixture"],
+                              "eval.out_of_domain.split: .*or none \\(eval.out_of_domain=null\\)"),
+                             (["eval.out_of_domain.task=mmlu", "eval.out_of_domain.options.subject=[x]"],
+                              "eval.out_of_domain.options: .*did you mean 'subjects'")]:
         with pytest.raises(ConfigError, match=field):
             load_config(TrainConfig, tiny, overrides)
 

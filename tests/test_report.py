@@ -173,6 +173,20 @@ def test_report_of_one_run_and_the_cli(tmp_path, capsys):
     assert "colapse_fraction" in capsys.readouterr().err
 
 
+def test_an_unknown_kl_metric_fails_listing_the_logged_ones(tmp_path, capsys):
+    from cluster.cli.main import main
+
+    run_dir = write_run(tmp_path / "my-run")
+    assert main(["report", str(run_dir), "kl_metric=kl/pi_rf"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("error: kl_metric='kl/pi_rf': no run logged it (did you mean "
+                           "'kl/pi_ref'?); the KL metrics logged are kl/pi_ref, kl/pi_ref_k3")
+    assert not (run_dir / "report").exists()
+    assert main(["report", str(run_dir), "kl_metric=kl/pi_ref_k3", "smooth=1"]) == 0
+    untrained = write_run(tmp_path / "new-run", steps=0)  # a sweep's run before its first step
+    assert main(["report", str(untrained), "kl_metric=anything"]) == 0
+
+
 def test_training_curves_can_be_placed_at_the_policy_version_that_sampled_them(tmp_path):
     from cluster.experiments.report_plots import FIGURES, _aggregate
 

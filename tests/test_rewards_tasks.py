@@ -36,8 +36,13 @@ def test_every_task_meets_the_contract(name):
 def test_unknown_task_and_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="unknown task 'gsm8k'; known tasks: arithmetic"):
         get_task("gsm8k")
-    with pytest.raises(ValueError, match="task 'arithmetic': bad options \\['digits'\\]"):
+    with pytest.raises(ValueError, match="task 'arithmetic' has no option 'digits'; it takes no options"):
         get_task("arithmetic", digits=3)
+    with pytest.raises(ValueError, match="has no option 'pth' \\(did you mean 'path'\\?\\); its "
+                       "options are train, in_domain, out_of_domain, path, columns"):
+        get_task("math", pth="fixture")
+    with pytest.raises(ValueError, match="no split 'trian' \\(did you mean 'train'\\?\\)"):
+        get_task("countdown").check_split("trian")
 
 
 def test_problem_is_a_frozen_typed_record():

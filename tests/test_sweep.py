@@ -3,6 +3,7 @@ skip-finished / resume-partial decisions and failure handling of the run loop (w
 that runs nothing), and one real 2-run sweep through the CLI that is rerun (both skipped) and
 reported."""
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -111,6 +112,13 @@ def test_bad_grid_points_fail_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="CNone|C2") as exc:
         validate_runs(cfg, expand(cfg))
     assert "C2" in str(exc.value) and "CNone:" not in str(exc.value)
+    assert "(from the override kl.truncate=2.0)" in str(exc.value)  # the grid value, not the file
+    cfg = _sweep(tmp_path, grid={"seed": [0, 1], "kl.betta": [0.1]})
+    with pytest.raises(ConfigError) as exc:
+        validate_runs(cfg, expand(cfg))
+    lines = str(exc.value).splitlines()  # one message for the runs that fail alike
+    assert lines[1].startswith("every grid point: ") and len(lines) == 3
+    assert "kl.betta: unknown key (got 0.1); did you mean 'beta'?" in lines[2]
 
 
 def test_run_state_and_resume_flag(tmp_path):
@@ -193,6 +201,12 @@ def test_dry_run_lists_runs_and_states(tmp_path, capsys):
     assert main(["sweep", str(path), "--dry-run", "overrides.total_steps=3"]) == 0
     out = capsys.readouterr().out
     assert "[1/2] lag0 (new): klrl train" in out and "[2/2] lag4 (new)" in out and "total_steps=3" in out
+    # each command pastes into a shell: the tags' quotes and spaces survive
+    runs = expand(load_sweep(path, ["overrides.total_steps=3"]))
+    for line, run in zip(out.strip().splitlines(), runs, strict=True):
+        assert shlex.split(line.split(": ", 1)[1]) == ["klrl", *train_command(
+            load_sweep(path, ["overrides.total_steps=3"]), run, "new")]
+    assert "'logging.tags=[\"max_lag=0\"]'" in out
     assert main(["sweep", str(path), "--dry-run", "grid.max_lag=[-1]"]) == 2
     assert main(["sweep", str(path), "--address", "http://x:8265", "output_dir=rel"]) == 2
 

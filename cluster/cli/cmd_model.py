@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from cluster.tiny.model import TARGET_ACCURACY, init_default_model, read_metadata
 
@@ -37,8 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--task", default="arithmetic", help="task name (default arithmetic)")
     p.add_argument("--splits", default="in_domain,out_of_domain",
                    help="comma-separated splits (default in_domain,out_of_domain)")
-    p.add_argument("--n", type=int, default=200, help="problems per split (default 200)")
-    p.add_argument("--samples", type=int, default=4,
+    p.add_argument("--n", type=_at_least(1), default=200, help="problems per split (default 200)")
+    p.add_argument("--samples", type=_at_least(0), default=4,
                    help="samples per problem at temperature 1; 0 for greedy only (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of problems and sampling")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -62,6 +63,37 @@ def _fraction(text: str) -> float:
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
     return value
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in "invalid int value" messages
+    return parse
+
+
+def _check_task(args: argparse.Namespace) -> list[str]:
+    """The splits `klrl eval` asks for, after checking the task has them (the task registry's
+    rules): a typo fails here, in one line, not after vLLM has started."""
+    from rewards import get_task
+
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    try:
+        task = get_task(args.task)
+    except ValueError as exc:
+        raise ValueError(f"--task: {exc}") from None
+    if not splits:
+        raise ValueError(f"--splits: no split given; task {args.task!r} has "
+                         f"{', '.join(task.splits)}")
+    for split in splits:
+        try:
+            task.check_split(split)
+        except ValueError as exc:
+            raise ValueError(f"--splits: {exc}") from None
+    return splits
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -108,13 +140,17 @@ def _eval(args: argparse.Namespace) -> int:
     from actors.prompting import PromptRenderer
 
     console = Console()
+    try:
+        splits = _check_task(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     model = args.model_dir
     if model == "default":
         model = init_default_model()
     elif not os.path.isdir(model):
         console.print(f"[red]not a directory:[/red] {model}")
         return 2
-    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     renderer = PromptRenderer.from_pretrained(
         model, chat_template=args.chat_template, system_prompt=args.system_prompt, stop=args.stop)
     result = evaluate(

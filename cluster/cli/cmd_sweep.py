@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from cluster.experiments.sweep import (
     cpus_per_run,
     expand,
     load_sweep,
+    preflight_runs,
     run_state,
     run_sweep,
     sweep_dir,
@@ -30,6 +32,8 @@ def _run_sweep(args) -> int:
             raise ConfigError(f"output_dir={cfg.output_dir!r}: with --address the runs are "
                               "written on the cluster; give an absolute path on storage shared "
                               "with this machine (e.g. output_dir=/shared/runs)")
+        if not args.address:
+            preflight_runs(cfg, runs, configs)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -37,8 +41,8 @@ def _run_sweep(args) -> int:
     if args.dry_run:
         for run in runs:
             state = run_state(root / run.name)
-            print(f"[{run.index}/{len(runs)}] {run.name} ({state}): klrl "
-                  + " ".join(train_command(cfg, run, state)))
+            print(f"[{run.index}/{len(runs)}] {run.name} ({state}): "
+                  + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
         return 0
     need = max(cpus_per_run(c) for c in configs.values())
     if not args.address and cfg.parallel * need > (cores := _cores()):
@@ -61,7 +65,11 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
           f"before), {count['failed']} failed, {count['stopped']} stopped, "
           f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")
     if write and count["finished"] + count["skipped"] + count["stopped"]:
-        print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
+        try:
+            print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
+        except ConfigError as exc:  # e.g. a report.kl_metric no run logged: the runs stand
+            print(f"report not written: {exc}; fix it and run `klrl report {sweep_dir(cfg)}`",
+                  file=sys.stderr)
     failed = [o for o in outcomes if o.status == "failed"]
     for o in failed:
         print(f"FAILED {o.run.name}: {o.detail}", file=sys.stderr)
@@ -78,7 +86,8 @@ def _run_report(args) -> int:
         base = {}
         if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
             base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
-        cfg = validate(ReportConfig, merge(base, args.overrides), source="report options")
+        cfg = validate(ReportConfig, merge(base, args.overrides), source="report options",
+                       overrides=args.overrides)
         report = write_report(path, cfg)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

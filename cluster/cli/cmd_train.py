@@ -12,29 +12,32 @@ from cluster.train.stopping import RunStopped
 
 
 def _config_for(args):
-    """The TrainConfig a `klrl train` command line asks for. `--resume RUN_DIR` takes the
-    run's own config.yaml (overrides still apply, e.g. a larger total_steps)."""
+    """The TrainConfig a `klrl train` command line asks for. `--resume` is a flag that may stand
+    anywhere; the one argument without `=` is the config, or with --resume a run directory,
+    whose own config.yaml is then read (overrides still apply, e.g. a larger total_steps)."""
     # torch (kl's configs) and Ray: loaded when a command runs, not at `klrl --help`.
     from cluster.config.train_config import load_train_config
 
-    overrides = list(args.overrides)
-    config = args.config
-    if config is not None and "=" in config:  # `--resume RUN_DIR key=value`: no config given
-        overrides.insert(0, config)
-        config = None
-    if isinstance(args.resume, str):
-        run_dir = Path(args.resume)
-        if config is not None:
-            raise ConfigError("give either a config or --resume RUN_DIR, not both")
-        if not config_path(run_dir).is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
-        overrides += [f"output_dir={run_dir.parent}", f"run_name={run_dir.name}"]
-        return load_train_config(config_path(run_dir), overrides)
-    if config is None:
+    given = [a for a in (args.config, *args.overrides) if a is not None]
+    overrides = [a for a in given if "=" in a]
+    paths = [a for a in given if "=" not in a]
+    if len(paths) > 1:
+        raise ConfigError(f"give one config file (or, with --resume, one run directory), not "
+                          f"{len(paths)}: {' '.join(paths)}")
+    if not paths:
         raise ConfigError("klrl train needs a config file (or --resume RUN_DIR)")
-    cfg = load_train_config(config, overrides)
+    path = Path(paths[0])
+    if path.is_dir():
+        if not args.resume:
+            raise ConfigError(f"{path} is a directory: to continue the run in it, add --resume")
+        if not config_path(path).is_file():
+            raise ConfigError(f"--resume {path}: no config.yaml there (not a run directory)")
+        overrides += [f"output_dir={path.parent}", f"run_name={path.name}"]
+        return load_train_config(config_path(path), overrides)
+    cfg = load_train_config(path, overrides)
     if args.resume and cfg.run_name is None:
-        raise ConfigError("--resume without RUN_DIR needs run_name in the config or overrides")
+        raise ConfigError("--resume with a config file needs run_name (in it or as an override) "
+                          "to name the run to continue; or give the run directory instead")
     return cfg
 
 
@@ -99,11 +102,14 @@ def _run_submit(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a policy (local Ray, or RAY_ADDRESS)")
-    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("config", nargs="?", metavar="CONFIG|RUN_DIR", help="YAML config, e.g. "
+                   "configs/tiny_cpu.yaml; with --resume, a run directory instead")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. kl.estimator=k3 max_lag=2")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
-                   help="continue a run from its newest complete checkpoint: RUN_DIR, or the run "
-                   "the config's run_name names; starts afresh if there is no checkpoint yet")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run from its newest complete checkpoint: the RUN_DIR given, "
+                   "or the run the config's run_name names; starts an unfinished run afresh if "
+                   "it has no checkpoint yet (anywhere on the line: `klrl train --resume RUN_DIR "
+                   "total_steps=600`)")
     p.set_defaults(func=_run_train)
 
     p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")

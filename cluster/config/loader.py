@@ -2,13 +2,17 @@
 
 OmegaConf merges the file and the dotted overrides (and parses override values as YAML
 scalars: `kl.beta=0.05`, `kl.truncate=null`, `max_lag=2`); pydantic then validates the plain
-dict, so every field has a type, bounds and a docstring in one place. Errors name the field
-and the file.
+dict, so every field has a type, bounds and a docstring in one place. Errors name the field,
+the file and, when the bad value came from one, the override (`kl.beta=-1`); an unknown key
+gets a "did you mean" from the known ones. A key written twice in one YAML mapping is an
+error (plain YAML keeps the last one silently, which drops half of a duplicated section).
 """
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import yaml
 from omegaconf import OmegaConf
@@ -44,6 +48,39 @@ def merge(base: dict, overrides: list[str]) -> dict:
         raise ConfigError(f"cannot apply overrides {overrides}: {exc}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key written twice in one mapping (`<<` merges aside)."""
+
+    source = "<yaml>"
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # an unhashable (complex) key: YAML itself rejects it below
+                    continue
+                if first != key_node.start_mark.line:
+                    raise ConfigError(
+                        f"{self.source}, line {key_node.start_mark.line + 1}: key {key!r} is "
+                        f"written twice in one mapping (first on line {first + 1}); YAML would "
+                        "keep only the last one: merge the two into one")
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str, source: str):
+    loader = _UniqueKeyLoader(text)
+    loader.source = source
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     """Read a YAML mapping. A top-level `base: other.yaml` (relative to this file) is read
     first and this file's keys are merged over it, so variants only state what differs."""
@@ -51,7 +88,7 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _load_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -65,22 +102,83 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     return data
 
 
-def validate(model: type[M], data: dict, source: str = "config") -> M:
+def validate(model: type[M], data: dict, source: str = "config", overrides: list[str] = ()) -> M:
+    """`model` validated from `data`, or a ConfigError with one line per bad field, naming the
+    override that set it (if one did) and, for an unknown key or value, the closest known one."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        lines = []
+        lines, blamed = [], False
         for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-            lines.append(f"  {field}: {err['msg']}{got}")
-        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
+            field = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            shown = "input" in err and not isinstance(err["input"], dict) and err["type"] != "value_error"
+            got = f" (got {err['input']!r})" if shown else ""  # a ValueError's message names it
+            line = f"  {msg}" if field and msg.startswith(field) or not field else f"  {field}: {msg}{got}"
+            if hint := _did_you_mean(model, err):
+                line += f"; did you mean {hint!r}?"
+            if culprits := _overrides_behind(field, msg, overrides):
+                line += f" (from the override {' '.join(culprits)})"
+                blamed = True
+            lines.append(line)
+        where = f"{source} with overrides" if blamed else source
+        raise ConfigError(f"{where}: invalid configuration\n" + "\n".join(lines)) from None
+
+
+def _overrides_behind(field: str, msg: str, overrides: list[str]) -> list[str]:
+    """The `key=value` overrides that set `field` (or a key inside or above it); for an error
+    about several fields (no field), those whose key the message names."""
+    found = []
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if field:
+            hit = key == field or key.startswith(field + ".") or field.startswith(key + ".")
+        else:
+            hit = re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", msg) is not None
+        if hit:
+            found.append(item)
+    return found
+
+
+def _did_you_mean(model: type[BaseModel], err: dict) -> str | None:
+    """The known key closest to an unknown one, or the allowed value closest to a bad one."""
+    if err["type"] == "extra_forbidden" and err["loc"]:
+        *parent, key = err["loc"]
+        return _closest(str(key), _known_keys(model, parent))
+    if err["type"] == "literal_error" and isinstance(err.get("input"), str):
+        return _closest(err["input"], re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected"))))
+    return None
+
+
+def _closest(word: str, choices: list[str]) -> str | None:
+    """The choice `word` abbreviates, else the most similar one (difflib), else None."""
+    if prefixed := [c for c in choices if c.startswith(word)]:
+        return prefixed[0]
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _known_keys(model: type[BaseModel], loc: list) -> list[str]:
+    """Field names of the sub-model at `loc` inside `model` ([] when it is not a model)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        sub = [a for a in (field.annotation, *get_args(field.annotation))
+               if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not sub:
+            return []
+        model = sub[0]
+    return list(model.model_fields)
 
 
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] = ()) -> M:
     """Read `path` (or start from the model's defaults), apply overrides, validate."""
     base = read_yaml(path) if path is not None else {}
-    return validate(model, merge(base, list(overrides)), source=str(path or "defaults"))
+    return validate(model, merge(base, list(overrides)), source=str(path or "defaults"),
+                    overrides=list(overrides))
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:

@@ -7,13 +7,14 @@ constraints that span several of them.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import RolloutConfig, SyncConfig
-from cluster.config.loader import load_config
+from cluster.config.loader import ConfigError, load_config
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from learner.config import LearnerConfig
 from rewards.config import EvalConfig, TaskConfig
@@ -29,6 +30,32 @@ class ModelConfig(_Strict):
     path: str | None = Field(None, min_length=1, description="Hugging Face model directory (or hub "
                              "name on a cluster). null: the embedded tiny arithmetic model, built "
                              "once by `klrl init-model` and cached.")
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `gpt2`, `Qwen/Qwen2.5-7B`
+
+
+def check_model_path(path: str | None) -> None:
+    """The rule for `model.path` where the run runs (not at validation: `klrl submit` checks
+    configs on a machine that may lack the cluster's paths). null, a Hugging Face model
+    directory here, or a name that can only mean the hub pass; a missing local path, or a
+    directory without config.json, is a ConfigError naming the field and the fix (transformers
+    would take a missing path for a repository id and fail deep inside a learner rank).
+    A name such as `org/model` whose first part is not a local directory is taken for the hub."""
+    if path is None:
+        return
+    local = Path(path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ConfigError(f"model.path={path} is a file, not a Hugging Face model directory")
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.path={path}: this directory has no config.json, it is not "
+                              "a Hugging Face model directory")
+        return
+    if not _HUB_NAME.match(path) or ("/" in path and Path(path.split("/")[0]).is_dir()):
+        raise ConfigError(f"model.path={path}: no such directory (and not a hub name such as "
+                          "Qwen/Qwen2.5-7B); give a Hugging Face model directory, or null for "
+                          "the embedded tiny model")
 
 
 class LoggingConfig(_Strict):
@@ -107,6 +134,7 @@ class TrainConfig(_Strict):
         if self.advantage.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
+        self.eval.check_sets(self.task)  # every evaluated task has its split
         per_rank = prompts // ranks
         if per_rank % self.learner.mini_batches:
             raise ValueError(f"the {per_rank} prompts per learner rank (rollout.prompts_per_step "

@@ -17,6 +17,7 @@ Instability flags (per run; thresholds are ReportConfig fields, documented in RE
 """
 from __future__ import annotations
 
+import difflib
 import math
 import statistics
 import time
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.config.loader import ConfigError
 from cluster.experiments.labels import configuration_keys, flatten, value_token
 from cluster.experiments.report_plots import FIGURES, plot_figure
 from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
@@ -210,6 +212,20 @@ def nonfinite_steps(run: RunData) -> tuple[int, str] | None:
     return first, f"{len(bad)} step(s); first: {', '.join(bad[first][:4])}"
 
 
+def check_kl_metric(runs: list[RunData], cfg: ReportConfig) -> None:
+    """ConfigError listing the KL metrics the runs logged when none of them logged
+    `kl_metric` (a typo would otherwise silently flag no blow-up). Runs that have not trained
+    a step yet (a sweep just started) say nothing either way."""
+    rows = [row for r in runs for step, row in r.rows.items() if step > 0]
+    if not rows or any(cfg.kl_metric in row for row in rows):
+        return
+    logged = sorted({k for row in rows for k in row if k.startswith("kl/")})
+    close = difflib.get_close_matches(cfg.kl_metric, logged, n=1)
+    raise ConfigError(f"kl_metric={cfg.kl_metric!r}: no run logged it"
+                      + (f" (did you mean {close[0]!r}?)" if close else "")
+                      + f"; the KL metrics logged are {', '.join(logged) or 'none'}")
+
+
 def instability_flags(run: RunData, cfg: ReportConfig) -> list[Flag]:
     flags = []
     for key, label in ACCURACY_KEYS:
@@ -264,6 +280,7 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
     runs = find_runs(path)
     if not runs:
         raise FileNotFoundError(f"{path}: no run directory (with metrics.jsonl) here or directly inside")
+    check_kl_metric(runs, cfg)
     groups = group_runs(runs)
     flags = [f for r in runs for f in instability_flags(r, cfg)]
     out = path / "report"

@@ -156,15 +156,39 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     grid fails here, naming each bad grid point, rather than hours into the sweep."""
     from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
 
-    configs, errors = {}, []
+    configs, errors = {}, {}
     for run in runs:
         try:
             configs[run.name] = load_train_config(cfg.train_config, list(run.overrides))
-        except ConfigError as exc:
-            errors.append(f"{run.name}: {exc}")
+        except ConfigError as exc:  # grid points that fail alike are listed once
+            errors.setdefault(str(exc), []).append(run.name)
     if errors:
-        raise ConfigError("invalid grid points:\n" + "\n".join(errors))
+        raise ConfigError("invalid grid points:\n" + "\n".join(
+            f"{', '.join(names) if len(names) < len(runs) else 'every grid point'}: {msg}"
+            for msg, names in errors.items()))
     return configs
+
+
+def preflight_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict[str, Any]) -> None:
+    """Each unfinished run's pre-flight (cluster/train/preflight.py: its model, plug-in scorer,
+    wandb key, and for a run to resume its checkpoint's config) on this machine, before the
+    first run starts: a mistake common to every run is one message, not N failed runs.
+    Local sweeps only: on a cluster the jobs check themselves where they run."""
+    from cluster.train.preflight import preflight
+
+    failures: dict[str, list[str]] = {}
+    for run in runs:
+        state = run_state(sweep_dir(cfg) / run.name)
+        if state == "finished":
+            continue
+        try:
+            preflight(configs[run.name], resume=state == "partial")
+        except (ConfigError, FileExistsError) as exc:
+            failures.setdefault(str(exc), []).append(run.name)
+    if failures:
+        raise ConfigError("runs that would fail before they start:\n" + "\n".join(
+            f"  {', '.join(names) if len(names) < len(runs) else 'every run'}: {msg}"
+            for msg, names in failures.items()))
 
 
 def run_state(run_dir: Path) -> RunState:

@@ -98,6 +98,24 @@ def read_checkpoint(path: str | Path) -> ControllerState:
     return ControllerState(**json.loads((path / "controller.json").read_text()))
 
 
+# The config sections a resumed run may not change: the objective and the state it starts from.
+OBJECTIVE_SECTIONS = ("model", "seed", "task", "kl", "advantage", "learner")
+
+
+def objective_changes(saved: dict, current: dict) -> list[str]:
+    """`key: old -> new` for every value in OBJECTIVE_SECTIONS that differs between the config
+    a checkpoint was written with and the current one (both resolved, as plain dicts)."""
+    return [change for section in OBJECTIVE_SECTIONS
+            for change in _changes(saved.get(section), current.get(section), section)]
+
+
+def _changes(old, new, key: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [*old, *(k for k in new if k not in old)]
+        return [c for k in keys for c in _changes(old.get(k), new.get(k), f"{key}.{k}")]
+    return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
+
+
 def model_sha256(model_dir: str | Path) -> str:
     """Content hash of a model directory's weight files: the reference policy's identity.
     (A hub name on a cluster hashes as its name; weights are not fetched here.)"""

@@ -140,16 +140,12 @@ class Controller:
         return {}
 
     def _read_resume_state(self) -> ckpt.ControllerState | None:
-        """The checkpoint's controller state (after checking it belongs to this run), and
-        the metrics log cut back to the checkpoint's step: later rows are redone."""
+        """The checkpoint's controller state (after checking the reference model is the one
+        it started from; train()'s preflight checked the config), and the metrics log cut
+        back to the checkpoint's step: later rows are redone."""
         if self.resume_from is None:
             return None
-        state = ckpt.read_checkpoint(self.resume_from)
-        changed = [k for k in ("model", "seed", "task", "kl", "advantage", "learner")
-                   if state.config.get(k) != self.cfg.model_dump(mode="json")[k]]
-        if changed:
-            raise ConfigError(f"cannot resume {self.resume_from}: the config changed {changed} "
-                             "(a resumed run must train the same objective from the same state)")
+        state = ckpt.read_checkpoint(self.resume_from)  # its config: checked by preflight
         if state.reference_sha256 != self.reference_sha256:
             raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
                              f"in {self.model_dir} differ from the ones the run started from")

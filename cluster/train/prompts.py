@@ -18,9 +18,7 @@ class PromptStream:
 
         self.task = get_task(task_cfg.name, **task_cfg.options)
         self.split, self.seed = task_cfg.train_split, seed
-        if self.split not in self.task.splits:
-            raise ValueError(f"task.train_split {self.split!r} is not a split of task "
-                             f"{task_cfg.name!r} (splits: {self.task.splits})")
+        self.task.check_split(self.split)
         self.position = position  # prompts consumed so far (the data position of a checkpoint)
         self._chunk_index, self._chunk = -1, []
 

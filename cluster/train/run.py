@@ -7,10 +7,10 @@ from pathlib import Path
 import ray
 
 from cluster.config.train_config import TrainConfig
-from cluster.train.checkpoint import latest_checkpoint
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.run_log import abandon_metrics, default_run_name, has_metrics
+from cluster.train.preflight import preflight
+from cluster.train.run_log import abandon_metrics, has_metrics
 from cluster.train.stopping import GracefulStop
 
 
@@ -19,14 +19,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
 
     resume=False: the run directory must not hold a run yet. resume=True: continue it from its
     newest complete checkpoint; with none (or no directory) start it afresh, keeping an earlier
-    metrics log as metrics.jsonl.abandoned-N. Raises RunStopped (with .checkpoint set) when the
-    run stops early: a signal, worker restarts used up, too many non-finite steps."""
-    run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
-    resume_from = latest_checkpoint(run_dir) if resume else None
-    if has_metrics(run_dir) and resume_from is None:
-        if not resume:
-            raise FileExistsError(f"{run_dir} already holds a run; choose another run_name, or "
-                                  f"continue it with `klrl train --resume {run_dir}`")
+    metrics log as metrics.jsonl.abandoned-N (a finished run without one is refused). Every
+    check that needs no process runs first (cluster/train/preflight.py: ConfigError or
+    FileExistsError, nothing started or written). Raises RunStopped (with .checkpoint set) when
+    the run stops early: a signal, worker restarts used up, too many non-finite steps."""
+    run_dir, resume_from = preflight(cfg, resume)
+    if resume and resume_from is None and has_metrics(run_dir):
         abandon_metrics(run_dir)
         print(f"{run_dir} has no complete checkpoint: starting it afresh")
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
-from cluster.config.loader import dump_config
+from cluster.config.loader import ConfigError, dump_config
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -58,6 +60,39 @@ def default_run_name(cfg) -> str:
     return f"{k.estimator}-{k.placement.replace('+', '_')}-{k.importance}{trunc}-b{k.beta:g}-lag{cfg.max_lag}-s{cfg.seed}-{stamp}"
 
 
+def wandb_mode(cfg) -> str:
+    """logging.wandb_mode, else WANDB_MODE, else offline (files only, no account needed)."""
+    return cfg.logging.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+
+
+def check_wandb(cfg) -> None:
+    """An online wandb run needs an API key; without one wandb fails once the run directory
+    exists and every actor has started. ConfigError naming the setting and the fixes."""
+    if wandb_mode(cfg) not in ("online", "run", "shared") or _wandb_key_available():
+        return
+    where = ("logging.wandb_mode=online" if cfg.logging.wandb_mode
+             else "WANDB_MODE=online (logging.wandb_mode is null)")
+    raise ConfigError(f"{where} needs a wandb API key and none is set: set WANDB_API_KEY or "
+                      "run `wandb login`, or use logging.wandb_mode=offline (no account "
+                      "needed; `wandb sync` uploads later)")
+
+
+def _wandb_key_available() -> bool:
+    """WANDB_API_KEY (or an identity token file), or a netrc entry for the wandb host (what
+    `wandb login` writes). An unreadable netrc counts as available: wandb decides."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = os.environ.get("NETRC") or next(
+        (p for p in ("~/.netrc", "~/_netrc") if Path(p).expanduser().exists()), "~/.netrc")
+    try:
+        return netrc.netrc(Path(path).expanduser()).authenticators(host) is not None
+    except FileNotFoundError:
+        return False
+    except (netrc.NetrcParseError, OSError):
+        return True
+
+
 class RunLog:
     """Owns runs/<name>/ and the metrics sinks. Use as a context manager."""
 
@@ -71,7 +106,7 @@ class RunLog:
         self._start_wandb()
 
     def _start_wandb(self) -> None:
-        mode = self.cfg.logging.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+        mode = wandb_mode(self.cfg)
         if mode == "disabled":
             return
         import wandb

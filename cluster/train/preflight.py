@@ -1,0 +1,73 @@
+"""Pre-flight: every check a training run can make before it starts anything (the tiny model
+build, Ray, DeepSpeed, vLLM) or writes anything, so that a mistake costs a second and one
+message, not a traceback from an actor and a run directory that then blocks the name.
+
+`train()` (cluster/train/run.py) calls `preflight` first; a local `klrl sweep` calls it for
+every unfinished run before it starts the first (cluster/experiments/sweep.py, preflight_runs). Each rule lives with what it
+checks; this module only calls them:
+- the config itself (fields, task options and splits): pydantic, at load time (train_config.py,
+  rewards/config.py);
+- model.path: `train_config.check_model_path`;
+- task.reward: `rewards.load_scorer` (imports it as the rollout workers will);
+- an online wandb run's API key: `run_log.check_wandb`;
+- the run directory and resume: here, with `checkpoint.objective_changes`.
+Raises ConfigError (or FileExistsError for a name already taken); `klrl train` exits 2.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.config.loader import ConfigError
+from cluster.config.train_config import TrainConfig, check_model_path
+from cluster.train import checkpoint as ckpt
+from cluster.train.run_log import check_wandb, default_run_name, has_metrics, is_finished
+
+
+def check_environment(cfg: TrainConfig) -> None:
+    """What the config needs from this machine: its model, its plug-in scorer, a wandb key."""
+    check_model_path(cfg.model.path)
+    if cfg.task.reward:
+        from rewards import load_scorer
+
+        try:
+            load_scorer(cfg.task.reward)
+        except ValueError as exc:
+            raise ConfigError(f"task.reward: {exc}; a plug-in scorer must be importable by "
+                              "the training process (its package on PYTHONPATH)") from None
+    check_wandb(cfg)
+
+
+def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None]:
+    """Check everything that can be checked before the run starts, touching nothing.
+    Returns (run directory, checkpoint to resume from or None)."""
+    check_environment(cfg)
+    run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
+    resume_from = ckpt.latest_checkpoint(run_dir) if resume else None
+    if resume_from is not None:
+        _check_resumable(cfg, run_dir, resume_from)
+    elif has_metrics(run_dir) and not resume:
+        raise FileExistsError(f"{run_dir} already holds a run; choose another run_name, or "
+                              f"continue it with `klrl train --resume {run_dir}`")
+    elif resume and is_finished(run_dir):
+        raise ConfigError(
+            f"cannot resume {run_dir}: the run finished and kept no checkpoint "
+            "(checkpoint_every: 0), so resuming would retrain it from step 0. To train on from "
+            f"its final weights, start a new run with model.path={run_dir / 'final'} (they "
+            "are then also its KL reference); runs with checkpoint_every > 0 checkpoint at the "
+            "end and extend with `klrl train --resume RUN_DIR total_steps=N`")
+    return run_dir, resume_from
+
+
+def _check_resumable(cfg: TrainConfig, run_dir: Path, resume_from: Path) -> None:
+    state = ckpt.read_checkpoint(resume_from)
+    if changes := ckpt.objective_changes(state.config, cfg.model_dump(mode="json")):
+        raise ConfigError(
+            f"cannot resume {run_dir} from {resume_from.name}: the config changed "
+            f"{'; '.join(changes)}. A resumed run trains the same objective "
+            f"({', '.join(ckpt.OBJECTIVE_SECTIONS)}) from the same state: drop those "
+            "overrides, or start a new run (another run_name)")
+    if is_finished(run_dir) and state.step >= cfg.total_steps:
+        raise ConfigError(
+            f"cannot resume {run_dir}: it finished at step {state.step} (total_steps: "
+            f"{cfg.total_steps}); to train longer, raise it: `klrl train --resume {run_dir} "
+            f"total_steps={2 * state.step}`")

@@ -1,0 +1,249 @@
+"""Mistakes fail before anything starts: exit code 2, a message of one or two lines naming the
+field and the fix, no run directory, no process (README, "Fail fast").
+
+Every `klrl train` here runs in-process through the CLI's `main` with Ray start-up and the model
+build replaced by a guard that fails the test: a mistake that got past pre-flight would reach
+it. One case runs as a real subprocess to check the exit code and the time end to end."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.cli.main import main
+from cluster.config.loader import DEMO_CONFIG, dump_config
+from cluster.config.train_config import load_train_config
+from cluster.train import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class GotPastPreflight(AssertionError):
+    """Raised where Ray would start or the model would be built."""
+
+
+@pytest.fixture
+def guarded(monkeypatch, tmp_path):
+    """`klrl train` in-process that cannot start anything; no wandb key in sight."""
+    from cluster.train import run
+
+    def refuse(*_args, **_kw):
+        raise GotPastPreflight("the run got past pre-flight")
+
+    monkeypatch.setattr(run, "resolve_model", refuse)
+    monkeypatch.setattr(run, "start_ray", refuse)
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+
+
+def _klrl(capsys, *argv) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    code = main(list(argv))
+    return code, capsys.readouterr().err, time.monotonic() - t0
+
+
+def _assert_refused(code, err, seconds, out_dir: Path, *names):
+    import ray
+
+    assert code == 2, err
+    assert 1 <= len(err.strip().splitlines()) <= 2, err
+    for name in names:
+        assert name in err, (name, err)
+    assert not out_dir.exists(), "a run directory was left behind"
+    assert not ray.is_initialized()
+    assert seconds < 20, f"took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["model.path=/nonexistent/klrl-model"], ["model.path", "no such directory"]),
+    (["task.reward=no_such_module:score"], ["task.reward", "cannot import module 'no_such_module'"]),
+    (["task.options.foo=1"], ["task.options", "no option 'foo'"]),
+    (["task.train_split=trian"], ["task.train_split", "did you mean 'train'"]),
+    (["eval.in_domain.split=test"], ["eval.in_domain.split", "its splits are train, in_domain"]),
+    (["logging.wandb_mode=online"], ["logging.wandb_mode=online", "WANDB_API_KEY",
+                                     "logging.wandb_mode=offline"]),
+], ids=lambda v: v[0] if isinstance(v, list) and "=" in v[0] else None)
+def test_a_typo_fails_before_anything_starts(guarded, capsys, tmp_path, overrides, names):
+    out = tmp_path / "runs"
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}",
+                               "run_name=r", *overrides)
+    _assert_refused(code, err, seconds, out, *names)
+
+
+def test_a_directory_that_is_not_a_model_and_a_wandb_mode_from_the_environment(
+        guarded, capsys, tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}",
+                               f"model.path={tmp_path}")
+    _assert_refused(code, err, seconds, out, "model.path", "no config.json")
+    monkeypatch.setenv("WANDB_MODE", "online")
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}")
+    _assert_refused(code, err, seconds, out, "WANDB_MODE=online", "WANDB_API_KEY")
+
+
+def test_a_wandb_key_from_the_environment_or_netrc_is_enough(guarded, monkeypatch, tmp_path):
+    from cluster.train.run_log import check_wandb
+
+    cfg = load_train_config(DEMO_CONFIG, ["logging.wandb_mode=online"])
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    check_wandb(cfg)
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "x" * 40 + "\n")
+    check_wandb(cfg)
+    with pytest.raises(GotPastPreflight):  # and the run goes on to start
+        main(["train", str(DEMO_CONFIG), f"output_dir={tmp_path / 'runs'}", "logging.wandb_mode=online"])
+
+
+def test_a_hub_name_passes_and_a_local_looking_path_does_not(tmp_path, monkeypatch):
+    from cluster.config.loader import ConfigError
+    from cluster.config.train_config import check_model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for hub in ("Qwen/Qwen2.5-7B", "gpt2", None):
+        check_model_path(hub)
+    for local in ("models/qwen", "./qwen", "runs/r1/final", "/abs/model", "~/model"):
+        with pytest.raises(ConfigError, match="no such directory"):
+            check_model_path(local)
+
+
+def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
+    out = tmp_path / "runs"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(DEMO_CONFIG),
+                           f"output_dir={out}", "task.train_split=trian"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {DEMO_CONFIG} with overrides: invalid configuration",
+        ("  task.train_split: task 'arithmetic' has no split 'trian' (did you mean 'train'?); its "
+         "splits are train, in_domain, out_of_domain (from the override task.train_split=trian)")]
+    assert not out.exists() and time.monotonic() - t0 < 60
+
+
+# ---- resume -----------------------------------------------------------------------------------
+
+
+def _fake_run(tmp_path: Path, steps: int = 2, finished: bool = True, checkpoint: bool = False) -> Path:
+    """A run directory as a run of `steps` steps leaves it (no weights: nothing loads them)."""
+    cfg = load_train_config(DEMO_CONFIG, [f"output_dir={tmp_path}", "run_name=r",
+                                          f"total_steps={steps}"])
+    run = tmp_path / "r"
+    run.mkdir()
+    dump_config(cfg, run / "config.yaml")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(steps + 1)))
+    if checkpoint:
+        state = ckpt.ControllerState(step=steps, prompt_position=64 * steps,
+                                     config=cfg.model_dump(mode="json"))
+        ckpt.write_checkpoint(run, state, lambda d, tag: (d / tag).mkdir(), keep=2)
+    if finished:
+        (run / "final").mkdir()
+        (run / "final" / "config.json").write_text("{}")
+    return run
+
+
+def test_resume_may_stand_anywhere_and_a_finished_run_without_checkpoint_is_refused(
+        guarded, capsys, tmp_path):
+    run = _fake_run(tmp_path)
+    rest = [f"output_dir={tmp_path}", "run_name=r"]
+    for argv in (["--resume", str(run)], [str(run), "--resume"],
+                 ["--resume", str(run), "total_steps=5"], ["total_steps=5", "--resume", str(run)],
+                 [str(run), "--resume", "total_steps=5"],
+                 [str(DEMO_CONFIG), *rest, "--resume"], ["--resume", str(DEMO_CONFIG), *rest],
+                 [str(DEMO_CONFIG), "--resume", *rest]):
+        code, err, _ = _klrl(capsys, "train", *argv)
+        assert code == 2 and "finished and kept no checkpoint" in err, (argv, err)
+        assert "model.path=" in err and "checkpoint_every > 0" in err
+        assert len(err.strip().splitlines()) == 1
+    assert (run / "metrics.jsonl").is_file()  # not moved aside: nothing was retrained
+    assert not list(run.glob("metrics.jsonl.abandoned-*"))
+    code, err, _ = _klrl(capsys, "train", str(run))
+    assert code == 2 and "is a directory: to continue the run in it, add --resume" in err
+    code, err, _ = _klrl(capsys, "train", str(run), str(DEMO_CONFIG), "--resume")
+    assert code == 2 and "give one config file" in err
+
+
+def test_a_resume_refused_for_a_changed_config_says_what_changed(guarded, capsys, tmp_path):
+    run = _fake_run(tmp_path, finished=False, checkpoint=True)
+    code, err, _ = _klrl(capsys, "train", "--resume", str(run), "kl.beta=0.5", "learner.lr=0.001",
+                         "eval_every=5")
+    assert code == 2
+    assert "kl.beta: 0.05 -> 0.5; learner.lr: 0.0001 -> 0.001." in err, err
+    assert "eval_every" not in err  # may change: not part of the objective
+    with pytest.raises(GotPastPreflight):  # unchanged objective: on it goes
+        main(["train", "--resume", str(run), "eval_every=5"])
+
+
+def test_resuming_a_finished_run_asks_for_more_steps(guarded, capsys, tmp_path):
+    run = _fake_run(tmp_path, steps=2, finished=True, checkpoint=True)
+    code, err, _ = _klrl(capsys, "train", "--resume", str(run))
+    assert code == 2 and "it finished at step 2" in err and "total_steps=4" in err
+    with pytest.raises(GotPastPreflight):
+        main(["train", "--resume", str(run), "total_steps=4"])
+
+
+# ---- sweeps, reports, eval ------------------------------------------------------------------
+
+
+def test_a_local_sweep_runs_every_pre_flight_before_the_first_run(guarded, capsys, tmp_path):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+
+    def sweep(overrides, grid, *extra):
+        path.write_text(yaml.safe_dump({"name": "s", "train_config": str(DEMO_CONFIG),
+                                        "output_dir": str(tmp_path / "runs"),
+                                        "overrides": overrides, "grid": grid}))
+        code, err, seconds = _klrl(capsys, "sweep", str(path), *extra)
+        assert code == 2 and "runs that would fail before they start" in err, err
+        assert not (tmp_path / "runs").exists() and seconds < 20
+        return err
+
+    for extra in ([], ["--dry-run"]):
+        err = sweep({"task.reward": "no_such_module:score"}, {"seed": [0, 1]}, *extra)
+        assert "  every run: task.reward: scorer 'no_such_module:score'" in err
+    err = sweep({}, {"model.path": [None, "/nonexistent/klrl-model"], "seed": [0, 1]})
+    assert "  path__nonexistent_klrl-model-s0, path__nonexistent_klrl-model-s1: model.path=" in err
+    assert err.count("no such directory") == 1
+
+
+@pytest.fixture
+def eval_guarded(monkeypatch):
+    """`klrl eval` in-process that cannot build a model, load a tokenizer or start vLLM."""
+    import actors.evaluate
+    from actors.prompting import PromptRenderer
+    from cluster.cli import cmd_model
+
+    def refuse(*_args, **_kw):
+        raise GotPastPreflight("klrl eval got past its checks")
+
+    monkeypatch.setattr(actors.evaluate, "evaluate", refuse)
+    monkeypatch.setattr(PromptRenderer, "from_pretrained", refuse)
+    monkeypatch.setattr(cmd_model, "init_default_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "nosuch"], "error: --task: unknown task 'nosuch'; known tasks: arithmetic"),
+    (["--task", "countdown", "--splits", "in_domian,train"],
+     "error: --splits: task 'countdown' has no split 'in_domian' (did you mean 'in_domain'?)"),
+    (["--task", "mmlu"], "error: --splits: task 'mmlu' has no split 'in_domain'; its splits are out_of_domain"),
+    (["--splits", " , "], "error: --splits: no split given"),
+])
+def test_klrl_eval_checks_task_and_splits_before_vllm(eval_guarded, capsys, argv, message):
+    for model in ("default", "/nonexistent/model"):
+        code, err, seconds = _klrl(capsys, "eval", model, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and seconds < 20
+        assert err.startswith(message), err
+
+
+@pytest.mark.parametrize("argv", [["--n", "0"], ["--n", "-3"], ["--samples", "-1"]])
+def test_klrl_eval_refuses_no_problems(eval_guarded, capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "default", *argv])
+    assert exc.value.code == 2
+    assert f"argument {argv[0]}: must be at least" in capsys.readouterr().err
+    with pytest.raises(GotPastPreflight):  # the smallest valid values go on
+        main(["eval", "default", "--n", "1", "--samples", "0"])
