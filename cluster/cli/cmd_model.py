@@ -14,7 +14,7 @@ def register(subparsers) -> None:
         help="build (or reuse) the warm-started tiny default model",
         description="Build the tiny Qwen2 + character tokenizer, warm-started by a "
         "supervised run on the arithmetic task that stops when the greedy accuracy on a "
-        "validation set reaches a target (about 2 minutes on 2 cores). Cached with its "
+        "validation set reaches a target (2-3 minutes on 2 cores). Cached with its "
         "figures: a second call prints them without rebuilding, unless --force.",
     )
     p.add_argument("--out", default=None,
