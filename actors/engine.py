@@ -28,30 +28,18 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def make_llm(
-    model: str | Path,
-    *,
-    seed: int = 0,
-    max_model_len: int = 512,
-    gpu_memory_utilization: float = 0.5,
-    worker_extension_cls: str | None = None,
-    dtype: str | None = None,
-    enforce_eager: bool | None = None,
-    cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_GIB,
-    **engine_kwargs: Any,
-):
+def make_llm(model: str | Path, *, cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_GIB,
+             **options: Any):
     """Return a `vllm.LLM` for the model directory (or hub name on a cluster) `model`, built
-    with `llm_kwargs(...)` for this machine's platform (see there for the arguments).
-    On CPU, `VLLM_CPU_KVCACHE_SPACE` is set to `cpu_kvcache_gib` unless already set."""
+    with `llm_kwargs(model, cpu=..., **options)` for this machine's platform (see there for
+    the options). On CPU, `VLLM_CPU_KVCACHE_SPACE` is set to `cpu_kvcache_gib` unless already
+    set."""
     cpu = on_cpu()
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))
     from vllm import LLM
 
-    return LLM(**llm_kwargs(model, cpu=cpu, seed=seed, max_model_len=max_model_len,
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            worker_extension_cls=worker_extension_cls, dtype=dtype,
-                            enforce_eager=enforce_eager, **engine_kwargs))
+    return LLM(**llm_kwargs(model, cpu=cpu, **options))
 
 
 def llm_kwargs(
