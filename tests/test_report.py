@@ -203,3 +203,62 @@ def test_training_curves_can_be_placed_at_the_policy_version_that_sampled_them(t
     assert _aggregate([run], acc, 1, "policy_version")[0] == [0, 10, 20, 30, 40]
     with pytest.raises(ValueError):
         ReportConfig(x_axis="time")
+
+
+def test_short_runs_are_drawn_unsmoothed_and_the_raw_values_stay_visible(tmp_path):
+    """A moving-average window longer than the run used to draw 3 steps of reward 0.117 /
+    0.059 / 0.113 as one flat line at 0.096."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cluster.experiments.report_plots import FIGURES, _aggregate, effective_window, plot_figure
+
+    assert [effective_window(25, n) for n in (3, 10, 60, 300)] == [1, 2, 12, 25]
+    rewards = {1: {"reward/mean": 0.117}, 2: {"reward/mean": 0.059}, 3: {"reward/mean": 0.113}}
+    run = load_run(write_run(tmp_path / "short", steps=3, extra=rewards))
+    assert _aggregate([run], FIGURES[0].panels[0], 25)[1] == [0.117, 0.059, 0.113]
+
+    long = load_run(write_run(tmp_path / "long", steps=40))
+    drawn = []
+    real_subplots = plt.subplots
+
+    def keep_axes(*args, **kwargs):
+        fig, axes = real_subplots(*args, **kwargs)
+        drawn.append(axes)
+        return fig, axes
+
+    plt.subplots = keep_axes
+    try:
+        assert plot_figure(FIGURES[0], {"k1": [long]}, [long], CFG, tmp_path) == "reward.png"
+    finally:
+        plt.subplots = real_subplots
+    ax = drawn[0].flat[0]
+    raw, smoothed = ax.get_lines()[:2]
+    assert list(raw.get_ydata()) == [long.rows[s]["reward/mean"] for s in range(1, 41)]
+    assert raw.get_alpha() < 1 and smoothed.get_alpha() is None  # faint behind, full in front
+    assert list(smoothed.get_ydata()) != list(raw.get_ydata())
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
+def test_ratio_axes_near_1_are_linear_with_readable_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cluster.experiments.report_plots import FIGURES, _style_axis
+
+    ratio_max = FIGURES[3].panels[0]
+    fig, (near, far) = plt.subplots(1, 2)
+    near.plot([1, 2, 3], [0.99995, 1.0, 1.00005])
+    _style_axis(near, ratio_max, (0.99995, 1.00005), [1.0], None, set())
+    far.plot([1, 2, 3], [0.01, 1.0, 18.0])
+    _style_axis(far, ratio_max, (0.01, 18.0), [1.0], None, set())
+    fig.canvas.draw()
+    labels = [t.get_text() for t in near.get_yticklabels() if t.get_text()]
+    assert near.get_yscale() == "linear" and len(set(labels)) == len(labels) > 2
+    assert "1" in labels and near.yaxis.get_offset_text().get_text() == ""
+    assert far.get_yscale() == "log"
+    plt.close(fig)

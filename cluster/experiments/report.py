@@ -77,7 +77,7 @@ class ReportConfig(BaseModel):
         "always placed at the step (the version of the weights evaluated).")
     smooth: int = Field(5, ge=1, le=10_000, description="Window in steps: trailing median of "
                         "the KL test, and moving average of the per-step curves in the plots "
-                        "(1: raw values).")
+                        "(1: raw values; at most a fifth of a run's steps in the plots).")
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The report's figures: one PNG per question, every configuration in each, the same colour
 for a configuration in every figure. A line is the mean over the configuration's runs (seeds)
 at each step; the band is their min-max. Per-step training metrics are smoothed by a centred
-moving average (ReportConfig.smooth); evaluations are plotted as they are."""
+moving average (ReportConfig.smooth, shortened on short runs: `effective_window`) drawn over the
+raw values, which stay visible, faintly; evaluations are plotted as they are. Steps are whole
+numbers on every axis."""
 from __future__ import annotations
 
 import json
@@ -85,6 +87,13 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def effective_window(smooth: int, steps: int) -> int:
+    """The moving-average window for a run of `steps` logged steps: the configured one, but at
+    most a fifth of the run, so that a short run is not averaged into a flat line (a 3-step
+    run is drawn unsmoothed)."""
+    return max(1, min(smooth, steps // 5))
+
+
 def _aggregate(runs, panel: Panel, smooth: int, x_axis: str = "step"):
     """(x, mean, min, max) over the runs at each x any of them logged (x: ReportConfig.x_axis
     for per-step metrics, the step for evaluations)."""
@@ -92,7 +101,7 @@ def _aggregate(runs, panel: Panel, smooth: int, x_axis: str = "step"):
     for run in runs:
         steps, values = run.series(panel.key, x_axis if panel.per_step else "step")
         if panel.smooth:
-            values = _smooth(values, smooth)
+            values = _smooth(values, effective_window(smooth, len(values)))
         for s, v in zip(steps, values):
             if math.isfinite(v):
                 by_step.setdefault(s, []).append(v)
@@ -118,19 +127,23 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
                              squeeze=False)
     styles = _styles(groups, plt)
     for ax, panel in zip(axes.flat, panels):
-        top, typical = 0.0, []
+        top, bottom, typical = 0.0, math.inf, []
         for label, group in groups.items():
             steps, mean, lo, hi = _aggregate(group, panel, cfg.smooth, cfg.x_axis)
             if not steps:
                 continue
-            top, typical = max(top, *hi), typical + [abs(v) for v in mean]
+            top, bottom = max(top, *hi), min(bottom, *lo)
+            typical += [abs(v) for v in mean]
             color, linestyle = styles[label]
+            if panel.smooth and cfg.smooth > 1:  # the raw values, faintly, behind the average
+                raw_steps, raw, _, _ = _aggregate(group, panel, 1, cfg.x_axis)
+                ax.plot(raw_steps, raw, color=color, ls=linestyle, lw=0.8, alpha=0.3)
             ax.plot(steps, mean, color=color, ls=linestyle, lw=1.6, label=label,
                     marker=None if panel.per_step else "o", ms=3.5)
             if len(group) > 1:
                 ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
         refs = {r.config.get(fig_spec.ref_key) for r in runs} if fig_spec.ref_key else set()
-        _style_axis(ax, panel, top, typical, fig_spec.ref_key, refs - {None, 0})
+        _style_axis(ax, panel, (bottom, top), typical, fig_spec.ref_key, refs - {None, 0})
         if panel.per_step and cfg.x_axis == "policy_version":
             ax.set_xlabel("policy version that sampled the batch")
     for ax in axes.flat[len(panels):]:
@@ -169,15 +182,18 @@ def _styles(groups: dict, plt) -> dict[str, tuple]:
 _LAG_STYLES = ("-", "--", ":", "-.")
 
 
-def _style_axis(ax, panel: Panel, top: float, typical: list[float], ref_key, refs) -> None:
-    """Scale, limits, reference lines and labels of one panel."""
-    from matplotlib.ticker import FuncFormatter, LogFormatter
+def _style_axis(ax, panel: Panel, span: tuple[float, float], typical: list[float], ref_key,
+                refs) -> None:
+    """Scale, limits, reference lines and labels of one panel. `span`: (lowest, highest) value
+    drawn (min and max of the bands)."""
+    from matplotlib.ticker import FuncFormatter, LogFormatter, MaxNLocator
 
     class _PlainLog(LogFormatter):  # LogFormatter picks which ticks to label; print them as %g
         def _num_to_string(self, x, vmin, vmax):
             return f"{x:g}"
 
     plain = FuncFormatter(lambda y, _: f"{y:g}")  # 1000 rather than 10^3
+    bottom, top = span
     ylabel = panel.ylabel
     if panel.ref is not None:
         ax.axhline(panel.ref, color="0.4", lw=0.8, ls=":")
@@ -185,7 +201,12 @@ def _style_axis(ax, panel: Panel, top: float, typical: list[float], ref_key, ref
         ax.axhline(value, color="0.3", lw=1, ls="--")
         ax.annotate(ref_key, (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
                     textcoords="offset points", fontsize=8, color="0.3")
-    if panel.log is True:
+    if panel.log is True and 0 < bottom and top < 10 * bottom:
+        # Less than a decade (ratios near 1 on-policy): a log axis would label every tick "1";
+        # a linear one with full-precision labels and no offset reads 0.9999, 1, 1.0001.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.10g}"))
+        ylabel = ylabel.replace(" (log scale)", "")
+    elif panel.log is True:
         ax.set_yscale("log")
         # plain numbers (2, 0.5) instead of 2x10^0; minor ticks labelled only on short ranges
         ax.yaxis.set_major_formatter(_PlainLog())
@@ -199,6 +220,7 @@ def _style_axis(ax, panel: Panel, top: float, typical: list[float], ref_key, ref
             ylabel += ", symlog scale"
     if panel.y_from_0 is not None:
         ax.set_ylim(0, max(top * 1.08, panel.y_from_0) or 0.05)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are whole
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
@@ -210,6 +232,8 @@ def _spread_note(groups: dict, cfg, panels) -> str:
     seeds = max(len(g) for g in groups.values())
     parts = [f"line: mean over a configuration's runs (up to {seeds}), band: min to max"
              if seeds > 1 else "one run per configuration"]
-    if cfg.smooth > 1 and any(p.smooth for p in panels):
-        parts.append(f"per-step values: {cfg.smooth}-step moving average")
+    longest = max((sum(s > 0 for s in r.rows) for g in groups.values() for r in g), default=0)
+    window = effective_window(cfg.smooth, longest)
+    if window > 1 and any(p.smooth for p in panels):
+        parts.append(f"per-step values: {window}-step moving average over the raw values (faint)")
     return "; ".join(parts)
