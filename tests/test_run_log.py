@@ -62,3 +62,29 @@ def test_abandoned_metrics_are_numbered(tmp_path):
         _write(tmp_path, cut_last=False)
         assert abandon_metrics(tmp_path).name == f"metrics.jsonl.abandoned-{n}"
     assert not metrics_path(tmp_path).exists()
+
+
+def test_every_start_records_the_klrl_version_and_git_commit(tmp_path):
+    import subprocess
+    import sys
+
+    from cluster.config.loader import REPO_ROOT
+
+    import tomllib
+
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    cfg = load_train_config(DEMO_CONFIG, ["logging.wandb_mode=disabled"])
+    with RunLog(cfg, tmp_path / "run"):
+        pass
+    with RunLog(cfg, tmp_path / "run", resume_wandb_id="abc"):  # a resume adds a line
+        pass
+    starts = [json.loads(line) for line in (tmp_path / "run" / "provenance.jsonl").open()]
+    assert [s["resumed"] for s in starts] == [False, True]
+    assert all(s["git_commit"] == head and s["klrl_version"] == version for s in starts)
+    assert isinstance(starts[0]["git_dirty"], bool) and starts[0]["started_at"]
+
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "--version"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith(f"klrl {version} (git {head[:12]}")

@@ -11,9 +11,18 @@ import argparse
 import sys
 
 from cluster.cli import cmd_bench, cmd_figures, cmd_kl_table, cmd_model, cmd_sweep, cmd_train
+from cluster.train.provenance import version_line
 
 # Order is the order shown in `klrl --help`.
 COMMANDS = [cmd_train, cmd_model, cmd_kl_table, cmd_sweep, cmd_bench, cmd_figures]
+
+
+class _Version(argparse.Action):
+    """--version, with the git commit looked up only when asked (not on every command)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="klrl",
         description="Distributed asynchronous RL for LLMs with exact, tested KL regularisation.",
     )
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print klrl's version and git commit, then exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.register(subparsers)

@@ -1,7 +1,8 @@
 """The run directory (`runs/<name>/`): its one owner. Every other module reads and writes it
 through here.
 
-Layout: `config.yaml` (the resolved TrainConfig), `metrics.jsonl` (one JSON object per step,
+Layout: `config.yaml` (the resolved TrainConfig), `provenance.jsonl` (klrl version and git
+commit, one line per start), `metrics.jsonl` (one JSON object per step,
 with at least `step`; flushed each line so a crash loses nothing), `wandb/`, `checkpoints/`
 (cluster/train/checkpoint.py) and `final/` (the trained policy; `final/config.json` is written
 last, so it marks a finished run). The local directory is always written, whatever wandb does;
@@ -24,8 +25,10 @@ from urllib.parse import urlsplit
 import yaml
 
 from cluster.config.loader import ConfigError, dump_config
+from cluster.train.provenance import provenance
 
 CONFIG_FILE = "config.yaml"
+PROVENANCE_FILE = "provenance.jsonl"  # one line per start (fresh or resumed): code that ran
 METRICS_FILE = "metrics.jsonl"
 FINAL_DIR = "final"
 
@@ -100,6 +103,9 @@ class RunLog:
         self.cfg, self.dir = cfg, Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, config_path(self.dir))
+        with open(self.dir / PROVENANCE_FILE, "a") as f:
+            f.write(json.dumps({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                "resumed": resume_wandb_id is not None, **provenance()}) + "\n")
         self._metrics = open(metrics_path(self.dir), "a", buffering=1)  # noqa: SIM115 - open for the run
         self._wandb = None
         self.wandb_id = resume_wandb_id
