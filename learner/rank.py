@@ -35,6 +35,7 @@ import torch
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner.files import give_normal_modes
 from learner.loss import (
     group_stats,
     merge_metrics,
@@ -346,6 +347,7 @@ class LearnerRank:
         out.mkdir(parents=True, exist_ok=True)
         module.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(str(out))
+        give_normal_modes(out)  # safetensors writes 0600: colleagues could not read the model
         return str(out)
 
     # ------------------------------------------------------------------ checkpoints

@@ -5,6 +5,7 @@ max_lag 0 and max_lag 2; they check the lag bound, the importance ratios (at max
 learner's log-probs must equal the sampler's: that checks weight sync end to end), that
 weights change, the run directory and the final Hugging Face model.
 """
+import os
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,11 @@ def test_weights_change_and_final_model_loads(lag0, tiny_model_dir):
 
     AutoTokenizer.from_pretrained(final)
     AutoModelForCausalLM.from_pretrained(final)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in final.iterdir()}
+    assert modes["model.safetensors"] == 0o666 & ~umask, modes  # safetensors alone writes 0600
+    assert set(modes.values()) == {0o666 & ~umask}
 
 
 def test_lag2_is_asynchronous_and_bounded(lag2):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.tiny.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
+from learner.files import give_normal_modes
 
 # Architecture of the default model; `build_random_model(**size)` overrides any of these.
 DEFAULT_SIZE: dict[str, Any] = {
@@ -347,11 +348,7 @@ def init_default_model(
 def _publish(tmp: Path, out: Path) -> None:
     """Rename the finished `tmp` into `out`, replacing whatever `out` was (atomic rename;
     the old directory is moved aside first and deleted afterwards)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700; give it a normal directory's mode
-    for f in tmp.iterdir():  # (and safetensors writes its file 0600)
-        os.chmod(f, 0o666 & ~umask)
+    give_normal_modes(tmp)  # mkdtemp made it 0700, and safetensors writes its file 0600
     old = None
     if out.exists() or out.is_symlink():
         old = out.parent / f".{out.name}.old-{os.getpid()}-{time.time_ns()}"
