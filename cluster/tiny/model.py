@@ -234,7 +234,6 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
     problems = task.problems("train", max_steps * SFT_BATCH_SIZE, seed)
     validation = _encode_examples(
         tokenizer, task.problems("train", VALIDATION_PROBLEMS, seed + VALIDATION_SEED_OFFSET))
-    examples = _encode_examples(tokenizer, problems)
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / SFT_WARMUP))
     goal = "fixed budget" if target is None else f"until {100 * target:.0f}% greedy validation"
@@ -250,7 +249,10 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
         job = bar.add_task("sft", total=max_steps, loss=float("nan"), acc=0.0)
         for step in range(1, max_steps + 1):
             model.train()
-            batch = examples[(step - 1) * SFT_BATCH_SIZE : step * SFT_BATCH_SIZE]
+            # Tokenized per batch: encoding all max_steps batches up front took longer than
+            # the steps a build usually needs.
+            batch = _encode_examples(
+                tokenizer, problems[(step - 1) * SFT_BATCH_SIZE : step * SFT_BATCH_SIZE])
             input_ids, labels, mask = _collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             opt.zero_grad(set_to_none=True)
