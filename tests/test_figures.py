@@ -81,7 +81,7 @@ def test_run_figures_reads_a_run_directory(tmp_path):
     assert fig.same_step_as_token_mean == 0.75  # grad/norm 2 < clip x length 3 on every 4th step
     assert fig.per_1k(fig.reward_after - fig.reward_before) == pytest.approx(1000 / 160)
     text = figures.demo_block([fig], "a test machine")
-    assert "| `max_lag: 2`" in text and "**0.400**" in text and "1 min 01 s" in text
+    assert "| `max_lag: 2`" in text and "**0.400**" in text and "1m01s" in text
 
 
 def test_run_figures_needs_two_evaluations(tmp_path):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT
 from cluster.tiny.model import init_default_model, read_metadata
+from cluster.train.progress import format_duration
 from cluster.train.run_log import read_config, read_metrics
 
 BLOCKS = ("model", "demo", "learning")
@@ -159,10 +160,6 @@ def _range(values: Sequence[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.fmean(values))} ({fmt.format(lo)}-{fmt.format(hi)})"
 
 
-def _duration(seconds: float) -> str:
-    m, s = divmod(round(seconds), 60)
-    return f"{m} min {s:02d} s"
-
 
 def model_block(meta: dict, where: str) -> str:
     return (f"Built by `klrl init-model` on {where}: {meta['parameters']:,} parameters, "
@@ -196,8 +193,8 @@ def demo_block(figures: list[RunFigures], where: str) -> str:
                 f"| `max_lag: {lag}` ({how}) | **{_range([f.sampled_after for f in rows])}** | "
                 f"**{_range([f.greedy_after for f in rows])}** | "
                 f"{_range([f.ood_greedy_after for f in rows])} | "
-                f"{_duration(statistics.fmean(f.wall_seconds for f in rows))} "
-                f"(max {_duration(max(f.wall_seconds for f in rows))}) | "
+                f"{format_duration(statistics.fmean(f.wall_seconds for f in rows))} "
+                f"(max {format_duration(max(f.wall_seconds for f in rows))}) | "
                 f"{_range([f.seconds_per_step for f in rows], '{:.2f}')} |")
     return "\n".join(lines)
 
@@ -284,7 +281,7 @@ def regenerate(seeds: Sequence[int], blocks: Sequence[str], work_dir: Path,
         say(f"[{i}/{len(runs)}] klrl demo {run.name} (log: {work_dir / (run.name + '.log')})")
         fig = run_demo(run, work_dir / "runs", work_dir)
         say(f"    sampled {fig.sampled_before:.3f} -> {fig.sampled_after:.3f}, greedy "
-            f"{fig.greedy_before:.3f} -> {fig.greedy_after:.3f}, {_duration(fig.wall_seconds)}")
+            f"{fig.greedy_before:.3f} -> {fig.greedy_after:.3f}, {format_duration(fig.wall_seconds)}")
         figures.append(fig)
     for name in ("demo", "learning"):
         if name in blocks:

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cluster.config.loader import ConfigError, dump_config, load_config
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.report import ReportConfig
+from cluster.train.progress import format_duration
 from cluster.train.run_log import is_finished, last_step
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -288,7 +289,7 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                                    launcher.where(handle))
                 outcomes.append(outcome)
                 _say(progress.console, f"[{run.index}/{n}] {run.name}: {outcome.status} after "
-                     f"{_duration(outcome.seconds)}" + (f" ({outcome.detail})" if outcome.detail else ""))
+                     f"{format_duration(outcome.seconds)}" + (f" ({outcome.detail})" if outcome.detail else ""))
     return outcomes, (signals.received[0] if signals.received else None)
 
 
@@ -303,8 +304,3 @@ def _outcome(run: RunSpec, code: int, seconds: float, root: Path, signalled: lis
         return Outcome(run, "stopped", seconds, f"exit {code}; {where}")
     why = f"exit {code}" if code else "exited 0 but wrote no final model"
     return Outcome(run, "failed", seconds, f"{why}; {where}")
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

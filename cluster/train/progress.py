@@ -68,7 +68,7 @@ class TrainProgress:
             per_step = (time.monotonic() - self._t0) / done if done else math.nan
             eta = per_step * (self.total - step)
             print(f"step {step}/{self.total} {status} | {per_step:.2f} s/step "
-                  f"eta {_duration(eta)}", flush=True)
+                  f"eta {format_duration(eta)}", flush=True)
         line = eval_line(step, metrics)
         if line:
             print(line, flush=True)
@@ -95,11 +95,12 @@ def eval_line(step: int, metrics: dict) -> str | None:
     return f"eval step {step}: " + " | ".join(parts) if parts else None
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+    """4m41s, 1h05m, 45s: the one way klrl prints a duration (progress, sweeps, figures)."""
     if not math.isfinite(seconds):
         return "?"
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def print_summary(run_dir, title: str = "run finished", file=None) -> None:
