@@ -299,8 +299,9 @@ def init_default_model(
     """
     import torch
 
-    out = Path(out_dir) if out_dir is not None else default_model_dir(
-        seed, TARGET_ACCURACY if target is None else target)
+    if out_dir is None and target is None:  # the cache is named by its target
+        raise ValueError("a fixed-budget build (target=None) needs an out_dir")
+    out = Path(out_dir) if out_dir is not None else default_model_dir(seed, target)
     if _model_complete(out) and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,15 +48,17 @@ class TrainProgress:
     def show_evaluation(self, step: int, metrics: dict) -> None:
         """An evaluation logged outside a training step (the step-0 one): its line, and its
         accuracy in the status that follows."""
-        if "eval/in_domain/accuracy" in metrics:
-            self._acc = f" acc {metrics['eval/in_domain/accuracy']:.3f}"
+        self._remember_accuracy(metrics)
         line = eval_line(step, metrics)
         if line:
             (self._progress.console.print if self.live else print)(line)
 
-    def update(self, step: int, metrics: dict) -> None:
+    def _remember_accuracy(self, metrics: dict) -> None:
         if "eval/in_domain/accuracy" in metrics:
             self._acc = f" acc {metrics['eval/in_domain/accuracy']:.3f}"
+
+    def update(self, step: int, metrics: dict) -> None:
+        self._remember_accuracy(metrics)
         status = (f"reward {metrics.get('reward/mean', math.nan):.3f} "
                   f"kl {metrics.get('kl/pi_ref', math.nan):.4f} lag {metrics.get('lag/max', 0)}"
                   f"{self._acc}")
