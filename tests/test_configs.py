@@ -247,24 +247,28 @@ def test_task_and_eval_sections_are_the_rewards_configs():
             load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", [bad])
 
 
-def test_readme_documents_every_train_option():
-    from pydantic import BaseModel
-
-    from cluster.config.train_config import TrainConfig
+def test_readme_option_table_is_klrl_options_output():
+    """Every option is documented, with its current default and description: the README's
+    table is what `klrl options` renders from the config classes (regenerate it with
+    `klrl options --readme`)."""
+    from cluster.config.options import option_rows, options_markdown, read_block
 
     readme = (ROOT / "README.md").read_text()
+    assert read_block(readme, "options") == options_markdown(), (
+        "README option table is stale: run `klrl options --readme`")
+    keys = [key for key, _, _ in option_rows()]
+    assert {"model.path", "kl.beta", "eval.in_domain", "ray.address"} <= set(keys)
+    assert not [key for key, _, description in option_rows() if not description.strip()], (
+        "every option needs a description")
 
-    def keys(model, prefix=""):
-        for name, field in model.model_fields.items():
-            sub = [a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                   if isinstance(a, type) and issubclass(a, BaseModel)]
-            if sub and name not in ("in_domain", "out_of_domain"):
-                yield from keys(sub[0], prefix + name + ".")
-            else:
-                yield prefix + name
 
-    missing = [k for k in keys(TrainConfig) if f"`{k}`" not in readme]
-    assert not missing, f"README option table lacks {missing}"
+def test_klrl_options_prints_every_option(capsys):
+    from cluster.cli.main import main
+    from cluster.config.options import option_rows
+
+    assert main(["options"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| `{key}` |" in out for key, _, _ in option_rows())
 
 
 def test_readme_paper_table_matches_the_configs():

@@ -25,17 +25,31 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """The policy (and initial reference) model."""
+    """The policy model, the reference the KL penalty pulls toward, and how both are loaded
+    (by the learner ranks with transformers and by the rollout engines with vLLM)."""
 
     path: str | None = Field(None, min_length=1, description="Hugging Face model directory (or hub "
                              "name on a cluster). null: the embedded tiny arithmetic model, built "
                              "once by `klrl init-model` and cached.")
+    ref_path: str | None = Field(None, min_length=1, description="Reference model of the KL "
+                                 "penalty, when it is not the initial policy (e.g. an SFT model "
+                                 "while the policy starts from another checkpoint): a Hugging "
+                                 "Face model directory or hub name with the policy's tokenizer. "
+                                 "null: the policy's own starting weights.")
+    revision: str | None = Field(None, min_length=1, max_length=200, description="Hub revision "
+                                 "(branch, tag or commit) of `path` and `ref_path`, for the "
+                                 "learner and the rollout engines alike; null: the default "
+                                 "branch. Ignored for local directories.")
+    trust_remote_code: bool = Field(False, description="Let transformers and vLLM run the "
+                                    "model's own Python code (models whose architecture is not "
+                                    "in transformers). Off by default: that code runs on every "
+                                    "node.")
 
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `gpt2`, `Qwen/Qwen2.5-7B`
 
 
-def check_model_path(path: str | None) -> None:
+def check_model_path(path: str | None, field: str = "model.path") -> None:
     """The rule for `model.path` where the run runs (not at validation: `klrl submit` checks
     configs on a machine that may lack the cluster's paths). null, a Hugging Face model
     directory here, or a name that can only mean the hub pass; a missing local path, or a
@@ -47,15 +61,16 @@ def check_model_path(path: str | None) -> None:
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
-            raise ConfigError(f"model.path={path} is a file, not a Hugging Face model directory")
+            raise ConfigError(f"{field}={path} is a file, not a Hugging Face model directory")
         if not (local / "config.json").is_file():
-            raise ConfigError(f"model.path={path}: this directory has no config.json, it is not "
+            raise ConfigError(f"{field}={path}: this directory has no config.json, it is not "
                               "a Hugging Face model directory")
         return
     if not _HUB_NAME.match(path) or ("/" in path and Path(path.split("/")[0]).is_dir()):
-        raise ConfigError(f"model.path={path}: no such directory (and not a hub name such as "
+        raise ConfigError(f"{field}={path}: no such directory (and not a hub name such as "
                           "Qwen/Qwen2.5-7B); give a Hugging Face model directory, or null for "
-                          "the embedded tiny model")
+                          + ("the embedded tiny model" if field == "model.path"
+                             else "the policy's starting weights"))
 
 
 class LoggingConfig(_Strict):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT
+from cluster.config.options import replace_block as replace_marked_block
 from cluster.tiny.model import init_default_model, read_metadata
 from cluster.train.progress import format_duration
 from cluster.train.run_log import read_config, read_metrics
@@ -232,13 +232,8 @@ def learning_block(figures: list[RunFigures], where: str) -> str:
 
 
 def replace_block(text: str, name: str, body: str) -> str:
-    """`text` with the lines between `<!-- figures:name -->` and `<!-- /figures:name -->`
-    replaced by `body` (the markers stay); an error if the markers are missing."""
-    pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.DOTALL)
-    if not pattern.search(text):
-        raise ValueError(f"README.md has no <!-- figures:{name} --> ... "
-                         f"<!-- /figures:{name} --> block")
-    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
+    """`text` with the `<!-- figures:name -->` block replaced by `body`."""
+    return replace_marked_block(text, f"figures:{name}", body)
 
 
 def blocks_from_json(out_dir: Path) -> dict[str, str]:

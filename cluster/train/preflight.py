@@ -7,7 +7,7 @@ every unfinished run before it starts the first (cluster/experiments/sweep.py, p
 checks; this module only calls them:
 - the config itself (fields, task options and splits): pydantic, at load time (train_config.py,
   rewards/config.py);
-- model.path: `train_config.check_model_path`;
+- model.path and model.ref_path: `train_config.check_model_path`;
 - task.reward: `rewards.load_scorer` (imports it as the rollout workers will);
 - an online wandb run's API key: `run_log.check_wandb`;
 - the run directory and resume: here, with `checkpoint.objective_changes`.
@@ -26,6 +26,7 @@ from cluster.train.run_log import check_wandb, default_run_name, has_metrics, is
 def check_environment(cfg: TrainConfig) -> None:
     """What the config needs from this machine: its model, its plug-in scorer, a wandb key."""
     check_model_path(cfg.model.path)
+    check_model_path(cfg.model.ref_path, "model.ref_path")
     if cfg.task.reward:
         from rewards import load_scorer
 
