@@ -143,7 +143,7 @@ class MathTask(Task):
             if value is not None else DEFAULT_SOURCES[split]
             for split, value in given.items() if value is not None or split in DEFAULT_SOURCES
         }
-        self.splits = tuple(self.sources)
+        self.splits = self.finite_splits = tuple(self.sources)  # every split is a dataset
         self.skipped_rows: dict[str, int] = {}
         self._loaded: dict[str, list[Problem]] = {}
 

@@ -13,6 +13,13 @@ The scorer reads the last <answer>...</answer> of the completion, or its first l
 has no such tag; an optional trailing "= <target>" is allowed. Reward 1.0 when the expression
 is valid (see rewards.expression), uses each given number at most as often as it is given, and
 equals the target exactly; else 0.0.
+
+Datasets: any split may come from a dataset instead of the generator (options `train`,
+`in_domain`, `out_of_domain`; `true` names HUB_DATASET, the set of the TinyZero and TBA
+experiments). Rows have `target` (an integer) and `nums` (a list of 2 to MAX_NUMBERS
+integers), the schema of that set; other schemas go through the `columns` option. A dataset
+row carries no solution: its problem's `answer` is the target. The 1-in-10 held-out
+partition applies to generated splits only: a dataset split is used as it is.
 """
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ import random
 import re
 from collections import Counter
 from fractions import Fraction
+from typing import Any
 
-from rewards.expression import MAX_CHARS, ExpressionError, evaluate
+from rewards.dataset_rows import DatasetSource, load_problems, sample_problems
+from rewards.expression import MAX_CHARS, MAX_LITERAL_DIGITS, ExpressionError, evaluate
 from rewards.records import Problem, Task
 
 NUMBER_RANGE = (1, 50)
@@ -34,6 +43,11 @@ SPLIT_SHAPES = {  # split -> (how many numbers, (lowest, highest) target)
 HELD_OUT_ONE_IN = 10
 DEFAULT_SIZES = {"train": 10_000, "in_domain": 500, "out_of_domain": 500}
 _MAX_ATTEMPTS_PER_PROBLEM = 10_000
+# The countdown set of TinyZero and of the TBA paper: ~490k rows of 3 or 4 numbers in [1, 99],
+# columns `target` and `nums`, one hub split ("train"; those experiments hold out its last rows).
+HUB_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
+MAX_NUMBERS = 10
+_MAX_INTEGER = 10**MAX_LITERAL_DIGITS - 1  # the largest literal (and stated target) scored
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TRAILING_EQUALS = re.compile(r"=\s*(-?[0-9]{1,6})\s*$")
@@ -121,15 +135,88 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[Fraction
     return value, text[1:-1] if text.startswith("(") else text
 
 
+def countdown_row_to_problem(row: Any, index: int, split: str) -> Problem:
+    """A Problem from one dataset row: `target` (an integer) and `nums` (2 to MAX_NUMBERS
+    integers), each a non-negative integer the scorer can read (at most 6 digits). An
+    integer written as a string ("24") is accepted; a float, bool or anything else is not."""
+    if not isinstance(row, dict):
+        raise TypeError(f"row is {type(row).__name__}, not an object")
+    numbers = row["nums"]
+    if not isinstance(numbers, (list, tuple)) or not 2 <= len(numbers) <= MAX_NUMBERS:
+        raise ValueError(f"field 'nums' must be a list of 2 to {MAX_NUMBERS} integers")
+    numbers = [_row_integer(x, "nums") for x in numbers]
+    target = _row_integer(row["target"], "target")
+    return make_problem(numbers, target, str(target), split)
+
+
+def _row_integer(value: Any, field: str) -> int:
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_INTEGER:
+        raise ValueError(f"field {field!r}: {value!r} is not an integer in [0, {_MAX_INTEGER}]")
+    return value
+
+
+def dataset_source(value: Any) -> DatasetSource | None:
+    """A split's source from its option: None or False (generated), True (HUB_DATASET's
+    train split), a path or hub name, or a mapping {name (default HUB_DATASET), config,
+    split (default train), columns}."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DatasetSource(name=HUB_DATASET, split="train")
+    if isinstance(value, dict) and "name" not in value:
+        value = {"name": HUB_DATASET, **value}
+    return DatasetSource.coerce(value, "train")
+
+
 class CountdownTask(Task):
-    """Countdown with seeded, solvable problems. No options."""
+    """Countdown: seeded, solvable problems, or the rows of a dataset.
+
+    Options (each split generated unless given a dataset source):
+    - train, in_domain, out_of_domain: `true` for HUB_DATASET (Jiayi-Pan/Countdown-Tasks-3to4,
+      hub split train), a local .jsonl/.json/.parquet path, another hub name, or a mapping
+      {name, config, split, columns} for `datasets.load_dataset` (name defaults to
+      HUB_DATASET; a sliced split such as "train[:99%]" / "train[99%:]" keeps training and
+      evaluation rows apart). Two splits may not read the same rows.
+    - columns: {source column: this task's column} renaming applied to every row of the
+      sources given above, e.g. {numbers: nums}.
+    Datasets are loaded when a split is first asked for; `skipped_rows[split]` counts the
+    malformed rows left out.
+    """
 
     name = "countdown"
     splits = ("train", "in_domain", "out_of_domain")
     scorer = staticmethod(score_countdown)
     max_new_tokens = 64
 
+    def __init__(self, train: Any = None, in_domain: Any = None, out_of_domain: Any = None,
+                 columns: dict[str, str] | None = None):
+        given = {"train": train, "in_domain": in_domain, "out_of_domain": out_of_domain}
+        self.sources = {split: source.with_columns(columns) for split, value in given.items()
+                        if (source := dataset_source(value)) is not None}
+        if columns and not self.sources:
+            raise ValueError("countdown: `columns` renames the columns of the datasets given by "
+                             "train/in_domain/out_of_domain, and none is given")
+        seen: dict[tuple, str] = {}
+        for split, source in self.sources.items():
+            key = (source.name, source.config, source.split)
+            if key in seen:
+                raise ValueError(
+                    f"countdown: {seen[key]} and {split} read the same rows ({source.label()}); "
+                    "give the evaluation split other rows, e.g. train: {split: 'train[:99%]'}, "
+                    f"{split}: {{split: 'train[99%:]'}}")
+            seen[key] = split
+        self.finite_splits = tuple(self.sources)
+        self.skipped_rows: dict[str, int] = {}
+        self._loaded: dict[str, list[Problem]] = {}
+
     def _draw(self, split: str, n: int | None, rng: random.Random) -> list[Problem]:
+        if split in self.sources:
+            if split not in self._loaded:
+                self._loaded[split], self.skipped_rows[split] = load_problems(
+                    self.sources[split], lambda row, i: countdown_row_to_problem(row, i, split))
+            return sample_problems(self._loaded[split], split, n, rng)
         n = DEFAULT_SIZES[split] if n is None else n
         counts, target_range = SPLIT_SHAPES[split]
         problems: dict[str, Problem] = {}

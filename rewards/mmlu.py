@@ -111,7 +111,7 @@ class MMLUTask(Task):
     """
 
     name = "mmlu"
-    splits = (SPLIT,)
+    splits = finite_splits = (SPLIT,)
     scorer = staticmethod(score_mmlu)
     max_new_tokens = 256
 

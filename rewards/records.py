@@ -55,12 +55,19 @@ class Task(ABC):
     scoring workers) and implement `_draw(split, n, rng)`. `problems` is deterministic for a
     (split, n, seed): the random stream is seeded from the task name, split and seed, so two
     splits never share a stream.
+
+    A split is either generated (drawn at random without end: arithmetic, countdown's
+    generator) or finite: the rows of a dataset, listed in `finite_splits`. For a finite split,
+    `problems(split, n=None)` must give every row, in file order, which `rows(split)` returns;
+    the training stream goes through a finite split epoch by epoch
+    (cluster/train/prompts.py), and through a generated one by seeded draws.
     """
 
     name: ClassVar[str]
     splits: tuple[str, ...]
     scorer: Scorer
     max_new_tokens: int = 32  # completion budget the evaluation uses by default
+    finite_splits: tuple[str, ...] = ()  # the splits that are datasets (set per instance)
 
     def problems(self, split: str, n: int | None = None, seed: int = 0) -> list[Problem]:
         """`n` problems of `split` (None: the split's default size), deterministic for `seed`."""
@@ -70,6 +77,20 @@ class Task(ABC):
         # A str seed is hashed with SHA-512 by `random`: stable across runs and PYTHONHASHSEED.
         rng = random.Random(f"{self.name}:{split}:{seed}")
         return self._draw(split, n, rng)
+
+    def is_finite(self, split: str) -> bool:
+        """Whether `split` is a finite list of rows (a dataset), not generated without end.
+        Known without loading any data."""
+        self.check_split(split)
+        return split in self.finite_splits
+
+    def rows(self, split: str) -> list[Problem]:
+        """Every problem of a finite split, in file order (loads the dataset on first use).
+        ValueError for a generated split, which has no rows to list."""
+        if not self.is_finite(split):
+            raise ValueError(f"task {self.name!r} split {split!r} is generated (drawn at "
+                             "random without end), not a dataset: it has no rows to list")
+        return self.problems(split, n=None)
 
     def check_split(self, split: str) -> None:
         """Raise ValueError, naming the splits there are, when `split` is not one of them."""

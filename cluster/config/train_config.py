@@ -18,6 +18,7 @@ from cluster.config.loader import ConfigError, load_config
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from learner.config import LearnerConfig
 from rewards.config import EvalConfig, TaskConfig
+from rewards.registry import get_task
 
 
 class _Strict(BaseModel):
@@ -71,6 +72,43 @@ def check_model_path(path: str | None, field: str = "model.path") -> None:
                           "Qwen/Qwen2.5-7B); give a Hugging Face model directory, or null for "
                           + ("the embedded tiny model" if field == "model.path"
                              else "the policy's starting weights"))
+
+
+class DataConfig(_Strict):
+    """How the training prompt stream (cluster/train/prompts.py) reads the task's train split:
+    a prompt length filter, and epochs over a finite split (a dataset)."""
+
+    max_prompt_length: int | None = Field(
+        None, ge=1, le=10_000_000, description="Longest training prompt in tokens, as the "
+        "rollout workers render it (chat template and system prompt included, the policy's "
+        "tokenizer); longer ones are dropped before generation and counted "
+        "(data/prompts_filtered). null: no limit.")
+    shuffle: bool = Field(True, description="A dataset's epochs each go through its rows in a "
+                          "new order, seeded by (seed, epoch); false: in file order. Generated "
+                          "tasks draw at random and have no order to keep.")
+    epochs: int | None = Field(None, ge=1, le=1_000_000, description="Passes over a dataset "
+                               "split: the run ends after this many (or at total_steps, "
+                               "whichever comes first). null: total_steps alone ends it. "
+                               "Generated tasks have no epochs.")
+
+    def check(self, task: TaskConfig, rollout: RolloutConfig) -> None:
+        """ValueError, naming the field, for a data option the training task cannot take or a
+        prompt limit the engine's context cannot hold."""
+        given = ([("data.epochs", self.epochs)] if self.epochs is not None else []) + (
+            [] if self.shuffle else [("data.shuffle", "false")])
+        if given and not get_task(task.name, **task.options).is_finite(task.train_split):
+            field, value = given[0]
+            raise ValueError(
+                f"{field}={value}: task {task.name!r} split {task.train_split!r} is generated "
+                "(drawn at random without end), so it has no epochs and no file order; drop "
+                f"{field}, or train on a dataset split (see task.options)")
+        limit = self.max_prompt_length
+        if limit is not None and limit + rollout.max_new_tokens > rollout.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_length ({limit}) + rollout.max_new_tokens "
+                f"({rollout.max_new_tokens}) must fit in rollout.max_model_len "
+                f"({rollout.max_model_len}), the engine's context: lower one or raise "
+                "rollout.max_model_len")
 
 
 class LoggingConfig(_Strict):
@@ -127,6 +165,7 @@ class TrainConfig(_Strict):
                                            "this many consecutive refused (NaN/inf) steps.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="Training task.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training prompt stream.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Task advantage.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
@@ -150,6 +189,7 @@ class TrainConfig(_Strict):
             raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
         self.eval.check_sets(self.task)  # every evaluated task has its split
+        self.data.check(self.task, self.rollout)
         per_rank = prompts // ranks
         if per_rank % self.learner.mini_batches:
             raise ValueError(f"the {per_rank} prompts per learner rank (rollout.prompts_per_step "

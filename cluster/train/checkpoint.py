@@ -98,15 +98,29 @@ def read_checkpoint(path: str | Path) -> ControllerState:
     return ControllerState(**json.loads((path / "controller.json").read_text()))
 
 
-# The config sections a resumed run may not change: the objective and the state it starts from.
-OBJECTIVE_SECTIONS = ("model", "seed", "task", "kl", "advantage", "learner")
+# The config keys a resumed run may not change: the objective and the state it starts from,
+# and what decides which prompt is at which data position (data.epochs may change: it only
+# says where the stream ends).
+OBJECTIVE_SECTIONS = ("model", "seed", "task", "kl", "advantage", "learner", "data.shuffle",
+                      "data.max_prompt_length")
+_ABSENT = object()
 
 
 def objective_changes(saved: dict, current: dict) -> list[str]:
     """`key: old -> new` for every value in OBJECTIVE_SECTIONS that differs between the config
-    a checkpoint was written with and the current one (both resolved, as plain dicts)."""
-    return [change for section in OBJECTIVE_SECTIONS
-            for change in _changes(saved.get(section), current.get(section), section)]
+    a checkpoint was written with and the current one (both resolved, as plain dicts). A key
+    the saved config lacks (written before the option existed) had its default: not a change."""
+    return [change for key in OBJECTIVE_SECTIONS
+            if (old := _at(saved, key)) is not _ABSENT
+            for change in _changes(old, _at(current, key), key)]
+
+
+def _at(config: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return _ABSENT
+        config = config[part]
+    return config
 
 
 def _changes(old, new, key: str) -> list[str]:

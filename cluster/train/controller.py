@@ -77,7 +77,7 @@ class Controller:
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
         self.published_version = 0   # version of the weights the workers were last sent
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
-        self.prompts = PromptStream(cfg.task, cfg.seed)
+        self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
         self._reference_sha256: str | None = None
 
@@ -88,9 +88,9 @@ class Controller:
         completed = False
         try:
             last = self._start()
-            with TrainProgress(self.cfg.total_steps, self.step) as progress:
+            with TrainProgress(self._planned_steps(), self.step) as progress:
                 progress.show_evaluation(self.step, last)
-                while self.step < self.cfg.total_steps:
+                while self._another_step():
                     self._honour_stop_request()
                     t0 = time.perf_counter()
                     self._fill_pipeline()
@@ -100,7 +100,8 @@ class Controller:
                     metrics |= self._maybe_evaluate()
                     self._maybe_checkpoint()
                     metrics |= {"time/step": time.perf_counter() - t0,
-                                "faults/worker_restarts": self.pool.restarts}
+                                "faults/worker_restarts": self.pool.restarts,
+                                **self.prompts.metrics(self._trained_position)}
                     self.log.log({"step": self.step, "policy_version": self.step, **metrics})
                     progress.update(self.step, metrics)
                     last = metrics
@@ -157,10 +158,23 @@ class Controller:
         if stop is not None:
             raise stop
 
+    def _planned_steps(self) -> int:
+        """total_steps, or fewer when data.epochs hold fewer batches."""
+        by_data = self.prompts.max_steps(self.cfg.rollout.prompts_per_step)
+        return self.cfg.total_steps if by_data is None else min(self.cfg.total_steps, by_data)
+
+    def _another_step(self) -> bool:
+        """Whether the run takes another step: total_steps not reached, and a batch in flight
+        or one more in the data (data.epochs end the run otherwise)."""
+        return self.step < self.cfg.total_steps and (
+            bool(self.pending) or self.prompts.has_batch(self.cfg.rollout.prompts_per_step))
+
     def _fill_pipeline(self) -> None:
-        """Request generation until max_lag + 1 global batches are in flight."""
+        """Request generation until max_lag + 1 global batches are in flight (or the data's
+        epochs are used up)."""
         per_worker = self.cfg.rollout.prompts_per_step // len(self.pool)
-        while len(self.pending) < self.cfg.max_lag + 1:
+        while (len(self.pending) < self.cfg.max_lag + 1
+               and self.prompts.has_batch(self.cfg.rollout.prompts_per_step)):
             start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
             end = self.prompts.position
@@ -298,7 +312,7 @@ class Controller:
 
     def _maybe_evaluate(self) -> dict:
         every = self.cfg.eval_every
-        if self.step == self.cfg.total_steps or (every and self.step % every == 0):
+        if not self._another_step() or (every and self.step % every == 0):  # and at the end
             return self._evaluate(self.step)
         return {}
 
@@ -319,10 +333,9 @@ class Controller:
         """Write a complete checkpoint of the run at the current step (atomic; see
         cluster/train/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
         on by a step <= self.step, and none after it (batches in flight are replayed)."""
-        position = self.pending[0].start_position if self.pending else self.prompts.position
         state = ckpt.ControllerState(
-            step=self.step, prompt_position=position, nonfinite_total=self.nonfinite_total,
-            nonfinite_run=self.nonfinite_run, dropped_stale=self.dropped_stale,
+            step=self.step, prompt_position=self._trained_position,
+            nonfinite_total=self.nonfinite_total, nonfinite_run=self.nonfinite_run, dropped_stale=self.dropped_stale,
             worker_restarts=self.pool.restarts if self.pool else 0, wandb_id=self.log.wandb_id,
             reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
         return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
@@ -352,6 +365,12 @@ class Controller:
                 errors.append(exc)
         if errors and raise_errors:
             raise errors[0]
+
+    @property
+    def _trained_position(self) -> int:
+        """Every prompt before this data position was trained on, none after it (batches in
+        flight are replayed on resume)."""
+        return self.pending[0].start_position if self.pending else self.prompts.position
 
     @property
     def reference_sha256(self) -> str:

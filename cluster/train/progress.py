@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from cluster.train.run_log import final_dir, read_metrics
+from cluster.train.run_log import final_dir, read_config, read_metrics
 
 EVAL_SETS = ("in_domain", "out_of_domain")
 
@@ -106,8 +106,10 @@ def format_duration(seconds: float) -> str:
 
 
 def print_summary(run_dir, title: str = "run finished", file=None) -> None:
-    """The before/after table of a finished run: first and last evaluation of each set."""
-    evals = [m for m in read_metrics(run_dir) if "eval/in_domain/accuracy" in m]
+    """The before/after table of a finished run: first and last evaluation of each set, and
+    what the data options did (data_lines)."""
+    metrics = read_metrics(run_dir)
+    evals = [m for m in metrics if "eval/in_domain/accuracy" in m]
     if not evals:
         return
     first, last = evals[0], evals[-1]
@@ -115,7 +117,26 @@ def print_summary(run_dir, title: str = "run finished", file=None) -> None:
             for kind, key in (("greedy", "accuracy"), ("sampled", "sampled_accuracy"))]
     lines = [f"  {label:<26} {first[key]:.3f} -> {last[key]:.3f}"
              for label, key in rows if key in first and key in last]
+    config = read_config(run_dir)
+    lines += data_lines(metrics, config.get("data") or {}, config.get("total_steps"))
     Console(file=file).print(f"[bold]{title}[/bold] in {run_dir} (step {first['step']} -> "
                              f"{last['step']})\n" + "\n".join(lines)
                              + f"\n  trained policy             {final_dir(run_dir)}",
                              soft_wrap=True)
+
+
+def data_lines(metrics: list[dict], data: dict, total_steps: int | None) -> list[str]:
+    """Summary lines of a finished run's data options: the prompts dropped as too long, and
+    with data.epochs whether the epochs or total_steps ended the run."""
+    lines, last = [], metrics[-1] if metrics else {}
+    if "data/prompts_filtered" in last:
+        lines.append(f"  {'prompts filtered':<26} {last['data/prompts_filtered']} longer than "
+                     f"data.max_prompt_length={data.get('max_prompt_length')} (not trained on)")
+    epochs = data.get("epochs")
+    if epochs is not None and "data/epoch" in last:
+        step, done = last["step"], f"{last['data/epoch']:.2f} epochs"
+        why = (f"data.epochs={epochs} used up at step {step}, before total_steps={total_steps}"
+               if total_steps is None or step < total_steps
+               else f"total_steps={total_steps} reached after {done} of data.epochs={epochs}")
+        lines.append(f"  {'ended':<26} {why}")
+    return lines
