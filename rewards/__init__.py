@@ -14,14 +14,28 @@ Tasks
   held out from train) / out_of_domain (three-digit).
 - countdown (`rewards.countdown`): reach a target with + - * / over given numbers, each at
   most once; answers parsed by a safe evaluator (`rewards.expression`), never eval.
-  Splits train / in_domain / out_of_domain (five numbers, targets 101-999).
+  Splits train / in_domain / out_of_domain (five numbers, targets 101-999), generated, or
+  each from a dataset (options train/in_domain/out_of_domain).
 - math (`rewards.boxed_math`): MATH-style problems, the completion's last \\boxed{} checked
   with math-verify. Hub datasets by name (MATH train, MATH500) or local jsonl/json/parquet.
 - mmlu (`rewards.mmlu`): multiple-choice evaluation (split out_of_domain), hub subjects or
   local files.
 
-Malformed dataset rows are skipped with one logged warning (count and first error); the
-count is kept in `task.skipped_rows[split]`.
+Datasets by name: every task with a dataset takes a hub name (loaded with `datasets`), a
+local .jsonl/.json/.parquet file in its schema, or a mapping {name, config, split, columns};
+`columns` renames another schema's columns to the task's. Defaults:
+- math: train DigitalLearningGmbH/MATH-lighteval (split train), in_domain
+  HuggingFaceH4/MATH-500 (split test); `path="fixture"`: the small set shipped in rewards/data.
+- mmlu: cais/mmlu, split test, subjects high_school/college physics, chemistry and biology.
+- countdown: generated unless a split is given a source; `true` names
+  Jiayi-Pan/Countdown-Tasks-3to4 (split train; the TinyZero / TBA set: `target`, `nums`).
+- arithmetic: generated only, no dataset.
+
+Finite and generated splits: a dataset split is finite (`task.is_finite(split)`, known
+without loading) and `task.rows(split)` lists its problems in file order; a generated split
+is drawn at random without end. The training stream reads a finite split epoch by epoch
+(cluster/train/prompts.py). Malformed dataset rows are skipped with one logged warning (count
+and first error); the count is kept in `task.skipped_rows[split]`.
 
 Plug-in scorers
 ---------------

@@ -1,10 +1,10 @@
 """Countdown: combine given numbers with + - * / and parentheses to reach a target.
 
-Every problem is solvable by construction: the generator builds a random expression over a
-subset of the drawn numbers and takes its (positive integer) value as the target; that
+Every generated problem is solvable by construction: the generator builds a random expression
+over a subset of the drawn numbers and takes its (positive integer) value as the target; that
 expression is the problem's `answer` (one solution among possibly many).
 
-Splits:
+Generated splits:
 - "train" and "in_domain": 3 or 4 numbers in [1, 50], target in [1, 100]. A fixed hash of
   (numbers, target) holds out 1 problem in 10 for in_domain; train never produces those.
 - "out_of_domain": 5 numbers in [1, 50], target in [101, 999] (longer searches, bigger targets).

@@ -176,8 +176,8 @@ def test_the_summary_says_what_the_data_options_did(tmp_path, capsys):
     assert "7 longer than data.max_prompt_length=512" in out
     assert "data.epochs=2 used up at step 5, before total_steps=100" in out
     ended = data_lines([{"step": 5, "data/epoch": 1.9}], {"epochs": 2}, total_steps=5)
-    assert ended == ["  ended                      total_steps=5 reached after 1.90 epochs of "
-                     "data.epochs=2"]
+    assert ended == [("  ended                      total_steps=5 reached after 1.90 epochs "
+                      "of data.epochs=2")]
     assert data_lines([{"step": 5, "data/epoch": 0.5}], {"epochs": None}, 5) == []
 
 
@@ -197,9 +197,9 @@ def test_resume_refuses_a_changed_stream_but_takes_more_epochs(rows_path):
     (["data.epochs=2"], "data.epochs=2: task 'arithmetic' split 'train' is generated"),
     (["data.shuffle=false"], "data.shuffle=false: task 'arithmetic' split 'train' is generated"),
     (["task.name=countdown", "data.epochs=1"], "data.epochs=1: task 'countdown' split 'train'"),
-    (["data.max_prompt_length=507"], r"data.max_prompt_length \(507\) \+ "
-                                     r"rollout.max_new_tokens \(6\) must fit in "
-                                     r"rollout.max_model_len \(512\)"),
+    (["data.max_prompt_length=507"], (r"data.max_prompt_length \(507\) \+ "
+                                      r"rollout.max_new_tokens \(6\) must fit in "
+                                      r"rollout.max_model_len \(512\)")),
     (["data.epochs=0"], "data.epochs"),
     (["data.max_prompt_length=0"], "data.max_prompt_length"),
     (["data.shufle=false"], "did you mean 'shuffle'"),

@@ -83,13 +83,14 @@ class DataConfig(_Strict):
         "rollout workers render it (chat template and system prompt included, the policy's "
         "tokenizer); longer ones are dropped before generation and counted "
         "(data/prompts_filtered). null: no limit.")
-    shuffle: bool = Field(True, description="A dataset's epochs each go through its rows in a "
-                          "new order, seeded by (seed, epoch); false: in file order. Generated "
-                          "tasks draw at random and have no order to keep.")
+    shuffle: bool = Field(True, description="Each epoch of a dataset split goes through its "
+                          "rows in a new order, seeded by (seed, epoch); false: in file order, "
+                          "every epoch. A generated task (no rows, no order) refuses false.")
     epochs: int | None = Field(None, ge=1, le=1_000_000, description="Passes over a dataset "
-                               "split: the run ends after this many (or at total_steps, "
-                               "whichever comes first). null: total_steps alone ends it. "
-                               "Generated tasks have no epochs.")
+                               "split: the run ends when they are used up (the last, fewer than "
+                               "a batch, prompts unused) or at total_steps, whichever comes "
+                               "first. null: total_steps alone ends it. A generated task (no "
+                               "end) refuses it.")
 
     def check(self, task: TaskConfig, rollout: RolloutConfig) -> None:
         """ValueError, naming the field, for a data option the training task cannot take or a
