@@ -2,9 +2,14 @@
 
 `expected_grad` is the exact expectation under the behaviour policy mu of the autograd
 gradient of `kl.surrogate` (a finite weighted sum over all sequences, no sampling).
-`predicted_grad` is what docs/design.md's table says that expectation must be, computed from
-independent quantities: the exact sequence KL gradient g*, the token-level reverse/forward KL
-gradients and grad E[sum K2]. The tests compare the two; `klrl kl-table` prints them.
+`on_policy_prediction` is what docs/design.md's table says that expectation must be, computed
+from independent quantities: the exact sequence KL gradient g*, the token-level reverse/forward
+KL gradients and grad E[sum K2]. The tests compare the two; `klrl kl-table` prints them.
+
+`contract_prediction` is the same expectation for any estimator, from its formula alone (no
+kl.surrogate): the reward placement is the score-function part of grad E_pi[sum_t k_t], the
+loss placement the pathwise part, reward+loss their sum. It is the prediction for an estimator
+the table has no closed form for (one just added to kl.estimators).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kl import toy as T
-from kl.estimators import ESTIMATORS
+from kl.estimators import ESTIMATORS, estimate
 from kl.surrogate import IMPORTANCES, PLACEMENTS, surrogate
 
 
@@ -87,6 +92,7 @@ class ReferenceGrads:
     token_reverse: torch.Tensor  # token-level reverse KL gradient (state distribution held fixed)
     token_forward: torch.Tensor  # token-level forward KL(ref || pi) gradient
     sum_k2: torch.Tensor        # grad E_pi[sum_t K2_t], state distribution differentiated too
+    toy: T.ToyProblem | None = None  # for estimators without a closed form (contract_prediction)
 
 
 def reference_grads(toy: T.ToyProblem) -> ReferenceGrads:
@@ -101,18 +107,49 @@ def reference_grads(toy: T.ToyProblem) -> ReferenceGrads:
         token_reverse=T.grad_of(lambda x: T.token_kl(x, ref, sp, "reverse"), toy.logits),
         token_forward=T.grad_of(lambda x: T.token_kl(x, ref, sp, "forward"), toy.logits),
         sum_k2=T.grad_of(e_sum_k2, toy.logits),
+        toy=toy,
     )
 
 
 def on_policy_prediction(v: KLVariant, r: ReferenceGrads) -> torch.Tensor:
-    """docs/design.md's on-policy table (importance is inert on-policy, so it is ignored)."""
+    """docs/design.md's on-policy table (importance is inert on-policy, so it is ignored). An
+    estimator without a closed form here is predicted by its contract (`contract_prediction`)."""
     reward = {"k1": r.g_star, "k2": r.sum_k2 - r.token_reverse, "k3": r.g_star - r.token_forward}
     loss = {"k1": torch.zeros_like(r.g_star), "k2": r.token_reverse, "k3": r.token_forward}
+    if v.estimator not in reward:
+        return contract_prediction(r.toy, v)
     if v.placement == "reward":
         return reward[v.estimator]
     if v.placement == "loss":
         return loss[v.estimator]
     return reward[v.estimator] + loss[v.estimator]
+
+
+def contract_prediction(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
+    """The on-policy expected gradient of any per-token estimator k_t = f(delta_t) in each
+    placement, from f alone (kl.estimators.FORMULAS; kl.surrogate is not used):
+
+      reward       grad_x E_pi[sum_t sg(k_t)] = E_pi[sum_t grad logp_t * sum_t' k_t']
+                   (score function; with reward-to-go the same in expectation, by causality)
+      loss         E_pi[sum_t grad k_t] = E_pi[sum_t f'(delta_t) grad logp_t]   (pathwise)
+      reward+loss  their sum: grad E_pi[sum_t k_t], which is g* = grad KL(pi||ref) whenever f is
+                   unbiased per token (E_pi(.|s)[f(delta)] = KL(pi(.|s)||ref(.|s)) at every s)
+
+    Off-policy, `sequence` and `prefix` importance (uncapped) give the same expectations."""
+    sp = toy.space
+
+    def expected_sum(x: torch.Tensor, score: bool) -> torch.Tensor:
+        lp = T.token_logp(x, sp)
+        k = torch.where(sp.mask, estimate(lp, T.token_logp(toy.ref_logits, sp), v.estimator), 0.0)
+        p = lp.sum(-1).exp()  # pi(y) of every sequence
+        return (p * k.sum(-1).detach()).sum() if score else (p.detach() * k.sum(-1)).sum()
+
+    out = torch.zeros(toy.logits.numel(), dtype=toy.logits.dtype)
+    if v.placement in ("reward", "reward+loss"):
+        out = out + T.grad_of(lambda x: expected_sum(x, score=True), toy.logits)
+    if v.placement in ("loss", "reward+loss"):
+        out = out + T.grad_of(lambda x: expected_sum(x, score=False), toy.logits)
+    return out
 
 
 def is_exact_correction(v: KLVariant) -> bool:

@@ -7,15 +7,43 @@ With delta_t = log pi(y_t|s_t) - log pi_ref(y_t|s_t) and y_t ~ pi:
 
 What each estimator's *gradient* does depends on where it is placed (reward or loss) and on
 the importance correction; see `kl.surrogate` and the table in the README.
+
+Adding an estimator (README, "Extending klrl"): its formula as a function of delta, its name
+in the `Estimator` Literal (the one home of the names: KLConfig, ESTIMATORS, the exact tests
+and `klrl kl-table` read it) and in FORMULAS. FORMULAS is read at every call, so a test can
+try a formula on the exact toy (kl.analysis) before it is added to the Literal.
 """
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 
 Estimator = Literal["k1", "k2", "k3"]
-ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+
+
+def k1(delta: torch.Tensor) -> torch.Tensor:
+    return delta
+
+
+def k2(delta: torch.Tensor) -> torch.Tensor:
+    return 0.5 * delta * delta
+
+
+def k3(delta: torch.Tensor) -> torch.Tensor:
+    # exp(-d) - 1 + d == expm1(-d) + d; expm1 keeps precision for small |d|.
+    return torch.expm1(-delta) + delta
+
+
+Formula = Callable[[torch.Tensor], torch.Tensor]
+# name -> per-token estimate as a function of delta = logp - ref_logp (elementwise, autograd
+# through delta). Exactly the Literal's names, in its order (checked below).
+FORMULAS: dict[str, Formula] = {"k1": k1, "k2": k2, "k3": k3}
+if tuple(FORMULAS) != ESTIMATORS:
+    raise ImportError(f"kl.estimators.FORMULAS {tuple(FORMULAS)} must name exactly the "
+                      f"Estimator Literal's estimators {ESTIMATORS}")
 
 
 def estimate(
@@ -30,21 +58,17 @@ def estimate(
     Args:
         logp: log pi(y_t|s_t), any shape; gradients flow through it.
         ref_logp: log pi_ref(y_t|s_t), same shape (treated as a constant by callers).
-        estimator: "k1", "k2" or "k3".
+        estimator: a name of FORMULAS ("k1", "k2" or "k3").
         clamp_delta: opt-in clamp of delta to [-c, c] before the estimator. It is BIASED
             (it changes both the value and the gradient wherever |delta| > c) and exists only
             as a last-resort guard; None (the default) computes the exact estimator.
     """
+    formula = FORMULAS.get(estimator)
+    if formula is None:
+        raise ValueError(f"estimator must be one of {tuple(FORMULAS)}, got {estimator!r}")
     delta = logp - ref_logp
     if clamp_delta is not None:
         if clamp_delta <= 0:
             raise ValueError(f"clamp_delta must be > 0, got {clamp_delta}")
         delta = delta.clamp(-clamp_delta, clamp_delta)
-    if estimator == "k1":
-        return delta
-    if estimator == "k2":
-        return 0.5 * delta * delta
-    if estimator == "k3":
-        # exp(-d) - 1 + d == expm1(-d) + d; expm1 keeps precision for small |d|.
-        return torch.expm1(-delta) + delta
-    raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    return formula(delta)

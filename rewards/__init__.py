@@ -5,7 +5,8 @@ never Ray, vLLM or DeepSpeed.
 
 Tasks
 -----
-    task = rewards.get_task("arithmetic")           # or "countdown", "math", "mmlu"
+    task = rewards.get_task("arithmetic")           # or "countdown", "math", "mmlu" (TASKS),
+                                                    # or a plug-in "package.module:TaskClass"
     task = rewards.get_task("math", path="fixture")  # task-specific options: see each class
     problems = task.problems("in_domain", n=200, seed=0)   # list[Problem], deterministic
     reward = task.scorer(completion, problems[0])           # float

@@ -5,7 +5,11 @@ They live here, beside the tasks they name, so that the rollout worker (actors/)
 typed without importing cluster/; cluster.config.train_config composes them into TrainConfig.
 
 Validation builds the named tasks (cheap: no data is loaded before a split is drawn), so an
-unknown option or split fails here, before any process starts, not in a rollout worker.
+unknown task, option or split fails here, before any process starts, not in a rollout worker.
+Task names are checked against rewards.registry (the one list of tasks). A plug-in task
+("package.module:TaskClass") is user code: validation checks the spec's form only, and
+`check_plugins` imports it and makes the same checks where the run runs (preflight), as for a
+plug-in scorer (rewards/plugin.py says why).
 """
 from __future__ import annotations
 
@@ -13,9 +17,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rewards.registry import get_task
+from rewards.records import Task
+from rewards.registry import (
+    PLUGIN_FORM,
+    TASKS,
+    build_task,
+    check_contract,
+    check_task_name,
+    get_task,
+    is_plugin,
+    task_class,
+)
 
-TaskName = Literal["arithmetic", "countdown", "math", "mmlu"]
 StopString = Annotated[str, Field(min_length=1, max_length=1000)]
 
 
@@ -28,7 +41,10 @@ class TaskConfig(_Strict):
     prompts are put to the model (chat template, system prompt, stop strings). Training and
     evaluation render prompts the same way (actors.prompting)."""
 
-    name: TaskName = Field("arithmetic", description="Task from rewards/ (mmlu is evaluation-only).")
+    name: str = Field("arithmetic", min_length=1, description=f"Task: one of rewards/ ("
+                      f"{', '.join(TASKS)}; one without a train split, such as mmlu, only "
+                      f"evaluates) or a plug-in '{PLUGIN_FORM}' (a rewards.Task subclass in "
+                      "your own package, importable by the run and its Ray workers).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for "
                                     "rewards.get_task (e.g. path=..., dataset=..., columns=... "
                                     "to rename dataset columns to the task's).")
@@ -48,10 +64,16 @@ class TaskConfig(_Strict):
                             "completion ends after the first one it generates (finish_reason "
                             "'stop'; the string is not part of the scored text).")
 
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        check_task_name(name)  # one line: did you mean, the known tasks, the plug-in form
+        return name
+
     @field_validator("options")
     @classmethod
     def _task_takes_the_options(cls, options: dict, info: ValidationInfo) -> dict:
-        if (name := info.data.get("name")) is not None:
+        if (name := info.data.get("name")) is not None and not is_plugin(name):
             get_task(name, **options)  # ValueError naming the unknown option
         return options
 
@@ -59,9 +81,21 @@ class TaskConfig(_Strict):
     @classmethod
     def _task_has_the_split(cls, split: str, info: ValidationInfo) -> str:
         name, options = info.data.get("name"), info.data.get("options")
-        if name is not None and options is not None:
+        if name is not None and options is not None and not is_plugin(name):
             get_task(name, **options).check_split(split)
         return split
+
+    def check_plugin(self) -> None:
+        """A plug-in task's checks, which validation leaves to the machine that runs it:
+        import it, build it with `options`, check it has `train_split`. ValueError naming the
+        field (task.name, task.options or task.train_split). Nothing to do for a task of
+        rewards/, which validation has checked."""
+        if is_plugin(self.name):
+            task = _build("task.name", self.name, "task.options", self.options)
+            try:
+                task.check_split(self.train_split)
+            except ValueError as e:
+                raise ValueError(f"task.train_split: {e}") from None
 
     @model_validator(mode="after")
     def _check_prompting(self) -> TaskConfig:
@@ -71,14 +105,38 @@ class TaskConfig(_Strict):
         return self
 
 
+def _build(name_field: str, name: str, options_field: str, options: dict) -> Task:
+    """get_task(name, **options), its ValueError prefixed with the field at fault."""
+    try:
+        cls = task_class(name)
+    except ValueError as e:
+        raise ValueError(f"{name_field}: {e}") from None
+    try:
+        task = build_task(cls, name, options)
+    except ValueError as e:
+        raise ValueError(f"{options_field}: {e}") from None
+    try:
+        check_contract(task, name)
+    except ValueError as e:
+        raise ValueError(f"{name_field}: {e}") from None
+    return task
+
+
 class EvalSet(_Strict):
     """One evaluation set: a task's split (by default the training task's)."""
 
-    task: TaskName | None = Field(None, description="Task to evaluate on; null: the training "
-                                  "task with its options.")
+    task: str | None = Field(None, min_length=1, description="Task to evaluate on, named as "
+                             "task.name is; null: the training task with its options.")
     options: dict[str, Any] = Field(default_factory=dict, description="rewards.get_task options "
                                     "(ignored when task is null).")
     split: str = Field(..., min_length=1, description="Split name of that task.")
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, name: str | None) -> str | None:
+        if name is not None:
+            check_task_name(name)
+        return name
 
     def resolve(self, training: TaskConfig) -> EvalSet:
         """This set with the training task filled in when `task` is null."""
@@ -115,14 +173,15 @@ class EvalConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Fixes the evaluated problems and the "
                       "sampling seeds, independently of the run's seed.")
 
-    def check_sets(self, training: TaskConfig) -> None:
-        """Raise ValueError, naming `eval.<set>.options` or `eval.<set>.split`, when a set's
-        task does not take its options or has no such split."""
+    def check_sets(self, training: TaskConfig, plugins: bool = False) -> None:
+        """Raise ValueError, naming `eval.<set>.task`, `eval.<set>.options` or
+        `eval.<set>.split`, when a set's task does not take its options or has no such split.
+        Sets of plug-in tasks are checked only with `plugins` (that imports them: see
+        `check_plugins`)."""
         for name, s in self.sets(training).items():
-            try:
-                task = get_task(s.task, **s.options)
-            except ValueError as e:
-                raise ValueError(f"eval.{name}.options: {e}") from None
+            if is_plugin(s.task) and not plugins:
+                continue
+            task = _build(f"eval.{name}.task", s.task, f"eval.{name}.options", s.options)
             try:
                 task.check_split(s.split)
             except ValueError as e:
@@ -134,3 +193,12 @@ class EvalConfig(_Strict):
         """The configured sets by name ("in_domain", "out_of_domain"), tasks resolved."""
         named = (("in_domain", self.in_domain), ("out_of_domain", self.out_of_domain))
         return {name: s.resolve(training) for name, s in named if s is not None}
+
+
+def check_plugins(task: TaskConfig, evaluation: EvalConfig) -> None:
+    """Import every plug-in task a run names (task.name, eval.<set>.task) and make the checks
+    that validation makes for the tasks of rewards/: options, train split, evaluation splits.
+    ValueError naming the field. Where the run runs, before anything starts
+    (cluster/train/preflight.py), as `rewards.load_scorer` checks a plug-in scorer."""
+    task.check_plugin()
+    evaluation.check_sets(task, plugins=True)

@@ -87,3 +87,123 @@ def test_import_is_pure_and_light():
             "'math_verify', 'sympy') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_task_names_come_from_the_registry():
+    """TaskConfig and EvalSet accept exactly the registry's names and the plug-in form; an
+    unknown name is one line with the closest name, the known tasks and the plug-in form."""
+    from rewards.config import EvalSet, TaskConfig
+    from rewards.registry import check_task_name
+
+    for name in rewards.TASKS:
+        check_task_name(name)
+    check_task_name("klrl_no_such_package.tasks:SomeTask")  # the form only: nothing imported
+    with pytest.raises(ValueError) as error:
+        check_task_name("arith")
+    assert str(error.value) == (
+        "unknown task 'arith' (did you mean 'arithmetic'?); known tasks: arithmetic, countdown, "
+        "math, mmlu, or a plug-in task 'package.module:TaskClass' (a rewards.Task subclass in "
+        "your own package)")
+    with pytest.raises(ValueError, match="task spec 'a.b:C:D' is not of the form 'package.module:TaskClass'"):
+        check_task_name("a.b:C:D")
+    with pytest.raises(ValidationError, match="unknown task 'mmlu2' \\(did you mean 'mmlu'\\?\\)"):
+        EvalSet(task="mmlu2", split="out_of_domain")
+    # a plug-in's options and split are not checked at load time, where it is not imported
+    cfg = TaskConfig(name="klrl_no_such_package.tasks:SomeTask", options={"x": 1}, train_split="t")
+    assert cfg.name == "klrl_no_such_package.tasks:SomeTask"
+    assert "rewards.Task subclass" in TaskConfig.model_fields["name"].description
+    assert all(name in TaskConfig.model_fields["name"].description for name in rewards.TASKS)
+
+
+BROKEN_TASKS = '''
+import random
+from rewards import Problem, Task
+
+
+def score(completion, problem):
+    return 0.0
+
+
+class Good(Task):
+    name = "good"
+    splits = ("train",)
+    scorer = staticmethod(score)
+
+    def __init__(self, size: int = 3):
+        self.size = size
+
+    def _draw(self, split, n, rng):
+        return [Problem(uid=str(i), task=self.name, split=split, prompt="p", answer="a")
+                for i in range(self.size if n is None else n)]
+
+
+class SplitsList(Good):
+    splits = ["train"]
+
+
+class LambdaScorer(Good):
+    scorer = staticmethod(lambda completion, problem: 0.0)
+
+
+class NoBudget(Good):
+    max_new_tokens = 0
+
+
+class NoName(Good):
+    name = ""
+
+
+class NoDraw(Task):
+    name = "nodraw"
+    splits = ("train",)
+    scorer = staticmethod(score)
+
+
+class NotATask:
+    pass
+'''
+
+
+@pytest.mark.parametrize("cls, message", [
+    ("SplitsList", "breaks the rewards.Task contract: `splits` must be a non-empty tuple"),
+    ("LambdaScorer", "breaks the rewards.Task contract: its scorer cannot be sent to scoring workers"),
+    ("NoBudget", "breaks the rewards.Task contract: `max_new_tokens` must be a positive int, got 0"),
+    ("NoName", "breaks the rewards.Task contract: `name` must be a non-empty string"),
+    ("NoDraw", "does not implement _draw"),
+    ("NotATask", "is a class, not a rewards.Task subclass"),
+    ("score", "is a function, not a rewards.Task subclass"),
+    ("Goood", "has no attribute 'Goood' \\(did you mean 'Good'\\?\\)"),
+])
+def test_a_plugin_task_that_breaks_the_contract_is_named(tmp_path, monkeypatch, cls, message):
+    (tmp_path / "klrl_broken_tasks.py").write_text(BROKEN_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "klrl_broken_tasks", raising=False)
+    spec = f"klrl_broken_tasks:{cls}"
+    with pytest.raises(ValueError, match=message) as error:
+        get_task(spec)
+    assert f"task {spec!r}" in str(error.value)
+
+
+def test_a_plugin_task_is_checked_where_the_run_runs(tmp_path, monkeypatch):
+    """rewards.config.check_plugins (the pre-flight's) imports plug-in tasks and makes
+    validation's checks, naming the field; the good task builds with its options."""
+    from rewards.config import EvalConfig, EvalSet, TaskConfig, check_plugins
+
+    (tmp_path / "klrl_broken_tasks.py").write_text(BROKEN_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "klrl_broken_tasks", raising=False)
+    good = "klrl_broken_tasks:Good"
+    only_train = EvalConfig(in_domain=EvalSet(split="train"), out_of_domain=None)
+    assert get_task(good, size=2).problems("train") == get_task(good).problems("train", 2)
+    check_plugins(TaskConfig(name=good, options={"size": 2}), only_train)
+    for task, evaluation, message in [
+        (TaskConfig(name="klrl_broken_tasks:Goood"), only_train, "task.name: .*did you mean 'Good'"),
+        (TaskConfig(name=good, options={"sise": 2}), only_train,
+         "task.options: .*no option 'sise' \\(did you mean 'size'\\?\\)"),
+        (TaskConfig(name=good, train_split="trian"), only_train, "task.train_split: .*did you mean 'train'"),
+        (TaskConfig(name=good), EvalConfig(), "eval.in_domain.split: task 'good' has no split 'in_domain'"),
+        (TaskConfig(), EvalConfig(out_of_domain=EvalSet(task="klrl_broken_tasks:NoDraw", split="x")),
+         "eval.out_of_domain.task: .*does not implement _draw"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_plugins(task, evaluation)

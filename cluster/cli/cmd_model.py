@@ -35,7 +35,9 @@ def register(subparsers) -> None:
     )
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="model directory, or 'default' for the default model (built if missing)")
-    p.add_argument("--task", default="arithmetic", help="task name (default arithmetic)")
+    p.add_argument("--task", default="arithmetic",
+                   help="a task of rewards/ (rewards.TASKS) or a plug-in "
+                   "'package.module:TaskClass', as in task.name (default arithmetic)")
     p.add_argument("--splits", default="in_domain,out_of_domain",
                    help="comma-separated splits (default in_domain,out_of_domain)")
     p.add_argument("--n", type=_at_least(1), default=200, help="problems per split (default 200)")
@@ -77,7 +79,8 @@ def _at_least(low: int):
 
 def _check_task(args: argparse.Namespace) -> list[str]:
     """The splits `klrl eval` asks for, after checking the task has them (the task registry's
-    rules): a typo fails here, in one line, not after vLLM has started."""
+    rules; a plug-in task is imported here, as a training run's pre-flight imports it): a typo
+    fails here, in one line, not after vLLM has started."""
     from rewards import get_task
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]

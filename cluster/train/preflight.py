@@ -9,6 +9,9 @@ checks; this module only calls them:
   rewards/config.py);
 - model.path and model.ref_path: `train_config.check_model_path`;
 - task.reward: `rewards.load_scorer` (imports it as the rollout workers will);
+- plug-in tasks (task.name, eval.<set>.task "package.module:TaskClass"): `rewards.config.
+  check_plugins` (imports them, then checks their options and splits as validation does for
+  the tasks of rewards/);
 - an online wandb run's API key: `run_log.check_wandb`;
 - the run directory and resume: here, with `checkpoint.objective_changes`.
 Raises ConfigError (or FileExistsError for a name already taken); `klrl train` exits 2.
@@ -24,17 +27,24 @@ from cluster.train.run_log import check_wandb, default_run_name, has_metrics, is
 
 
 def check_environment(cfg: TrainConfig) -> None:
-    """What the config needs from this machine: its model, its plug-in scorer, a wandb key."""
+    """What the config needs from this machine: its model, its plug-in scorer and tasks, a
+    wandb key."""
     check_model_path(cfg.model.path)
     check_model_path(cfg.model.ref_path, "model.ref_path")
-    if cfg.task.reward:
-        from rewards import load_scorer
+    from rewards import load_scorer
+    from rewards.config import check_plugins
 
+    # Plug-ins are imported here, as the rollout workers will; a failed import's message says
+    # how to make it importable (rewards/plugin.py).
+    if cfg.task.reward:
         try:
             load_scorer(cfg.task.reward)
         except ValueError as exc:
-            raise ConfigError(f"task.reward: {exc}; a plug-in scorer must be importable by "
-                              "the training process (its package on PYTHONPATH)") from None
+            raise ConfigError(f"task.reward: {exc}") from None
+    try:
+        check_plugins(cfg.task, cfg.eval)  # plug-in tasks; each message names its field
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     check_wandb(cfg)
 
 
