@@ -385,3 +385,32 @@ def test_cosine_schedule_continues_exactly_across_a_checkpoint_reload(with_optio
     _assert_equal_params(s[2], s[4])   # the reload restored the step-1 weights
     _assert_equal_params(s[3], s[5])   # and the redone step is the same step
     assert v == [0, 1, 1, 2, 1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero_offload_and_flash_attention_gpu(ray_local, tiny_model_dir, batches):
+    """GPU only, not run on CPU machines: ZeRO-3 in bf16 with the optimizer (DeepSpeedCPUAdam)
+    and the parameters offloaded to CPU memory, with flash_attention_2 where flash-attn is
+    installed (sdpa otherwise) and gradient checkpointing, makes the step the same run without
+    offload makes, to bf16 tolerance."""
+    import importlib.util
+
+    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    base = {"num_ranks": 1, "zero_stage": 3, "dtype": "bfloat16", "num_gpus_per_rank": 1,
+            "attn_implementation": attn, "gradient_checkpointing": True}
+    info = lambda group: group.rank_info
+    plain = _run(tiny_model_dir, _cfg(**base), _Steps(batches, ["good"], extra=info))
+    offload = _run(tiny_model_dir, _cfg(**base, offload_optimizer=True, offload_param=True),
+                   _Steps(batches, ["good"], extra=info))
+    (sp, mp, _, _), (so, mo, vo, io) = plain, offload
+    assert io[0]["attn_implementation"] == [attn, attn]
+    assert mo[0]["nonfinite"] == 0 and vo == [0, 1]
+    assert mo[0]["grad/norm"] == pytest.approx(mp[0]["grad/norm"], rel=2e-2)
+    num = den = 0.0
+    for name in sp[0]:
+        da = sp[1][name].double() - sp[0][name].double()
+        db = so[1][name].double() - so[0][name].double()
+        num += float((da - db).square().sum())
+        den += float(da.square().sum())
+    assert den > 0 and math.sqrt(num / den) < 5e-2, math.sqrt(num / den)
