@@ -1,7 +1,7 @@
 """Pydantic configuration of the learner: ranks, ZeRO stage and offload, optimizer and LR
 schedule, model loading (attention kernel, gradient checkpointing), loss options.
 
-Every field is read by code (learner/rank.py, learner/group.py, learner/loss.py); the
+Every field is read by code (learner/rank.py, group.py, loss.py, schedule.py, loading.py); the
 DeepSpeed config dict is derived from it in `deepspeed_config`, so there is one source of
 truth for what the engine runs with.
 """
