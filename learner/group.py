@@ -19,6 +19,7 @@ import ray
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner.loading import ModelFiles
 from learner.loss import merge_metrics, merge_updates
 from learner.rank import LearnerRank, WeightPublisher
 
@@ -26,19 +27,29 @@ from learner.rank import LearnerRank, WeightPublisher
 class LearnerGroup:
     """Data-parallel DeepSpeed learner over Ray actors (see learner/rank.py for the math)."""
 
-    def __init__(self, model_dir: str | Path, learner_cfg: LearnerConfig, kl_cfg: KLConfig,
-                 adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
-                 publisher: WeightPublisher | None = None):
-        """`publisher`: the weight transport `export_weights` uses (learner.rank.WeightPublisher;
-        cluster/ passes actors.weight_sync.WeightPublisher). Every rank gets a copy; rank 0's
-        publishes."""
+    def __init__(self, model: str | Path | ModelFiles, learner_cfg: LearnerConfig,
+                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
+                 publisher: WeightPublisher | None = None,
+                 total_optimizer_steps: int | None = None):
+        """`model`: the policy's directory (also the reference), or a ModelFiles (a separate
+        reference, hub revision, remote code; cluster/train/launch.py builds it from
+        TrainConfig.model). `publisher`: the weight transport `export_weights` uses
+        (learner.rank.WeightPublisher; cluster/ passes actors.weight_sync.WeightPublisher).
+        Every rank gets a copy; rank 0's publishes. `total_optimizer_steps`: the run's
+        optimizer steps (total_steps x updates_per_batch), where a decaying learner.lr_schedule
+        ends; required by linear and cosine."""
+        if learner_cfg.lr_schedule != "constant" and total_optimizer_steps is None:
+            # Refused here, before any actor starts (make_scheduler would refuse in every rank).
+            raise ValueError(f"learner.lr_schedule={learner_cfg.lr_schedule} needs "
+                             "LearnerGroup(..., total_optimizer_steps=N)")
         self.cfg, self.run_id = learner_cfg, run_id
         self.version = 0
         world = learner_cfg.num_ranks
         actor = ray.remote(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
                                                 num_gpus=learner_cfg.num_gpus_per_rank)
-        self.ranks = [actor.remote(r, world, str(model_dir), learner_cfg, kl_cfg, adv_cfg, seed,
-                                   run_id, publisher)
+        files = ModelFiles.of(model)
+        self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,
+                                   run_id, publisher, total_optimizer_steps)
                       for r in range(world)]
         try:
             infos = self._all("node_info")

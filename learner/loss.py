@@ -1,4 +1,5 @@
-"""The learner's loss: task policy-gradient term + beta x KL term, and its metrics.
+"""The learner's loss: task policy-gradient term + beta x KL term (+ an entropy bonus), and its
+metrics.
 
 Pure torch + kl (no DeepSpeed), so it is unit-tested without any engine. Notation: per
 response token t of sequence i, logp_t (current policy, live), mu_t (behaviour = sampler
@@ -25,6 +26,22 @@ KL term (kl.KLConfig, beta = kl.beta):
     handling); loss/task then includes the folded KL reward and loss/kl is 0. kl.KLConfig and
     kl.config.check_compatible reject the combinations this could not honour (reward+loss,
     kl.importance, advantage.normalize=batch).
+
+Entropy bonus (learner.entropy_coef = c >= 0). H_{i,t} = -sum_v pi(v|s_{i,t}) log pi(v|s_{i,t}),
+the full-vocabulary entropy of the current policy at the state s_{i,t} = (prompt, y_{i,<t}) of
+response token t, from the logits the forward pass already made, in fp32 (`token_entropy`).
+The loss gets
+    -c * sum_i sum_t H_{i,t} / N
+(the same constant N, so it splits over micro-batches and ranks like the other terms), whose
+exact gradient is
+    -(c/N) sum_i sum_t grad H_{i,t},  dH_{i,t}/dz_v = -pi_v (log pi_v + H_{i,t})
+for the logits z of position t: the gradient of the per-token entropies at the *sampled*
+prefixes, which are held fixed. It is not an estimator of the gradient of the sequence entropy
+H(pi(.|x)) = E_{y~pi}[sum_t H_t(y_<t)]: that gradient also has the score-function term
+E[sum_t grad log pi(y_t|s_t) * sum_{t'>t} H_t'] (how the policy moves which prefixes occur),
+which the bonus leaves out, and the prefixes come from the sampler mu, not reweighted toward
+pi. c = 0 adds nothing; the metric `policy/entropy` (mean H over response tokens, merged
+token-weighted) is logged whenever the caller passes `entropy`.
 
 Group statistics (b_i, A_{i,t}) need every sample of a prompt. They are computed by
 `group_stats` once over whole groups and handed to `policy_loss` (GroupStats), so a
@@ -58,6 +75,37 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Te
     # gather - logsumexp: the same value as log_softmax().gather() without a second [B, L, V] tensor
     lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
+
+
+# Response positions per chunk of the no-grad entropy: bounds the [chunk, vocab] fp32 temporaries
+# (the metric must not cost a second logits-sized tensor on a long batch).
+_ENTROPY_CHUNK = 1024
+
+
+def token_entropy(logits: torch.Tensor, response_mask: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """[B, L] full-vocabulary entropy of the distribution each logits row defines, aligned like
+    `sequence_logprobs`: out[:, t] = H(p(. | ids[:, <t])) from logits[:, t-1], at response
+    positions only (0 elsewhere). fp32 at least (fp64 logits stay fp64). grad=False computes it
+    detached, in chunks of response positions; grad=True keeps it differentiable (for
+    learner.entropy_coef > 0)."""
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    mask = response_mask[:, 1:]
+    if not grad:
+        with torch.no_grad():
+            rows = logits.detach()[:, :-1][mask]
+            h = torch.cat([_entropy(rows[s:s + _ENTROPY_CHUNK].to(dt))
+                           for s in range(0, rows.shape[0], _ENTROPY_CHUNK)]) \
+                if rows.shape[0] else rows.new_zeros(0, dtype=dt)
+    else:
+        h = _entropy(logits[:, :-1][mask].to(dt))
+    out = torch.zeros(response_mask.shape, dtype=dt, device=logits.device)
+    return out.masked_scatter(response_mask, h)  # column 0 is never a response position
+
+
+def _entropy(z: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(z) over the last dimension: logsumexp(z) - sum_v p_v z_v (no log p
+    tensor; finite for any finite z)."""
+    return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
 
 
 def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
@@ -145,11 +193,14 @@ def policy_loss(
     learner_cfg: LearnerConfig,
     num_sequences_global: float,
     stats: GroupStats | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss (a scalar to minimise) and metrics for `batch` (a shard or micro-batch of the global
     batch); see the module docstring. `logp` [B, L] is live (fp32), `ref_logp` [B, L] constant,
     both aligned with batch.input_ids. `stats`: the GroupStats of these rows computed over their
     whole groups; None computes them from `batch` itself, which must then hold whole groups.
+    `entropy` [B, L]: `token_entropy` of the same forward pass (differentiable when
+    learner_cfg.entropy_coef > 0, which requires it); None: no policy/entropy metric.
     Metrics are merged across micro-batches and ranks by `merge_metrics`."""
     if num_sequences_global <= 0:
         raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
@@ -157,6 +208,11 @@ def policy_loss(
         raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must match "
                          f"input_ids {tuple(batch.input_ids.shape)}")
     check_compatible(kl_cfg, adv_cfg)
+    coef = learner_cfg.entropy_coef
+    if entropy is not None and entropy.shape != logp.shape:
+        raise ValueError(f"entropy {tuple(entropy.shape)} must match logp {tuple(logp.shape)}")
+    if coef > 0 and entropy is None:
+        raise ValueError("learner.entropy_coef > 0 needs the per-token entropy (token_entropy)")
     if stats is None:
         stats = group_stats(logp, ref_logp, batch, kl_cfg, adv_cfg)
     mask = batch.response_mask
@@ -187,6 +243,10 @@ def policy_loss(
     else:
         kl_term = torch.zeros((), dtype=task.dtype, device=task.device)
     loss = task + kl_term
+    if coef > 0:
+        edt = torch.promote_types(dt, entropy.dtype)  # fp64 entropies stay fp64 (exact tests)
+        ent_term = -coef * torch.where(mask, entropy.to(edt), 0.0).sum() / n
+        loss = loss + ent_term
 
     with torch.no_grad():
         log_rho = torch.where(mask, lp.double() - mu.double(), 0.0)
@@ -215,6 +275,10 @@ def policy_loss(
             "response/tokens": float(tokens),
             "response/sequences": float(mask.shape[0]),
         }
+        if entropy is not None:
+            metrics["policy/entropy"] = float(entropy[mask].sum()) / tokens if tokens else 0.0
+            if coef > 0:
+                metrics["loss/entropy"] = float(ent_term.detach())
         if kl_cfg.truncate is not None:
             log_c = importance_log_coef(log_rho, kl_cfg.importance)
             metrics["is/truncated_frac"] = _frac((log_c > math.log(kl_cfg.truncate)) & mask, tokens)
@@ -229,9 +293,13 @@ def _frac(flags: torch.Tensor, tokens: int) -> float:
 
 # How per-part metrics (micro-batches of a rank, then ranks) combine into the global batch's:
 # loss/* are sums over tokens / N with the global N, so they add; counts add; *_min / *_max
-# take min / max; *_frac and *_token_mean are token-weighted means (per-token averages);
+# take min / max; *_frac, *_token_mean and TOKEN_MEAN_KEYS are token-weighted means
+# (per-token averages);
 # everything else (per-sequence means such as response/length_mean, and rank-level scalars
 # such as grad/norm that are equal on every rank) is a sequence-weighted mean.
+TOKEN_MEAN_KEYS = ("policy/entropy",)
+
+
 def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     if not parts:
         return {}
@@ -246,7 +314,7 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
             out[key] = min(vals)
         elif key.endswith("_max"):
             out[key] = max(vals)
-        elif key.endswith(("_frac", "_token_mean")):
+        elif key.endswith(("_frac", "_token_mean")) or key in TOKEN_MEAN_KEYS:
             out[key] = _weighted(vals, toks)
         else:
             out[key] = _weighted(vals, seqs)

@@ -36,13 +36,16 @@ from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.files import give_normal_modes
+from learner.loading import ModelFiles, load_causal_lm, load_tokenizer
 from learner.loss import (
     group_stats,
     merge_metrics,
     needs_group_stats,
     policy_loss,
     sequence_logprobs,
+    token_entropy,
 )
+from learner.schedule import make_scheduler
 
 
 class WeightPublisher(Protocol):
@@ -90,13 +93,17 @@ class _GuardedAdamW(torch.optim.AdamW):
 
 class LearnerRank:
     """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks.
-    `publisher` sends the weights out (`export_weights`); None: this learner cannot export."""
+    `model`: the policy's directory, or a ModelFiles (reference, revision, remote code).
+    `publisher` sends the weights out (`export_weights`); None: this learner cannot export.
+    `total_optimizer_steps`: the run's optimizer steps, which a decaying lr_schedule needs."""
 
-    def __init__(self, rank: int, world_size: int, model_dir: str, learner_cfg: LearnerConfig,
-                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int, run_id: str,
-                 publisher: WeightPublisher | None = None):
+    def __init__(self, rank: int, world_size: int, model: str | ModelFiles,
+                 learner_cfg: LearnerConfig, kl_cfg: KLConfig, adv_cfg: AdvantageConfig,
+                 seed: int, run_id: str, publisher: WeightPublisher | None = None,
+                 total_optimizer_steps: int | None = None):
         self.rank, self.world_size = rank, world_size
-        self.model_dir = str(model_dir)
+        self.files = ModelFiles.of(model)
+        self.total_optimizer_steps = total_optimizer_steps
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
         self.seed, self.run_id = seed, run_id
         self.publisher = publisher
@@ -155,40 +162,36 @@ class LearnerRank:
         torch.manual_seed(self.seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
-        policy = self._load_model()
+        cfg = self.cfg
+        policy = load_causal_lm(self.files.policy, self.files, cfg)
+        if cfg.gradient_checkpointing:
+            # Non-reentrant checkpointing: it needs no input that requires grad and recomputes
+            # each layer's forward exactly, so the gradients are those without it.
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.train()
         num_parameters = sum(p.numel() for p in policy.parameters())  # before ZeRO-3 partitions
-        self.ref = self._load_model().to(self.device).eval().requires_grad_(False)
+        ref = load_causal_lm(self.files.reference_path, self.files, cfg)
+        self.ref = ref.to(self.device).eval().requires_grad_(False)
 
-        cfg = self.cfg
         params = [p for p in policy.parameters() if p.requires_grad]
         adam = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay}
-        # Plain AdamW where DeepSpeed wraps it (it then checks and clips); ours where it does not.
-        self.optimizer = (torch.optim.AdamW(params, **adam) if cfg.deepspeed_wraps_optimizer
-                          else _GuardedAdamW(params, clip=cfg.grad_clip, **adam))
-        warmup = cfg.warmup_steps
-
-        def schedule(opt):
-            # LR factor of the k-th applied step: (k+1)/(warmup+1) during warm-up, then 1. A
-            # torch LambdaLR, so DeepSpeed checkpoints its state (last_epoch) with the engine.
-            return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / (warmup + 1)))
-
+        self.optimizer = _make_optimizer(params, cfg, adam)
+        # The LR schedule is a torch LambdaLR, so DeepSpeed checkpoints its state (last_epoch)
+        # with the engine and a resumed run continues it exactly (learner/schedule.py).
         self.engine, _, _, _ = deepspeed.initialize(
-            model=policy, optimizer=self.optimizer, lr_scheduler=schedule,
+            model=policy, optimizer=self.optimizer,
+            lr_scheduler=make_scheduler(cfg, self.total_optimizer_steps),
             config=cfg.deepspeed_config(cfg.micro_batch_size, self.world_size))
         # Invariant relied on by the non-finite refusal (module docstring): DeepSpeed uses our
         # optimizer unwrapped exactly when it does not check and clip itself.
         assert (self.engine.optimizer is self.optimizer) == (not cfg.deepspeed_wraps_optimizer), \
             f"unexpected DeepSpeed optimizer wrapping: {type(self.engine.optimizer).__name__}"
         return {"rank": self.rank, "parameters": num_parameters,
-                "optimizer": type(self.engine.optimizer).__name__}
-
-    def _load_model(self):
-        from transformers import AutoModelForCausalLM
-
-        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+                "optimizer": type(self.engine.optimizer).__name__,
+                # What transformers actually runs (its default when attn_implementation is null).
+                "attn_implementation": [m.config._attn_implementation for m in (policy, ref)],
+                "gradient_checkpointing": policy.is_gradient_checkpointing}
 
     # ------------------------------------------------------------------ training
 
@@ -230,10 +233,15 @@ class LearnerRank:
         parts = []
         for index in chunks:  # equal shards => the same number of passes on every rank
             mb = _to_device(mini.select(index), self.device)
-            logp = sequence_logprobs(self.engine(**_model_inputs(mb)).logits, mb.input_ids)
+            logits = self.engine(**_model_inputs(mb)).logits
+            logp = sequence_logprobs(logits, mb.input_ids)
+            # From the same logits (no extra forward); differentiated only for a bonus.
+            entropy = token_entropy(logits, mb.response_mask, grad=self.cfg.entropy_coef > 0)
+            del logits
             loss, metrics = policy_loss(
                 logp, ref_logp[index, :mb.width], mb, self.kl_cfg, self.adv_cfg, self.cfg,
-                num_sequences, stats.rows(index.to(self.device), mb.width) if stats else None)
+                num_sequences, stats.rows(index.to(self.device), mb.width) if stats else None,
+                entropy=entropy)
             if torch.isfinite(loss):
                 backward = loss * self.world_size  # DeepSpeed averages over ranks (module docstring)
             else:
@@ -338,15 +346,13 @@ class LearnerRank:
         weights = self.named_parameters_for_inference()
         if self.rank != 0:
             return None
-        from transformers import AutoTokenizer
-
         module = self.engine.module
         if getattr(module.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)  # tied: transformers and vLLM re-tie on load
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         module.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(str(out))
+        load_tokenizer(self.files).save_pretrained(str(out))
         give_normal_modes(out)  # safetensors writes 0600: colleagues could not read the model
         return str(out)
 
@@ -368,6 +374,23 @@ class LearnerRank:
         self.version = int(state["version"])
         torch.set_rng_state(state["torch_rng"])
         return {"version": self.version}
+
+
+def _make_optimizer(params, cfg: LearnerConfig, adam: dict) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed is handed. With offload_optimizer (GPU-only) DeepSpeed
+    refuses any client optimizer but its own CPU Adam (engine._configure_optimizer raises
+    unless zero_force_ds_cpu_optimizer is false, which runs torch's AdamW slowly on the CPU):
+    DeepSpeedCPUAdam in AdamW mode (decoupled weight decay, bias correction: torch AdamW's
+    update), JIT-compiled by DeepSpeed on first use (a C++ compiler on the node), or
+    prebuilt with DS_BUILD_CPU_ADAM=1. Otherwise plain AdamW where DeepSpeed wraps it (it
+    then checks and clips); ours where it does not."""
+    if cfg.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **adam)
+    if cfg.deepspeed_wraps_optimizer:
+        return torch.optim.AdamW(params, **adam)
+    return _GuardedAdamW(params, clip=cfg.grad_clip, **adam)
 
 
 def _cuts_groups(group_ids: torch.Tensor, chunks: list[torch.Tensor]) -> bool:

@@ -96,15 +96,16 @@ def _params(group) -> dict[str, torch.Tensor]:
     return group.named_parameters_for_inference()
 
 
-def _run(model_dir, cfg, steps, tmp=None):
+def _run(model_dir, cfg, steps, tmp=None, total_optimizer_steps=None):
     """Run `steps` ("good", "nan", "save", "load") on a fresh group; return parameter
-    snapshots (index 0: initial, then one per step), metrics and versions."""
+    snapshots (index 0: initial, then one per step), metrics and versions. `model_dir`: a
+    directory or a learner.loading.ModelFiles."""
     from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
     good, poisoned = steps.batches
     group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0, run_id="test",
-                         publisher=WeightPublisher())
+                         publisher=WeightPublisher(), total_optimizer_steps=total_optimizer_steps)
     try:
         snaps, metrics, versions = [_params(group)], [], [group.version]
         for action in steps.actions:
@@ -170,7 +171,7 @@ def _export_and_save(tmp, transport):
 def _check_export_and_save(final, extra, transport, model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    update, sent, hf_dir = extra
+    update, sent, hf_dir = extra[:3]
     assert update.transport == transport
     assert "lm_head.weight" in sent and sent.keys() == final.keys()
     _assert_equal_params(final, sent)
@@ -234,16 +235,22 @@ def test_export_shm_and_save_hf(stage0, tiny_model_dir):
 def stage3(ray_local, tiny_model_dir, batches, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stage3")
     one = _run(tiny_model_dir, _cfg(num_ranks=1, zero_stage=3), _Steps(batches, ["good", "good"]))
-    # 2 ranks x 2 micro-batches of 2; checkpoint after step 1, refuse a NaN step, restore the
-    # checkpoint and redo step 2: it must land where the one-rank run's step 2 did.
-    two = _run(tiny_model_dir, _cfg(num_ranks=2, zero_stage=3, micro_batch_size=2),
+    # 2 ranks x 2 micro-batches of 2, with gradient checkpointing on the policy; checkpoint
+    # after step 1, refuse a NaN step, restore the checkpoint and redo step 2: it must land
+    # where the one-rank run's step 2 (without gradient checkpointing) did.
+    export = _export_and_save(tmp, "object_store")
+    two = _run(tiny_model_dir, _cfg(num_ranks=2, zero_stage=3, micro_batch_size=2,
+                                    gradient_checkpointing=True),
                _Steps(batches, ["good", "save", "good", "nan", "load", "good"],
-                      extra=_export_and_save(tmp, "object_store")), tmp=tmp)
+                      extra=lambda group: (*export(group), group.rank_info)), tmp=tmp)
     return one, two
 
 
 def test_stage3_two_ranks_with_micro_batches_equal_one_rank(stage3):
-    (s1, m1, v1, _), (s2, m2, v2, _) = stage3
+    """...and gradient checkpointing makes the same gradients as without it (the two-rank
+    run recomputes its activations in the backward pass, the one-rank run keeps them)."""
+    (s1, m1, v1, _), (s2, m2, v2, extra) = stage3
+    assert [info["gradient_checkpointing"] for info in extra[3]] == [True, True]
     p0 = s1[0]
     _assert_equal_params(p0, s2[0])
     _assert_same_update(p0, s1[1], s2[1])
@@ -296,3 +303,114 @@ def test_several_updates_per_batch_move_the_ratios_after_the_first(micro_and_upd
                    abs(first[f"update_{k}/is/ratio_max"] - 1)) > 1e-3, k
     assert first["response/sequences"] == GROUPS * SAMPLES  # one pass over the batch
     assert first["nonfinite/updates_refused"] == 0 and vu == [0, 1, 2]  # version: batches
+
+
+# ------------------------------------------------------------------------ learner options
+
+
+def _independent_logprobs_and_entropy(model_dir, batch, attn=None):
+    """Per-token log-probs [B, L] and the mean response-token entropy of `batch` under the
+    model at `model_dir`, computed here with transformers and torch.distributions."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       use_cache=False).logits.double()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.response_mask[:, 1:]
+    entropy = torch.distributions.Categorical(logits=logits[:, :-1][mask]).entropy()
+    return torch.where(mask, lp, 0.0), float(entropy.mean())
+
+
+@pytest.fixture(scope="module")
+def with_options(ray_local, tiny_model_dir, batches, tmp_path_factory):
+    """One rank with a separate reference (another random tiny model), eager attention, an
+    entropy bonus and a cosine schedule over a 3-step run: step, checkpoint, step, reload the
+    checkpoint, redo the step."""
+    from cluster.tiny.model import build_random_model
+    from learner.loading import ModelFiles
+
+    tmp = tmp_path_factory.mktemp("options")
+    other = build_random_model(tmp / "other", seed=1)
+    cfg = _cfg(num_ranks=1, warmup_steps=0, lr_schedule="cosine", min_lr_ratio=0.2,
+               entropy_coef=0.05, attn_implementation="eager")
+    files = ModelFiles(policy=str(tiny_model_dir), reference=str(other))
+    run = _run(files, cfg, _Steps(batches, ["good", "save", "good", "load", "good"],
+                                  extra=lambda group: group.rank_info),
+               tmp=tmp, total_optimizer_steps=3)
+    return run, other
+
+
+def test_a_separate_reference_gives_a_kl_from_the_first_step(stage0, with_options, batches,
+                                                             tiny_model_dir):
+    """With the policy as its own reference the first step's KL is 0; with model.ref_path's
+    model it is the KL to that model, which the test computes itself."""
+    (_, m1, _, _), _, _ = stage0
+    (_, m, _, info), other = with_options
+    assert info[0]["attn_implementation"] == ["eager", "eager"]  # policy and reference alike
+    assert abs(m1[0]["kl/pi_ref"]) < 1e-6
+    good = batches[0]
+    policy_lp, _ = _independent_logprobs_and_entropy(tiny_model_dir, good, attn="eager")
+    ref_lp, _ = _independent_logprobs_and_entropy(other, good, attn="eager")
+    # step 0: the learner holds the sampler's weights, importance weights 1: the plain mean
+    expected = float((policy_lp - ref_lp).sum(-1).mean())
+    assert abs(expected) > 1e-3  # two random models: close, but not the same
+    assert m[0]["kl/pi_ref"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_entropy_metric_and_bonus_on_a_real_rank(stage0, with_options, batches, tiny_model_dir):
+    """policy/entropy is the mean over response tokens of the policy's full-vocabulary
+    entropy (computed here independently), logged without a bonus too."""
+    (_, m1, _, _), _, _ = stage0
+    (_, m, _, _), _ = with_options
+    _, sdpa = _independent_logprobs_and_entropy(tiny_model_dir, batches[0])
+    _, eager = _independent_logprobs_and_entropy(tiny_model_dir, batches[0], attn="eager")
+    assert m1[0]["policy/entropy"] == pytest.approx(sdpa, rel=1e-5)   # entropy_coef 0
+    assert m[0]["policy/entropy"] == pytest.approx(eager, rel=1e-5)   # entropy_coef 0.05
+    assert m[0]["loss/entropy"] == pytest.approx(
+        -0.05 * eager * m[0]["response/tokens"] / m[0]["response/sequences"], rel=1e-5)
+    assert "loss/entropy" not in m1[0]
+
+
+def test_cosine_schedule_continues_exactly_across_a_checkpoint_reload(with_options):
+    """A 3-step run, no warm-up, cosine to 0.2 x lr: step 0 uses lr, step 1 0.6 lr (the
+    middle), step 2 would use 0.2 lr. The step redone after reloading the step-0 checkpoint
+    is step 1 again, at 0.6 lr (the schedule's position came back with the engine; a
+    restarted schedule would use lr), and lands on the same weights."""
+    (s, m, v, _), _ = with_options
+    assert [x["lr"] for x in m] == pytest.approx([0.1, 0.06, 0.06])
+    assert all(x["nonfinite"] == 0 for x in m)
+    _assert_equal_params(s[2], s[4])   # the reload restored the step-1 weights
+    _assert_equal_params(s[3], s[5])   # and the redone step is the same step
+    assert v == [0, 1, 1, 2, 1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero_offload_and_flash_attention_gpu(ray_local, tiny_model_dir, batches):
+    """GPU only, not run on CPU machines: ZeRO-3 in bf16 with the optimizer (DeepSpeedCPUAdam)
+    and the parameters offloaded to CPU memory, with flash_attention_2 where flash-attn is
+    installed (sdpa otherwise) and gradient checkpointing, makes the step the same run without
+    offload makes, to bf16 tolerance."""
+    import importlib.util
+
+    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    base = {"num_ranks": 1, "zero_stage": 3, "dtype": "bfloat16", "num_gpus_per_rank": 1,
+            "attn_implementation": attn, "gradient_checkpointing": True}
+    info = lambda group: group.rank_info
+    plain = _run(tiny_model_dir, _cfg(**base), _Steps(batches, ["good"], extra=info))
+    offload = _run(tiny_model_dir, _cfg(**base, offload_optimizer=True, offload_param=True),
+                   _Steps(batches, ["good"], extra=info))
+    (sp, mp, _, _), (so, mo, vo, io) = plain, offload
+    assert io[0]["attn_implementation"] == [attn, attn]
+    assert mo[0]["nonfinite"] == 0 and vo == [0, 1]
+    assert mo[0]["grad/norm"] == pytest.approx(mp[0]["grad/norm"], rel=2e-2)
+    num = den = 0.0
+    for name in sp[0]:
+        da = sp[1][name].double() - sp[0][name].double()
+        db = so[1][name].double() - so[0][name].double()
+        num += float((da - db).square().sum())
+        den += float(da.square().sum())
+    assert den > 0 and math.sqrt(num / den) < 5e-2, math.sqrt(num / den)

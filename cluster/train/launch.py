@@ -37,12 +37,24 @@ def resolve_model(cfg: TrainConfig) -> Path:
 
 
 def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
-    """The learner group, given the weight transport of actors/ (learner/ may not import it)."""
+    """The learner group, given what learner/ may not read itself (it imports only kl/): the
+    weight transport of actors/, where its models come from (`model.ref_path`, `revision`,
+    `trust_remote_code`), and the run's optimizer steps, where a decaying LR schedule ends."""
     from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
-    return LearnerGroup(model_dir, cfg.learner, cfg.kl, cfg.advantage, seed=cfg.seed, run_id=run_id,
-                        publisher=WeightPublisher())
+    return LearnerGroup(learner_model_files(cfg, model_dir), cfg.learner, cfg.kl, cfg.advantage,
+                        seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
+                        total_optimizer_steps=cfg.total_steps * cfg.learner.updates_per_batch)
+
+
+def learner_model_files(cfg: TrainConfig, model_dir: Path):
+    """Where the learner loads policy, reference and tokenizer from (`model_dir`: the resolved
+    policy, resolve_model's), with the model section's hub revision and remote-code setting."""
+    from learner.loading import ModelFiles
+
+    return ModelFiles(policy=str(model_dir), reference=cfg.model.ref_path,
+                      revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
 
 
 def connect_nccl(learner, workers: list) -> None:
