@@ -91,11 +91,6 @@ class RolloutWorker:
         if not isinstance(task_cfg, TaskConfig):
             raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
                             f"{type(task_cfg).__name__}")
-        if sync_cfg.transport == "nccl" and rollout_cfg.tensor_parallel_size > 1:
-            # The NCCL weight-transfer group is sized for one engine rank per worker
-            # (cluster.train.launch.connect_nccl); refuse before the engine starts.
-            raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 "
-                             "only; use shm (one node) or object_store")
         self.cfg, self.sync_cfg, self.task_cfg = rollout_cfg, sync_cfg, task_cfg
         self.worker_index, self.seed = worker_index, seed
         self._version = version

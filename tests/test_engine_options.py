@@ -115,16 +115,15 @@ def test_unknown_engine_kwargs_are_refused_before_the_run_starts():
     check_environment(load_config(TrainConfig, TINY, ["rollout.engine_kwargs.block_size=32"]))
 
 
-def test_tensor_parallel_with_nccl_sync_is_refused_by_the_worker():
-    """The NCCL weight-transfer group has one rank per worker: a tensor-parallel worker
-    refuses sync.transport=nccl before it builds its engine (no GPU needed to see it)."""
-    from actors.rollout_worker import RolloutWorker
-    from rewards.config import TaskConfig
-
-    cfg = RolloutConfig(tensor_parallel_size=2, num_gpus_per_worker=2)
-    with pytest.raises(ValueError, match="sync.transport=nccl supports "
-                                         "rollout.tensor_parallel_size=1 only"):
-        RolloutWorker("unused", cfg, SyncConfig(transport="nccl"), TaskConfig())
+def test_tensor_parallel_with_nccl_sync_is_refused_before_start():
+    """The NCCL weight-transfer group has one rank per worker: the config refuses a
+    tensor-parallel worker with sync.transport=nccl (no GPU needed to see it)."""
+    overrides = ["rollout.tensor_parallel_size=2", "rollout.num_gpus_per_worker=2",
+                 "learner.num_gpus_per_rank=1", "learner.dtype=bfloat16", "sync.transport=nccl"]
+    with pytest.raises(ConfigError, match="sync.transport=nccl supports "
+                                          "rollout.tensor_parallel_size=1 only"):
+        load_config(TrainConfig, TINY, overrides)
+    load_config(TrainConfig, TINY, [*overrides[:-1], "sync.transport=object_store"])
 
 
 @pytest.mark.gpu

@@ -259,3 +259,16 @@ def test_eager_and_sdpa_attention_give_the_same_logprobs(tiny_model_dir):
     for a, b in zip(out["eager"], out["sdpa"]):
         torch.testing.assert_close(a[real], b[real], rtol=1e-5, atol=2e-6)
     assert out["eager"][0][real].abs().max() > 1  # log-probs of a real model, not zeros
+
+
+def test_a_decaying_schedule_needs_steps_after_warm_up():
+    from pathlib import Path
+
+    from cluster.config.loader import ConfigError, load_config
+    from cluster.config.train_config import TrainConfig
+
+    TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="covers all 10 optimizer steps"):
+        load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=10",
+                                        "learner.lr_schedule=cosine"])
+    load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=10"])  # constant

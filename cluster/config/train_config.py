@@ -215,6 +215,16 @@ class TrainConfig(_Strict):
                     f"{shared}. Request whole GPUs (learner.num_gpus_per_rank and "
                     "rollout.num_gpus_per_worker >= 1), or use sync.transport: shm (one node) or "
                     "object_store, which work on a shared GPU")
+        if self.sync.transport == "nccl" and self.rollout.tensor_parallel_size > 1:
+            # connect_nccl sizes the NCCL weight-transfer group for one engine rank per worker.
+            raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 only; "
+                             "use sync.transport: object_store (or shm on one node)")
+        last_step = self.total_steps * self.learner.updates_per_batch
+        if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step:
+            raise ValueError(f"learner.lr_schedule={self.learner.lr_schedule} decays after "
+                             f"warm-up, but learner.warmup_steps ({self.learner.warmup_steps}) "
+                             f"covers all {last_step} optimizer steps of the run: lower "
+                             "warmup_steps or use lr_schedule constant")
         return self
 
     @property

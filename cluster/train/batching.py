@@ -16,6 +16,7 @@ from learner.batch import TrainBatch
 
 if TYPE_CHECKING:
     from actors.records import Rollout
+    from cluster.config.train_config import ModelConfig
 
 
 def train_batch(rollouts: Sequence[Rollout], advantage_cfg, pad_id: int) -> TrainBatch:
@@ -62,9 +63,12 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainB
     )
 
 
-def pad_token_id(model_dir) -> int:
-    """The id `pad_rollouts` pads with: the tokenizer's pad token, else its EOS token."""
+def pad_token_id(model_dir, model: ModelConfig | None = None) -> int:
+    """The id `pad_rollouts` pads with: the tokenizer's pad token, else its EOS token
+    (loaded at `model`'s revision, with its trust_remote_code)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(
+        model_dir, revision=model.revision if model else None,
+        trust_remote_code=model.trust_remote_code if model else False)
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -374,12 +374,14 @@ class Controller:
 
     @property
     def reference_sha256(self) -> str:
+        """The KL reference's identity (model.ref_path, else the policy's starting weights),
+        checked on resume so a resumed run pulls toward the same reference."""
         if self._reference_sha256 is None:
-            self._reference_sha256 = ckpt.model_sha256(self.model_dir)
+            self._reference_sha256 = ckpt.model_sha256(self.cfg.model.ref_path or self.model_dir)
         return self._reference_sha256
 
     @property
     def pad_id(self) -> int:
         if not hasattr(self, "_pad_id"):
-            self._pad_id = pad_token_id(self.model_dir)
+            self._pad_id = pad_token_id(self.model_dir, self.cfg.model)
         return self._pad_id
