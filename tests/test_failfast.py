@@ -231,6 +231,11 @@ def eval_guarded(monkeypatch):
      "error: --splits: task 'countdown' has no split 'in_domian' (did you mean 'in_domain'?)"),
     (["--task", "mmlu"], "error: --splits: task 'mmlu' has no split 'in_domain'; its splits are out_of_domain"),
     (["--splits", " , "], "error: --splits: no split given"),
+    (["--task", "math", "--option", "pth=fixture"],
+     "error: --option: task 'math' has no option 'pth' (did you mean 'path'?)"),
+    (["--option", "path"], "error: override 'path' is not of the form key.sub=value"),
+    (["--task", "math", "--option", "path=fixture", "--splits", "out_of_domain"],
+     "error: --splits: task 'math' has no split 'out_of_domain'"),
 ])
 def test_klrl_eval_checks_task_and_splits_before_vllm(eval_guarded, capsys, argv, message):
     for model in ("default", "/nonexistent/model"):
@@ -247,3 +252,6 @@ def test_klrl_eval_refuses_no_problems(eval_guarded, capsys, argv):
     assert f"argument {argv[0]}: must be at least" in capsys.readouterr().err
     with pytest.raises(GotPastPreflight):  # the smallest valid values go on
         main(["eval", "default", "--n", "1", "--samples", "0"])
+    with pytest.raises(GotPastPreflight):  # and so does a task built from its options
+        main(["eval", "default", "--task", "math", "--option", "path=fixture",
+              "--splits", "in_domain"])

@@ -38,6 +38,10 @@ def register(subparsers) -> None:
     p.add_argument("--task", default="arithmetic",
                    help="a task of rewards/ (rewards.TASKS) or a plug-in "
                    "'package.module:TaskClass', as in task.name (default arithmetic)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a task option, as in task.options (repeatable; YAML values, dotted "
+                   "keys for mappings), e.g. --option path=fixture for math on klrl's "
+                   "small set, --option columns.question=problem")
     p.add_argument("--splits", default="in_domain,out_of_domain",
                    help="comma-separated splits (default in_domain,out_of_domain)")
     p.add_argument("--n", type=_at_least(1), default=200, help="problems per split (default 200)")
@@ -77,17 +81,20 @@ def _at_least(low: int):
     return parse
 
 
-def _check_task(args: argparse.Namespace) -> list[str]:
-    """The splits `klrl eval` asks for, after checking the task has them (the task registry's
-    rules; a plug-in task is imported here, as a training run's pre-flight imports it): a typo
-    fails here, in one line, not after vLLM has started."""
+def _check_task(args: argparse.Namespace):
+    """(the task built with its --option values, the splits `klrl eval` asks for), after
+    checking the task takes those options and has those splits (the task registry's rules; a
+    plug-in task is imported here, as a training run's pre-flight imports it): a typo fails
+    here, in one line, not after vLLM has started."""
+    from cluster.config.loader import parse_overrides
     from rewards import get_task
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    options = parse_overrides(args.option)  # ConfigError (a ValueError) names a bad one
     try:
-        task = get_task(args.task)
+        task = get_task(args.task, **options)
     except ValueError as exc:
-        raise ValueError(f"--task: {exc}") from None
+        raise ValueError(f"--{'option' if options else 'task'}: {exc}") from None
     if not splits:
         raise ValueError(f"--splits: no split given; task {args.task!r} has "
                          f"{', '.join(task.splits)}")
@@ -96,7 +103,7 @@ def _check_task(args: argparse.Namespace) -> list[str]:
             task.check_split(split)
         except ValueError as exc:
             raise ValueError(f"--splits: {exc}") from None
-    return splits
+    return task, splits
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -144,7 +151,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     console = Console()
     try:
-        splits = _check_task(args)
+        task, splits = _check_task(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -157,7 +164,7 @@ def _eval(args: argparse.Namespace) -> int:
     renderer = PromptRenderer.from_pretrained(
         model, chat_template=args.chat_template, system_prompt=args.system_prompt, stop=args.stop)
     result = evaluate(
-        str(model), args.task, splits, n=args.n, samples=args.samples, seed=args.seed,
+        str(model), task, splits, n=args.n, samples=args.samples, seed=args.seed,
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, renderer=renderer,
     )
