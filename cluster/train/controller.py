@@ -37,7 +37,13 @@ from cluster.train.batching import pad_token_id, train_batch
 from cluster.train.launch import connect_nccl, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
-from cluster.train.run_log import RunLog, final_dir, keep_metrics_through
+from cluster.train.run_log import (
+    RunLog,
+    completion_text,
+    final_dir,
+    keep_logs_through,
+    sample_rows,
+)
 from cluster.train.stopping import RunStopped
 from cluster.train.worker_pool import WorkerCall, WorkerPool
 
@@ -95,13 +101,16 @@ class Controller:
                     t0 = time.perf_counter()
                     self._fill_pipeline()
                     batch, gen_metrics = self._take_batch()
+                    trained_by = self.step  # the learner version that trains this batch
                     metrics = self._train(batch) | gen_metrics
                     metrics |= self._sync_weights()
                     metrics |= self._maybe_evaluate()
                     self._maybe_checkpoint()
+                    self._maybe_export_hf()
                     metrics |= {"time/step": time.perf_counter() - t0,
                                 "faults/worker_restarts": self.pool.restarts}
                     self.log.log({"step": self.step, "policy_version": self.step, **metrics})
+                    self._maybe_log_samples(batch, trained_by)
                     progress.update(self.step, metrics)
                     last = metrics
             self._finish()
@@ -142,14 +151,15 @@ class Controller:
     def _read_resume_state(self) -> ckpt.ControllerState | None:
         """The checkpoint's controller state (after checking the reference model is the one
         it started from; train()'s preflight checked the config), and the metrics log cut
-        back to the checkpoint's step: later rows are redone."""
+        back to the checkpoint's step: later rows (and hf/ exports) are redone."""
         if self.resume_from is None:
             return None
         state = ckpt.read_checkpoint(self.resume_from)  # its config: checked by preflight
         if state.reference_sha256 != self.reference_sha256:
             raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
                              f"in {self.model_dir} differ from the ones the run started from")
-        keep_metrics_through(self.run_dir, state.step)
+        keep_logs_through(self.run_dir, state.step)
+        ckpt.drop_hf_exports_after(self.run_dir, state.step)
         return state
 
     def _honour_stop_request(self) -> None:
@@ -314,6 +324,27 @@ class Controller:
         every = self.cfg.checkpoint_every
         if every and self.step % every == 0:
             self._checkpoint()
+
+    def _maybe_export_hf(self) -> None:
+        every = self.cfg.hf_every
+        if every and self.step % every == 0:
+            ckpt.write_hf_export(self.run_dir, self.step, self.learner.save_hf, self.cfg.keep_hf)
+
+    def _maybe_log_samples(self, batch: list[Rollout], trained_by: int) -> None:
+        """Every logging.samples_every steps, the step's samples table (run_log.sample_rows);
+        a refused step (the version did not advance) logs none."""
+        lg = self.cfg.logging
+        if lg.samples_every and self.step > trained_by and self.step % lg.samples_every == 0:
+            self.log.log_samples(sample_rows(batch, self.step, trained_by, lg.samples_per_log,
+                                             self._decode))
+
+    def _decode(self, rollout: Rollout) -> str:
+        if not hasattr(self, "_tokenizer"):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return completion_text(self._tokenizer, rollout.prompt_ids, rollout.response_ids,
+                               self.cfg.task.stop)
 
     def _checkpoint(self) -> Path:
         """Write a complete checkpoint of the run at the current step (atomic; see
