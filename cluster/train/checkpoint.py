@@ -117,12 +117,12 @@ def write_hf_export(run_dir: str | Path, step: int, save_hf: Callable[[Path], ob
     root = hf_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:09d}"
+    if final.is_dir():  # already exported: a refused (NaN) step left the weights as they were
+        return final
     for stale in root.glob(".partial-*"):  # left by a process killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     partial = root / f".partial-{final.name}"
     save_hf(partial)
-    if final.exists():  # an export of this step by an earlier attempt: replaced whole
-        shutil.rmtree(final)
     os.rename(partial, final)
     if keep is not None:
         for old in hf_exports(run_dir)[:-keep]:
