@@ -3,19 +3,24 @@
 Small runs of the real entry point (`cluster.train.run.train`) on the tiny random model, at
 max_lag 0 and max_lag 2; they check the lag bound, the importance ratios (at max_lag 0 the
 learner's log-probs must equal the sampler's: that checks weight sync end to end), that
-weights change, the run directory and the final Hugging Face model.
+weights change, the run directory, the final Hugging Face model, the samples table (in
+samples.jsonl and wandb's offline files) and the periodic Hugging Face exports (hf/).
 """
+import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from scorers import short_answers
 
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
+from cluster.train import checkpoint as ckpt
 from cluster.train.run import train
-from cluster.train.run_log import read_metrics
+from cluster.train.run_log import SAMPLE_COLUMNS, read_metrics, read_samples
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +52,9 @@ def _params(model_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def lag0(tiny_model_dir, tmp_path_factory):
-    return _run(tiny_model_dir, tmp_path_factory.mktemp("runs"), "lag0", 3, 0)
+    return _run(tiny_model_dir, tmp_path_factory.mktemp("runs"), "lag0", 3, 0,
+                "logging.samples_every=2", "logging.samples_per_log=6", "hf_every=1",
+                "keep_hf=2", "logging.wandb_entity=klrl-tests", "logging.wandb_name=lag zero")
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +94,71 @@ def test_weights_change_and_final_model_loads(lag0, tiny_model_dir):
     modes = {f.name: f.stat().st_mode & 0o777 for f in final.iterdir()}
     assert modes["model.safetensors"] == 0o666 & ~umask, modes  # safetensors alone writes 0600
     assert set(modes.values()) == {0o666 & ~umask}
+
+
+def test_samples_table_in_samples_jsonl_and_wandb(lag0):
+    run_dir, _ = lag0
+    rows = read_samples(run_dir)
+    assert len(rows) == 6 and all(tuple(row) == SAMPLE_COLUMNS for row in rows)
+    # samples_every=2 over 3 steps: step 2 only, trained by version 1 from its own samples
+    assert {(r["step"], r["policy_version"], r["lag"]) for r in rows} == {(2, 1, 0)}
+    # the first rollouts of the batch: a whole group of 4 samples of one prompt, then the next
+    assert len({(r["prompt"], r["answer"]) for r in rows[:4]}) == 1 and rows[4]["prompt"] != rows[0]["prompt"]
+    assert any(r["response"] for r in rows) and {r["finish_reason"] for r in rows} <= {"stop", "length"}
+    # the response text is the one scored: the run's scorer gives each row its reward
+    assert [r["reward"] for r in rows] == [short_answers(r["response"], None) for r in rows]
+    tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json"))
+    assert len(tables) == 1, tables
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == list(SAMPLE_COLUMNS)
+    assert table["data"] == [[r[c] for c in SAMPLE_COLUMNS] for r in rows]
+    run = _wandb_run_record(run_dir)
+    assert (run.entity, run.display_name) == ("klrl-tests", "lag zero")
+
+
+def _wandb_run_record(run_dir: Path):
+    """The run record of the offline wandb run's log (run-ID.wandb: a 7-byte header, then
+    leveldb-log chunks of protobuf `Record`s in 32 KiB blocks), as wandb would upload it."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = next((run_dir / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    pos, block, record = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header: padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        record += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            parsed = pb.Record()
+            parsed.ParseFromString(record)
+            if parsed.WhichOneof("record_type") == "run":
+                return parsed.run
+            record = b""
+    raise AssertionError(f"no run record in {run_dir}/wandb")
+
+
+def test_hf_exports_every_step_keep_the_newest_and_load(lag0):
+    run_dir, _ = lag0
+    final = run_dir / "final"
+    exports = ckpt.hf_exports(run_dir)  # hf_every=1, keep_hf=2: step 1's export was pruned
+    assert [p.name for p in exports] == ["step_000000002", "step_000000003"]
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == [p.name for p in exports]
+    step2, step3 = exports
+    assert sorted(f.name for f in step3.iterdir()) == sorted(f.name for f in final.iterdir())
+    # the same learner weights as final/ at the last step, and other ones a step earlier
+    a, b, c = _params(step2), _params(step3), _params(final)
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(step2)
+    AutoModelForCausalLM.from_pretrained(step2)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.stat().st_mode & 0o777 for f in step2.iterdir()} == {0o666 & ~umask}
 
 
 def test_lag2_is_asynchronous_and_bounded(lag2):

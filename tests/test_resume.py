@@ -4,7 +4,8 @@ At max_lag 0, 4 steps in one go and 2 steps + resume + 2 steps must give bit-ide
 parameters: the learner state (weights, AdamW moments, LR schedule, RNG) comes back from the
 DeepSpeed checkpoint, the workers are re-synced to the checkpoint's version, the prompt
 stream restarts at the saved data position and every sampling seed is a function of
-(seed, data position). A half-written newer checkpoint lying around must be ignored.
+(seed, data position). A half-written newer checkpoint lying around must be ignored, and
+the samples table and the hf/ exports hold each step once, as if the run had gone in one go.
 """
 import json
 
@@ -16,7 +17,7 @@ from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.config.train_config import load_train_config
 from cluster.train import checkpoint as ckpt
 from cluster.train.run import train
-from cluster.train.run_log import read_metrics
+from cluster.train.run_log import read_metrics, read_samples, samples_path
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,8 @@ def _cfg(tiny_model_dir, out, name, steps, *extra):
         f"run_name={name}", f"total_steps={steps}", "max_lag=0", "eval_every=0",
         "eval.num_problems=8", "eval.samples=0", "eval.out_of_domain=null",
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "learner.lr=1e-3",
-        "learner.warmup_steps=2", "logging.wandb_mode=offline", *extra])
+        "learner.warmup_steps=2", "logging.wandb_mode=offline", "logging.samples_every=1",
+        "logging.samples_per_log=2", *extra])
 
 
 def _final_params(run_dir) -> dict:
@@ -50,12 +52,18 @@ def _final_params(run_dir) -> dict:
 def runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     straight, _ = train(_cfg(tiny_model_dir, out, "straight", 4))
-    half, _ = train(_cfg(tiny_model_dir, out, "halves", 2, "checkpoint_every=2"))
+    half, _ = train(_cfg(tiny_model_dir, out, "halves", 2, "checkpoint_every=2", "hf_every=1"))
     # debris of a later checkpoint whose writer was killed: must be ignored
     root = ckpt.checkpoint_root(half)
     (root / ".partial-step_000000003" / "learner").mkdir(parents=True)
     (root / "step_000000003").mkdir()
-    resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2"), resume=True)
+    # ... and of a step 3 that was logged and exported before the process died
+    with open(samples_path(half), "a") as f:
+        f.write(json.dumps({"step": 3, "response": "from the lost attempt"}) + "\n")
+    (ckpt.hf_root(half) / "step_000000003").mkdir()
+    (ckpt.hf_root(half) / "step_000000003" / "lost").write_text("")
+    resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2", "hf_every=1"),
+                       resume=True)
     return straight, half, resumed
 
 
@@ -79,6 +87,16 @@ def test_resumed_metrics_continue_the_log(runs):
         if m["step"] > 0:
             assert m["reward/mean"] == one_go[m["step"]]["reward/mean"]
             assert m["kl/pi_ref"] == one_go[m["step"]]["kl/pi_ref"]
+
+
+def test_resumed_samples_and_exports_hold_each_step_once(runs):
+    straight, _, resumed = runs
+    rows = read_samples(resumed)
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert rows == read_samples(straight)  # exact resume: the same samples, the lost row gone
+    exports = ckpt.hf_exports(resumed)
+    assert [p.name for p in exports] == [f"step_00000000{s}" for s in (1, 2, 3, 4)]
+    assert (exports[2] / "config.json").is_file() and not (exports[2] / "lost").exists()
 
 
 def test_resume_keeps_the_wandb_run_and_checkpoints(runs):

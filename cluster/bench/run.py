@@ -32,7 +32,7 @@ from cluster.bench.sync import SyncLatency, measure_sync, memcpy_bytes_per_s
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.tiny.model import build_random_model, init_default_model
-from cluster.train.batching import pad_token_id, train_batch
+from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
 from cluster.train.launch import start_learner, start_ray
 from cluster.train.worker_pool import start_worker
 
@@ -166,7 +166,8 @@ def _problems(cfg) -> list:
 
 def _train_batch(cfg, rollouts):
     """The TrainBatch the controller would build from these rollouts."""
-    return train_batch(rollouts, cfg.advantage, pad_token_id(cfg.model.path))
+    pad_id = pad_token_id(policy_tokenizer(cfg.model.path, cfg.model))
+    return train_batch(rollouts, cfg.advantage, pad_id)
 
 
 # --------------------------------------------------------------------------- output

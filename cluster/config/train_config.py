@@ -118,8 +118,21 @@ class LoggingConfig(_Strict):
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="null: the WANDB_MODE environment variable, else offline (no account needed).")
     wandb_project: str = Field("klrl", min_length=1, description="wandb project.")
+    wandb_entity: str | None = Field(None, pattern=r"^[\w\-]+$", max_length=128,
+                                     description="wandb team or user the run is logged under; "
+                                     "null: wandb's default entity (that of the API key).")
     wandb_group: str | None = Field(None, description="wandb group (sweeps set it).")
+    wandb_name: str | None = Field(None, min_length=1, max_length=128, description="Display "
+                                   "name of the wandb run; null: the run directory's name. A "
+                                   "resumed run keeps its wandb run (by id) whatever its name.")
     tags: list[str] = Field(default_factory=list, description="wandb tags.")
+    samples_every: int = Field(20, ge=0, le=10_000_000, description="Every k steps, append "
+                               "sample generations of that step's batch to RUN_DIR/samples.jsonl "
+                               "and wandb's `samples` table (README, Logging and exports); "
+                               "0: never.")
+    samples_per_log: int = Field(8, ge=1, le=10_000, description="Rows per samples table: the "
+                                 "first rollouts of the step's batch, whole prompt groups in "
+                                 "order (fewer if the batch holds fewer).")
 
 
 class FaultConfig(_Strict):
@@ -162,6 +175,11 @@ class TrainConfig(_Strict):
                                   "is stopped early (signal, worker restarts used up, NaN limit).")
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept "
                                   "under RUN_DIR/checkpoints (older ones are deleted).")
+    hf_every: int = Field(0, ge=0, le=10_000_000, description="Export the policy in Hugging "
+                          "Face format (as final/) to RUN_DIR/hf/step_N/ every k steps; 0: only "
+                          "final/ at the end.")
+    keep_hf: int | None = Field(None, ge=1, le=100_000, description="Newest hf/step_N exports "
+                                "kept (older ones are deleted); null: all. Needs hf_every > 0.")
     max_consecutive_nonfinite: int = Field(3, ge=1, le=10_000, description="Stop the run after "
                                            "this many consecutive refused (NaN/inf) steps.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
@@ -197,6 +215,9 @@ class TrainConfig(_Strict):
                              f"/ learner.num_ranks) must be divisible by learner.mini_batches "
                              f"({self.learner.mini_batches}): each mini-batch holds whole prompt "
                              "groups, the same number on every rank")
+        if self.keep_hf is not None and not self.hf_every:
+            raise ValueError(f"keep_hf={self.keep_hf} has no effect with hf_every=0 (no "
+                             "periodic exports): set hf_every, or drop keep_hf")
         budget = self.eval.max_new_tokens
         if budget is not None and budget >= self.rollout.max_model_len:
             raise ValueError(f"eval.max_new_tokens ({budget}) must be below rollout.max_model_len "

@@ -35,8 +35,10 @@ from cluster.train.progress import format_duration
 from cluster.train.run_log import is_finished, last_step
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-# Set by the sweep for every run (its place and its wandb grouping), so a sweep file may not.
-RESERVED_KEYS = ("run_name", "output_dir", "logging.wandb_group", "logging.tags")
+# Set by the sweep for every run (its place and its wandb grouping; wandb_name stays null, so
+# each wandb run is named by its grid point in the sweep's group), so a sweep file may not.
+RESERVED_KEYS = ("run_name", "output_dir", "logging.wandb_group", "logging.wandb_name",
+                 "logging.tags")
 
 
 class SweepConfig(BaseModel):

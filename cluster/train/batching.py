@@ -63,12 +63,16 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainB
     )
 
 
-def pad_token_id(model_dir, model: ModelConfig | None = None) -> int:
-    """The id `pad_rollouts` pads with: the tokenizer's pad token, else its EOS token
-    (loaded at `model`'s revision, with its trust_remote_code)."""
+def policy_tokenizer(model_dir, model: ModelConfig | None = None):
+    """The policy's tokenizer in the controller (pad id, prompt lengths, sample texts): the one
+    place it is loaded, at `model`'s revision and with its trust_remote_code."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(
-        model_dir, revision=model.revision if model else None,
+    return AutoTokenizer.from_pretrained(
+        str(model_dir), revision=model.revision if model else None,
         trust_remote_code=model.trust_remote_code if model else False)
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id `pad_rollouts` pads with: the tokenizer's pad token, else its EOS token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -12,6 +12,10 @@ Atomicity (invariant): a checkpoint is written under `.partial-step_N/` and rena
 process killed mid-write leaves only a `.partial-*` directory, which readers ignore and the
 next write removes. The newest `keep` complete checkpoints are kept.
 
+Periodic Hugging Face exports (`hf_every`) live beside them, as RUN_DIR/hf/step_000000042/
+(the same files as final/). Same atomicity: written under `hf/.partial-step_N/` and renamed,
+so a `step_N/` directory is always a whole, loadable model.
+
 Nothing else needs saving for an exact resume: vLLM sampling seeds are a pure function of
 (seed, data position) (actors/seeds.py), the learner has no dropout, and the
 prompt stream is a pure function of (seed, position) (cluster/prompts.py).
@@ -29,6 +33,7 @@ from pathlib import Path
 
 MARKER = "COMPLETE"
 LEARNER_TAG = "learner"
+HF_DIR = "hf"
 _NAME = re.compile(r"^step_(\d+)$")
 
 
@@ -89,6 +94,48 @@ def write_checkpoint(run_dir: str | Path, state: ControllerState,
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def hf_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HF_DIR
+
+
+def hf_exports(run_dir: str | Path) -> list[Path]:
+    """The periodic Hugging Face exports RUN_DIR/hf/step_N/, oldest first (half-written
+    `.partial-*` ones are skipped)."""
+    root = hf_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def write_hf_export(run_dir: str | Path, step: int, save_hf: Callable[[Path], object],
+                    keep: int | None) -> Path:
+    """Export the policy at `step` through `save_hf(directory)` (the learner's final/ export)
+    to RUN_DIR/hf/step_N/, atomically; keep the newest `keep` (None: all). Returns it."""
+    root = hf_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:09d}"
+    if final.is_dir():  # already exported: a refused (NaN) step left the weights as they were
+        return final
+    for stale in root.glob(".partial-*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = root / f".partial-{final.name}"
+    save_hf(partial)
+    os.rename(partial, final)
+    if keep is not None:
+        for old in hf_exports(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def drop_hf_exports_after(run_dir: str | Path, step: int) -> None:
+    """Delete the exports of steps after `step`: a run resumed from the checkpoint of `step`
+    redoes those steps (at max_lag > 0 with other batches), and exports them again."""
+    for export in hf_exports(run_dir):
+        if int(_NAME.match(export.name).group(1)) > step:
+            shutil.rmtree(export)
 
 
 def read_checkpoint(path: str | Path) -> ControllerState:

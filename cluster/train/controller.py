@@ -18,6 +18,7 @@ was already replaced.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -33,11 +34,17 @@ from actors.weight_sync import remove_published
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
-from cluster.train.batching import pad_token_id, train_batch
+from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
 from cluster.train.launch import connect_nccl, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
-from cluster.train.run_log import RunLog, final_dir, keep_metrics_through
+from cluster.train.run_log import (
+    RunLog,
+    completion_text,
+    final_dir,
+    keep_logs_through,
+    sample_rows,
+)
 from cluster.train.stopping import RunStopped
 from cluster.train.worker_pool import WorkerCall, WorkerPool
 
@@ -95,14 +102,17 @@ class Controller:
                     t0 = time.perf_counter()
                     self._fill_pipeline()
                     batch, gen_metrics = self._take_batch()
+                    trained_by = self.step  # the learner version that trains this batch
                     metrics = self._train(batch) | gen_metrics
                     metrics |= self._sync_weights()
                     metrics |= self._maybe_evaluate()
                     self._maybe_checkpoint()
+                    self._maybe_export_hf()
                     metrics |= {"time/step": time.perf_counter() - t0,
                                 "faults/worker_restarts": self.pool.restarts,
                                 **self.prompts.metrics(self._trained_position)}
                     self.log.log({"step": self.step, "policy_version": self.step, **metrics})
+                    self._maybe_log_samples(batch, trained_by)
                     progress.update(self.step, metrics)
                     last = metrics
             self._finish()
@@ -143,14 +153,15 @@ class Controller:
     def _read_resume_state(self) -> ckpt.ControllerState | None:
         """The checkpoint's controller state (after checking the reference model is the one
         it started from; train()'s preflight checked the config), and the metrics log cut
-        back to the checkpoint's step: later rows are redone."""
+        back to the checkpoint's step: later rows (and hf/ exports) are redone."""
         if self.resume_from is None:
             return None
         state = ckpt.read_checkpoint(self.resume_from)  # its config: checked by preflight
         if state.reference_sha256 != self.reference_sha256:
             raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
                              f"in {self.model_dir} differ from the ones the run started from")
-        keep_metrics_through(self.run_dir, state.step)
+        keep_logs_through(self.run_dir, state.step)
+        ckpt.drop_hf_exports_after(self.run_dir, state.step)
         return state
 
     def _honour_stop_request(self) -> None:
@@ -329,6 +340,28 @@ class Controller:
         if every and self.step % every == 0:
             self._checkpoint()
 
+    def _maybe_export_hf(self) -> None:
+        every = self.cfg.hf_every
+        if every and self.step % every == 0:
+            ckpt.write_hf_export(self.run_dir, self.step, self.learner.save_hf, self.cfg.keep_hf)
+
+    def _maybe_log_samples(self, batch: list[Rollout], trained_by: int) -> None:
+        """Every logging.samples_every steps, the step's samples table (run_log.sample_rows);
+        a refused step (the version did not advance) logs none."""
+        lg = self.cfg.logging
+        if lg.samples_every and self.step > trained_by and self.step % lg.samples_every == 0:
+            self.log.log_samples(sample_rows(batch, self.step, trained_by, lg.samples_per_log,
+                                             self._decode))
+
+    def _decode(self, rollout: Rollout) -> str:
+        return completion_text(self.tokenizer, rollout.prompt_ids, rollout.response_ids,
+                               self.cfg.task.stop)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The policy's tokenizer (pad id, sample texts), loaded on first use."""
+        return policy_tokenizer(self.model_dir, self.cfg.model)
+
     def _checkpoint(self) -> Path:
         """Write a complete checkpoint of the run at the current step (atomic; see
         cluster/train/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
@@ -380,8 +413,6 @@ class Controller:
             self._reference_sha256 = ckpt.model_sha256(self.cfg.model.ref_path or self.model_dir)
         return self._reference_sha256
 
-    @property
+    @functools.cached_property
     def pad_id(self) -> int:
-        if not hasattr(self, "_pad_id"):
-            self._pad_id = pad_token_id(self.model_dir, self.cfg.model)
-        return self._pad_id
+        return pad_token_id(self.tokenizer)

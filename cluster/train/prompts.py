@@ -206,11 +206,9 @@ def rendered_length(cfg: TrainConfig, model_dir: str | Path) -> PromptLength:
     """Problem -> the length in tokens of its prompt as a rollout worker renders it: the
     policy's tokenizer (loaded here, in the controller) with the task's chat template and
     system prompt (actors.prompting)."""
-    from transformers import AutoTokenizer
-
     from actors.prompting import PromptRenderer
+    from cluster.train.batching import policy_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(model_dir), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = policy_tokenizer(model_dir, cfg.model)
     renderer = PromptRenderer.for_task(tokenizer, cfg.task)
     return lambda problem: len(renderer.token_ids(problem.prompt))

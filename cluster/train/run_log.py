@@ -3,14 +3,17 @@ through here.
 
 Layout: `config.yaml` (the resolved TrainConfig), `provenance.jsonl` (klrl version and git
 commit, one line per start), `metrics.jsonl` (one JSON object per step,
-with at least `step`; flushed each line so a crash loses nothing), `wandb/`, `checkpoints/`
-(cluster/train/checkpoint.py) and `final/` (the trained policy; `final/config.json` is written
-last, so it marks a finished run). The local directory is always written, whatever wandb does;
+with at least `step`; flushed each line so a crash loses nothing), `samples.jsonl` (rows of
+sample generations every `logging.samples_every` steps, one JSON object each, with `step`),
+`wandb/`, `checkpoints/` and `hf/` (cluster/train/checkpoint.py) and `final/` (the trained
+policy; `final/config.json` is written last, so it marks a finished run). The local directory is always written, whatever wandb does;
 wandb mirrors the same metrics, its mode from the config, else WANDB_MODE, else offline (files
 only, no account needed).
 
-One rule for metrics.jsonl lines that are not a JSON object with an integer `step`: they are
-skipped, by every reader. The writer only ever leaves one such line, the last, cut by a crash.
+One rule for metrics.jsonl (and samples.jsonl) lines that are not a JSON object with an
+integer `step`: they are skipped, by every reader. The writer only ever leaves one such line,
+the last, cut by a crash. A resume cuts both logs back to its checkpoint's step
+(`keep_logs_through`), so no step's rows appear twice.
 """
 from __future__ import annotations
 
@@ -25,16 +28,26 @@ from urllib.parse import urlsplit
 import yaml
 
 from cluster.config.loader import ConfigError, dump_config
+from cluster.train.checkpoint import hf_root
 from cluster.train.provenance import provenance
 
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.jsonl"  # one line per start (fresh or resumed): code that ran
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 FINAL_DIR = "final"
+# The samples table's columns (samples.jsonl keys, wandb Table columns), in order.
+SAMPLE_COLUMNS = ("step", "policy_version", "lag", "prompt", "response", "reward", "answer",
+                  "finish_reason")
+SAMPLES_KEY = "samples"  # the wandb key of the table
 
 
 def metrics_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / METRICS_FILE
+
+
+def samples_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / SAMPLES_FILE
 
 
 def config_path(run_dir: str | Path) -> Path:
@@ -107,6 +120,7 @@ class RunLog:
             f.write(json.dumps({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                 "resumed": resume_wandb_id is not None, **provenance()}) + "\n")
         self._metrics = open(metrics_path(self.dir), "a", buffering=1)  # noqa: SIM115 - open for the run
+        self._samples = None  # samples.jsonl, opened by the first rows (none: no file)
         self._wandb = None
         self.wandb_id = resume_wandb_id
         self._start_wandb()
@@ -119,8 +133,9 @@ class RunLog:
 
         lg = self.cfg.logging
         self._wandb = wandb.init(
-            project=lg.wandb_project, group=lg.wandb_group, tags=lg.tags or None, mode=mode,
-            name=self.dir.name, dir=str(self.dir), config=self.cfg.model_dump(mode="json"),
+            entity=lg.wandb_entity, project=lg.wandb_project, group=lg.wandb_group,
+            tags=lg.tags or None, mode=mode, name=lg.wandb_name or self.dir.name,
+            dir=str(self.dir), config=self.cfg.model_dump(mode="json"),
             id=self.wandb_id, resume="allow" if self.wandb_id else None)
         self.wandb_id = self._wandb.id
 
@@ -130,8 +145,25 @@ class RunLog:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
 
+    def log_samples(self, rows: list[dict]) -> None:
+        """Append one step's sample rows (`sample_rows`) to samples.jsonl, and log them to
+        wandb as a Table under `samples` at their step."""
+        if not rows:
+            return
+        if self._samples is None:
+            self._samples = open(samples_path(self.dir), "a", buffering=1)  # noqa: SIM115 - open for the run
+        self._samples.write("".join(json.dumps(row) + "\n" for row in rows))
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(SAMPLE_COLUMNS),
+                                data=[[row[c] for c in SAMPLE_COLUMNS] for row in rows])
+            self._wandb.log({SAMPLES_KEY: table}, step=rows[0]["step"])
+
     def close(self) -> None:
         self._metrics.close()
+        if self._samples is not None:
+            self._samples.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -172,22 +204,73 @@ def last_step(run_dir: str | Path) -> int:
     return next((row["step"] for row in rows if row is not None), 0)
 
 
-def keep_metrics_through(run_dir: str | Path, step: int) -> None:
-    """Cut RUN_DIR/metrics.jsonl back to the rows of steps <= `step` (a resume redoes the
-    later ones); lines that break the rule go too."""
-    path = metrics_path(run_dir)
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines()
-                if (row := parse_row(line)) is not None and row["step"] <= step]
-        path.write_text("".join(line + "\n" for line in keep))
+def keep_logs_through(run_dir: str | Path, step: int) -> None:
+    """Cut RUN_DIR/metrics.jsonl and samples.jsonl back to the rows of steps <= `step` (a
+    resume redoes the later ones); lines that break the rule go too."""
+    for path in (metrics_path(run_dir), samples_path(run_dir)):
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if (row := parse_row(line)) is not None and row["step"] <= step]
+            path.write_text("".join(line + "\n" for line in keep))
 
 
 def abandon_metrics(run_dir: str | Path) -> Path:
-    """Move RUN_DIR/metrics.jsonl aside, as metrics.jsonl.abandoned-N (a run started afresh
-    in a directory whose earlier attempt left no checkpoint); returns its new path."""
+    """Move an earlier attempt's logs and exports aside, as metrics.jsonl.abandoned-N (and
+    samples.jsonl.abandoned-N, hf.abandoned-N): a run started afresh in a directory whose
+    earlier attempt left no checkpoint must not mix its rows or prune its exports with
+    theirs. Returns the metrics log's new path."""
     run_dir = Path(run_dir)
     n = len(list(run_dir.glob(f"{METRICS_FILE}.abandoned-*")))
+    for path in (samples_path(run_dir), hf_root(run_dir)):
+        if path.exists():
+            path.rename(run_dir / f"{path.name}.abandoned-{n}")
     return metrics_path(run_dir).rename(run_dir / f"{METRICS_FILE}.abandoned-{n}")
+
+
+def sample_rows(rollouts, step: int, trained_by: int, n: int, decode) -> list[dict]:
+    """The samples table of `step`: the first `n` of the rollouts it trained on (whole prompt
+    groups, in the order the workers returned them: a function of the seed and the data
+    position, so a resumed run picks the same rows). `trained_by` is the learner version that
+    trained them (the lag is counted from it, as lag/max is); `decode(rollout)` gives the
+    response text (`completion_text`)."""
+    return [{"step": step, "policy_version": r.policy_version, "lag": trained_by - r.policy_version,
+             "prompt": r.problem.prompt, "response": decode(r), "reward": r.reward,
+             "answer": r.problem.answer, "finish_reason": r.finish_reason}
+            for r in rollouts[:n]]
+
+
+def completion_text(tokenizer, prompt_ids, response_ids, stop=()) -> str:
+    """The text the scorer was given for these sampled tokens, rebuilt in the driver (rollout
+    records carry token ids only). vLLM detokenizes a fast tokenizer's output incrementally
+    after the prompt (tokenizers' DecodeStream): a leading space stays, a trailing incomplete
+    UTF-8 sequence is left out (a plain decode shows it as U+FFFD), special tokens are skipped;
+    then it cuts the text before the first stop string. Other tokenizers: a plain decode."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's, as vLLM takes it
+    if isinstance(backend, Tokenizer):
+        stream, parts = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True), []
+        for token in response_ids:
+            try:
+                parts.append(stream.step(backend, token) or "")
+            except Exception as exc:  # vLLM's recovery from a broken stream: the same text
+                if not str(exc).startswith("Invalid prefix"):
+                    raise
+                stream = DecodeStream(skip_special_tokens=True)
+                parts.append(stream.step(backend, token) or "")
+        text = "".join(parts)
+    else:
+        text = tokenizer.decode(list(response_ids), skip_special_tokens=True)
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def read_samples(run_dir: str | Path) -> list[dict]:
+    """Every row of RUN_DIR/samples.jsonl, in order ([] when there is none)."""
+    path = samples_path(run_dir)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [row for line in lines if (row := parse_row(line)) is not None]
 
 
 def read_config(run_dir: str | Path) -> dict:
