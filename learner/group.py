@@ -28,15 +28,17 @@ class LearnerGroup:
 
     def __init__(self, model_dir: str | Path, learner_cfg: LearnerConfig, kl_cfg: KLConfig,
                  adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
-                 publisher: WeightPublisher | None = None):
+                 publisher: WeightPublisher | None = None, resources: dict[str, float] | None = None):
         """`publisher`: the weight transport `export_weights` uses (learner.rank.WeightPublisher;
         cluster/ passes actors.weight_sync.WeightPublisher). Every rank gets a copy; rank 0's
-        publishes."""
+        publishes. `resources`: custom Ray resources each rank requests (placement on chosen
+        nodes, e.g. {"head": 1})."""
         self.cfg, self.run_id = learner_cfg, run_id
         self.version = 0
         world = learner_cfg.num_ranks
         actor = ray.remote(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
-                                                num_gpus=learner_cfg.num_gpus_per_rank)
+                                                num_gpus=learner_cfg.num_gpus_per_rank,
+                                                resources=resources or None)
         self.ranks = [actor.remote(r, world, str(model_dir), learner_cfg, kl_cfg, adv_cfg, seed,
                                    run_id, publisher)
                       for r in range(world)]

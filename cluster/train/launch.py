@@ -42,7 +42,7 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
     from learner.group import LearnerGroup
 
     return LearnerGroup(model_dir, cfg.learner, cfg.kl, cfg.advantage, seed=cfg.seed, run_id=run_id,
-                        publisher=WeightPublisher())
+                        publisher=WeightPublisher(), resources=cfg.ray.learner_resources)
 
 
 def connect_nccl(learner, workers: list) -> None:
