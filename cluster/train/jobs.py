@@ -94,8 +94,8 @@ def check_reachable(url: str, timeout: float | None = None) -> None:
                           "dashboard (http://HEAD:8265)?") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise SubmitError(f"cannot reach the Ray dashboard at {url} within {timeout:g} s "
-                          f"({reason}): is the cluster up, and is this its dashboard address "
+        raise SubmitError(f"cannot reach the Ray dashboard at {url} ({reason}; waited at most "
+                          f"{timeout:g} s): is the cluster up, and is this its dashboard address "
                           "(`ray start --head --dashboard-host=0.0.0.0`, port 8265)?") from None
 
 
@@ -120,8 +120,10 @@ class JobSpec:
     runtime_env: dict
     job_name: str | None = None
     metadata: dict = field(default_factory=dict)
-    # Holds a staged single-file scorer until the upload (removed when the spec is dropped).
+    # Holds a staged single-file scorer until the upload (removed when the spec is dropped);
+    # `describe` names it by its source: {staged path: source file}.
     staging: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    staged_from: dict = field(default_factory=dict)
 
     def describe(self) -> str:
         """The spec for people: every environment value shown as *** (secrets), klrl's
@@ -131,6 +133,9 @@ class JobSpec:
             k: f"<config, {len(v)} bytes>" if k == CONFIG_ENV else "***" for k, v in env.items()})
         if not env:
             shown.pop("env_vars")
+        if "py_modules" in shown:
+            shown["py_modules"] = [f"{self.staged_from[m]} (as package {Path(m).name})"
+                                   if m in self.staged_from else m for m in shown["py_modules"]]
         lines = [f"entrypoint: {self.entrypoint}",
                  f"job name: {self.job_name or '(chosen by Ray)'}",
                  "runtime_env: " + json.dumps(shown, sort_keys=True)]
@@ -210,14 +215,14 @@ def job_spec(config: str | Path, overrides: list[str], *, reward: str | None = N
         own_env[CONFIG_ENV] = yaml.safe_dump(read_yaml(path), sort_keys=False)
         command = ["-m cluster.cli.job_entry", shlex.quote(path.name)]
     ours: dict = {"working_dir": str(REPO_ROOT), "excludes": list(EXCLUDES)}
-    staging = None
+    staging, staged_from = None, {}
     if (module := scorer_module_path(reward)) is not None:
         if module.is_file():  # name.py -> name/__init__.py: the job client uploads directories
             staging = tempfile.TemporaryDirectory(prefix="klrl-submit-")
             package = Path(staging.name) / module.stem
             package.mkdir()
             shutil.copy2(module, package / "__init__.py")
-            module = package
+            module, staged_from[str(package)] = package, str(module)
         ours["py_modules"] = [str(module)]
     env = dict(env or {})
     if CONFIG_ENV in env:
@@ -231,7 +236,7 @@ def job_spec(config: str | Path, overrides: list[str], *, reward: str | None = N
                           "(at most 128 characters)")
     metadata = {"klrl_config": str(config)}
     return JobSpec(" ".join([shlex.quote(python), *command, *args]), merged, job_name, metadata,
-                   staging)
+                   staging, staged_from)
 
 
 def merge_runtime_env(ours: dict, theirs: dict, source: str) -> dict:
@@ -240,7 +245,7 @@ def merge_runtime_env(ours: dict, theirs: dict, source: str) -> dict:
     (klrl's working_dir is the repository the job runs from)."""
     if not isinstance(theirs, dict):
         raise SubmitError(f"{source}: a runtime_env is a mapping (working_dir, py_modules, "
-                          "env_vars, pip, ...), not a {type(theirs).__name__}")
+                          f"env_vars, pip, ...), not a {type(theirs).__name__}")
     merged = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
               for k, v in ours.items()}
     for key, value in theirs.items():
