@@ -148,6 +148,17 @@ def test_a_job_name_that_is_taken_is_refused(cluster, submitted, capsys):
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_a_failed_job_exits_1_with_its_error(cluster, tmp_path, capsys):
+    """A mistake only the cluster can see (a model path that does not exist there) fails the
+    job in its pre-flight; klrl submit relays the job's last line and says where its logs are."""
+    rc = main(["submit", "configs/tiny_cpu.yaml", "--address", cluster.dashboard,
+               f"model.path={tmp_path / 'no_model'}", f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    last = err.strip().splitlines()[-1]
+    assert "ended FAILED" in last and "model.path=" in last and "ray job logs raysubmit_" in last, err
+
+
 def test_a_resource_no_node_has_is_refused_before_the_run(cluster, tiny_model_dir, tmp_path):
     """`klrl train` with ray.address joins the cluster and refuses at once (exit 2, no run
     directory) a request that Ray would leave pending forever. RAY_AUTH_MODE=token: Ray 2.60

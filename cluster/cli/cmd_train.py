@@ -5,7 +5,16 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
-from cluster.train.jobs import JobFailed, SubmitError, job_spec, parse_env, read_runtime_env, submit
+from cluster.train.jobs import (
+    JobFailed,
+    SubmitError,
+    follow,
+    job_client,
+    job_spec,
+    parse_env,
+    read_runtime_env,
+    submit,
+)
 from cluster.train.progress import print_summary
 from cluster.train.run_log import config_path
 from cluster.train.stopping import RunStopped
@@ -108,15 +117,13 @@ def _run_submit(args) -> int:
         return 2
     if args.no_wait:
         return 0
-    from cluster.train.jobs import follow, job_client
-
     try:
         follow(job_client(args.address), job_id)
     except JobFailed as exc:
         print(f"error: {exc}; its logs: ray job logs {job_id} --address {args.address}",
               file=sys.stderr)
         return 1
-    except SubmitError as exc:  # the dashboard went away while we followed
+    except SubmitError as exc:  # the dashboard could not be reached again to follow the job
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
