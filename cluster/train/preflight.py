@@ -70,6 +70,8 @@ def check_cluster_resources(cfg: TrainConfig) -> None:
     have a node with the resource running when the run starts."""
     import ray  # the caller has connected
 
+    if not (cfg.ray.worker_resources or cfg.ray.learner_resources):
+        return
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     for field, wanted, count, what in (
             ("ray.worker_resources", cfg.ray.worker_resources, cfg.rollout.num_workers, "rollout worker"),
