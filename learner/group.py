@@ -11,6 +11,7 @@ steps (one by default).
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,16 @@ class LearnerGroup:
     def __init__(self, model: str | Path | ModelFiles, learner_cfg: LearnerConfig,
                  kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
                  publisher: WeightPublisher | None = None,
-                 total_optimizer_steps: int | None = None):
+                 total_optimizer_steps: int | None = None,
+                 resources: dict[str, float] | None = None):
         """`model`: the policy's directory (also the reference), or a ModelFiles (a separate
         reference, hub revision, remote code; cluster/train/launch.py builds it from
         TrainConfig.model). `publisher`: the weight transport `export_weights` uses
         (learner.rank.WeightPublisher; cluster/ passes actors.weight_sync.WeightPublisher).
         Every rank gets a copy; rank 0's publishes. `total_optimizer_steps`: the run's
         optimizer steps (total_steps x updates_per_batch), where a decaying learner.lr_schedule
-        ends; required by linear and cosine."""
+        ends; required by linear and cosine. `resources`: custom Ray resources each rank
+        requests (placement on chosen nodes, e.g. {"head": 1})."""
         if learner_cfg.lr_schedule != "constant" and total_optimizer_steps is None:
             # Refused here, before any actor starts (make_scheduler would refuse in every rank).
             raise ValueError(f"learner.lr_schedule={learner_cfg.lr_schedule} needs "
@@ -46,7 +49,8 @@ class LearnerGroup:
         self.version = 0
         world = learner_cfg.num_ranks
         actor = ray.remote(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
-                                                num_gpus=learner_cfg.num_gpus_per_rank)
+                                                num_gpus=learner_cfg.num_gpus_per_rank,
+                                                resources=resources or None)
         files = ModelFiles.of(model)
         self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,
                                    run_id, publisher, total_optimizer_steps)
@@ -129,10 +133,9 @@ class LearnerGroup:
         group dies with them). Best effort: a dead or hung rank must not block shutdown."""
         ranks = getattr(self, "ranks", [])
         if ranks:
-            try:
+            # A dead or hung rank's buffers die with its process: shutting down anyway.
+            with contextlib.suppress(Exception):
                 ray.get([h.release_shm.remote() for h in ranks], timeout=30)
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
         for h in ranks:
             ray.kill(h, no_restart=True)
         self.ranks = []

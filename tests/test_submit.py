@@ -1,59 +1,139 @@
-"""`klrl submit` against a real `ray start --head` on loopback (Ray job submission, token auth)."""
-import json
-import os
+"""`klrl submit`: what it builds and what it refuses, without a cluster. The real submission
+(a training job on a two-node `ray start` cluster with --env, --runtime-env, --job-name, and a
+config and plug-in scorer from outside the repository) is tests/test_multinode.py: one vLLM
+start serves both.
+
+Every refusal is one line with exit code 2, made before the cluster is contacted: the tests
+give the address of a socket that would record a connection, and check it got none.
+"""
 import socket
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from cluster.cli.main import main
+from cluster.config.loader import REPO_ROOT
+from cluster.train import jobs
 
-pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
+TESTS = REPO_ROOT / "tests"
 
 
-def _free_port() -> int:
+@pytest.fixture
+def silent_server():
+    """A listening socket that never answers: connections queue in its backlog."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen(8)
+        s.setblocking(False)
+        yield s
 
 
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """A separate Ray cluster started by the CLI, as a user would on a head node."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")  # job drivers use this python
-    dash = _free_port()
-    subprocess.run([str(BIN / "ray"), "start", "--head", "--num-cpus=4", f"--port={_free_port()}",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                    "--node-ip-address=127.0.0.1"],
-                   check=True, env=env, capture_output=True, timeout=180)
+def _contacted(server) -> bool:
     try:
-        yield f"http://127.0.0.1:{dash}"
-    finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+        server.accept()[0].close()
+        return True
+    except BlockingIOError:
+        return False
 
 
-def test_submit_runs_a_training_job(ray_head, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    out = tmp_path / "runs"
-    rc = main(["submit", "configs/tiny_cpu.yaml", "--address", ray_head,
-               f"model.path={tiny_model_dir}", f"output_dir={out}", "run_name=submitted",
-               "total_steps=1", "eval_every=0", "eval.num_problems=8", "eval.out_of_domain=null",
-               "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-               "logging.wandb_mode=disabled"])
-    assert rc == 0
-    lines = (out / "submitted" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in lines]
-    assert steps == [0, 1]
-    assert (out / "submitted" / "final" / "config.json").is_file()
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
 
 
 def test_submit_rejects_a_bad_config_before_submitting(capsys):
     assert main(["submit", "configs/tiny_cpu.yaml", "--address", "http://127.0.0.1:1", "max_lag=-1"]) == 2
     assert "max_lag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "runtime_env", "expected"), [
+    (["--env", "KLRL_SURELY_UNSET_VAR"], None, "--env KLRL_SURELY_UNSET_VAR: KLRL_SURELY_UNSET_VAR is not set"),
+    (["--env", "1BAD=x"], None, "--env 1BAD: not a variable name"),
+    ([], "working_dir: /elsewhere\n", "working_dir: klrl submit uploads this repository"),
+    (["--env", "TOKEN=a"], 'env_vars: {TOKEN: "b"}\n', "env_vars.TOKEN is also given by --env"),
+    ([], "env_vars: {RETRIES: 3}\n", "env_vars.RETRIES must be a string"),
+    ([], "env_vars: {KLRL_JOB_CONFIG: x}\n", "env_vars.KLRL_JOB_CONFIG: klrl sets"),
+    ([], "[pip]\n", "a runtime_env is a mapping"),
+    (["task.reward=klrl_no_such_module:score"], None,
+     "task.reward=klrl_no_such_module:score: module 'klrl_no_such_module' is not importable here"),
+    (["--job-name", "two words"], None, "--job-name 'two words'"),
+])
+def test_refusals_come_before_the_cluster_is_contacted(args, runtime_env, expected, silent_server,
+                                                       tmp_path, capsys):
+    extra = []
+    if runtime_env is not None:
+        (tmp_path / "env.yaml").write_text(runtime_env)
+        extra = ["--runtime-env", str(tmp_path / "env.yaml")]
+    address = f"http://127.0.0.1:{silent_server.getsockname()[1]}"
+    assert main(["submit", "configs/tiny_cpu.yaml", "--address", address, *args, *extra]) == 2
+    assert expected in _one_error_line(capsys.readouterr().err)
+    assert not _contacted(silent_server)
+
+
+def test_an_unreachable_address_is_one_line(capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["submit", "configs/tiny_cpu.yaml", "--address", f"127.0.0.1:{port}"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"cannot reach the Ray dashboard at http://127.0.0.1:{port}" in line
+
+
+def test_an_address_that_never_answers_is_given_up_on_in_time(silent_server, monkeypatch, capsys):
+    monkeypatch.setattr(jobs, "CONNECT_TIMEOUT_S", 1.0)
+    address = f"http://127.0.0.1:{silent_server.getsockname()[1]}"
+    t0 = time.monotonic()
+    assert main(["submit", "configs/tiny_cpu.yaml", "--address", address]) == 2
+    assert time.monotonic() - t0 < 10
+    assert "timed out; waited at most 1 s" in _one_error_line(capsys.readouterr().err)
+    assert _contacted(silent_server)
+
+
+def test_dry_run_shows_the_job_and_never_a_secret(tmp_path, monkeypatch, capsys):
+    """A config and a single-file scorer outside the repository travel with the job (the
+    config's YAML in KLRL_JOB_CONFIG, the scorer as a package in py_modules); the user's
+    runtime_env is merged in; every environment value is shown as ***."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "klrl_dry_scorer.py").write_text("def score(completion, problem):\n    return 1.0\n")
+    (outside / "mine.yaml").write_text(f"base: {REPO_ROOT / 'configs' / 'tiny_cpu.yaml'}\n"
+                                       "task: {reward: 'klrl_dry_scorer:score'}\n")
+    (outside / "env.yaml").write_text('{"pip": ["math-verify"], "env_vars": {"HF_TOKEN": "hf_b"}, '
+                                      '"py_modules": ["/opt/lib/mine"]}\n')
+    monkeypatch.syspath_prepend(str(outside))
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-1")
+    assert main(["submit", str(outside / "mine.yaml"), "--address", "http://127.0.0.1:1",
+                 "--dry-run", "--env", "WANDB_API_KEY", "--env", "OTHER=inline-secret",
+                 "--runtime-env", str(outside / "env.yaml"), "--job-name", "mine-1",
+                 "total_steps=3"]) == 0
+    out = capsys.readouterr().out
+    for secret in ("wandb-secret-1", "inline-secret", "hf_b"):
+        assert secret not in out
+    spec = jobs.job_spec(outside / "mine.yaml", ["total_steps=3"], reward="klrl_dry_scorer:score",
+                         env={"WANDB_API_KEY": "x", "OTHER": "y"}, runtime_env=jobs.read_runtime_env(outside / "env.yaml"),
+                         job_name="mine-1")
+    assert spec.describe() in out
+    assert spec.entrypoint == "python -m cluster.cli.job_entry mine.yaml total_steps=3"
+    env = spec.runtime_env
+    assert env["working_dir"] == str(REPO_ROOT) and env["pip"] == ["math-verify"]
+    staged, user = env["py_modules"]
+    assert user == "/opt/lib/mine" and staged.endswith("/klrl_dry_scorer")
+    assert (outside / "klrl_dry_scorer.py").read_text() == Path(staged, "__init__.py").read_text()
+    assert "klrl_dry_scorer:score" in env["env_vars"]["KLRL_JOB_CONFIG"]  # base: resolved
+    assert "kl:" in env["env_vars"]["KLRL_JOB_CONFIG"]
+    assert env["env_vars"]["HF_TOKEN"] == "hf_b"
+    assert '"WANDB_API_KEY": "***"' in out and "job name: mine-1" in out
+
+
+def test_what_the_working_dir_carries_is_not_uploaded_again(monkeypatch):
+    """A config in the repository is named; a top-level package of the repository is imported
+    from the working_dir; tests/scorers.py is in the repository but not on the job's path, so
+    it is uploaded."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", ["max_lag=1"], reward="rewards.arithmetic:score")
+    assert spec.entrypoint == "python -m cluster.cli train configs/tiny_cpu.yaml max_lag=1"
+    assert "py_modules" not in spec.runtime_env and "env_vars" not in spec.runtime_env
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", [], reward="scorers:short_answers")
+    assert [m.rsplit("/", 1)[1] for m in spec.runtime_env["py_modules"]] == ["scorers"]

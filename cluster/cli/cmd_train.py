@@ -5,7 +5,16 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
-from cluster.train.jobs import submit
+from cluster.train.jobs import (
+    JobFailed,
+    SubmitError,
+    follow,
+    job_client,
+    job_spec,
+    parse_env,
+    read_runtime_env,
+    submit,
+)
 from cluster.train.progress import print_summary
 from cluster.train.run_log import config_path
 from cluster.train.stopping import RunStopped
@@ -89,14 +98,38 @@ def _run_demo(args) -> int:
 
 
 def _run_submit(args) -> int:
+    """Validate the config and build the job here (no cluster needed for any refusal), then
+    submit it; exit 2 for what cannot be submitted, 1 for a job that ends failed."""
     from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
 
     try:
-        load_train_config(args.config, args.overrides)  # reject bad configs before submitting
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        cfg = load_train_config(args.config, args.overrides)  # reject bad configs before submitting
+        source = f"--runtime-env {args.runtime_env}"
+        spec = job_spec(args.config, args.overrides, reward=cfg.task.reward, python=args.python,
+                        env=parse_env(args.env), job_name=args.job_name, runtime_env_source=source,
+                        runtime_env=read_runtime_env(args.runtime_env) if args.runtime_env else None)
+        if args.dry_run:
+            print(spec.describe())
+            return 0
+        job_id = submit(args.config, args.address, args.overrides, wait=False, spec=spec)
+    except (ConfigError, SubmitError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    submit(args.config, args.address, args.overrides, wait=not args.no_wait, python=args.python)
+    if args.no_wait:
+        return 0
+    try:
+        follow(job_client(args.address), job_id)
+    except JobFailed as exc:
+        print(f"error: {exc}; its logs: ray job logs {job_id} --address {args.address}",
+              file=sys.stderr)
+        return 1
+    except SubmitError as exc:  # the dashboard could not be reached again to follow the job
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} goes on on the cluster (stop it with "
+              f"`ray job stop {job_id} --address {args.address}`)", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -116,11 +149,21 @@ def register(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="overrides of configs/tiny_cpu.yaml")
     p.set_defaults(func=_run_demo)
 
-    p = subparsers.add_parser("submit", help="submit a training run with `ray job submit`")
-    p.add_argument("config")
+    p = subparsers.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
+    p.add_argument("config", help="YAML config; one outside this repository is sent with the job")
     p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
     p.add_argument("--no-wait", action="store_true", help="return after submission")
     p.add_argument("--python", default="python", help="Python on the cluster that runs the job "
                    "driver (needs klrl's dependencies)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="environment variable of the job (repeatable), e.g. --env WANDB_API_KEY "
+                   "(KEY alone: its value in this shell, which must set it); values are never printed")
+    p.add_argument("--runtime-env", metavar="FILE", help="YAML or JSON Ray runtime_env merged "
+                   "with klrl's (pip, py_modules, env_vars, ...; not working_dir, which is this "
+                   "repository); a key that would replace one of klrl's is an error")
+    p.add_argument("--job-name", metavar="NAME", help="the job's Ray submission id (unique on the "
+                   "cluster, finished jobs included); default: one Ray chooses")
+    p.add_argument("--dry-run", action="store_true", help="print the job (entrypoint, "
+                   "runtime_env with env values as ***) and submit nothing")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_run_submit)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.config import RolloutConfig, SyncConfig
 from cluster.config.loader import ConfigError, load_config
@@ -148,13 +148,51 @@ class FaultConfig(_Strict):
                                       "considered hung: it is killed and restarted.")
 
 
+# Resources Ray defines itself, and the options that request them (None: klrl does not).
+_BUILTIN_RESOURCES = {
+    "CPU": "rollout.num_cpus_per_worker / learner.num_cpus_per_rank",
+    "GPU": "rollout.num_gpus_per_worker / learner.num_gpus_per_rank",
+    "memory": None,
+    "object_store_memory": None,
+}
+
+
 class RayConfig(_Strict):
-    """How to reach Ray. RAY_ADDRESS in the environment overrides `address`."""
+    """How to reach Ray, and which nodes the actors may run on. RAY_ADDRESS in the environment
+    overrides `address`."""
 
     address: str | None = Field(None, description="Existing cluster address (e.g. 'auto'); null "
                                 "starts a local cluster.")
     num_cpus: int | None = Field(None, ge=1, le=100_000, description="Logical CPUs of a local "
                                  "cluster (null: what the actors request, at least the machine's).")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each rollout worker requests, "
+        "e.g. {node2: 1}: workers then run only on nodes started with `ray start "
+        "--resources='{\"node2\": 1}'`. {}: none (placed by CPUs and GPUs alone). Checked "
+        "against the cluster's nodes when the run starts.")
+    learner_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each learner rank requests, e.g. "
+        "{head: 1} to keep the learner on the head node; as ray.worker_resources.")
+
+    @field_validator("worker_resources", "learner_resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        # Ray's own rules for a resource request, checked here so that a typo fails at load
+        # time rather than when the first actor is created.
+        for name, amount in value.items():
+            if name in _BUILTIN_RESOURCES:
+                option = _BUILTIN_RESOURCES[name]
+                raise ValueError(f"{name!r} is one of Ray's own resources, not a custom one"
+                                 + (f": request it with {option}" if option else
+                                    " (klrl does not request it)"))
+            if not name.strip():
+                raise ValueError("a resource needs a name")
+            if not 0 < amount <= 1_000_000:
+                raise ValueError(f"{name}={amount:g}: a request must be above 0 (and at most 1e6)")
+            if amount > 1 and not float(amount).is_integer():
+                raise ValueError(f"{name}={amount:g}: Ray takes fractions only below 1; "
+                                 "above 1 a request must be a whole number")
+        return value
 
 
 class TrainConfig(_Strict):

@@ -3,26 +3,56 @@ per run of `klrl sweep --address`).
 
 A job runs `python -m cluster.cli train ...` on the head node with this repository uploaded as
 its working directory, so the cluster's Python needs klrl's dependencies (not klrl itself).
+What the run needs beyond the repository travels in the job's runtime_env (`job_spec`):
+- a config file outside the repository: its YAML (with `base:` resolved) in the environment
+  variable CONFIG_ENV, which `python -m cluster.cli.job_entry` writes back to a file;
+- a plug-in scorer (`task.reward`) found outside the repository: its package directory in
+  `py_modules` (a single-file module `name.py` goes as a package `name/` of which it is the
+  `__init__.py`: Ray's job client uploads only directories, and the import name is the same);
+- `--env KEY[=VALUE]` and a user's `--runtime-env FILE`, merged with klrl's own entries
+  (a conflict is an error naming the key, never a silent overwrite).
+Secret values never reach the output: `JobSpec.describe` shows env values as ***.
 Ray is imported inside the functions: `klrl --help` and local sweeps must not pay for it.
 """
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
+import re
 import shlex
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.config.loader import REPO_ROOT
+import yaml
+
+from cluster.config.loader import REPO_ROOT, read_yaml
 
 # Never uploaded with the repository: environments, run outputs, caches.
 EXCLUDES = [".venv", "runs", ".git", "**/__pycache__", "wandb", ".pytest_cache"]
+# Directories whose files the job does not get: EXCLUDES, and what .gitignore keeps out (Ray's
+# upload honours it). A config or scorer in one of them is sent as if it were outside.
+_NOT_UPLOADED = {".venv", ".venv-gpu", "runs", ".git", "wandb", ".pytest_cache", "__pycache__",
+                 ".cache", "build", "dist"}
+# The YAML of a submitted config that lies outside the repository (read by cluster.cli.job_entry).
+CONFIG_ENV = "KLRL_JOB_CONFIG"
+# How long `klrl submit` waits for the dashboard to answer before giving up on the address.
+CONNECT_TIMEOUT_S = 10.0
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]{0,127}$")
 
 
-def job_client(address: str):
-    """A `JobSubmissionClient` for the dashboard at `address`, with the cluster's token."""
-    from ray.job_submission import JobSubmissionClient
+class SubmitError(Exception):
+    """A job that cannot be submitted as asked: one line saying why and what to do (exit 2)."""
 
-    return JobSubmissionClient(address, headers=auth_headers())
+
+class JobFailed(Exception):
+    """The submitted job ended other than SUCCEEDED (exit 1)."""
 
 
 def auth_headers() -> dict:
@@ -37,27 +67,285 @@ def auth_headers() -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def submit(config: str, address: str, overrides: list[str], wait: bool = True,
-           python: str = "python") -> str:
-    """Submit `klrl train CONFIG overrides` as a Ray job with this repository as working_dir;
-    with `wait`, follow its logs and raise RuntimeError unless it succeeds. Returns the job id."""
+def dashboard_url(address: str) -> str:
+    """`address` as the Jobs API's http(s) URL (`HEAD:8265` -> `http://HEAD:8265`)."""
+    if address.startswith("ray://"):
+        raise SubmitError(f"--address {address} is a Ray Client address; jobs are submitted to "
+                          "the dashboard: --address http://HEAD:8265")
+    return (address if "://" in address else f"http://{address}").rstrip("/")
+
+
+def check_reachable(url: str, timeout: float | None = None) -> None:
+    """One request to the dashboard's version endpoint, bounded by `timeout` (default
+    CONNECT_TIMEOUT_S): Ray's client has no timeout of its own, so an address that accepts
+    connections but never answers (a firewall, a wrong port) would hang it forever."""
+    timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
+    request = urllib.request.Request(f"{url}/api/version", headers=auth_headers())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise SubmitError(f"the Ray dashboard at {url} refused the request (HTTP {exc.code}): "
+                              "the cluster uses token auth; set RAY_AUTH_TOKEN, or copy the "
+                              "head's ~/.ray/auth_token here (or point RAY_AUTH_TOKEN_PATH at "
+                              "it)") from None
+        raise SubmitError(f"{url} answered HTTP {exc.code} to /api/version: is it a Ray "
+                          "dashboard (http://HEAD:8265)?") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SubmitError(f"cannot reach the Ray dashboard at {url} ({reason}; waited at most "
+                          f"{timeout:g} s): is the cluster up, and is this its dashboard address "
+                          "(`ray start --head --dashboard-host=0.0.0.0`, port 8265)?") from None
+
+
+def job_client(address: str):
+    """A `JobSubmissionClient` for the dashboard at `address`, with the cluster's token;
+    SubmitError (one line) when the dashboard cannot be reached within CONNECT_TIMEOUT_S."""
+    from ray.job_submission import JobSubmissionClient
+
+    url = dashboard_url(address)
+    check_reachable(url)
+    try:
+        return JobSubmissionClient(url, headers=auth_headers())
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise SubmitError(f"cannot use the Ray dashboard at {url}: {_last_line(exc)}") from None
+
+
+@dataclass
+class JobSpec:
+    """What `submit_job` gets: the command, the runtime_env, the job's name and metadata."""
+
+    entrypoint: str
+    runtime_env: dict
+    job_name: str | None = None
+    metadata: dict = field(default_factory=dict)
+    # Holds a staged single-file scorer until the upload (removed when the spec is dropped);
+    # `describe` names it by its source: {staged path: source file}.
+    staging: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    staged_from: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The spec for people: every environment value shown as *** (secrets), klrl's
+        config upload by its size."""
+        env = self.runtime_env.get("env_vars", {})
+        shown = dict(self.runtime_env, env_vars={
+            k: f"<config, {len(v)} bytes>" if k == CONFIG_ENV else "***" for k, v in env.items()})
+        if not env:
+            shown.pop("env_vars")
+        if "py_modules" in shown:
+            shown["py_modules"] = [f"{self.staged_from[m]} (as package {Path(m).name})"
+                                   if m in self.staged_from else m for m in shown["py_modules"]]
+        lines = [f"entrypoint: {self.entrypoint}",
+                 f"job name: {self.job_name or '(chosen by Ray)'}",
+                 "runtime_env: " + json.dumps(shown, sort_keys=True)]
+        return "\n".join(lines)
+
+
+def parse_env(items: list[str], environ: dict | None = None) -> dict[str, str]:
+    """`--env KEY=VALUE` or `--env KEY` (the value of KEY in this shell) -> {KEY: VALUE}."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not _ENV_KEY.match(key):
+            raise SubmitError(f"--env {key}: not a variable name (letters, digits, _; give "
+                              "KEY=VALUE, or KEY to pass this shell's value)")
+        if not sep:
+            if key not in environ:
+                raise SubmitError(f"--env {key}: {key} is not set in this shell; export it, or "
+                                  f"give the value: --env {key}=VALUE")
+            value = environ[key]
+        if key in out and out[key] != value:
+            raise SubmitError(f"--env {key} is given twice with different values")
+        out[key] = value
+    return out
+
+
+def in_working_dir(path: Path) -> bool:
+    """Whether the file at `path` (resolved) reaches the job with the repository upload."""
+    if not path.is_relative_to(REPO_ROOT):
+        return False
+    return not _NOT_UPLOADED & set(path.relative_to(REPO_ROOT).parts)
+
+
+def scorer_module_path(spec: str | None) -> Path | None:
+    """Where the plug-in scorer `spec` ('pkg.mod:fn') must be uploaded from, or None when the
+    job imports it without an upload: no scorer, a top-level module of the repository root (the
+    job's working_dir, on its sys.path) or an installed package (site-packages: it must be
+    installed on the cluster too). SubmitError when it is not importable here."""
+    if not spec:
+        return None
+    top = spec.split(":")[0].split(".")[0]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise SubmitError(f"task.reward={spec}: module {top!r} is not importable here, so klrl "
+                          "submit cannot upload it with the job; put the directory that holds it "
+                          "on PYTHONPATH (PYTHONPATH=DIR klrl submit ...), or move it into this "
+                          "repository")
+    locations = list(found.submodule_search_locations or [])
+    if len(locations) > 1 or (not locations and not (found.origin or "").endswith(".py")):
+        what = ("a namespace package spread over several directories" if locations
+                else f"not Python source ({found.origin})")
+        raise SubmitError(f"task.reward={spec}: {top!r} is {what}; Ray can upload one package "
+                          "directory or one .py file: make it one")
+    path = Path(locations[0] if locations else found.origin).resolve()
+    if path.parent == REPO_ROOT and in_working_dir(path):  # e.g. rewards/: on the job's sys.path
+        return None
+    if any(p.name in ("site-packages", "dist-packages") for p in path.parents):
+        return None
+    return path
+
+
+def job_spec(config: str | Path, overrides: list[str], *, reward: str | None = None,
+             python: str = "python", env: dict[str, str] | None = None,
+             runtime_env: dict | None = None, runtime_env_source: str = "--runtime-env",
+             job_name: str | None = None) -> JobSpec:
+    """The job that runs `klrl train CONFIG overrides` on the cluster (see the module doc).
+    `reward`: the config's task.reward; `runtime_env`: the user's, merged into klrl's."""
+    path = Path(config).resolve()
+    own_env: dict[str, str] = {}
+    args = [*map(shlex.quote, overrides)]
+    if in_working_dir(path):  # uploaded with the working_dir: named, as it is
+        command = ["-m cluster.cli train", shlex.quote(str(path.relative_to(REPO_ROOT)))]
+    else:
+        own_env[CONFIG_ENV] = yaml.safe_dump(read_yaml(path), sort_keys=False)
+        command = ["-m cluster.cli.job_entry", shlex.quote(path.name)]
+    ours: dict = {"working_dir": str(REPO_ROOT), "excludes": list(EXCLUDES)}
+    staging, staged_from = None, {}
+    if (module := scorer_module_path(reward)) is not None:
+        if module.is_file():  # name.py -> name/__init__.py: the job client uploads directories
+            staging = tempfile.TemporaryDirectory(prefix="klrl-submit-")
+            package = Path(staging.name) / module.stem
+            package.mkdir()
+            shutil.copy2(module, package / "__init__.py")
+            module, staged_from[str(package)] = package, str(module)
+        ours["py_modules"] = [str(module)]
+    env = dict(env or {})
+    if CONFIG_ENV in env:
+        raise SubmitError(f"--env {CONFIG_ENV}: klrl sets {CONFIG_ENV} itself; choose another name")
+    ours["env_vars"] = {**own_env, **env}
+    merged = merge_runtime_env(ours, runtime_env or {}, runtime_env_source)
+    if not merged["env_vars"]:
+        merged.pop("env_vars")
+    if job_name is not None and not _JOB_NAME.match(job_name):
+        raise SubmitError(f"--job-name {job_name!r}: use letters, digits, '_', '-', '.' "
+                          "(at most 128 characters)")
+    metadata = {"klrl_config": str(config)}
+    return JobSpec(" ".join([shlex.quote(python), *command, *args]), merged, job_name, metadata,
+                   staging, staged_from)
+
+
+def merge_runtime_env(ours: dict, theirs: dict, source: str) -> dict:
+    """klrl's runtime_env with the user's added: lists (py_modules, excludes) are joined,
+    env_vars merged; a key that would replace one of klrl's values is a SubmitError naming it
+    (klrl's working_dir is the repository the job runs from)."""
+    if not isinstance(theirs, dict):
+        raise SubmitError(f"{source}: a runtime_env is a mapping (working_dir, py_modules, "
+                          f"env_vars, pip, ...), not a {type(theirs).__name__}")
+    merged = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+              for k, v in ours.items()}
+    for key, value in theirs.items():
+        if key == "working_dir":
+            raise SubmitError(f"{source}: working_dir: klrl submit uploads this repository "
+                              f"({REPO_ROOT}) as the job's working_dir; remove it (add other "
+                              "code with py_modules)")
+        if key in ("py_modules", "excludes"):
+            if not isinstance(value, list):
+                raise SubmitError(f"{source}: {key} must be a list")
+            merged[key] = merged.get(key, []) + [v for v in value if v not in merged.get(key, [])]
+        elif key == "env_vars":
+            if not isinstance(value, dict):
+                raise SubmitError(f"{source}: env_vars must be a mapping of names to values")
+            for name, val in value.items():
+                if not isinstance(val, str):
+                    raise SubmitError(f"{source}: env_vars.{name} must be a string (quote it: "
+                                      f"{name}: \"{val}\")")
+                if name == CONFIG_ENV:
+                    raise SubmitError(f"{source}: env_vars.{name}: klrl sets {name} itself; "
+                                      "remove it")
+                if name in merged["env_vars"] and merged["env_vars"][name] != val:
+                    raise SubmitError(f"{source}: env_vars.{name} is also given by --env, with "
+                                      "another value; give it once")
+                merged["env_vars"][name] = val
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_runtime_env(path: str | Path) -> dict:
+    """A runtime_env file: YAML or JSON (JSON is YAML), a mapping."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SubmitError(f"--runtime-env {path}: {_last_line(exc)}") from None
+    return {} if data is None else data
+
+
+def submit(config: str | Path, address: str, overrides: list[str], wait: bool = True,
+           python: str = "python", *, spec: JobSpec | None = None) -> str:
+    """Submit `klrl train CONFIG overrides` as a Ray job (the job `spec`, by default
+    `job_spec(config, overrides)` with the config's task.reward uploaded if need be); with
+    `wait`, follow its logs and raise JobFailed unless it succeeds. Returns the job id.
+    SubmitError when the cluster cannot be reached or refuses the job."""
+    if spec is None:
+        from cluster.config.train_config import load_train_config  # torch: a sweep has it
+
+        cfg = load_train_config(config, [o for o in overrides if "=" in o])
+        spec = job_spec(config, overrides, reward=cfg.task.reward, python=python)
+    client = job_client(address)
+    if spec.job_name is not None:
+        _check_name_free(client, spec.job_name)
+    try:
+        job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
+                                   submission_id=spec.job_name, metadata=spec.metadata)
+    except (RuntimeError, ValueError, TypeError, OSError) as exc:
+        if spec.job_name is not None and "already exists" in str(exc):
+            raise SubmitError(_name_taken(spec.job_name, "")) from None
+        raise SubmitError(f"the cluster refused the job: {_last_line(exc)}") from None
+    print(f"submitted {job_id}: {spec.entrypoint}")
+    if wait:
+        follow(client, job_id)
+    return job_id
+
+
+def follow(client, job_id: str) -> None:
+    """Print the job's logs until it ends; JobFailed unless it SUCCEEDED."""
     from ray.job_submission import JobStatus
 
-    client = job_client(address)
-    rel = Path(config).resolve().relative_to(REPO_ROOT)
-    entrypoint = " ".join([shlex.quote(python), "-m cluster.cli train", shlex.quote(str(rel)),
-                           *map(shlex.quote, overrides)])
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={
-        "working_dir": str(REPO_ROOT), "excludes": EXCLUDES})
-    print(f"submitted {job_id}: {entrypoint}")
-    if wait:
-        for chunk in _tail(client, job_id):
-            print(chunk, end="")
-        status = client.get_job_status(job_id)
-        print(f"job {job_id}: {status}")
-        if status != JobStatus.SUCCEEDED:
-            raise RuntimeError(f"job {job_id} ended {status}")
-    return job_id
+    for chunk in _tail(client, job_id):
+        print(chunk, end="")
+    info = client.get_job_info(job_id)
+    print(f"job {job_id}: {info.status}")
+    if info.status != JobStatus.SUCCEEDED:
+        raise JobFailed(f"job {job_id} ended {info.status}"
+                        + (f": {_last_line(info.message)}" if info.message else ""))
+
+
+def _check_name_free(client, name: str) -> None:
+    """Ray refuses a second job with the same submission_id (HTTP 500 with a server traceback,
+    also when the first one finished long ago), after the working_dir upload: say so first."""
+    try:
+        info = client.get_job_info(name)
+    except RuntimeError as exc:
+        if "404" in str(exc) or "does not exist" in str(exc):
+            return
+        raise SubmitError(f"cannot look up job {name}: {_last_line(exc)}") from None
+    raise SubmitError(_name_taken(name, f" ({info.status})"))
+
+
+def _name_taken(name: str, status: str) -> str:
+    return (f"--job-name {name}: the cluster already has a job of that name{status}; Ray keeps "
+            f"the names of finished jobs too, so choose another (e.g. {name}-2)")
+
+
+def _last_line(exc) -> str:
+    """The last non-empty line of an error: Ray's HTTP errors carry the server's traceback."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _tail(client, job_id):

@@ -45,7 +45,8 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str):
 
     return LearnerGroup(learner_model_files(cfg, model_dir), cfg.learner, cfg.kl, cfg.advantage,
                         seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
-                        total_optimizer_steps=cfg.total_steps * cfg.learner.updates_per_batch)
+                        total_optimizer_steps=cfg.total_steps * cfg.learner.updates_per_batch,
+                        resources=cfg.ray.learner_resources)
 
 
 def learner_model_files(cfg: TrainConfig, model_dir: Path):

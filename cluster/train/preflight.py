@@ -16,6 +16,8 @@ checks; this module only calls them:
 - an online wandb run's API key: `run_log.check_wandb`;
 - the run directory and resume: here, with `checkpoint.objective_changes`.
 Raises ConfigError (or FileExistsError for a name already taken); `klrl train` exits 2.
+
+One check needs Ray up and so runs after it starts, before any actor (`check_cluster_resources`).
 """
 from __future__ import annotations
 
@@ -84,6 +86,34 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None
             "are then also its KL reference); runs with checkpoint_every > 0 checkpoint at the "
             "end and extend with `klrl train --resume RUN_DIR total_steps=N`")
     return run_dir, resume_from
+
+
+def check_cluster_resources(cfg: TrainConfig) -> None:
+    """Once connected to Ray, before any actor is created: enough of the cluster's alive nodes
+    carry the custom resources of ray.worker_resources / ray.learner_resources for every rollout
+    worker / learner rank. Ray would otherwise keep such an actor pending forever, and the run
+    would hang without a word. A necessary condition only (workers and ranks asking for the
+    same resource are counted apart), read from the nodes up now: an autoscaling cluster must
+    have a node with the resource running when the run starts."""
+    import ray  # the caller has connected
+
+    if not (cfg.ray.worker_resources or cfg.ray.learner_resources):
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for field, wanted, count, what in (
+            ("ray.worker_resources", cfg.ray.worker_resources, cfg.rollout.num_workers, "rollout worker"),
+            ("ray.learner_resources", cfg.ray.learner_resources, cfg.learner.num_ranks, "learner rank")):
+        for name, amount in wanted.items():
+            # how many such actors fit, node by node (the epsilon absorbs 0.1 + 0.2 arithmetic)
+            fits = sum(int(n["Resources"].get(name, 0) / amount + 1e-9) for n in nodes)
+            if fits < count:
+                have = ", ".join(f"{n['NodeManagerAddress']} {n['Resources'].get(name, 0):g}"
+                                 for n in nodes)
+                raise ConfigError(
+                    f"{field}: {count} {what}(s) each request {name}={amount:g}, but the Ray "
+                    f"cluster's nodes hold room for {fits} ({name} per node: {have}); start the "
+                    f"nodes with `ray start ... --resources='{{\"{name}\": N}}'`, or change "
+                    f"{field} (a local cluster, without ray.address, has no custom resources)")
 
 
 def _check_resumable(cfg: TrainConfig, run_dir: Path, resume_from: Path) -> None:

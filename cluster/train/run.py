@@ -9,7 +9,7 @@ import ray
 from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.preflight import preflight
+from cluster.train.preflight import check_cluster_resources, preflight
 from cluster.train.run_log import abandon_metrics, has_metrics
 from cluster.train.stopping import GracefulStop
 
@@ -30,6 +30,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
     started = start_ray(cfg)
     try:
+        check_cluster_resources(cfg)  # needs Ray: a request no node can meet would hang the run
         with GracefulStop() as stop_requested:
             controller = Controller(cfg, run_dir, model_dir, resume_from=resume_from,
                                     stop_requested=stop_requested)

@@ -51,7 +51,8 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
 
     r = cfg.worker_rollout  # rollout.dtype resolved against learner.dtype
     return ray.remote(RolloutWorker).options(
-        num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker).remote(
+        num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker,
+        resources=cfg.ray.worker_resources or None).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
         worker_index=index, seed=cfg.seed, revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code)
