@@ -255,3 +255,21 @@ def test_klrl_eval_refuses_no_problems(eval_guarded, capsys, argv):
     with pytest.raises(GotPastPreflight):  # and so does a task built from its options
         main(["eval", "default", "--task", "math", "--option", "path=fixture",
               "--splits", "in_domain"])
+
+
+def test_a_ray_address_where_nothing_listens_fails_in_seconds(monkeypatch, capsys, tmp_path):
+    """ray.init waits minutes on an address where no GCS listens; klrl probes it first. The
+    model is stubbed out (its build is not what this checks): only start_ray runs for real."""
+    import socket
+
+    from cluster.train import run
+
+    monkeypatch.setattr(run, "resolve_model", lambda cfg: tmp_path / "model")
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        out = tmp_path / "runs"
+        code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}",
+                                   "run_name=r", f"ray.address=127.0.0.1:{port}")
+    _assert_refused(code, err, seconds, out, f"ray.address=127.0.0.1:{port}",
+                    "nothing answers there", "ray start --head")

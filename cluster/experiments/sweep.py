@@ -50,8 +50,9 @@ class SweepConfig(BaseModel):
     name: str = Field(..., pattern=r"^[\w.\-]+$", max_length=100, description="Sweep name: "
                       "its runs go under output_dir/<name>/ and share it as their wandb group.")
     train_config: str = Field(..., min_length=1, description="Base TrainConfig YAML, relative "
-                              "to the sweep file (or absolute). On a cluster it must lie inside "
-                              "this repository (the repository is the jobs' working_dir).")
+                              "to the sweep file (or absolute). On a cluster (--address) a file "
+                              "outside this repository travels with each job, as with "
+                              "`klrl submit`.")
     output_dir: str = Field("runs", min_length=1, description="Parent of the sweep directory. "
                             "With --address: an absolute path on storage that the cluster and "
                             "this machine share, so finished runs are seen and skipped.")
