@@ -1,5 +1,6 @@
 """Checkpoint atomicity and bookkeeping (cluster/train/checkpoint.py), and the signal policy
 (cluster/train/stopping.py). No Ray: a process really is killed mid-write."""
+import json
 import multiprocessing
 import os
 import signal
@@ -99,3 +100,19 @@ def test_first_signal_asks_for_a_stop_second_stops_at_once():
         with pytest.raises(KeyboardInterrupt, match="second signal"):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) == before  # restored
+
+
+def test_a_checkpoint_from_before_an_option_existed_resumes_unless_it_is_set():
+    """A saved config lacks the options added after it was written: they had their defaults,
+    so resuming at the defaults changes nothing, and only a value set away from the default
+    is a change (named with the saved side absent)."""
+    from cluster.config.train_config import TrainConfig
+
+    current = TrainConfig().model_dump(mode="json")
+    saved = json.loads(json.dumps(current))
+    del saved["learner"]["entropy_coef"], saved["model"]["trust_remote_code"], saved["data"]
+    assert ckpt.objective_changes(saved, current) == []
+    changed = TrainConfig(learner={"entropy_coef": 0.01}).model_dump(mode="json")
+    assert ckpt.objective_changes(saved, changed) == ["learner.entropy_coef: 0.0 -> 0.01"]
+    saved["kl"]["beta"] = 0.5
+    assert ckpt.objective_changes(saved, current) == ["kl.beta: 0.5 -> 0.1"]

@@ -18,7 +18,7 @@ so a `step_N/` directory is always a whole, loadable model.
 
 Nothing else needs saving for an exact resume: vLLM sampling seeds are a pure function of
 (seed, data position) (actors/seeds.py), the learner has no dropout, and the
-prompt stream is a pure function of (seed, position) (cluster/prompts.py).
+prompt stream is a pure function of (seed, position) (cluster/train/prompts.py).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from cluster.config.train_config import TrainConfig
 
 MARKER = "COMPLETE"
 LEARNER_TAG = "learner"
@@ -156,10 +158,16 @@ _ABSENT = object()
 def objective_changes(saved: dict, current: dict) -> list[str]:
     """`key: old -> new` for every value in OBJECTIVE_SECTIONS that differs between the config
     a checkpoint was written with and the current one (both resolved, as plain dicts). A key
-    the saved config lacks (written before the option existed) had its default: not a change."""
-    return [change for key in OBJECTIVE_SECTIONS
-            if (old := _at(saved, key)) is not _ABSENT
-            for change in _changes(old, _at(current, key), key)]
+    the saved config lacks (written before the option existed) had the option's default: a
+    change only if the current value is not that default."""
+    defaults = TrainConfig().model_dump(mode="json")
+    changes = []
+    for key in OBJECTIVE_SECTIONS:
+        old, new = _at(saved, key), _at(current, key)
+        if old is _ABSENT:
+            old = _at(defaults, key)
+        changes += _changes(old, new, key, _at(defaults, key))
+    return changes
 
 
 def _at(config: dict, dotted: str):
@@ -170,11 +178,16 @@ def _at(config: dict, dotted: str):
     return config
 
 
-def _changes(old, new, key: str) -> list[str]:
+def _changes(old, new, key: str, default) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = [*old, *(k for k in new if k not in old)]
-        return [c for k in keys for c in _changes(old.get(k), new.get(k), f"{key}.{k}")]
-    return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
+        sub = default if isinstance(default, dict) else {}
+        return [c for k in keys for c in _changes(
+            old.get(k, sub.get(k, _ABSENT)), new.get(k, _ABSENT), f"{key}.{k}", sub.get(k, _ABSENT))]
+    if old == new:
+        return []
+    shown = ["(absent)" if v is _ABSENT else repr(v) for v in (old, new)]
+    return [f"{key}: {shown[0]} -> {shown[1]}"]
 
 
 def model_sha256(model_dir: str | Path) -> str:
