@@ -141,6 +141,8 @@ TYPO_CASES = [
      "task.train_split: task 'reverse' has no split 'trian' (did you mean 'train'?)"),
     ([f"eval.out_of_domain.task={SPEC}", "eval.out_of_domain.split=ood"],
      "eval.out_of_domain.split: task 'reverse' has no split 'ood'"),
+    ([f"task.name={SPEC}", "data.epochs=2"],  # checked where the plug-in imports, not at load
+     "data.epochs=2: task 'mytasks.reverse:ReverseTask' split 'train' is generated"),
 ]
 
 

@@ -18,7 +18,7 @@ from cluster.config.loader import ConfigError, load_config
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from learner.config import LearnerConfig
 from rewards.config import EvalConfig, TaskConfig
-from rewards.registry import get_task
+from rewards.registry import get_task, is_plugin
 
 
 class _Strict(BaseModel):
@@ -94,7 +94,20 @@ class DataConfig(_Strict):
 
     def check(self, task: TaskConfig, rollout: RolloutConfig) -> None:
         """ValueError, naming the field, for a data option the training task cannot take or a
-        prompt limit the engine's context cannot hold."""
+        prompt limit the engine's context cannot hold. A plug-in task is not imported here
+        (configs load where it may not be installed): pre-flight calls `check_task` for it."""
+        if not is_plugin(task.name):
+            self.check_task(task)
+        limit = self.max_prompt_length
+        if limit is not None and limit + rollout.max_new_tokens > rollout.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_length ({limit}) + rollout.max_new_tokens "
+                f"({rollout.max_new_tokens}) must fit in rollout.max_model_len "
+                f"({rollout.max_model_len}), the engine's context: lower one or raise "
+                "rollout.max_model_len")
+
+    def check_task(self, task: TaskConfig) -> None:
+        """ValueError when data.epochs or data.shuffle=false is set for a generated split."""
         given = ([("data.epochs", self.epochs)] if self.epochs is not None else []) + (
             [] if self.shuffle else [("data.shuffle", "false")])
         if given and not get_task(task.name, **task.options).is_finite(task.train_split):
@@ -103,13 +116,6 @@ class DataConfig(_Strict):
                 f"{field}={value}: task {task.name!r} split {task.train_split!r} is generated "
                 "(drawn at random without end), so it has no epochs and no file order; drop "
                 f"{field}, or train on a dataset split (see task.options)")
-        limit = self.max_prompt_length
-        if limit is not None and limit + rollout.max_new_tokens > rollout.max_model_len:
-            raise ValueError(
-                f"data.max_prompt_length ({limit}) + rollout.max_new_tokens "
-                f"({rollout.max_new_tokens}) must fit in rollout.max_model_len "
-                f"({rollout.max_model_len}), the engine's context: lower one or raise "
-                "rollout.max_model_len")
 
 
 class LoggingConfig(_Strict):
@@ -279,11 +285,12 @@ class TrainConfig(_Strict):
             raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 only; "
                              "use sync.transport: object_store (or shm on one node)")
         last_step = self.total_steps * self.learner.updates_per_batch
-        if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step:
+        # The decay runs from step warmup_steps to the last step, total - 1: it needs one step.
+        if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step - 1:
             raise ValueError(f"learner.lr_schedule={self.learner.lr_schedule} decays after "
                              f"warm-up, but learner.warmup_steps ({self.learner.warmup_steps}) "
-                             f"covers all {last_step} optimizer steps of the run: lower "
-                             "warmup_steps or use lr_schedule constant")
+                             f"leaves none of the run's {last_step} optimizer steps to decay "
+                             "over: lower warmup_steps or use lr_schedule constant")
         return self
 
     @property

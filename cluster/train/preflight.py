@@ -46,6 +46,7 @@ def check_environment(cfg: TrainConfig) -> None:
             raise ConfigError(f"task.reward: {exc}") from None
     try:
         check_plugins(cfg.task, cfg.eval)  # plug-in tasks; each message names its field
+        cfg.data.check_task(cfg.task)  # a plug-in's epochs/order: not checked at load time
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_engine_kwargs(cfg.rollout.engine_kwargs)
