@@ -18,9 +18,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # vLLM 0.32's default max_num_seqs of an offline engine (`LLM`): 256 on CPU and on most GPUs,
-# 1024 on GPUs with 70 GiB or more (H100, H200, B200). vLLM refuses max_num_batched_tokens
-# below max_num_seqs, so a max_num_batched_tokens below the default needs max_num_seqs too.
-VLLM_DEFAULT_MAX_NUM_SEQS = {"cpu": 256, "gpu": 1024}
+# 1024 on GPUs with 70 GiB or more (H100, H200, B200), which the config cannot know. vLLM
+# refuses max_num_batched_tokens below max_num_seqs, so a max_num_batched_tokens below the
+# default needs max_num_seqs too: the config refuses what every device refuses (below 256).
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 # `engine_kwargs` keys that klrl sets itself, each with the option to use instead (or why klrl
 # fixes it). A key here in engine_kwargs would either clash with klrl's own value or silently
@@ -154,10 +155,10 @@ class RolloutConfig(BaseModel):
             if seqs is not None and tokens < seqs:
                 raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) must be at least "
                                  f"rollout.max_num_seqs ({seqs}) (vLLM refuses less)")
-            default_seqs = VLLM_DEFAULT_MAX_NUM_SEQS["cpu" if cpu else "gpu"]
-            if seqs is None and tokens < default_seqs:
+            if seqs is None and tokens < VLLM_DEFAULT_MAX_NUM_SEQS:
                 raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) is below vLLM's "
-                                 f"default max_num_seqs ({default_seqs}{' on CPU' if cpu else ''})"
+                                 f"default max_num_seqs ({VLLM_DEFAULT_MAX_NUM_SEQS}"
+                                 f"{' on CPU' if cpu else '; 1024 on GPUs of 70 GiB or more'})"
                                  f", which vLLM refuses: set rollout.max_num_seqs <= {tokens} too")
             chunked = self.engine_kwargs.get("enable_chunked_prefill", not cpu)
             if not chunked and tokens < self.max_model_len:

@@ -35,8 +35,8 @@ GPU = ["learner.num_gpus_per_rank=1"]
     (["rollout.max_num_batched_tokens=200"],
      ("below vLLM's default max_num_seqs (256 on CPU), which vLLM refuses: set "
       "rollout.max_num_seqs <= 200 too")),
-    (GPU + ["rollout.num_gpus_per_worker=1", "rollout.max_num_batched_tokens=600"],
-     "below vLLM's default max_num_seqs (1024)"),
+    (GPU + ["rollout.num_gpus_per_worker=1", "rollout.max_num_batched_tokens=200"],
+     "below vLLM's default max_num_seqs (256; 1024 on GPUs of 70 GiB or more)"),
     (["rollout.max_num_seqs=64", "rollout.max_num_batched_tokens=32"],
      "rollout.max_num_batched_tokens (32) must be at least rollout.max_num_seqs (64)"),
     (["rollout.max_num_seqs=8", "rollout.max_num_batched_tokens=256"],
