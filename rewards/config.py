@@ -91,7 +91,7 @@ class TaskConfig(_Strict):
         field (task.name, task.options or task.train_split). Nothing to do for a task of
         rewards/, which validation has checked."""
         if is_plugin(self.name):
-            task = _build("task.name", self.name, "task.options", self.options)
+            task = build_named("task.name", self.name, "task.options", self.options)
             try:
                 task.check_split(self.train_split)
             except ValueError as e:
@@ -105,7 +105,7 @@ class TaskConfig(_Strict):
         return self
 
 
-def _build(name_field: str, name: str, options_field: str, options: dict) -> Task:
+def build_named(name_field: str, name: str, options_field: str, options: dict) -> Task:
     """get_task(name, **options), its ValueError prefixed with the field at fault."""
     try:
         cls = task_class(name)
@@ -181,7 +181,7 @@ class EvalConfig(_Strict):
         for name, s in self.sets(training).items():
             if is_plugin(s.task) and not plugins:
                 continue
-            task = _build(f"eval.{name}.task", s.task, f"eval.{name}.options", s.options)
+            task = build_named(f"eval.{name}.task", s.task, f"eval.{name}.options", s.options)
             try:
                 task.check_split(s.split)
             except ValueError as e:

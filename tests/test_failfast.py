@@ -234,6 +234,7 @@ def eval_guarded(monkeypatch):
     (["--task", "math", "--option", "pth=fixture"],
      "error: --option: task 'math' has no option 'pth' (did you mean 'path'?)"),
     (["--option", "path"], "error: override 'path' is not of the form key.sub=value"),
+    (["--task", "mth", "--option", "path=fixture"], "error: --task: unknown task 'mth'"),
     (["--task", "math", "--option", "path=fixture", "--splits", "out_of_domain"],
      "error: --splits: task 'math' has no split 'out_of_domain'"),
 ])

@@ -268,7 +268,10 @@ def test_a_decaying_schedule_needs_steps_after_warm_up():
     from cluster.config.train_config import TrainConfig
 
     TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
-    with pytest.raises(ConfigError, match="covers all 10 optimizer steps"):
-        load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=10",
-                                        "learner.lr_schedule=cosine"])
+    for warmup in (10, 9):  # step 9 is the last: a decay from it to itself is no decay
+        with pytest.raises(ConfigError, match="leaves none of the run's 10 optimizer steps"):
+            load_config(TrainConfig, TINY, ["total_steps=10", f"learner.warmup_steps={warmup}",
+                                            "learner.lr_schedule=cosine"])
+    load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=8",
+                                    "learner.lr_schedule=cosine"])
     load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=10"])  # constant

@@ -87,14 +87,11 @@ def _check_task(args: argparse.Namespace):
     plug-in task is imported here, as a training run's pre-flight imports it): a typo fails
     here, in one line, not after vLLM has started."""
     from cluster.config.loader import parse_overrides
-    from rewards import get_task
+    from rewards.config import build_named
 
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     options = parse_overrides(args.option)  # ConfigError (a ValueError) names a bad one
-    try:
-        task = get_task(args.task, **options)
-    except ValueError as exc:
-        raise ValueError(f"--{'option' if options else 'task'}: {exc}") from None
+    task = build_named("--task", args.task, "--option", options)  # the flag at fault named
     if not splits:
         raise ValueError(f"--splits: no split given; task {args.task!r} has "
                          f"{', '.join(task.splits)}")

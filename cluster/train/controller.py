@@ -159,7 +159,8 @@ class Controller:
         state = ckpt.read_checkpoint(self.resume_from)  # its config: checked by preflight
         if state.reference_sha256 != self.reference_sha256:
             raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
-                             f"in {self.model_dir} differ from the ones the run started from")
+                             f"in {self.cfg.model.ref_path or self.model_dir} differ from the ones "
+                              "the run started from")
         keep_logs_through(self.run_dir, state.step)
         ckpt.drop_hf_exports_after(self.run_dir, state.step)
         return state
