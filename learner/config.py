@@ -35,7 +35,8 @@ class LearnerConfig(BaseModel):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="LR after warm-up: constant (lr), or a linear or cosine decay "
         "from lr at step warmup_steps to min_lr_ratio x lr at the run's last optimizer step "
-        "(total_steps x epochs x mini_batches; k counts applied steps).")
+        "(total_steps, or fewer when data.epochs end the run, x epochs x mini_batches; k "
+        "counts applied steps).")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Where linear and cosine "
                                 "decay end, as a fraction of lr (0: decay to 0). Needs "
                                 "lr_schedule linear or cosine.")

@@ -131,7 +131,8 @@ class Controller:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
-        self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name)
+        self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
+                                     steps=self._planned_steps())
         self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
             connect_nccl(self.learner, self.pool.workers)
