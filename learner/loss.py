@@ -92,10 +92,12 @@ def token_entropy(logits: torch.Tensor, response_mask: torch.Tensor, *, grad: bo
     mask = response_mask[:, 1:]
     if not grad:
         with torch.no_grad():
-            rows = logits.detach()[:, :-1][mask]
-            h = torch.cat([_entropy(rows[s:s + _ENTROPY_CHUNK].to(dt))
-                           for s in range(0, rows.shape[0], _ENTROPY_CHUNK)]) \
-                if rows.shape[0] else rows.new_zeros(0, dtype=dt)
+            # Gather each chunk's rows by index: `logits[:, :-1][mask]` would first copy every
+            # response row (a second logits-sized tensor on a long batch).
+            b, t = mask.nonzero(as_tuple=True)  # row-major, the order masked_scatter fills
+            h = torch.cat([_entropy(logits[b[s:s + _ENTROPY_CHUNK], t[s:s + _ENTROPY_CHUNK]].to(dt))
+                           for s in range(0, b.shape[0], _ENTROPY_CHUNK)]) \
+                if b.shape[0] else logits.new_zeros(0, dtype=dt)
     else:
         h = _entropy(logits[:, :-1][mask].to(dt))
     out = torch.zeros(response_mask.shape, dtype=dt, device=logits.device)
