@@ -64,13 +64,13 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainB
 
 
 def policy_tokenizer(model_dir, model: ModelConfig | None = None):
-    """The policy's tokenizer in the controller (pad id, prompt lengths, sample texts): the one
-    place it is loaded, at `model`'s revision and with its trust_remote_code."""
-    from transformers import AutoTokenizer
+    """The policy's tokenizer in the controller (pad id, prompt lengths, sample texts), loaded
+    as the learner loads it (learner.loading), at `model`'s revision and trust_remote_code."""
+    from learner.loading import ModelFiles, load_tokenizer
 
-    return AutoTokenizer.from_pretrained(
-        str(model_dir), revision=model.revision if model else None,
-        trust_remote_code=model.trust_remote_code if model else False)
+    return load_tokenizer(ModelFiles(
+        policy=str(model_dir), revision=model.revision if model else None,
+        trust_remote_code=model.trust_remote_code if model else False))
 
 
 def pad_token_id(tokenizer) -> int:
