@@ -111,7 +111,7 @@ def test_dry_run_shows_the_job_and_never_a_secret(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     for secret in ("wandb-secret-1", "inline-secret", "hf_b"):
         assert secret not in out
-    spec = jobs.job_spec(outside / "mine.yaml", ["total_steps=3"], reward="klrl_dry_scorer:score",
+    spec = jobs.job_spec(outside / "mine.yaml", ["total_steps=3"], plugins={"task.reward": "klrl_dry_scorer:score"},
                          env={"WANDB_API_KEY": "x", "OTHER": "y"}, runtime_env=jobs.read_runtime_env(outside / "env.yaml"),
                          job_name="mine-1")
     assert spec.describe() in out
@@ -132,8 +132,33 @@ def test_what_the_working_dir_carries_is_not_uploaded_again(monkeypatch):
     from the working_dir; tests/scorers.py is in the repository but not on the job's path, so
     it is uploaded."""
     monkeypatch.syspath_prepend(str(TESTS))
-    spec = jobs.job_spec("configs/tiny_cpu.yaml", ["max_lag=1"], reward="rewards.arithmetic:score")
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", ["max_lag=1"], plugins={"task.reward": "rewards.arithmetic:score"})
     assert spec.entrypoint == "python -m cluster.cli train configs/tiny_cpu.yaml max_lag=1"
     assert "py_modules" not in spec.runtime_env and "env_vars" not in spec.runtime_env
-    spec = jobs.job_spec("configs/tiny_cpu.yaml", [], reward="scorers:short_answers")
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", [], plugins={"task.reward": "scorers:short_answers"})
     assert [m.rsplit("/", 1)[1] for m in spec.runtime_env["py_modules"]] == ["scorers"]
+
+
+def test_plugin_tasks_travel_with_the_job_as_scorers_do(tmp_path, monkeypatch):
+    """Every plug-in a run imports (task.reward, task.name, eval.<set>.task) is found here
+    and uploaded when it lies outside the repository; repository and installed modules are not."""
+    from cluster.config.train_config import load_train_config
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "klrl_dry_tasks.py").write_text("class T: ...\n")
+    (outside / "klrl_dry_scorer.py").write_text("def score(completion, problem):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(outside))
+    cfg = load_train_config(REPO_ROOT / "configs" / "tiny_cpu.yaml", [
+        "task.name=klrl_dry_tasks:T", "task.reward=klrl_dry_scorer:score",
+        "eval.out_of_domain.task=klrl_dry_tasks:T", "eval.out_of_domain.split=ood"])
+    assert jobs.plugin_specs(cfg) == {
+        "task.reward": "klrl_dry_scorer:score", "task.name": "klrl_dry_tasks:T",
+        "eval.out_of_domain.task": "klrl_dry_tasks:T"}
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", [], plugins=jobs.plugin_specs(cfg))
+    uploaded = sorted(Path(p).name for p in spec.runtime_env["py_modules"])
+    assert uploaded == ["klrl_dry_scorer", "klrl_dry_tasks"]  # each once, as packages
+    assert jobs.plugin_specs(load_train_config(REPO_ROOT / "configs" / "tiny_cpu.yaml")) == {}
+    with pytest.raises(jobs.SubmitError, match="task.name=klrl_nope:T: module 'klrl_nope' is "
+                                               "not importable here"):
+        jobs.job_spec("configs/tiny_cpu.yaml", [], plugins={"task.name": "klrl_nope:T"})

@@ -12,6 +12,7 @@ from cluster.train.jobs import (
     job_client,
     job_spec,
     parse_env,
+    plugin_specs,
     read_runtime_env,
     submit,
 )
@@ -105,7 +106,7 @@ def _run_submit(args) -> int:
     try:
         cfg = load_train_config(args.config, args.overrides)  # reject bad configs before submitting
         source = f"--runtime-env {args.runtime_env}"
-        spec = job_spec(args.config, args.overrides, reward=cfg.task.reward, python=args.python,
+        spec = job_spec(args.config, args.overrides, plugins=plugin_specs(cfg), python=args.python,
                         env=parse_env(args.env), job_name=args.job_name, runtime_env_source=source,
                         runtime_env=read_runtime_env(args.runtime_env) if args.runtime_env else None)
         if args.dry_run:

@@ -6,8 +6,8 @@ its working directory, so the cluster's Python needs klrl's dependencies (not kl
 What the run needs beyond the repository travels in the job's runtime_env (`job_spec`):
 - a config file outside the repository: its YAML (with `base:` resolved) in the environment
   variable CONFIG_ENV, which `python -m cluster.cli.job_entry` writes back to a file;
-- a plug-in scorer (`task.reward`) found outside the repository: its package directory in
-  `py_modules` (a single-file module `name.py` goes as a package `name/` of which it is the
+- a plug-in scorer or task (`task.reward`, `task.name`, `eval.<set>.task`; `plugin_specs`)
+  found outside the repository: its package directory in `py_modules` (a single-file module `name.py` goes as a package `name/` of which it is the
   `__init__.py`: Ray's job client uploads only directories, and the import name is the same);
 - `--env KEY[=VALUE]` and a user's `--runtime-env FILE`, merged with klrl's own entries
   (a conflict is an error naming the key, never a silent overwrite).
@@ -169,20 +169,31 @@ def in_working_dir(path: Path) -> bool:
     return not _NOT_UPLOADED & set(path.relative_to(REPO_ROOT).parts)
 
 
-def scorer_module_path(spec: str | None) -> Path | None:
-    """Where the plug-in scorer `spec` ('pkg.mod:fn') must be uploaded from, or None when the
-    job imports it without an upload: no scorer, a top-level module of the repository root (the
-    job's working_dir, on its sys.path) or an installed package (site-packages: it must be
-    installed on the cluster too). SubmitError when it is not importable here."""
-    if not spec:
-        return None
+def plugin_specs(cfg) -> dict[str, str]:
+    """{config field: 'pkg.mod:name'} of every plug-in a run imports: its scorer (task.reward)
+    and plug-in tasks (task.name, eval.<set>.task). Their modules travel with a job."""
+    from rewards.registry import is_plugin
+
+    specs = {"task.reward": cfg.task.reward} if cfg.task.reward else {}
+    named = {"task.name": cfg.task.name} | {f"eval.{name}.task": s.task for name, s in (
+        ("in_domain", cfg.eval.in_domain), ("out_of_domain", cfg.eval.out_of_domain))
+        if s is not None and s.task}
+    return specs | {field: name for field, name in named.items() if is_plugin(name)}
+
+
+def plugin_module_path(field: str, spec: str) -> Path | None:
+    """Where the plug-in `spec` ('pkg.mod:name', the value of config `field`) must be uploaded
+    from, or None when the job imports it without an upload: a top-level module of the
+    repository root (the job's working_dir, on its sys.path) or an installed package
+    (site-packages: it must be installed on the cluster too). SubmitError when it is not
+    importable here."""
     top = spec.split(":")[0].split(".")[0]
     try:
         found = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         found = None
     if found is None:
-        raise SubmitError(f"task.reward={spec}: module {top!r} is not importable here, so klrl "
+        raise SubmitError(f"{field}={spec}: module {top!r} is not importable here, so klrl "
                           "submit cannot upload it with the job; put the directory that holds it "
                           "on PYTHONPATH (PYTHONPATH=DIR klrl submit ...), or move it into this "
                           "repository")
@@ -190,7 +201,7 @@ def scorer_module_path(spec: str | None) -> Path | None:
     if len(locations) > 1 or (not locations and not (found.origin or "").endswith(".py")):
         what = ("a namespace package spread over several directories" if locations
                 else f"not Python source ({found.origin})")
-        raise SubmitError(f"task.reward={spec}: {top!r} is {what}; Ray can upload one package "
+        raise SubmitError(f"{field}={spec}: {top!r} is {what}; Ray can upload one package "
                           "directory or one .py file: make it one")
     path = Path(locations[0] if locations else found.origin).resolve()
     if path.parent == REPO_ROOT and in_working_dir(path):  # e.g. rewards/: on the job's sys.path
@@ -200,12 +211,12 @@ def scorer_module_path(spec: str | None) -> Path | None:
     return path
 
 
-def job_spec(config: str | Path, overrides: list[str], *, reward: str | None = None,
+def job_spec(config: str | Path, overrides: list[str], *, plugins: dict[str, str] | None = None,
              python: str = "python", env: dict[str, str] | None = None,
              runtime_env: dict | None = None, runtime_env_source: str = "--runtime-env",
              job_name: str | None = None) -> JobSpec:
     """The job that runs `klrl train CONFIG overrides` on the cluster (see the module doc).
-    `reward`: the config's task.reward; `runtime_env`: the user's, merged into klrl's."""
+    `plugins`: the config's `plugin_specs`; `runtime_env`: the user's, merged into klrl's."""
     path = Path(config).resolve()
     own_env: dict[str, str] = {}
     args = [*map(shlex.quote, overrides)]
@@ -216,14 +227,17 @@ def job_spec(config: str | Path, overrides: list[str], *, reward: str | None = N
         command = ["-m cluster.cli.job_entry", shlex.quote(path.name)]
     ours: dict = {"working_dir": str(REPO_ROOT), "excludes": list(EXCLUDES)}
     staging, staged_from = None, {}
-    if (module := scorer_module_path(reward)) is not None:
+    modules = {path for field, spec in (plugins or {}).items()
+               if (path := plugin_module_path(field, spec)) is not None}
+    for module in sorted(modules):
         if module.is_file():  # name.py -> name/__init__.py: the job client uploads directories
-            staging = tempfile.TemporaryDirectory(prefix="klrl-submit-")
+            if staging is None:
+                staging = tempfile.TemporaryDirectory(prefix="klrl-submit-")
             package = Path(staging.name) / module.stem
             package.mkdir()
             shutil.copy2(module, package / "__init__.py")
             module, staged_from[str(package)] = package, str(module)
-        ours["py_modules"] = [str(module)]
+        ours.setdefault("py_modules", []).append(str(module))
     env = dict(env or {})
     if CONFIG_ENV in env:
         raise SubmitError(f"--env {CONFIG_ENV}: klrl sets {CONFIG_ENV} itself; choose another name")
@@ -288,14 +302,14 @@ def read_runtime_env(path: str | Path) -> dict:
 def submit(config: str | Path, address: str, overrides: list[str], wait: bool = True,
            python: str = "python", *, spec: JobSpec | None = None) -> str:
     """Submit `klrl train CONFIG overrides` as a Ray job (the job `spec`, by default
-    `job_spec(config, overrides)` with the config's task.reward uploaded if need be); with
+    `job_spec(config, overrides)` with the config's plug-ins uploaded if need be); with
     `wait`, follow its logs and raise JobFailed unless it succeeds. Returns the job id.
     SubmitError when the cluster cannot be reached or refuses the job."""
     if spec is None:
         from cluster.config.train_config import load_train_config  # torch: a sweep has it
 
         cfg = load_train_config(config, [o for o in overrides if "=" in o])
-        spec = job_spec(config, overrides, reward=cfg.task.reward, python=python)
+        spec = job_spec(config, overrides, plugins=plugin_specs(cfg), python=python)
     client = job_client(address)
     if spec.job_name is not None:
         _check_name_free(client, spec.job_name)
