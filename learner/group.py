@@ -22,7 +22,7 @@ from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loading import ModelFiles
 from learner.loss import merge_metrics, merge_updates
-from learner.rank import LearnerRank, WeightPublisher
+from learner.rank import LearnerRank, WeightPublisher, remove_shm_buffers
 
 
 class LearnerGroup:
@@ -61,6 +61,10 @@ class LearnerGroup:
             # One node: rendezvous on loopback. Several: rank 0's node address.
             addr = "127.0.0.1" if len(set(nodes)) == 1 else infos[0]["ip"]
             port = ray.get(self.ranks[0].free_port.remote(addr))
+            # Where the ranks' /dev/shm buffers are named after, when they all share the
+            # driver's node: shutdown then removes what a killed rank could not.
+            here = ray.get_runtime_context().get_node_id()
+            self._local_rendezvous = (addr, port) if set(nodes) == {here} else None
             local = [nodes[:r].count(nodes[r]) for r in range(world)]
             self.rank_info = get_all([  # per rank: parameter count, optimizer class
                 h.setup.remote(addr, port, local[r], nodes.count(nodes[r]))
@@ -133,12 +137,15 @@ class LearnerGroup:
         group dies with them). Best effort: a dead or hung rank must not block shutdown."""
         ranks = getattr(self, "ranks", [])
         if ranks:
-            # A dead or hung rank's buffers die with its process: shutting down anyway.
+            # A dead or hung rank cannot free its buffers, which outlive it in /dev/shm (RAM):
+            # the driver removes them below when it shares the ranks' node.
             with contextlib.suppress(Exception):
                 ray.get([h.release_shm.remote() for h in ranks], timeout=30)
         for h in ranks:
             ray.kill(h, no_restart=True)
         self.ranks = []
+        if (rendezvous := getattr(self, "_local_rendezvous", None)) is not None:
+            remove_shm_buffers(*rendezvous)
 
     def _all(self, method: str, *args) -> list[Any]:
         return get_all([getattr(h, method).remote(*args) for h in self.ranks])

@@ -91,6 +91,16 @@ class _GuardedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def remove_shm_buffers(addr: str, port: int) -> int:
+    """Delete this node's /dev/shm all-reduce buffers of the process group that met at
+    addr:port (DeepSpeed's CPU comm op names them after it); how many were removed."""
+    removed = 0
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 class LearnerRank:
     """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks.
     `model`: the policy's directory, or a ModelFiles (reference, revision, remote code).
@@ -136,14 +146,7 @@ class LearnerRank:
         process group. They live in /dev/shm (RAM) and outlive the process: ~70 MB per rank
         per run would otherwise pile up run after run. Returns how many files were removed."""
         rendezvous = getattr(self, "_rendezvous", None)
-        if rendezvous is None:
-            return 0
-        addr, port = rendezvous
-        removed = 0
-        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
-            path.unlink(missing_ok=True)
-            removed += 1
-        return removed
+        return 0 if rendezvous is None else remove_shm_buffers(*rendezvous)
 
     def setup(self, master_addr: str, master_port: int, local_rank: int, local_size: int) -> dict:
         """Join the process group, load policy + reference, build the DeepSpeed engine."""

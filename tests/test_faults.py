@@ -177,14 +177,23 @@ def test_async_run_rides_out_one_worker_death_with_one_restart(tmp_path, tiny_mo
                                                             for m in steps]
 
 
+def _shm_buffers() -> set:
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
 def test_learner_crash_tears_everything_down_and_exits_nonzero(tmp_path, tiny_model_dir):
+    """... and frees the killed rank's /dev/shm buffers (~70 MB of RAM each), which it could
+    not free itself."""
+    before = _shm_buffers()
     run = TrainProcess(tmp_path, "learner", *tiny_args(tiny_model_dir, tmp_path, "learner", 50))
     run.wait_for_step(1)
+    assert _shm_buffers() - before, "the learner made no /dev/shm buffer to check"
     run.kill_titled("ray::LearnerRank")
     code = run.finish()
     assert code == 1, run.output()
     assert "torn down" in run.output()
     assert not run.leftovers()
+    assert not _shm_buffers() - before, "the killed rank's shared-memory buffers were left"
 
 
 def test_sigterm_checkpoints_and_stops_then_resume_finishes(tmp_path, tiny_model_dir):
