@@ -165,10 +165,11 @@ def unbiased_for_g_star(v: KLVariant) -> bool:
 
 def truncated_prefix_bias(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
     """Closed form of the truncated-prefix bias (written without kl.surrogate):
-    -E_mu[sum_t (w_t - C)_+ (k_t sum_{s<=t} grad logp_s  [reward part]  +  grad k_t  [loss part])]."""
+    -E_mu[sum_t (w_t - C)_+ (k_t sum_{s<=t} grad logp_s  [reward part]  +  grad k_t  [loss part])],
+    the same with any baseline b independent of the sequence (its coefficient in kl.surrogate,
+    min(w_{t-1}, C) rho_t, is exactly zero-mean)."""
     assert v.importance == "prefix" and v.truncate is not None
     sp = toy.space
-    from kl.estimators import estimate
 
     def closed_form(x):
         lp = T.token_logp(x, sp)
@@ -179,6 +180,38 @@ def truncated_prefix_bias(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
         term = torch.zeros_like(lp)
         if v.placement in ("reward", "reward+loss"):
             term = term + k.detach() * torch.cumsum(lp, -1)
+        if v.placement in ("loss", "reward+loss"):
+            term = term + k
+        mu = T.sequence_prob(toy.behaviour_logits, sp)
+        return -(mu * (excess * term).sum(-1)).sum()
+
+    return T.grad_of(closed_form, toy.logits)
+
+
+def truncated_bias(toy: T.ToyProblem, v: KLVariant, baseline: float = 0.0) -> torch.Tensor:
+    """Closed form of the bias of a capped importance coefficient against the same uncapped
+    one, with a constant baseline b in the reward part (written without kl.surrogate).
+
+    prefix: `truncated_prefix_bias`, whatever b is (the baseline's coefficient
+    min(w_{t-1}, C) rho_t is exactly zero-mean). token (c_t = rho_t) and sequence (c_t = W):
+        -E_mu[sum_t (c_t - C)_+ (grad logp_t (R_t - b)  [reward part]  +  grad k_t  [loss part])]
+    so with a baseline their bias has the extra term +b E_mu[sum_t (c_t - C)_+ grad logp_t]."""
+    assert v.importance in ("token", "sequence", "prefix") and v.truncate is not None
+    if v.importance == "prefix":
+        return truncated_prefix_bias(toy, v)
+    sp = toy.space
+
+    def closed_form(x):
+        lp = T.token_logp(x, sp)
+        lr, lm = T.token_logp(toy.ref_logits, sp), T.token_logp(toy.behaviour_logits, sp)
+        log_rho = (lp.detach() - lm) * sp.mask
+        log_c = log_rho if v.importance == "token" else log_rho.sum(-1, keepdim=True).expand_as(lp)
+        excess = torch.clamp(torch.exp(log_c) - v.truncate, min=0.0) * sp.mask
+        k = estimate(lp, lr, v.estimator) * sp.mask
+        term = torch.zeros_like(lp)
+        if v.placement in ("reward", "reward+loss"):
+            to_go = k.detach().flip(-1).cumsum(-1).flip(-1)
+            term = term + lp * (to_go - baseline) * sp.mask
         if v.placement in ("loss", "reward+loss"):
             term = term + k
         mu = T.sequence_prob(toy.behaviour_logits, sp)

@@ -13,7 +13,7 @@ stop-gradient:
     token     sum_t rho_t(live) * sg(R_t - b)         truncate: sg(min(rho_t,C)) * logp_t * sg(R_t - b)
     sequence  sg(W) * sum_t logp_t * sg(R_t - b)      truncate: sg(min(W,C)) * ...
     prefix    sum_t w_t(live) * sg(k_t) - sum_t logp_t * sg(w_t b)
-              truncate: sum_t logp_t * sg(sum_{t'>=t} min(w_t',C) k_t' - min(w_t,C) b)
+              truncate: sum_t logp_t * sg(sum_{t'>=t} min(w_t',C) k_t' - min(w_{t-1},C) rho_t b)
   placement "loss" (estimator differentiated as a loss; b is not used):
     none sum_t k_t;  token sum_t sg(rho_t) k_t;  sequence sg(W) sum_t k_t;  prefix sum_t sg(w_t) k_t
     (truncate caps each coefficient at C)
@@ -23,8 +23,13 @@ stop-gradient:
 
 `b` is an optional per-sequence baseline (`baseline`, e.g. the leave-one-out mean of the other
 samples' sequence KL). When b does not depend on the sequence itself its term has zero
-expectation on-policy, and off-policy whenever importance != "none" (with importance "none"
-off-policy, E_mu[grad log pi] != 0 and a baseline adds bias), so it only reduces variance.
+expectation on-policy, and off-policy whenever importance != "none" and the coefficient is
+not capped (with importance "none" off-policy, E_mu[grad log pi] != 0 and a baseline adds
+bias), so it only reduces variance. Capped: the prefix form weights b by
+min(w_{t-1}, C) rho_t (w_0 = 1), which keeps it exactly zero-mean, so the truncated prefix
+bias is the closed form of kl.analysis.truncated_prefix_bias whatever b is; token and
+sequence weight b by their capped coefficient min(c_t, C), which adds
++b E_mu[sum_t (c_t - C)_+ grad logp_t] to their bias (kl.analysis.truncated_bias).
 
 Invariants enforced here:
 - Masked positions contribute nothing whatever they contain (NaN, inf): inputs are replaced by
@@ -123,7 +128,7 @@ def surrogate(
     # coef_live has the same value but carries grad: exp(log_cap + log_c - sg(log_c)), so
     # grad coef_live = min(c, C) * grad log c. It never forms c itself, so a capped
     # coefficient stays finite however large the log-ratio is.
-    coef_live = coef_cap = None
+    coef_live = coef_cap = coef_base = None
     if importance != "none":
         mu = torch.where(m, behaviour_logp.detach().to(out_dtype), zero)
         log_rho = torch.where(m, lp.double() - mu.double(), 0.0)  # live
@@ -133,20 +138,31 @@ def surrogate(
             log_cap = log_cap.clamp(max=math.log(truncate))
         coef_live = torch.where(m, torch.exp(log_cap + log_c - log_c.detach()).to(out_dtype), zero)
         coef_cap = coef_live.detach()
+        if importance == "prefix" and truncate is not None:
+            # The baseline's coefficient: min(w_{t-1}, C) rho_t, not min(w_t, C). A function of
+            # the prefix before t times rho_t has E_mu[. grad logp_t | s_t] = 0 exactly, so the
+            # baseline stays zero-mean under the cap (min(w_t, C) b would add
+            # +b E_mu[(w_t - C)_+ grad logp_t]); uncapped it is w_t, the same coefficient.
+            lr = log_rho.detach()
+            log_base = (log_c.detach() - lr).clamp(max=math.log(truncate)) + lr
+            coef_base = torch.where(m, torch.exp(log_base).to(out_dtype), zero)
 
     b = zero if baseline is None else baseline.detach().to(out_dtype).reshape(-1, 1)
     total = torch.zeros(lp.shape[0], dtype=out_dtype, device=lp.device)
     unified_prefix = placement == "reward+loss" and importance == "prefix"
     if placement in ("reward", "reward+loss"):
-        total = total + _reward_part(lp, k, m, b, importance, coef_live, coef_cap, unified_prefix)
+        total = total + _reward_part(lp, k, m, b, importance, coef_live,
+                                     coef_cap if coef_base is None else coef_base, unified_prefix)
     if placement in ("loss", "reward+loss") and not unified_prefix:
         weights = torch.ones_like(k) if importance == "none" else coef_cap
         total = total + (weights * k).sum(-1)
     return total
 
 
-def _reward_part(lp, k, m, b, importance, coef_live, coef_cap, unified_prefix):
-    """Score-function (KL-as-reward) term. With `unified_prefix` it also carries the loss part."""
+def _reward_part(lp, k, m, b, importance, coef_live, coef_b, unified_prefix):
+    """Score-function (KL-as-reward) term. With `unified_prefix` it also carries the loss part.
+    coef_b: the (detached) coefficient of the baseline; for token and sequence the capped
+    coefficient itself."""
     mf = m.to(lp.dtype)
     ret = (_reverse_cumsum(k) - b).detach() * mf  # KL return-to-go minus baseline
     if importance == "none":
@@ -154,10 +170,10 @@ def _reward_part(lp, k, m, b, importance, coef_live, coef_cap, unified_prefix):
     if importance == "token":
         return (coef_live * ret).sum(-1)  # grad = min(rho_t, C) * grad logp_t * R_t
     if importance == "sequence":
-        return (coef_cap * lp * ret).sum(-1)
+        return (coef_b * lp * ret).sum(-1)
     # prefix (per-decision IS). w_t(live) * sg(k_t) has gradient
     #   sum_t min(w_t, C) k_t sum_{s<=t} grad logp_s = sum_s grad logp_s sum_{t>=s} min(w_t, C) k_t,
     # i.e. exactly the truncated form sum_t logp_t * sg(sum_{t'>=t} min(w_t', C) k_t').
-    base_term = (lp * (coef_cap * b).detach() * mf).sum(-1)  # zero-mean under mu
+    base_term = (lp * (coef_b * b).detach() * mf).sum(-1)  # zero-mean under mu, capped or not
     k_term = k if unified_prefix else k.detach()
     return (coef_live * k_term).sum(-1) - base_term

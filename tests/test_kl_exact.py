@@ -17,6 +17,7 @@ from kl.analysis import (
     on_policy_prediction,
     reference_grads,
     relative_error,
+    truncated_bias,
     truncated_prefix_bias,
     unbiased_for_g_star,
 )
@@ -118,6 +119,22 @@ def test_truncated_prefix_bias_matches_closed_form(estimator, placement, cap):
     else:
         assert closed.norm() > 1e-3  # the cap bites on this toy, so the check has teeth
         assert relative_error(bias, closed) < 1e-9
+
+
+@pytest.mark.parametrize("placement", ["reward", "reward+loss"])
+@pytest.mark.parametrize("importance", ["token", "sequence", "prefix"])
+@pytest.mark.parametrize("cap", [0.7, 2.0])
+def test_truncated_bias_with_a_baseline_matches_its_closed_form(importance, placement, cap):
+    """The trainer passes a baseline (the leave-one-out mean of the other samples' KL). Capped
+    prefix weights keep it zero-mean (their bias is the README's closed form whatever b is);
+    capped token and sequence coefficients add +b E_mu[sum_t (c_t - C)_+ grad logp_t]."""
+    v, exact, b = KLVariant("k1", placement, importance, cap), KLVariant("k1", placement, importance), 0.8
+    capped = expected_grad(OFF, v, baseline=b)
+    closed = truncated_bias(OFF, v, baseline=b)
+    assert closed.norm() > 1e-3  # the cap bites on this toy
+    assert relative_error(capped - expected_grad(OFF, exact, baseline=b), closed) < 1e-9
+    without_b = relative_error(capped, expected_grad(OFF, v))
+    assert without_b < 1e-9 if importance == "prefix" else without_b > 1e-4
 
 
 @pytest.mark.parametrize("toy", [ON, OFF], ids=["on", "off"])
