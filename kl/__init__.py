@@ -8,12 +8,12 @@ Imports torch (and pydantic for configs) only; never Ray, vLLM or DeepSpeed.
     kl.compute_advantages(rewards, group_ids, ...)    RLOO/GRPO/Dr.GRPO/REINFORCE (+ KL reward)
     kl.KLConfig, kl.AdvantageConfig                   validated configuration
 """
-from kl.advantage import compute_advantages, group_baseline, group_scale
+from kl.advantage import compute_advantages, group_baseline, group_scale, kl_baseline
 from kl.config import AdvantageConfig, KLConfig
 from kl.estimators import ESTIMATORS, estimate
 from kl.surrogate import IMPORTANCES, PLACEMENTS, surrogate
 
 __all__ = [
     "ESTIMATORS", "IMPORTANCES", "PLACEMENTS", "AdvantageConfig", "KLConfig",
-    "compute_advantages", "estimate", "group_baseline", "group_scale", "surrogate",
+    "compute_advantages", "estimate", "group_baseline", "group_scale", "kl_baseline", "surrogate",
 ]

@@ -57,6 +57,21 @@ def group_baseline(values: torch.Tensor, group_ids: torch.Tensor, estimator: Adv
     raise ValueError(f"unknown advantage estimator {estimator!r}")
 
 
+def kl_baseline(values: torch.Tensor, group_ids: torch.Tensor, estimator: AdvantageEstimator) -> torch.Tensor:
+    """Per-sample baseline [B] of the KL reward (`separate`): the leave-one-out mean of the other
+    samples' values in the group whatever the task estimator (0 in a group of one), or no
+    baseline with `reinforce`. It never includes the sample itself, so it is independent of
+    it: its term has zero expectation on-policy and, importance-weighted, off-policy, and the
+    KL part stays exactly beta times the KL gradient with grpo and drgrpo too (a group mean
+    including the sample would scale it by (n-1)/n)."""
+    if estimator == "reinforce":
+        return torch.zeros_like(values)
+    if estimator not in ("rloo", "grpo", "drgrpo"):
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    sums, counts = _group_sums(values, group_ids)
+    return torch.where(counts > 1, (sums - values) / (counts - 1).clamp_min(1), 0.0)
+
+
 def group_scale(values: torch.Tensor, group_ids: torch.Tensor, normalize: Normalization, eps: float) -> torch.Tensor:
     """Per-sample divisor [B]: 1, the group's std, or the batch std (population std, + eps)."""
     if normalize == "none":
@@ -108,7 +123,7 @@ def compute_advantages(
     if kl_in_advantage == "separate":
         task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
             rewards, group_ids, normalize, eps)
-        kl_part = -beta * (to_go - group_baseline(seq_kl, group_ids, estimator)[:, None])
+        kl_part = -beta * (to_go - kl_baseline(seq_kl, group_ids, estimator)[:, None])
         return torch.where(m, task[:, None] + kl_part, 0.0)
     if kl_in_advantage == "normalized":
         seq_return = rewards - beta * seq_kl

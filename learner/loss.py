@@ -182,8 +182,8 @@ def group_stats(logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch, k
             normalize=adv_cfg.normalize, kl_tokens=k_tokens, mask=mask, beta=kl_cfg.beta,
             kl_in_advantage=kl_cfg.kl_in_advantage, eps=adv_cfg.eps)
         return GroupStats(token_advantages=adv)
-    return GroupStats(kl_baseline=kl.group_baseline(k_tokens.sum(-1), batch.group_ids,
-                                                    adv_cfg.estimator))
+    return GroupStats(kl_baseline=kl.kl_baseline(k_tokens.sum(-1), batch.group_ids,
+                                                 adv_cfg.estimator))
 
 
 def policy_loss(
