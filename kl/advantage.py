@@ -126,11 +126,14 @@ def compute_advantages(
         kl_part = -beta * (to_go - kl_baseline(seq_kl, group_ids, estimator)[:, None])
         return torch.where(m, task[:, None] + kl_part, 0.0)
     if kl_in_advantage == "normalized":
+        # One sequence-level return per sample, normalised like a task reward and given to
+        # every token (verl's form). A per-token return-to-go here would not be centred by a
+        # per-sequence baseline: identical responses would keep beta x (KL before t) and be
+        # divided by a zero std.
         seq_return = rewards - beta * seq_kl
-        token_return = rewards[:, None] - beta * to_go
-        adv = (token_return - group_baseline(seq_return, group_ids, estimator)[:, None]) / group_scale(
-            seq_return, group_ids, normalize, eps)[:, None]
-        return torch.where(m, adv, 0.0)
+        adv = (seq_return - group_baseline(seq_return, group_ids, estimator)) / group_scale(
+            seq_return, group_ids, normalize, eps)
+        return torch.where(m, adv[:, None], 0.0)
     if kl_in_advantage == "centered":
         task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
             rewards, group_ids, normalize, eps)
