@@ -248,9 +248,16 @@ class TrainConfig(_Strict):
         if prompts % self.rollout.num_workers:
             raise ValueError(f"rollout.prompts_per_step ({prompts}) must be divisible by "
                              f"rollout.num_workers ({self.rollout.num_workers})")
-        if self.advantage.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
+        est = self.advantage.estimator
+        if est == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
+        if est in ("grpo", "drgrpo") and self.rollout.samples_per_prompt < 2:
+            # The group mean of one sample is the sample: every advantage would be 0.
+            raise ValueError(f"advantage.estimator={est} with rollout.samples_per_prompt=1 "
+                             "subtracts each sample from itself (every advantage 0): use "
+                             "samples_per_prompt >= 2, or estimator=reinforce")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
+        self._check_truncated_sampling()
         self.eval.check_sets(self.task)  # every evaluated task has its split
         self.data.check(self.task, self.rollout)
         per_rank = prompts // ranks
@@ -292,6 +299,29 @@ class TrainConfig(_Strict):
                              f"leaves none of the run's {last_step} optimizer steps to decay "
                              "over: lower warmup_steps or use lr_schedule constant")
         return self
+
+    def _check_truncated_sampling(self) -> None:
+        """rollout.top_k / top_p sample a truncated mu with no mass where pi has some: no
+        ratio pi/mu recovers pi from it (E_mu[pi/mu f] = E_pi[f on the kept tokens]), so every
+        importance correction would claim an exactness it does not have. Refused; the
+        regularised policy is then the learner's untruncated pi, estimated from truncated
+        samples without correction (README, KL regularisation: sampling)."""
+        r = self.rollout
+        if r.vllm_top_k == 0 and r.top_p >= 1.0:
+            return
+        what = " and ".join(([f"rollout.top_k={r.top_k}"] if r.vllm_top_k else [])
+                            + ([f"rollout.top_p={r.top_p:g}"] if r.top_p < 1.0 else []))
+        if self.kl.importance != "none":
+            raise ValueError(f"kl.importance={self.kl.importance} with {what}: truncated "
+                             "sampling gives the sampler no mass where the policy has some, "
+                             "and no importance ratio recovers the policy from it; use "
+                             "kl.importance=none, or sample without top_k / top_p")
+        if self.learner.task_off_policy != "none":
+            raise ValueError(f"learner.task_off_policy={self.learner.task_off_policy} with "
+                             f"{what}: its ratios pi/mu are the kept mass of each truncated "
+                             "distribution (below 1 even on-policy), not an importance "
+                             "correction; use learner.task_off_policy=none, or sample "
+                             "without top_k / top_p")
 
     @property
     def worker_rollout(self) -> RolloutConfig:
