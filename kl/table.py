@@ -8,6 +8,8 @@ Everything is exact enumeration (no sampling), so the numbers are deterministic 
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +34,26 @@ LAG_SWEEP_VARIANTS = [
 ]
 
 
+class TrainerTableConfig(BaseModel):
+    """The toy of the trainer-level rows (learner/exact_table.py): vocabulary 3 with EOS and
+    shorter sequences than the estimator table's, since groups of n = 3 enumerate S^3 of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the toy's policy, reference "
+                      "and drift direction.")
+    length: int = Field(3, ge=1, le=3, description="Maximum response length (vocabulary 3 with "
+                        "EOS: 15 sequences at 3, 3375 groups of 3).")
+    beta: float = Field(0.1, gt=0, le=10, description="kl.beta of every row.")
+    lags: list[Annotated[float, Field(ge=0, le=100)]] = Field(
+        [0.0, 1.0, 3.0], min_length=1, max_length=6, description="Behaviour lags of the "
+        "columns in drift units (0: on-policy; 1: a batch's second update; 3: max_lag 3).")
+    group_sizes: list[Annotated[int, Field(ge=2, le=3)]] = Field(
+        [2, 3], min_length=1, max_length=2, description="Samples per prompt n of the groups.")
+    truncate: float = Field(1.2, gt=0, le=1e6, description="kl.truncate C of the capped "
+                            "prefix rows (shown off-policy only: C >= 1 is inert on-policy).")
+
+
 class KLTableConfig(BaseModel):
     """The toy problem and the lags shown by `klrl kl-table` (configs/kl_table.yaml)."""
 
@@ -46,6 +68,8 @@ class KLTableConfig(BaseModel):
     off_policy_lag: float = Field(3.0, gt=0, le=100, description="Lag of the off-policy columns.")
     lags: list[float] = Field([0, 1, 2, 3, 4, 6, 8, 10], min_length=1, description="Lags of the bias sweep.")
     truncate: float = Field(2.0, gt=0, le=1e6, description="Cap C shown for the truncated prefix rows.")
+    trainer: TrainerTableConfig = Field(default_factory=TrainerTableConfig, description="The "
+                                        "trainer-level rows: the learner's whole loss over groups.")
 
 
 def compute_table(cfg: KLTableConfig) -> dict:

@@ -1,4 +1,5 @@
-"""`klrl kl-table` end to end: the printed table, JSON and plot reproduce docs/design.md's table."""
+"""`klrl kl-table` end to end: the printed tables, JSON and plot reproduce docs/design.md's table
+and the README's trainer-level forms."""
 import json
 
 from cluster.cli.main import main
@@ -28,6 +29,30 @@ def test_kl_table_command_writes_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "k3/reward+loss/prefix" in printed and "MISMATCH" not in printed
+    # the trainer-level rows: every placement x kl_in_advantage x estimator/normalize x n
+    trainer = result["trainer"]
+    assert len(trainer["rows"]) == 6 * 5 * 2 and all(r["ok"] for r in trainer["rows"])
+    claimed = [c for r in trainer["rows"] for c in r["cells"] if c["exact"]]
+    assert len(claimed) > 300 and max(c["rel_error"] for c in claimed) < 1e-12
+    cells = {(r["kl"], r["estimator"], r["n"], c["lag"], c["task_off_policy"]): c
+             for r in trainer["rows"] for c in r["cells"]}
+    assert cells[("separate/reward/k1", "grpo", 2, 3.0, "ppo_clip")]["exact"]
+    assert not cells[("centered/reward/k1", "drgrpo", 2, 3.0, "ppo_clip")]["exact"]
+    assert {(r["seed"], r["n"]) for r in trainer["kl_part_variance"]} == {
+        (s, n) for s in range(4) for n in (2, 3)}
+    assert "separate/reward+loss/k3  grpo/group  n=3" in printed
+
+
+def test_kl_table_fails_when_a_trainer_row_stops_matching(monkeypatch, capsys):
+    """The command's exit status guards the trainer-level claims: the old KL baseline of
+    `separate` (the group mean including the sample under grpo/drgrpo) fails it."""
+    import kl.advantage
+    import learner.loss
+
+    monkeypatch.setattr(learner.loss.kl, "kl_baseline", kl.advantage.group_baseline)
+    rc = main(["kl-table", "lags=[0]", "trainer.group_sizes=[2]", "trainer.lags=[0]"])
+    assert rc == 1
+    assert "MISMATCH" in capsys.readouterr().out
 
 
 def test_kl_table_rejects_bad_override(capsys):

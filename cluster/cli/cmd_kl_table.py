@@ -1,11 +1,14 @@
 """`klrl kl-table`: every KL configuration's exact expected gradient on a seeded toy.
 
-For each configuration it prints the cosine to the true gradient g* = grad KL(pi||ref), the
-relative error |E g - g*| / |g*| and the per-sample gradient variance, on-policy and
-off-policy, whether the exact expectation matches docs/design.md's table, and a sweep of the bias
-against the behaviour policy's lag. Everything is exact enumeration (no sampling), so the
-numbers are deterministic for a seed; it runs in seconds on CPU. The numbers come from
-kl/table.py; this module parses, prints and plots.
+For each configuration of kl.surrogate it prints the cosine to the true gradient
+g* = grad KL(pi||ref), the relative error |E g - g*| / |g*| and the per-sample gradient
+variance, on-policy and off-policy, whether the exact expectation matches docs/design.md's
+table, and a sweep of the bias against the behaviour policy's lag. Then the trainer-level
+rows: the KL's share of the learner's whole expected update (every placement x
+kl_in_advantage x advantage estimator x normalize x task_off_policy, groups of 2 and 3)
+against the README's form. Everything is exact enumeration (no sampling), so the numbers are
+deterministic for a seed; it runs in seconds on CPU and exits 1 if a row stops matching. The
+numbers come from kl/table.py and learner/exact_table.py; this module parses, prints and plots.
 """
 from __future__ import annotations
 
@@ -44,6 +47,64 @@ def print_table(result: dict) -> None:
     console.print(lag_table)
 
 
+def print_trainer_table(trainer: dict) -> None:
+    """The trainer-level rows: the KL's share of the learner's expected update against the
+    README's form. A bare number is a claimed cell (must be at float64 precision); one in
+    parentheses is no claim, the distance from the on-policy form."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = trainer["config"]
+    table = Table(title=f"The trainer's loss, exactly over every group of n of {trainer['num_sequences']} "
+                        f"toy sequences (beta {cfg['beta']:g}): rel.err of the KL's share of E\\[update] "
+                        "against the README's form; (x): no exact claim, distance from the on-policy form")
+    table.add_column("kl / estimator / normalize / n", no_wrap=True)
+    table.add_column("max|A| (bound)", justify="right")
+    lags = cfg["lags"]
+    opts = ("none", "tis", "ppo_clip")
+    for lag in lags:
+        if lag == 0:
+            table.add_column("on-policy", justify="right")
+        else:
+            for o in opts:
+                table.add_column(f"lag {lag:g}: {o}", justify="right")
+    table.add_column("", no_wrap=True)
+
+    def fmt(cells):
+        if not cells:
+            return "-"
+        worst = max(cells, key=lambda c: c["rel_error"])
+        return f"{worst['rel_error']:.1e}" if worst["exact"] else f"({worst['rel_error']:.3f})"
+
+    for r in trainer["rows"]:
+        adv = ""
+        if "max_abs_advantage" in r:
+            bound = r["advantage_bound"]
+            adv = f"{r['max_abs_advantage']:.3g}" + (f" ({bound:.3g})" if bound is not None else "")
+        cols = []
+        for lag in lags:
+            at = [c for c in r["cells"] if c["lag"] == lag]
+            if lag == 0:
+                cols.append(fmt(at))  # on-policy every task_off_policy has the same update
+            else:
+                cols += [fmt([c for c in at if c["task_off_policy"] == o]) for o in opts]
+        table.add_row(r["config"], adv, *cols, "ok" if r["ok"] else "MISMATCH")
+    console = Console(width=None if Console().is_terminal else 160)
+    console.print(table)
+    claimed = [c["rel_error"] for r in trainer["rows"] for c in r["cells"] if c["exact"]]
+    console.print(f"{len(claimed)} claimed cells, largest relative error {max(claimed):.1e} "
+                  f"(tolerance {trainer['tolerance']:.0e})")
+    var = Table(title="Per-group variance of the KL's share of the update, on-policy, K1: "
+                      "centered (sequence sum minus the group mean) / separate (reward-to-go, "
+                      "leave-one-out baseline)")
+    for col in ("seed", "n", "raw", "per unit of expected step"):
+        var.add_column(col, justify="right")
+    for v in trainer["kl_part_variance"]:
+        var.add_row(str(v["seed"]), str(v["n"]), f"{v['centered'] / v['separate']:.2f}",
+                    f"{v['centered_scaled'] / v['separate_scaled']:.2f}")
+    console.print(var)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -70,6 +131,7 @@ def plot(result: dict, path: Path) -> None:
 
 def run(args) -> int:
     from kl.table import KLTableConfig, compute_table  # torch: not at `klrl --help`
+    from learner.exact_table import compute_trainer_rows, kl_part_variance
 
     try:
         cfg = load_config(KLTableConfig, args.config, args.overrides)
@@ -77,7 +139,10 @@ def run(args) -> int:
         print(exc)
         return 2
     result = compute_table(cfg)
+    result["trainer"] = compute_trainer_rows(cfg.trainer)
+    result["trainer"]["kl_part_variance"] = kl_part_variance(length=cfg.trainer.length)
     print_table(result)
+    print_trainer_table(result["trainer"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -85,7 +150,8 @@ def run(args) -> int:
     if args.plot:
         plot(result, Path(args.plot))
         print(f"wrote {args.plot}")
-    return 0 if all(r["matches_design_table"] for r in result["rows"]) else 1
+    ok = all(r["matches_design_table"] for r in result["rows"])
+    return 0 if ok and all(r["ok"] for r in result["trainer"]["rows"]) else 1
 
 
 def register(subparsers) -> None:
