@@ -9,18 +9,28 @@ Scale (`normalize`): none, group (per-group std) or batch (std over the whole ba
 
 The KL penalty as a per-token reward (reward-to-go R_t = sum_{t'>=t} k_t, beta > 0):
 - separate (default): normalise the task part only and add -beta * (R_t - b_K) unnormalised,
-  b_K the same estimator's baseline over the group's sequence KLs. The KL part of the update
-  is then exactly beta times the KL-in-reward gradient, whatever the task rewards are.
-- normalized: fold the KL into the return before normalising (verl-style).
-  The effective beta becomes beta / sigma per prompt, where sigma is that prompt's return std:
+  b_K = kl_baseline: the leave-one-out mean of the other samples' sequence KLs whatever the
+  task estimator (none with reinforce). b_K never depends on the sample, so the KL part of the
+  update is exactly beta times the KL-in-reward gradient, whatever the task rewards and the
+  task estimator are (a group mean including the sample would scale it by (n-1)/n).
+- normalized: fold the KL into each sample's sequence return G = r - beta * K, then centre and
+  normalise G like a task reward and give it to every token (verl's form). Identical responses
+  get 0, and with `group` every advantage stays within the group bound (sqrt(n-1) for grpo,
+  n/sqrt(n-1) for rloo). Without a std the expected gradient on-policy is grad E[r] - beta g*
+  (rloo, reinforce) or (n-1)/n of it (drgrpo). With a std each group's update is divided by
+  its own sigma: the effective beta becomes beta / sigma per prompt, with no closed form, and
   on a prompt whose task reward is constant the KL part no longer scales with beta at all.
 - centered: the form of the paper authors' code (Shah et al., tba-prime): each token's
   estimate clamped to [-KL_CLAMP, KL_CLAMP], summed over the sequence, centred by the mean of
   those sums over the group (the sample included), and -beta times that added to every
   token's task advantage. No std, no reward-to-go: with K1 and no clamping its expected
-  gradient on-policy is (n-1)/n times the KL gradient (the group mean includes the sample),
-  with more variance than reward-to-go. (Their centring mean used the behaviour policy's
-  log-probs and the per-sample sum the current policy's; here both use the current policy.)
+  gradient on-policy is (n-1)/n times the KL gradient (the group mean includes the sample).
+  Per group its gradient has less variance than separate's reward-to-go on the enumerable toy,
+  but more per unit of expected step (README). (Their centring mean used the behaviour
+  policy's log-probs and the per-sample sum the current policy's; here both use the current
+  policy.)
+The folded forms (normalized, centered) replace the task advantage, so off-policy they go
+through learner.task_off_policy: tis weights and ppo_clip clips the KL part with the task part.
 """
 from __future__ import annotations
 

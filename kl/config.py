@@ -26,11 +26,15 @@ class KLConfig(BaseModel):
     beta: float = Field(0.1, ge=0.0, le=100.0, description="KL coefficient; 0 disables the penalty.")
     kl_in_advantage: KLInAdvantage = Field(
         "separate", description="With the KL in the reward: 'separate' keeps the KL part of the "
-        "advantage unnormalised with reward-to-go (exact beta); 'normalized' folds it into the "
-        "return before the std normalisation (verl-style; effective beta becomes beta/sigma per "
-        "prompt); 'centered' is the paper authors' form: the sequence sum of the per-token "
-        "estimate clamped to +-10, minus its group mean, times beta, subtracted from every "
-        "token's advantage.")
+        "advantage unnormalised with reward-to-go and a leave-one-out baseline (exactly beta "
+        "times the KL gradient, for every advantage estimator, on- and off-policy); "
+        "'normalized' folds it into each sample's sequence return r - beta K, normalised like "
+        "a task reward and given to every token (verl-style; with a std the effective beta "
+        "becomes beta/sigma per prompt); 'centered' is the paper authors' form: the sequence "
+        "sum of the per-token estimate clamped to +-10, minus its group mean, times beta, "
+        "subtracted from every token's advantage ((n-1)/n beta on-policy). Folded forms go "
+        "through learner.task_off_policy: off-policy, tis weights and ppo_clip clips their "
+        "KL part too.")
 
     @property
     def folds_into_advantage(self) -> bool:

@@ -12,7 +12,12 @@ enumerable toy, seed 0 at lag 3: 0.653 against a true 0.415). The estimates here
 with k_t computed from the current policy's log-probs and w_t = prod_{s<=t} pi/mu the prefix
 weight (formed in log space, float64). Why w_t and not the sequence weight W: the t-th term only
 depends on the prefix up to t, so E_mu[w_t f_t] = E_pi[f_t] and later tokens add no variance.
-At max_lag 0 with exact weight sync every w_t is 1 and pi_ref is the plain sequence K1 mean.
+At max_lag 0 with exact weight sync, temperature 1 and no top-k/top-p, before a batch's second
+update, every w_t is 1 and pi_ref is the plain sequence K1 mean. At another temperature mu is
+the tempered policy: the w_t differ from 1 even then, and the estimates stay unbiased (mu
+has full support). With top-k/top-p, mu has no mass where pi has some and no weight recovers
+pi: these estimates are then biased (on the toy with top-k 2 of 3, pi_ref 0.32 for a true
+0.415); klrl refuses importance corrections with such sampling (cluster/config/train_config).
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ class Groups:
 def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor) -> Groups:
     """All S^n groups of n toy sequences with task rewards `reward` [S] (float64)."""
     sp = toy.space
-    S, length = sp.tokens.shape
+    S = sp.tokens.shape[0]
     if n < 1 or S ** n > 200_000:
         raise ValueError(f"{S}^{n} groups is too many to enumerate (use a smaller toy)")
     seqs = torch.tensor(list(itertools.product(range(S), repeat=n)), dtype=torch.long).reshape(-1, n)

@@ -29,12 +29,25 @@ from __future__ import annotations
 import math
 
 import torch
+
 from kl import toy as T
-from kl.analysis import KLVariant, on_policy_prediction, reference_grads, relative_error, truncated_bias
+from kl.analysis import (
+    KLVariant,
+    on_policy_prediction,
+    reference_grads,
+    relative_error,
+    truncated_bias,
+)
 from kl.config import AdvantageConfig, KLConfig
 from kl.table import TrainerTableConfig
 from learner.config import LearnerConfig
-from learner.exact import Groups, enumerate_groups, expected_grad, folded_advantages, per_group_grads
+from learner.exact import (
+    Groups,
+    enumerate_groups,
+    expected_grad,
+    folded_advantages,
+    per_group_grads,
+)
 
 TOLERANCE = 1e-9  # float64 enumeration: claimed cells sit at ~1e-14
 KL_MODES = [  # (name, kl_in_advantage, placement, estimator, truncate)
@@ -138,6 +151,7 @@ def kl_part_variance(seeds=(0, 1, 2, 3), group_sizes=(2, 3), beta: float = 1.0,
     for `centered` (K1, group mean of the sequence sums) and `separate` (K1 reward-to-go, the
     leave-one-out baseline); both also divided by their expectation's scale ((n-1)/n for
     centered), so that the comparison is at equal expected step."""
+    torch.set_num_threads(1)  # tiny tensors: threads cost more than the math (as kl.table)
     out = []
     adv_cfg, lcfg = AdvantageConfig(estimator="drgrpo", normalize="none"), LearnerConfig(task_off_policy="none")
     for seed in seeds:

@@ -16,10 +16,12 @@ KL term (kl.KLConfig, beta = kl.beta):
   * kl_in_advantage = "separate", or placement = "loss":
         beta * sum_i kl.surrogate(logp, ref_logp, mask, estimator, placement, importance,
                                   behaviour_logp, truncate, baseline=b_i)_i / N
-    with b_i = kl.group_baseline(seq_kl, group_ids, advantage.estimator) for placements with
-    a reward part (seq_kl_i = sum_t k_t with the detached current-policy estimates; RLOO
-    gives the leave-one-out mean; "reinforce" gives no baseline). This is exactly
-    beta x the gradient contract of kl.surrogate, whatever the task rewards are.
+    with b_i = kl.kl_baseline(seq_kl, group_ids, advantage.estimator) for placements with
+    a reward part (seq_kl_i = sum_t k_t with the detached current-policy estimates; the
+    leave-one-out mean for rloo, grpo and drgrpo alike; "reinforce" gives no baseline). This
+    is exactly beta x the gradient contract of kl.surrogate, whatever the task rewards and
+    the task estimator are (proved over every group of 2 and 3 toy sequences by
+    learner/exact_table.py, `klrl kl-table`).
   * kl_in_advantage != "separate" with placement "reward": the KL reward is folded into
     per-token advantages A_{i,t} = kl.compute_advantages(rewards, group_ids, kl_tokens=sg(k),
     mask, beta, kl_in_advantage) which replace A_i in the task term (and get its off-policy
