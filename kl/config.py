@@ -27,7 +27,8 @@ class KLConfig(BaseModel):
     kl_in_advantage: KLInAdvantage = Field(
         "separate", description="With the KL in the reward: 'separate' keeps the KL part of the "
         "advantage unnormalised with reward-to-go and a leave-one-out baseline (exactly beta "
-        "times the KL gradient, for every advantage estimator, on- and off-policy); "
+        "times the KL gradient for every advantage estimator, on-policy and, with "
+        "kl.importance prefix or sequence, off-policy); "
         "'normalized' folds it into each sample's sequence return r - beta K, normalised like "
         "a task reward and given to every token (verl-style; with a std the effective beta "
         "becomes beta/sigma per prompt); 'centered' is the paper authors' form: the sequence "
