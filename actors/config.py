@@ -102,7 +102,7 @@ class RolloutConfig(BaseModel):
         None, description="Weight and compute dtype of the vLLM engine (vLLM's `dtype`): float32, "
         "bfloat16 or float16. null: learner.dtype, so that sampler and learner compute in the same "
         "precision (vLLM's own 'auto' loads a float32 checkpoint as bfloat16 on GPU, which spreads "
-        "the learner/sampler ratios at max_lag 0 to 0.82-1.18; see GPU in the README). float16: "
+        "the learner/sampler ratios at max_lag 0 to 0.82-1.18; see docs/gpu.md). float16: "
         "GPUs without bfloat16.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor parallelism "
                                       "inside one worker: its engine shards the model over this "

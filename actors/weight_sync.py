@@ -164,7 +164,7 @@ def publish(
 class WeightPublisher:
     """The learner's weight transport: cluster/ builds one and passes it to `LearnerGroup`,
     which hands a (pickled) copy to every rank. Injected rather than imported because learner/
-    may import only kl/ (README, Layout); the learner calls just these three methods, and
+    may import only kl/ (docs/layout.md); the learner calls just these three methods, and
     only on rank 0. The NCCL sender, once opened, lives in rank 0's copy.
     """
 

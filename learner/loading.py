@@ -1,6 +1,6 @@
 """Where the learner's models and tokenizer come from, and how they are loaded.
 
-learner/ may import only kl/ (README, Layout), so cluster/train/launch.py turns
+learner/ may import only kl/ (docs/layout.md), so cluster/train/launch.py turns
 `TrainConfig.model` into a `ModelFiles` and hands it in. Every `from_pretrained` of learner/
 goes through this module, so `revision` and `trust_remote_code` reach all of them (policy,
 reference, tokenizer).

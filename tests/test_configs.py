@@ -247,15 +247,15 @@ def test_task_and_eval_sections_are_the_rewards_configs():
             load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", [bad])
 
 
-def test_readme_option_table_is_klrl_options_output():
-    """Every option is documented, with its current default and description: the README's
-    table is what `klrl options` renders from the config classes (regenerate it with
-    `klrl options --readme`)."""
+def test_docs_option_table_is_klrl_options_output():
+    """Every option is documented, with its current default and description: the table in
+    docs/configuration.md is what `klrl options` renders from the config classes (regenerate it
+    with `klrl options --docs`)."""
     from cluster.config.options import option_rows, options_markdown, read_block
 
-    readme = (ROOT / "README.md").read_text()
-    assert read_block(readme, "options") == options_markdown(), (
-        "README option table is stale: run `klrl options --readme`")
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert read_block(page, "options") == options_markdown(), (
+        "docs/configuration.md option table is stale: run `klrl options --docs`")
     keys = [key for key, _, _ in option_rows()]
     assert {"model.path", "kl.beta", "eval.in_domain", "ray.address"} <= set(keys)
     assert not [key for key, _, description in option_rows() if not description.strip()], (
@@ -271,14 +271,14 @@ def test_klrl_options_prints_every_option(capsys):
     assert all(f"| `{key}` |" in out for key, _, _ in option_rows())
 
 
-def test_readme_paper_table_matches_the_configs():
-    """The README's 'setting / key / authors / klrl' table quotes the paper configs: every row
+def test_docs_paper_table_matches_the_configs():
+    """docs/paper.md's 'setting / key / authors / klrl' table quotes the paper configs: every row
     with a key must hold the MATH / Countdown base files' values."""
     import yaml
 
     from cluster.config.train_config import TrainConfig
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "paper.md").read_text()
     start = readme.index("| setting | key | authors | klrl | why klrl differs |")
     lines = readme[start:].split("\n\n")[0].splitlines()[2:]
     paper = ROOT / "configs" / "paper"
@@ -296,6 +296,6 @@ def test_readme_paper_table_matches_the_configs():
             actual = dump
             for part in key.split("."):
                 actual = actual[part]
-            assert actual == expected, f"README says {key} = {expected}, the config has {actual}"
+            assert actual == expected, f"docs/paper.md says {key} = {expected}, the config has {actual}"
         checked += 1
     assert checked >= 20

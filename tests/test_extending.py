@@ -1,7 +1,7 @@
-"""README "Extending klrl": its examples are the code run here.
+"""docs/extending.md: its examples are the code run here.
 
-Each code block that follows an `<!-- example: NAME -->` marker in README.md is read from the
-file, written into a temporary package where it is a module, and run: the example task as a
+Each code block that follows an `<!-- example: NAME -->` marker in docs/extending.md is read
+from the file, written into a temporary package where it is a module, and run: the example task as a
 plug-in task everywhere a task is named (training, evaluation sets, `klrl eval --task`, a sweep),
 with the real scoring pool and in a Ray worker; the example scorer through `rewards.load_scorer`
 and the pool; the example KL estimator through `kl.surrogate` and the exact enumeration of
@@ -32,10 +32,10 @@ MODULES = ("mytasks", "mytasks.reverse", "myscorers")
 
 
 def readme_example(name: str) -> str:
-    """The fenced code block right after `<!-- example: NAME -->` in README.md."""
-    text = (ROOT / "README.md").read_text()
+    """The fenced code block right after `<!-- example: NAME -->` in docs/extending.md."""
+    text = (ROOT / "docs" / "extending.md").read_text()
     found = re.search(rf"<!-- example: {re.escape(name)} -->\n```\w*\n(.*?)\n```", text, re.DOTALL)
-    assert found, f"README.md has no example block {name!r}"
+    assert found, f"docs/extending.md has no example block {name!r}"
     return found.group(1) + "\n"
 
 

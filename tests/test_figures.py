@@ -1,6 +1,6 @@
-"""`klrl figures`: the README's demo and model figures are generated, never typed.
+"""`klrl figures`: the docs' demo and model figures are generated, never typed.
 
-The README blocks between `<!-- figures:NAME -->` markers must equal what
+The docs blocks (docs/demo.md, docs/model.md) between `<!-- figures:NAME -->` markers must equal what
 cluster/experiments/figures.py renders from docs/figures/NAME.json (what `make figures` last
 measured), and the figures of a run are read from its run directory as the trainer wrote it.
 """
@@ -23,15 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _block(text: str, name: str) -> str:
     m = re.search(rf"<!-- figures:{name} -->\n(.*?)<!-- /figures:{name} -->", text, re.DOTALL)
-    assert m, f"README.md lost its {name} figures block"
+    assert m, f"{figures.PAGES[name]} lost its {name} figures block"
     return m.group(1).rstrip("\n")
 
 
 @pytest.mark.parametrize("name", figures.BLOCKS)
-def test_readme_figures_are_rendered_from_the_measured_json(name):
+def test_docs_figures_are_rendered_from_the_measured_json(name):
     rendered = figures.blocks_from_json(ROOT / "docs" / "figures")
     assert name in rendered, f"docs/figures/{name}.json missing: run `make figures`"
-    assert _block((ROOT / "README.md").read_text(), name) == rendered[name]
+    assert _block((ROOT / figures.PAGES[name]).read_text(), name) == rendered[name]
 
 
 def test_demo_runs_meet_the_learning_targets_the_readme_promises():

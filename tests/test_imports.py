@@ -1,4 +1,4 @@
-"""The import rules between klrl's packages (README, Layout), checked on the source with `ast`.
+"""The import rules between klrl's packages (docs/layout.md), checked on the source with `ast`.
 
 Arrows: cluster -> {actors, learner, rewards, kl}; learner -> kl; actors -> rewards; kl and
 rewards import none of the others. Inside cluster/, between its subpackages: cli -> any of
@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "rewards": set(),
 }
 PACKAGES = tuple(ALLOWED)
-# cluster/'s subpackages and the subpackages each may import (README, Layout).
+# cluster/'s subpackages and the subpackages each may import (docs/layout.md).
 SUBPACKAGES: dict[str, set[str]] = {
     "cluster.cli": {"cluster.config", "cluster.train", "cluster.experiments", "cluster.bench",
                     "cluster.tiny"},
@@ -219,7 +219,7 @@ def test_every_package_is_scanned():
 
 def test_every_cluster_module_is_in_a_subpackage_with_its_arrows():
     """A new file directly in cluster/, or a new subpackage, must first be given its place
-    (and its arrows) here and in README, Layout."""
+    (and its arrows) here and in docs/layout.md."""
     subdirs = {p.parent for p in (ROOT / "cluster").rglob("*.py")}
     for d in subdirs:  # every folder is a package, so `cluster.x.y` names one module
         assert (d / "__init__.py").is_file(), d
@@ -231,7 +231,7 @@ def test_every_cluster_module_is_in_a_subpackage_with_its_arrows():
 
 def test_imports_follow_the_layout_arrows():
     violations = arrow_violations(ROOT)
-    assert not violations, "imports outside the layout rules (README, Layout):\n" + "\n".join(
+    assert not violations, "imports outside the layout rules (docs/layout.md):\n" + "\n".join(
         violations)
 
 

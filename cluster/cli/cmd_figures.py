@@ -1,4 +1,4 @@
-"""`klrl figures` (`make figures`): regenerate the README's figures about the embedded model and
+"""`klrl figures` (`make figures`): regenerate the docs' figures about the embedded model and
 the CPU demo on this machine (see cluster/experiments/figures.py)."""
 from __future__ import annotations
 
@@ -33,16 +33,16 @@ def run(args) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="klrl-figures-") as tmp:
             regenerate(args.seeds, args.only, Path(tmp))
-    print("README.md and docs/figures/*.json updated")
+    print("docs/demo.md, docs/model.md and docs/figures/*.json updated")
     return 0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "figures", help="rerun the demo and rewrite the README's demo and model figures",
+        "figures", help="rerun the demo and rewrite the docs' demo and model figures",
         description="Run `klrl demo` at max_lag 0 and 2 and plain GRPO at max_lag 0 for each "
         "seed (about 5 minutes each on 2 cores), read the embedded model's build figures, and "
-        "rewrite the README blocks between <!-- figures:NAME --> markers and "
+        "rewrite the docs blocks between <!-- figures:NAME --> markers and "
         "docs/figures/NAME.json with what this machine measured.")
     p.add_argument("--seeds", type=_seeds, default=[0, 1, 2], metavar="LIST",
                    help="comma-separated run seeds (default 0,1,2)")

@@ -1,7 +1,7 @@
 """The table of every `klrl train` option, rendered from `TrainConfig` itself (field names,
 defaults and descriptions), so the documentation cannot drift from the code: `klrl options`
-prints it and `klrl options --readme` rewrites the README block between `<!-- options -->`
-markers, which a test compares with this rendering."""
+prints it and `klrl options --docs` rewrites the block of docs/configuration.md between
+`<!-- options -->` markers, which a test compares with this rendering."""
 from __future__ import annotations
 
 import re
@@ -46,7 +46,7 @@ def replace_block(text: str, marker: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- {re.escape(marker)} -->\n).*?(<!-- /{re.escape(marker)} -->)",
                          re.DOTALL)
     if not pattern.search(text):
-        raise ValueError(f"README.md has no <!-- {marker} --> ... <!-- /{marker} --> block")
+        raise ValueError(f"no <!-- {marker} --> ... <!-- /{marker} --> block")
     return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
 
 
@@ -55,5 +55,5 @@ def read_block(text: str, marker: str) -> str:
     match = re.search(rf"<!-- {re.escape(marker)} -->\n(.*?)<!-- /{re.escape(marker)} -->",
                       text, re.DOTALL)
     if match is None:
-        raise ValueError(f"README.md has no <!-- {marker} --> ... <!-- /{marker} --> block")
+        raise ValueError(f"no <!-- {marker} --> ... <!-- /{marker} --> block")
     return match.group(1).rstrip("\n")

@@ -134,7 +134,7 @@ class LoggingConfig(_Strict):
     tags: list[str] = Field(default_factory=list, description="wandb tags.")
     samples_every: int = Field(20, ge=0, le=10_000_000, description="Every k steps, append "
                                "sample generations of that step's batch to RUN_DIR/samples.jsonl "
-                               "and wandb's `samples` table (README, Logging and exports); "
+                               "and wandb's `samples` table (docs/logging.md); "
                                "0: never.")
     samples_per_log: int = Field(8, ge=1, le=10_000, description="Rows per samples table: the "
                                  "first rollouts of the step's batch, whole prompt groups in "
@@ -142,7 +142,7 @@ class LoggingConfig(_Strict):
 
 
 class FaultConfig(_Strict):
-    """How the controller rides out rollout-worker faults (see README, "What survives what")."""
+    """How the controller rides out rollout-worker faults (see docs/checkpoints.md, "what survives what")."""
 
     max_worker_restarts: int = Field(3, ge=0, le=10_000, description="Rollout-worker restarts "
                                      "allowed over the whole run (a worker that dies or hangs is "
@@ -305,7 +305,7 @@ class TrainConfig(_Strict):
         ratio pi/mu recovers pi from it (E_mu[pi/mu f] = E_pi[f on the kept tokens]), so every
         importance correction would claim an exactness it does not have. Refused; the
         regularised policy is then the learner's untruncated pi, estimated from truncated
-        samples without correction (README, KL regularisation: sampling)."""
+        samples without correction (docs/kl.md, sampling)."""
         r = self.rollout
         if r.vllm_top_k == 0 and r.top_p >= 1.0:
             return

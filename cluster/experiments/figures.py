@@ -1,8 +1,8 @@
-"""`klrl figures` (`make figures`): regenerate, on this machine, every figure the README quotes
-about the embedded model and the CPU demo, and write them into the README.
+"""`klrl figures` (`make figures`): regenerate, on this machine, every figure the documentation
+quotes about the embedded model and the CPU demo, and write them into its pages.
 
-Three blocks, each between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in README.md
-(and, with every number, in docs/figures/NAME.json):
+Three blocks, each between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in the docs page
+PAGES names (and, with every number, in docs/figures/NAME.json):
 - model:    the embedded model's build (`klrl init-model`: steps, validation accuracy, in-domain
             greedy, build seconds), read from the metadata cached beside it;
 - demo:     `klrl demo` at max_lag 0 and 2 for each seed: in-domain sampled and greedy accuracy
@@ -34,6 +34,8 @@ from cluster.train.progress import format_duration
 from cluster.train.run_log import read_config, read_metrics
 
 BLOCKS = ("model", "demo", "learning")
+# The docs page each block lives in (relative to the repository root).
+PAGES = {"model": "docs/model.md", "demo": "docs/demo.md", "learning": "docs/demo.md"}
 GRPO = ("advantage.estimator=grpo", "kl.estimator=k3", "kl.placement=loss")
 TAIL = 0.1  # the training reward "before" and "after": means over the first and last 10% of steps
 
@@ -237,7 +239,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def blocks_from_json(out_dir: Path) -> dict[str, str]:
-    """Every block's text from the JSON files in OUT_DIR (what `regenerate` wrote): the README
+    """Every block's text from the JSON files in OUT_DIR (what `regenerate` wrote): the docs
     blocks must equal these, which tests check."""
     texts = {}
     for name in BLOCKS:
@@ -259,10 +261,10 @@ def _keeps(name: str, fig: RunFigures) -> bool:
 
 
 def regenerate(seeds: Sequence[int], blocks: Sequence[str], work_dir: Path,
-               readme: Path = REPO_ROOT / "README.md", out_dir: Path = REPO_ROOT / "docs" / "figures",
+               root: Path = REPO_ROOT, out_dir: Path = REPO_ROOT / "docs" / "figures",
                say: Callable[[str], None] = print) -> dict[str, str]:
     """Run what `blocks` need, write their figures to OUT_DIR/<block>.json, and rewrite the
-    README blocks from those files."""
+    blocks of the docs pages (PAGES, under ROOT) from those files."""
     work_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     where = machine()
@@ -283,10 +285,9 @@ def regenerate(seeds: Sequence[int], blocks: Sequence[str], work_dir: Path,
             runs_json = [asdict(f) for f in figures if _keeps(name, f)]
             _write_json(out_dir / f"{name}.json", {"machine": where, "runs": runs_json})
     texts = {k: v for k, v in blocks_from_json(out_dir).items() if k in blocks}
-    text = readme.read_text()
     for name, body in texts.items():
-        text = replace_block(text, name, body)
-    readme.write_text(text)
+        page = root / PAGES[name]
+        page.write_text(replace_block(page.read_text(), name, body))
     return texts
 
 

@@ -14,7 +14,7 @@ well inside (10%, 60%): good enough that RL gets a reward signal, far enough fro
 RL has room to improve it.
 
 Why it lives in cluster/: the warm start trains and scores on a rewards/ task, and learner/ may
-import only kl/ (README, Layout); the learner itself loads any HF model directory.
+import only kl/ (docs/layout.md); the learner itself loads any HF model directory.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 This runs in the driver, between the two sides: it reads `actors.records.Rollout` fields and
 produces the tensors learner/ trains on. It lives in cluster/ because learner/ may not import
-actors/ (README, Layout), so `TrainBatch` itself only knows tensors.
+actors/ (docs/layout.md), so `TrainBatch` itself only knows tensors.
 """
 from __future__ import annotations
 
