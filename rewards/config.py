@@ -202,3 +202,37 @@ def check_plugins(task: TaskConfig, evaluation: EvalConfig) -> None:
     (cluster/train/preflight.py), as `rewards.load_scorer` checks a plug-in scorer."""
     task.check_plugin()
     evaluation.check_sets(task, plugins=True)
+
+
+def check_local_datasets(task: TaskConfig, evaluation: EvalConfig) -> None:
+    """Read every local dataset file the run will use (the training split and each evaluation
+    set's) as the run will, so that a missing file, an empty one or one whose rows all lack a
+    column the task needs is a ValueError naming the field before anything starts. Hub datasets
+    are left to the run (reading them means downloading them); plug-in tasks too (their
+    sources are their own)."""
+    uses = [("task.options", task.name, task.options, task.train_split)]
+    uses += [(f"eval.{name}.options", s.task, s.options, s.split)
+             for name, s in evaluation.sets(task).items()]
+    for field, name, options, split in uses:
+        if is_plugin(name):
+            continue
+        built = build_named(field.replace("options", "task"), name, field, options)
+        if not any(source.is_local for source in _sources(built, split)):
+            continue
+        try:
+            built.problems(split, n=1)
+        except FileNotFoundError as e:
+            raise ValueError(f"{field} (split {split}): {e}; give an existing .jsonl, .json or "
+                             ".parquet file") from None
+        except (ValueError, OSError) as e:  # MalformedRows: empty, or no row in the schema
+            raise ValueError(f"{field} (split {split}): {e}") from None
+
+
+def _sources(task: Task, split: str) -> list:
+    """The DatasetSources a built task reads `split` from (none for a generated split)."""
+    sources = getattr(task, "sources", None)
+    if isinstance(sources, dict):
+        return [sources[split]] if split in sources else []
+    if isinstance(sources, list):  # mmlu: (source, subject) pairs, read for every split
+        return [pair[0] if isinstance(pair, tuple) else pair for pair in sources]
+    return []

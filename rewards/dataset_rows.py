@@ -114,9 +114,11 @@ def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Pr
         except (ValueError, TypeError, KeyError, ValidationError) as e:
             skipped += 1
             first_error = first_error or f"row {index}: {type(e).__name__}: {str(e)[:200]}"
-    if skipped:
+    if skipped and problems:  # with none usable, the error below says it all
         logger.warning("%s: skipped %d malformed row(s) of %d; first: %s",
                        source.label(), skipped, total, first_error)
+    if not total:
+        raise MalformedRows(f"{source.label()}: the dataset holds no rows")
     if not problems:
         hint = "" if source.columns else (" (a dataset in another schema needs the task "
                                           "option `columns`: {its column: the task's column})")

@@ -1,5 +1,5 @@
 """Mistakes fail before anything starts: exit code 2, a message of one or two lines naming the
-field and the fix, no run directory, no process (README, "Fail fast").
+field and the fix, no run directory, no process (docs/training.md, "Fail fast").
 
 Every `klrl train` here runs in-process through the CLI's `main` with Ray start-up and the model
 build replaced by a guard that fails the test: a mistake that got past pre-flight would reach
@@ -108,6 +108,76 @@ def test_a_hub_name_passes_and_a_local_looking_path_does_not(tmp_path, monkeypat
     for local in ("models/qwen", "./qwen", "runs/r1/final", "/abs/model", "~/model"):
         with pytest.raises(ConfigError, match="no such directory"):
             check_model_path(local)
+
+
+def _math_on(path: Path) -> list[str]:
+    """Overrides training the math task on one local file (evaluated on it as well)."""
+    return ["task.name=math", f"task.options.train={path}", f"task.options.in_domain={path}",
+            "eval.out_of_domain=null"]
+
+
+@pytest.mark.parametrize("content, names", [
+    (None, ["task.options (split train)", "does not exist", "give an existing .jsonl"]),
+    ("", ["task.options (split train)", "holds no rows"]),
+    ('{"question": "1+1?", "final": "2"}\n', ["task.options (split train)", "no usable rows",
+                                             "KeyError", "columns"]),
+], ids=["missing", "empty", "other-columns"])
+def test_a_local_dataset_that_cannot_be_read_fails_before_anything_starts(
+        guarded, capsys, tmp_path, content, names):
+    data = tmp_path / "train.jsonl"
+    if content is not None:
+        data.write_text(content)
+    out = tmp_path / "runs"
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}",
+                               *_math_on(data))
+    _assert_refused(code, err, seconds, out, *names)
+
+
+def test_a_local_dataset_in_another_schema_passes_with_columns(guarded, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1?", "final": "2"}\n')
+    with pytest.raises(GotPastPreflight):
+        main(["train", str(DEMO_CONFIG), f"output_dir={tmp_path / 'runs'}", *_math_on(data),
+              "task.options.columns={question: problem, final: answer}"])
+
+
+def test_a_model_directory_without_a_tokenizer_fails_before_anything_starts(
+        guarded, capsys, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "runs"
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}",
+                               f"model.path={model}")
+    _assert_refused(code, err, seconds, out, "model.path", "no tokenizer", "save_pretrained")
+    (model / "tokenizer.json").write_text("{}")
+    with pytest.raises(GotPastPreflight):
+        main(["train", str(DEMO_CONFIG), f"output_dir={out}", f"model.path={model}"])
+
+
+@pytest.mark.parametrize("output_dir", ["/proc/klrl-x", "{tmp}/a-file/runs"])
+def test_an_output_dir_where_nothing_can_be_written_fails_before_anything_starts(
+        guarded, capsys, tmp_path, output_dir):
+    (tmp_path / "a-file").write_text("")
+    output_dir = output_dir.format(tmp=tmp_path)
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={output_dir}")
+    _assert_refused(code, err, seconds, Path(output_dir), "output_dir=", "writable output_dir")
+
+
+def test_a_ray_address_nothing_answers_on_fails_before_the_model_is_built(
+        guarded, capsys, tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as free:  # a port nothing listens on once closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = tmp_path / "runs"
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}",
+                               f"ray.address=127.0.0.1:{port}")
+    _assert_refused(code, err, seconds, out, "ray.address=", "nothing answers there")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    code, err, seconds = _klrl(capsys, "train", str(DEMO_CONFIG), f"output_dir={out}")
+    _assert_refused(code, err, seconds, out, "nothing answers there")
 
 
 def test_one_case_end_to_end_in_a_fresh_process(tmp_path):

@@ -50,12 +50,19 @@ class ModelConfig(_Strict):
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `gpt2`, `Qwen/Qwen2.5-7B`
 
 
+# Files of which a Hugging Face model directory holds at least one when it has a tokenizer
+# (the learner and vLLM load the policy's tokenizer from its directory).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+
+
 def check_model_path(path: str | None, field: str = "model.path") -> None:
     """The rule for `model.path` where the run runs (not at validation: `klrl submit` checks
     configs on a machine that may lack the cluster's paths). null, a Hugging Face model
-    directory here, or a name that can only mean the hub pass; a missing local path, or a
-    directory without config.json, is a ConfigError naming the field and the fix (transformers
-    would take a missing path for a repository id and fail deep inside a learner rank).
+    directory here, or a name that can only mean the hub pass; a missing local path, a
+    directory without config.json, or a policy directory without a tokenizer, is a ConfigError
+    naming the field and the fix (transformers would take a missing path for a repository id
+    and fail deep inside a learner rank; vLLM, without a tokenizer, on an empty prompt).
     A name such as `org/model` whose first part is not a local directory is taken for the hub."""
     if path is None:
         return
@@ -66,6 +73,10 @@ def check_model_path(path: str | None, field: str = "model.path") -> None:
         if not (local / "config.json").is_file():
             raise ConfigError(f"{field}={path}: this directory has no config.json, it is not "
                               "a Hugging Face model directory")
+        if field == "model.path" and not any((local / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"{field}={path}: this model directory has no tokenizer (none of "
+                              f"{', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer "
+                              "beside the model (`tokenizer.save_pretrained(DIR)`)")
         return
     if not _HUB_NAME.match(path) or ("/" in path and Path(path.split("/")[0]).is_dir()):
         raise ConfigError(f"{field}={path}: no such directory (and not a hub name such as "

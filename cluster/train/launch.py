@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import ray
@@ -10,6 +9,7 @@ import ray
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.tiny.model import init_default_model
+from cluster.train.preflight import check_ray_address
 
 
 def start_ray(cfg: TrainConfig) -> bool:
@@ -19,7 +19,7 @@ def start_ray(cfg: TrainConfig) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
     if address:
-        _check_reachable(address)
+        check_ray_address(address)
         try:
             ray.init(address=address, log_to_driver=True)
         except (ConnectionError, RuntimeError) as exc:  # one line, not Ray's traceback
@@ -37,21 +37,6 @@ def start_ray(cfg: TrainConfig) -> bool:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=True)
     return True
-
-
-def _check_reachable(address: str) -> None:
-    """A `host:port` GCS address must accept a TCP connection within 5 s: ray.init would
-    otherwise wait for minutes on an address where nothing listens. ("auto" and ray:// client
-    addresses are left to ray.init.)"""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as exc:
-        raise ConfigError(f"ray.address={address}: nothing answers there ({exc.strerror or exc}); "
-                          "start the cluster with `ray start --head` (its GCS port, 6379 by "
-                          "default) or fix the address") from None
 
 
 def resolve_model(cfg: TrainConfig) -> Path:

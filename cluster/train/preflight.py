@@ -13,7 +13,11 @@ checks; this module only calls them:
   check_plugins` (imports them, then checks their options and splits as validation does for
   the tasks of rewards/);
 - rollout.engine_kwargs: each key an argument of the installed vLLM (`check_engine_kwargs`);
+- local dataset files (there, not empty, rows in the task's schema): `rewards.config.
+  check_local_datasets`;
 - an online wandb run's API key: `run_log.check_wandb`;
+- a Ray address that nothing answers on, and an output directory where no run directory can
+  be made: here;
 - the run directory and resume: here, with `checkpoint.objective_changes`.
 Raises ConfigError (or FileExistsError for a name already taken); `klrl train` exits 2.
 
@@ -21,6 +25,9 @@ One check needs Ray up and so runs after it starts, before any actor (`check_clu
 """
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
@@ -35,7 +42,7 @@ def check_environment(cfg: TrainConfig) -> None:
     check_model_path(cfg.model.path)
     check_model_path(cfg.model.ref_path, "model.ref_path")
     from rewards import load_scorer
-    from rewards.config import check_plugins
+    from rewards.config import check_local_datasets, check_plugins
 
     # Plug-ins are imported here, as the rollout workers will; a failed import's message says
     # how to make it importable (rewards/plugin.py).
@@ -47,10 +54,46 @@ def check_environment(cfg: TrainConfig) -> None:
     try:
         check_plugins(cfg.task, cfg.eval)  # plug-in tasks; each message names its field
         cfg.data.check_task(cfg.task)  # a plug-in's epochs/order: not checked at load time
+        check_local_datasets(cfg.task, cfg.eval)  # a local file: there, not empty, in schema
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_engine_kwargs(cfg.rollout.engine_kwargs)
     check_wandb(cfg)
+    check_ray_address(os.environ.get("RAY_ADDRESS") or cfg.ray.address)
+
+
+def check_ray_address(address: str | None) -> None:
+    """A `host:port` GCS address must accept a TCP connection within 5 s: ray.init would
+    otherwise wait for minutes on an address where nothing listens. ("auto" and ray:// client
+    addresses are left to ray.init.) Here, before the tiny model is built, and again when Ray
+    is joined (cluster/train/launch.py)."""
+    if not address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ConfigError(f"ray.address={address}: nothing answers there ({exc.strerror or exc}); "
+                          "start the cluster with `ray start --head` (its GCS port, 6379 by "
+                          "default) or fix the address") from None
+
+
+def check_output_dir(run_dir: Path, field: str = "output_dir") -> None:
+    """The run directory must be creatable: its nearest existing ancestor a directory in which
+    a directory can be made (tried with a temporary one, removed at once; root passes
+    permission checks, so asking `os.access` is not enough, and /proc refuses anyway)."""
+    parent = run_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(f"{parent} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".klrl-preflight-", dir=parent))
+    except OSError as exc:
+        raise ConfigError(f"{field}={run_dir.parent}: cannot create the run directory there "
+                          f"({exc.strerror or exc}); choose a writable output_dir") from None
 
 
 def check_engine_kwargs(engine_kwargs: dict) -> None:
@@ -73,6 +116,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None
     Returns (run directory, checkpoint to resume from or None)."""
     check_environment(cfg)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
+    if not run_dir.is_dir():
+        check_output_dir(run_dir)
     resume_from = ckpt.latest_checkpoint(run_dir) if resume else None
     if resume_from is not None:
         _check_resumable(cfg, run_dir, resume_from)
