@@ -18,6 +18,7 @@ import only kl/ (docs/layout.md); the learner itself loads any HF model director
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -228,6 +229,7 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
     from the train distribution with their own seed; the in-domain split stays unseen.
     """
     import torch
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     task = _arithmetic_task()
@@ -245,7 +247,9 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
         TimeElapsedColumn(),
     ]
     accuracy, step = 0.0, 0
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    live = progress and Console().is_terminal  # off a terminal rich draws only at the end
+    plain = PlainLines(f"warm-start SFT ({goal})") if progress and not live else None
+    with Progress(*columns, disable=not live, transient=False) as bar:
         job = bar.add_task("sft", total=max_steps, loss=float("nan"), acc=0.0)
         for step in range(1, max_steps + 1):
             model.train()
@@ -267,6 +271,8 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
                 bar.update(job, acc=accuracy)
                 if accuracy >= target:
                     break
+            if plain:
+                plain.maybe(f"step {step}, loss {loss.item():.3f}, validation {accuracy:.1%}")
     model.eval()
     if target is None:
         accuracy = exact_greedy_accuracy(model, tokenizer, validation)
@@ -295,16 +301,79 @@ def init_default_model(
     model behind. The warm start runs until the validation accuracy reaches `target` (None:
     exactly `max_steps` steps, for tests); the same seed, thread count (`threads`, default
     min(4, cores)) and machine give the same weights bit for bit, and any machine lands near
-    the target. The model's figures are stored beside it (`read_metadata`).
+    the target. The model's figures are stored beside it (`read_metadata`). Off a terminal
+    the build prints plain progress lines (`PlainLines`); builds of one model in several
+    processes at once take turns (`_build_lock`), the later ones reusing the first's model.
     """
-    import torch
-
     if out_dir is None and target is None:  # the cache is named by its target
         raise ValueError("a fixed-budget build (target=None) needs an out_dir")
     out = Path(out_dir) if out_dir is not None else default_model_dir(seed, target)
     if _model_complete(out) and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out, progress) as waited:
+        if waited and _model_complete(out) and not force:  # the build we waited for made it
+            return out
+        if progress:
+            print(f"building the embedded tiny model into {out} (first use only; about 2 "
+                  "minutes on 2 idle cores)", flush=True)
+        _build(out, seed, target, max_steps, progress, threads)
+    return out
+
+
+@contextmanager
+def _build_lock(out: Path, progress: bool, say_every: float = 20.0):
+    """Hold an exclusive lock on OUT's build (a file in the temporary directory named by OUT's
+    absolute path, so that the models' directory holds only models) for the body;
+    yields whether another process held it first. A second build of the same model waits for
+    the first, saying so every `say_every` seconds, and then finds the model made instead of
+    repeating the work (several builds at once each took the whole machine's cores). The lock
+    is the kernel's (flock): a build that dies releases it."""
+    import fcntl
+
+    key = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"klrl-model-build-{key}.lock", "a+") as lock:
+        waited, t0, said = False, time.monotonic(), 0.0
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = True
+                now = time.monotonic() - t0
+                if progress and (not said or now - said >= say_every):
+                    print(f"another process is building {out.name}; waiting for it to reuse "
+                          f"its model ({now:.0f} s)", flush=True)
+                    said = now or 1e-9
+                time.sleep(0.5)
+        try:
+            yield waited
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class PlainLines:
+    """Progress as plain lines, one at most every `every` seconds (and the first at once), for
+    output that is not a terminal: a log file or a pipe, where a live bar shows only at the
+    end."""
+
+    def __init__(self, label: str, every: float = 10.0):
+        self.label, self.every = label, every
+        self.t0 = time.monotonic()
+        self.last = -every
+
+    def maybe(self, text: str) -> None:
+        now = time.monotonic() - self.t0
+        if now - self.last >= self.every:
+            self.last = now
+            print(f"{self.label}: {text} ({now:.0f} s)", flush=True)
+
+
+def _build(out: Path, seed: int, target: float | None, max_steps: int, progress: bool,
+           threads: int | None) -> None:
+    """Build the model into a temporary sibling of OUT and rename it into place."""
+    import torch
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         with _torch_threads(threads):
@@ -315,6 +384,9 @@ def init_default_model(
                 done = warm_start(model, tokenizer, seed=seed, target=target,
                                   max_steps=max_steps, progress=progress)
             train_s = time.perf_counter() - t0
+            if progress:
+                print(f"warm start done after {done.steps} steps ({train_s:.0f} s); measuring "
+                      f"greedy accuracy on {EVAL_PROBLEMS} problems per split", flush=True)
             task = _arithmetic_task()
             accuracy = {
                 split: greedy_accuracy(
@@ -342,10 +414,11 @@ def init_default_model(
         }
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, out)
+        if progress:
+            print(f"built {out} in {meta['build_seconds']:.0f} s", flush=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _publish(tmp: Path, out: Path) -> None:
