@@ -51,3 +51,14 @@ def test_docs_name_no_file_outside_the_repository():
     for page in [README, *(ROOT / "docs").rglob("*.md")]:
         text = page.read_text()
         assert "DESIGN.md" not in text and "../shared" not in text, page
+
+
+def test_the_mapping_page_names_only_klrl_options_that_exist():
+    """docs/coming-from.md maps other libraries' names to klrl's: each klrl option it names
+    (`kl.beta`, `learner.epochs`, ...) is a real one."""
+    from cluster.config.options import option_rows
+
+    keys = {key for key, _, _ in option_rows()}
+    text = (ROOT / "docs" / "coming-from.md").read_text()
+    named = set(re.findall(r"`((?:kl|learner|rollout|advantage)\.[a-z_]+)", text))
+    assert named and not named - keys, sorted(named - keys)
