@@ -1,0 +1,130 @@
+"""docs/own-model.md, run as written: a Hugging Face model directory, a local jsonl dataset with
+its own column names and a reward function from the user's own package; the page's config
+passes every pre-flight check, its reward scores the rows, `klrl submit` takes the page's GPU
+command (dry run), and one real run trains it on CPU (slow). The GPU run is `gpu`-marked."""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.cli.main import main
+from cluster.config.train_config import load_train_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "own-model.md"
+
+
+def page_example(name: str) -> str:
+    found = re.search(rf"<!-- example: {re.escape(name)} -->\n```\w*\n(.*?)\n```",
+                      PAGE.read_text(), re.DOTALL)
+    assert found, f"docs/own-model.md has no example block {name!r}"
+    return found.group(1) + "\n"
+
+
+def page_command(name: str) -> list[str]:
+    """The block's command as argv, without its environment assignments."""
+    argv = shlex.split(page_example(name).replace("\\\n", " "))
+    return [a for a in argv if not re.match(r"^[A-Z_]+=", a)]
+
+
+@pytest.fixture
+def user_dir(tmp_path, tiny_model_dir, monkeypatch):
+    """The user's working directory as the page describes it, current and on sys.path."""
+    (tmp_path / "myrewards").mkdir()
+    (tmp_path / "myrewards" / "__init__.py").write_text("")
+    (tmp_path / "myrewards" / "scoring.py").write_text(page_example("own-reward"))
+    (tmp_path / "data").mkdir()
+    rows = page_example("own-data")
+    (tmp_path / "data" / "train.jsonl").write_text(rows * 4)
+    (tmp_path / "data" / "test.jsonl").write_text(rows)
+    (tmp_path / "my_run.yaml").write_text(page_example("own-config"))
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "my-model")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    yield tmp_path
+    for name in ("myrewards", "myrewards.scoring"):
+        sys.modules.pop(name, None)
+
+
+def test_the_page_config_passes_preflight_and_its_reward_scores_the_rows(user_dir, monkeypatch):
+    from cluster.train import run
+    from rewards import ScoringPool, get_task, load_scorer
+
+    class Started(AssertionError):
+        pass
+
+    def refuse(*_args, **_kw):
+        raise Started
+
+    monkeypatch.setattr(run, "resolve_model", refuse)
+    monkeypatch.setattr(run, "start_ray", refuse)
+    argv = page_command("own-train")
+    assert argv[:2] == ["klrl", "train"]
+    with pytest.raises(Started):  # every check passed: the run would start now
+        main(argv[1:])
+    cfg = load_train_config(user_dir / "my_run.yaml")
+    task = get_task(cfg.task.name, **cfg.task.options)
+    problems = task.rows("train")
+    assert len(problems) == 12 and problems[0].answer == "42"
+    completions = ["so it is 42", "41", "", "42 or 43"]
+    with ScoringPool(workers=1, timeout_s=30.0) as pool:
+        results = pool.score(load_scorer(cfg.task.reward), problems[:4], completions)
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_the_page_gpu_command_is_a_valid_submission(user_dir, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    argv = page_command("own-submit")
+    assert argv[:2] == ["klrl", "submit"]
+    assert main([*argv[1:], "--dry-run"]) == 0, capsys.readouterr().err
+    assert "klrl" in capsys.readouterr().out
+
+
+def _train(user_dir, *extra):
+    import os
+
+    from cluster.train.run import train
+    from cluster.train.run_log import read_metrics
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(  # Ray's workers import myrewards through it
+        [str(user_dir), os.environ.get("PYTHONPATH", "")])
+    cfg = load_train_config(user_dir / "my_run.yaml", [
+        "total_steps=2", "eval.num_problems=3", "eval.samples=0", "rollout.prompts_per_step=2",
+        "rollout.max_new_tokens=8", "logging.wandb_mode=disabled", *extra])
+    run_dir, _ = train(cfg)
+    return run_dir, read_metrics(run_dir)
+
+
+@pytest.mark.slow
+def test_the_page_config_trains_on_cpu(user_dir, monkeypatch):
+    import ray
+
+    if ray.is_initialized():  # the workers must inherit PYTHONPATH from a cluster started here
+        ray.shutdown()
+    monkeypatch.setenv("PYTHONPATH", "")
+    run_dir, metrics = _train(user_dir)
+    assert run_dir == Path("runs") / "my-first-run"
+    assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
+    assert (run_dir / "final" / "config.json").is_file()
+    assert (run_dir / "final" / "tokenizer.json").is_file()
+
+
+@pytest.mark.gpu
+def test_the_page_config_trains_on_a_gpu(user_dir, monkeypatch):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    overrides = [a for a in page_command("own-submit") if "=" in a and not a.startswith("--")
+                 and not a.startswith("output_dir=")]
+    monkeypatch.setenv("PYTHONPATH", "")
+    run_dir, metrics = _train(user_dir, *overrides, "rollout.gpu_memory_utilization=0.3")
+    assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
+    assert (run_dir / "final" / "config.json").is_file()
