@@ -44,3 +44,43 @@ def test_the_warm_start_prints_plain_lines_off_a_terminal(capsys, monkeypatch):
     tiny_model.warm_start(model, tok, seed=0, target=None, max_steps=3, progress=True)
     lines = capsys.readouterr().out.splitlines()
     assert lines and lines[0].startswith("warm-start SFT (fixed budget): step 1, loss "), lines
+
+
+QUIET_SCRIPT = r"""
+import logging, os, sys, warnings
+from pathlib import Path
+from cluster.train.run_output import quiet_output
+from cluster.tiny.model import PlainLines
+
+logging.basicConfig()  # a handler on the original stderr, as libraries set up at import
+with quiet_output(Path(sys.argv[1]), heartbeat_s=1.0):
+    PlainLines("klrl line", every=0).maybe("shown")
+    print("a library's banner")
+    os.write(1, b"a C extension's line\n")
+    warnings.warn("a FutureWarning line", FutureWarning)
+    logging.getLogger("vllm").warning("a logger's line")
+    os.system("echo a child process line")
+    import time; time.sleep(2.5)
+print("after: shown again")
+"""
+
+
+def test_quiet_output_shows_klrl_lines_and_logs_everything(tmp_path):
+    """Issue #23, 3: other programs' lines go to the run's log, klrl's to the terminal too, and
+    a heartbeat speaks when klrl has been silent."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    log = tmp_path / "train.log"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, str(log)], cwd=root,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    shown = done.stdout + done.stderr
+    assert "klrl line: shown" in shown and "after: shown again" in shown
+    assert "still working" in shown
+    for other in ("banner", "C extension", "FutureWarning", "logger's line", "child process"):
+        assert other not in shown, (other, shown)
+        assert other in log.read_text(), other
+    assert "klrl line: shown" in log.read_text()

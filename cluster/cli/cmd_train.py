@@ -1,7 +1,9 @@
 """`klrl train`, `klrl demo` and `klrl submit`: parse, call cluster.train, print the outcome."""
 from __future__ import annotations
 
+import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
@@ -61,40 +63,79 @@ def _report_stop(stop) -> int:
 
 
 def _run_train(args) -> int:
+    try:
+        cfg = _config_for(args)
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _train_and_report(cfg, bool(args.resume), args.verbose, "run finished")
+
+
+def _run_demo(args) -> int:
+    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
+
+    try:
+        cfg = load_train_config(DEMO_CONFIG, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _train_and_report(cfg, False, args.verbose, "demo finished")
+
+
+def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
+    """Run `train(cfg)` and say how it ended: exit 0, 2 (refused before anything started), 1
+    (failed after the start: one line naming what failed and the full log) or the stop's
+    code. Unless `verbose`, other programs' lines go only to the run's log file
+    (cluster/train/run_output.py), RUN_DIR/train.log once the run directory exists."""
+    import tempfile
+    import traceback
+
     # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
     from ray.exceptions import RayError
 
     from cluster.train.run import train
+    from cluster.train.run_log import default_run_name
+    from cluster.train.run_output import quiet_output
 
-    try:
-        cfg = _config_for(args)
-        run_dir, _last = train(cfg, resume=bool(args.resume))
-    except (ConfigError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RunStopped as stop:
-        return _report_stop(stop)
-    except RayError as exc:  # an actor (learner rank, worker) failed: everything is torn down
-        print(f"error: the run failed and was torn down: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print_summary(run_dir)
-    print(f"run directory: {run_dir}")
-    return 0
-
-
-def _run_demo(args) -> int:
-    # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
-    from cluster.config.train_config import load_train_config
-    from cluster.train.run import train
-
-    try:
-        run_dir, _ = train(load_train_config(DEMO_CONFIG, args.overrides))
-    except (ConfigError, FileExistsError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except RunStopped as stop:
-        return _report_stop(stop)
-    print_summary(run_dir, "demo finished")
+    if cfg.run_name is None:  # named now, so that the log's final place is known
+        cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    fd, tmp_log = tempfile.mkstemp(prefix=f"klrl-{cfg.run_name}-", suffix=".log")
+    os.close(fd)
+    log = Path(tmp_log)
+    code = None
+    if not verbose:
+        print(f"run {cfg.run_name}: {run_dir}; other programs' output goes to its train.log "
+              "(--verbose shows it here)", flush=True)
+    output = nullcontext() if verbose else quiet_output(log)
+    with output:
+        try:
+            train(cfg, resume=resume)
+        except (ConfigError, FileExistsError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            code = 2
+        except RunStopped as stop:
+            code = _report_stop(stop)
+        except AssertionError:  # a broken invariant is a bug in klrl: its whole traceback
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure after the start: one line
+            traceback.print_exc()  # the whole story, into the log
+            failed = "the run failed and was torn down" if isinstance(exc, RayError) else "the run failed"
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            where = run_dir / "train.log" if run_dir.is_dir() else log
+            print(f"error: {failed}: {type(exc).__name__}: {first}"
+                  + ("" if verbose else f" (full log: {where})"), file=sys.stderr)
+            code = 1
+    if run_dir.is_dir():
+        with open(run_dir / "train.log", "a") as kept:
+            kept.write(log.read_text(errors="replace"))
+        log.unlink()
+    elif code == 2 or verbose:
+        log.unlink()  # refused before anything started: nothing to keep
+    if code is not None:
+        return code
+    print_summary(run_dir, title)
+    print(f"run directory: {run_dir}" + ("" if verbose else f" (full log: {run_dir / 'train.log'})"))
     return 0
 
 
@@ -134,6 +175,10 @@ def _run_submit(args) -> int:
     return 0
 
 
+VERBOSE_HELP = ("show every program's output (Ray, vLLM, DeepSpeed, wandb, warnings) as well as "
+                "klrl's; by default those lines go only to the run's log, RUN_DIR/train.log")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a policy (local Ray, or RAY_ADDRESS)")
     p.add_argument("config", nargs="?", metavar="CONFIG|RUN_DIR", help="YAML config, e.g. "
@@ -144,10 +189,12 @@ def register(subparsers) -> None:
                    "or the run the config's run_name names; starts an unfinished run afresh if "
                    "it has no checkpoint yet (anywhere on the line: `klrl train --resume RUN_DIR "
                    "total_steps=600`)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_run_train)
 
     p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")
     p.add_argument("overrides", nargs="*", help="overrides of configs/tiny_cpu.yaml")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_run_demo)
 
     p = subparsers.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
