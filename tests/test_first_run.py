@@ -53,13 +53,21 @@ from cluster.train.run_output import quiet_output
 from cluster.tiny.model import PlainLines
 
 logging.basicConfig()  # a handler on the original stderr, as libraries set up at import
-with quiet_output(Path(sys.argv[1]), heartbeat_s=1.0):
+with quiet_output(Path(sys.argv[1]), heartbeat_s=1.5):
     PlainLines("klrl line", every=0).maybe("shown")
     print("a library's banner")
     os.write(1, b"a C extension's line\n")
     warnings.warn("a FutureWarning line", FutureWarning)
     logging.getLogger("vllm").warning("a logger's line")
     os.system("echo a child process line")
+    from wandb.sdk.lib import console_capture  # wandb wraps the streams' write for its run
+    console_capture.capture_stdout(lambda s, n: None)
+    PlainLines("klrl through wandb's wrapper", every=0).maybe("shown")
+    import builtins
+    from ray.experimental import tqdm_ray  # a Ray driver's print is Ray's safe_print
+    builtins.print = tqdm_ray.safe_print
+    PlainLines("klrl through Ray's print", every=0).maybe("shown")
+    print("a library's line through Ray's print")
     import time; time.sleep(2.5)
 print("after: shown again")
 """
@@ -79,8 +87,11 @@ def test_quiet_output_shows_klrl_lines_and_logs_everything(tmp_path):
     assert done.returncode == 0, done.stderr
     shown = done.stdout + done.stderr
     assert "klrl line: shown" in shown and "after: shown again" in shown
-    assert "still working" in shown
-    for other in ("banner", "C extension", "FutureWarning", "logger's line", "child process"):
+    assert "klrl through wandb's wrapper: shown" in shown
+    assert "klrl through Ray's print: shown" in shown
+    assert "still working" in shown, shown
+    for other in ("banner", "C extension", "FutureWarning", "logger's line", "child process",
+                  "through Ray's print\n"):
         assert other not in shown, (other, shown)
         assert other in log.read_text(), other
     assert "klrl line: shown" in log.read_text()

@@ -21,6 +21,11 @@ from pathlib import Path
 
 # Top-level packages whose writes are klrl's own (rich draws klrl's progress bars and tables).
 OWN_PACKAGES = frozenset({"cluster", "actors", "learner", "kl", "rewards", "rich"})
+# Modules that only pass a write on: the writer is the frame above them. wandb patches the
+# `write` of sys.stdout/sys.stderr to copy the console into its run (console_capture), and Ray
+# replaces `print` in a driver to keep its progress bars apart (tqdm_ray's safe_print).
+TRANSPARENT = ("contextlib", "functools", "io", "codecs", "wandb.sdk.lib.console_capture",
+               "wandb.sdk.lib.redirect", "ray.experimental.tqdm_ray")
 
 
 def _caller_is_klrl(depth: int = 2) -> bool:
@@ -29,10 +34,9 @@ def _caller_is_klrl(depth: int = 2) -> bool:
     frame = sys._getframe(depth)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        top = name.split(".")[0]
-        if top in OWN_PACKAGES:
+        if name.split(".")[0] in OWN_PACKAGES:
             return True
-        if top not in ("contextlib", "functools", "builtins", "io", "codecs"):
+        if not name.startswith(TRANSPARENT):
             return False
         frame = frame.f_back
     return False
@@ -121,5 +125,6 @@ def _heartbeat(stop: threading.Event, every: float, log_path: Path) -> None:
     while not stop.wait(1.0):
         now = time.monotonic()
         if now - _Filter.last_shown >= every:
+            _Filter.last_shown = now  # the next one `every` seconds later, shown or not
             print(f"... still working ({now - t0:.0f} s): starting Ray, the rollout workers and "
                   f"the learner, or a long step; other programs' output: {log_path}", flush=True)
