@@ -69,13 +69,22 @@ def ray_cluster():
 STACK_FIXTURES = {"tiny_llm", "ray_cluster"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Mark `slow` every test that starts Ray, vLLM or DeepSpeed through a shared fixture;
     modules that start them otherwise (a training run, a subprocess) carry the mark
-    themselves. `make test-quick` runs what is left (`-m "not slow"`)."""
+    themselves. `make test-quick` runs what is left (`-m "not slow"`).
+
+    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every `slow` test
+    goes to one group: they run one after another on one worker, in file order, as in a
+    plain run (no two real stacks compete for the 2 cores, and the checks that look at
+    machine-wide state, such as /dev/shm, see only their own run), while the other worker
+    takes the tests that need none of them."""
     for item in items:
         if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("stack"))
 
 
 def pytest_sessionfinish(session, exitstatus):
