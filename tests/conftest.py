@@ -1,4 +1,11 @@
-"""Shared fixtures. Tiny models are built locally (never downloaded), once per session."""
+"""Shared fixtures. Tiny models are built locally (never downloaded), once per session.
+
+Real components are started as rarely as the tests allow: one local Ray cluster for the
+session (`ray_cluster`), one vLLM engine for the tests that only generate (`tiny_llm`), and a
+training run carries the assertions of every test that can read them off it. Every test
+that starts Ray, vLLM or DeepSpeed is marked `slow` (by `pytest_collection_modifyitems` for
+the fixtures below, by its module otherwise); `make test-quick` runs the others.
+"""
 from __future__ import annotations
 
 import gc
@@ -30,39 +37,59 @@ def tiny_llm(tiny_model_dir):
     gc.collect()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster on loopback for one test module (reused if one is running).
-    Oversubscribed (4 logical CPUs on 2 cores): tests place a worker and 1-2 learner ranks."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
-    yield
-    if started:
-        ray.shutdown()
-
-
 TESTS_DIR = str(Path(__file__).parent)
 
+# Ray workers and scoring processes import the plug-in scorers of tests/scorers.py and
+# tests/scorer_faults.py: a local cluster hands its workers the driver's PYTHONPATH when it
+# starts, and `klrl` subprocesses inherit it, so tests/ goes on it before anything starts.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
 
-@pytest.fixture(scope="module")
-def plugin_scorers_importable():
-    """tests/ on PYTHONPATH, so that Ray workers can import the plug-in scorers in
-    tests/scorers.py. Workers inherit PYTHONPATH from the driver when it starts the local
-    cluster, so a cluster started without it is shut down first; the caller starts one."""
+
+def start_local_ray() -> None:
+    """The session's local Ray cluster on loopback, started on first use and shared by every
+    test that needs one (a start costs seconds on 2 cores). Oversubscribed (4 logical CPUs
+    on 2 cores): tests place a rollout worker and 1-2 learner ranks. A test that needs a
+    cluster of another shape shuts this one down; the next user starts it again."""
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = TESTS_DIR + (os.pathsep + old if old else "")
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The shared local Ray cluster (`start_local_ray`); it stays up after the module, and
+    `pytest_sessionfinish` stops it."""
+    start_local_ray()
     yield
-    if ray.is_initialized():
+
+
+# Fixtures that start a real component: a test that uses one is `slow` (module docstring).
+STACK_FIXTURES = {"tiny_llm", "ray_cluster"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test that starts Ray, vLLM or DeepSpeed through a shared fixture;
+    modules that start them otherwise (a training run, a subprocess) carry the mark
+    themselves. `make test-quick` runs what is left (`-m "not slow"`).
+
+    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every `slow` test
+    goes to one group: they run one after another on one worker, in file order, as in a
+    plain run (no two real stacks compete for the 2 cores, and the checks that look at
+    machine-wide state, such as /dev/shm, see only their own run), while the other worker
+    takes the tests that need none of them."""
+    for item in items:
+        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("stack"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old

@@ -20,7 +20,7 @@ def _finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_quick_bench_writes_every_figure(tmp_path, capsys):
+def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
 

@@ -29,7 +29,7 @@ REQUIRED = ("step", "policy_version", "lag/max", "reward/mean", "kl/pi_ref", "is
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _scorer_plugins(plugin_scorers_importable):
+def _ray(ray_cluster):  # the runs share the session's cluster (a run joins a running one)
     pass
 
 

@@ -1,9 +1,10 @@
 """actors.evaluate on the tiny model with a real vLLM engine (the session's `tiny_llm`), and
-`klrl eval` end to end (its own engine, built from the model directory)."""
+`klrl eval` end to end (its own engine, built from the model directory, in a subprocess)."""
 from __future__ import annotations
 
-import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -96,18 +97,17 @@ def test_evaluate_counts_scorer_failures(tiny_llm):
     assert r.failures >= sum(k != 2 for k in greedy_lengths) > 0
 
 
-def test_klrl_eval_command(tiny_model_dir, tmp_path, capsys):
-    from cluster.cli import cmd_model
-
-    parser = argparse.ArgumentParser(prog="klrl")
-    cmd_model.register(parser.add_subparsers(dest="command"))
+@pytest.mark.slow
+def test_klrl_eval_command(tiny_model_dir, tmp_path):
+    """In a process of its own: its engine runs in-process (`actors.engine.make_llm`), and vLLM
+    keeps one engine's parallel state per process, which the session's `tiny_llm` holds here."""
     out = tmp_path / "eval.json"
-    args = parser.parse_args([
-        "eval", str(tiny_model_dir), "--task", "arithmetic", "--splits", "in_domain",
-        "--n", "8", "--samples", "2", "--json", str(out),
-    ])
-    assert args.func(args) == 0
-    assert "in_domain" in capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(tiny_model_dir),
+                           "--task", "arithmetic", "--splits", "in_domain", "--n", "8",
+                           "--samples", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "in_domain" in proc.stdout
     saved = EvalResult.model_validate(json.loads(out.read_text()))
     assert saved.splits["in_domain"].problems == 8
     assert saved.model == str(tiny_model_dir)

@@ -175,6 +175,7 @@ def test_a_mistake_in_a_plugin_task_fails_before_anything_starts(importable, gua
     assert "every run: task.train_split: task 'reverse' has no split 'trian'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_example_task_imports_in_ray_workers_through_pythonpath(example_dir, monkeypatch):
     """README: a local cluster passes PYTHONPATH to its workers, so a worker (and the scoring
     processes it starts) imports the plug-in task by its spec and draws the driver's problems."""

@@ -23,12 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _scorer_plugins(plugin_scorers_importable):
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
-    yield  # one cluster for the module's runs; the fixture shuts it down
+def _ray(ray_cluster):  # the runs share the session's cluster (a run joins a running one)
+    pass
 
 
 def _cfg(tiny_model_dir, out, name, steps, *extra):

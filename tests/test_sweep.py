@@ -212,13 +212,18 @@ def test_dry_run_lists_runs_and_states(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_real_sweep_runs_resumes_and_reports(tmp_path, tiny_model_dir):
-    """Two real 3-step runs through `klrl sweep` (subprocesses, Ray + vLLM + DeepSpeed each);
-    the rerun skips both; `klrl report` tabulates both configurations."""
+def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_dir):
+    """Two real 3-step runs through `klrl sweep`, side by side (`parallel: 2`; subprocesses,
+    vLLM + DeepSpeed each, joining the session's Ray cluster through `ray.address` as runs on
+    a cluster do); the rerun skips both; `klrl report` tabulates both configurations."""
+    import ray
+
     path = tmp_path / "tiny_sweep.yaml"
     path.write_text(yaml.safe_dump({
         "name": "e2e", "train_config": str(TINY), "output_dir": str(tmp_path / "runs"), "poll_s": 0.5,
+        "parallel": 2,
         "overrides": {"model.path": str(tiny_model_dir), "total_steps": 3, "eval_every": 0,
+                      "ray.address": ray.get_runtime_context().gcs_address,
                       "max_lag": 1, "eval.num_problems": 8, "eval.samples": 0,
                       "rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 4,
                       "logging.wandb_mode": "disabled"},

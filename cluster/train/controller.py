@@ -131,9 +131,12 @@ class Controller:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
+        # The workers' engines and the learner's ranks start side by side (each start is
+        # mostly imports and model loading, in processes of their own).
+        self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
                                      steps=self._planned_steps())
-        self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
+        self.pool.wait_started()
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
             connect_nccl(self.learner, self.pool.workers)
         if state is None:

@@ -63,8 +63,13 @@ class WorkerPool:
         self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
         self.restarts = 0
         self.incarnation = [0] * cfg.rollout.num_workers  # bumped when worker i is replaced
+        # Actor creation returns at once: the engines start while the caller starts the
+        # learner, and `wait_started` surfaces their start-up errors.
         self.workers = [start_worker(cfg, model_dir, i) for i in range(cfg.rollout.num_workers)]
-        ray.get([w.version.remote() for w in self.workers])  # surface start-up errors here
+
+    def wait_started(self) -> None:
+        """Block until every worker's engine is up (raises its start-up error)."""
+        ray.get([w.version.remote() for w in self.workers])
 
     def __len__(self) -> int:
         return len(self.workers)
