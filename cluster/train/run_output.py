@@ -126,5 +126,5 @@ def _heartbeat(stop: threading.Event, every: float, log_path: Path) -> None:
         now = time.monotonic()
         if now - _Filter.last_shown >= every:
             _Filter.last_shown = now  # the next one `every` seconds later, shown or not
-            print(f"... still working ({now - t0:.0f} s): starting Ray, the rollout workers and "
-                  f"the learner, or a long step; other programs' output: {log_path}", flush=True)
+            print(f"... still working ({now - t0:.0f} s); other programs' output so far: "
+                  f"{log_path}", flush=True)
