@@ -95,3 +95,32 @@ def test_quiet_output_shows_klrl_lines_and_logs_everything(tmp_path):
         assert other not in shown, (other, shown)
         assert other in log.read_text(), other
     assert "klrl line: shown" in log.read_text()
+
+
+def test_a_failure_after_the_start_is_one_line_naming_the_log(tmp_path, monkeypatch, capsys):
+    """Issue #23, 2: what can only fail after the start (here: a run that made its directory,
+    then raised) ends with one line naming the error and the full log, exit 1; the traceback
+    is in RUN_DIR/train.log, and the directory does not block the name (no metrics)."""
+    from cluster.cli.main import main
+    from cluster.config.loader import DEMO_CONFIG
+    from cluster.train import run
+    from cluster.train.preflight import preflight
+
+    def fails_midway(cfg, resume=False):
+        run_dir, _ = preflight(cfg, resume)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text("{}")
+        print("a library's banner")
+        raise FileNotFoundError("rows.jsonl: gone while reading\nsecond line")
+
+    monkeypatch.setattr(run, "train", fails_midway)
+    out = tmp_path / "runs"
+    argv = ["train", str(DEMO_CONFIG), f"output_dir={out}", "run_name=r"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    log = out / "r" / "train.log"
+    assert captured.err.strip().splitlines() == [
+        f"error: the run failed: FileNotFoundError: rows.jsonl: gone while reading (full log: {log})"]
+    assert "banner" not in captured.out
+    assert "Traceback" in log.read_text() and "a library's banner" in log.read_text()
+    assert main(argv) == 1  # the name is not blocked: the same run starts again
