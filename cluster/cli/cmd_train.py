@@ -108,30 +108,33 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
         print(f"run {cfg.run_name}: {run_dir}; other programs' output goes to its train.log "
               "(--verbose shows it here)", flush=True)
     output = nullcontext() if verbose else quiet_output(log)
-    with output:
-        try:
-            train(cfg, resume=resume)
-        except (ConfigError, FileExistsError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            code = 2
-        except RunStopped as stop:
-            code = _report_stop(stop)
-        except AssertionError:  # a broken invariant is a bug in klrl: its whole traceback
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure after the start: one line
-            traceback.print_exc()  # the whole story, into the log
-            failed = "the run failed and was torn down" if isinstance(exc, RayError) else "the run failed"
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            where = run_dir / "train.log" if run_dir.is_dir() else log
-            print(f"error: {failed}: {type(exc).__name__}: {first}"
-                  + ("" if verbose else f" (full log: {where})"), file=sys.stderr)
-            code = 1
-    if run_dir.is_dir():
-        with open(run_dir / "train.log", "a") as kept:
-            kept.write(log.read_text(errors="replace"))
-        log.unlink()
-    elif code == 2 or verbose:
-        log.unlink()  # refused before anything started: nothing to keep
+    try:
+        with output:
+            try:
+                train(cfg, resume=resume)
+            except (ConfigError, FileExistsError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                code = 2
+            except RunStopped as stop:
+                code = _report_stop(stop)
+            except AssertionError:  # a broken invariant is a bug in klrl: its whole traceback
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure after the start: one line
+                traceback.print_exc()  # the whole story, into the log
+                failed = ("the run failed and was torn down" if isinstance(exc, RayError)
+                          else "the run failed")
+                first = (str(exc).strip().splitlines() or [""])[0][:300]
+                where = run_dir / "train.log" if run_dir.is_dir() else log
+                print(f"error: {failed}: {type(exc).__name__}: {first}"
+                      + ("" if verbose else f" (full log: {where})"), file=sys.stderr)
+                code = 1
+    finally:  # the log joins the run's directory; without one it is kept only if named above
+        if run_dir.is_dir() and code != 2 and not verbose:
+            with open(run_dir / "train.log", "a") as kept:  # a resumed run's log goes on
+                kept.write(log.read_text(errors="replace"))
+            log.unlink()
+        elif code != 1 or verbose or run_dir.is_dir():
+            log.unlink()
     if code is not None:
         return code
     print_summary(run_dir, title)
