@@ -34,7 +34,8 @@ def read_report(path: Path) -> dict:
     for case in suite.iter("testcase"):
         module = case.get("classname", "").split(".")
         file = "/".join(module[:2]) + ".py" if len(module) >= 2 else case.get("file", "?")
-        tests[f"{file}::{case.get('name')}"] = float(case.get("time", 0.0))
+        name = case.get("name", "").split("@")[0]  # pytest-xdist's loadgroup suffix
+        tests[f"{file}::{name}"] = float(case.get("time", 0.0))
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     return {"seconds": float(suite.get("time", 0.0)), "timestamp": suite.get("timestamp", ""),
             "counts": counts, "tests": tests}

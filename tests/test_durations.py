@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="1" skipped="2" tests="5" time="654.3"
  timestamp="2026-11-24T04:00:00.000000" hostname="h">
-<testcase classname="tests.test_e2e_train" name="test_lag0" time="30.5"/>
+<testcase classname="tests.test_e2e_train" name="test_lag0@stack" time="30.5"/>
 <testcase classname="tests.test_e2e_train" name="test_lag2" time="20.25"/>
 <testcase classname="tests.test_kl_exact" name="test_exact[k1]" time="0.2"/>
 <testcase classname="tests.test_kl_exact" name="test_exact[k3]" time="0.1"><failure message="x"/></testcase>

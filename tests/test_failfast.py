@@ -26,8 +26,15 @@ class GotPastPreflight(AssertionError):
 
 @pytest.fixture
 def guarded(monkeypatch, tmp_path):
-    """`klrl train` in-process that cannot start anything; no wandb key in sight."""
+    """`klrl train` in-process that cannot start anything; no wandb key in sight. The
+    session's Ray cluster, if this process runs one, is stopped first, so that the checks
+    below see whether the command started Ray (the next test that needs it starts it again)."""
+    import ray
+
     from cluster.train import run
+
+    if ray.is_initialized():
+        ray.shutdown()
 
     def refuse(*_args, **_kw):
         raise GotPastPreflight("the run got past pre-flight")

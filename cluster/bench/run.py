@@ -132,9 +132,9 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_di
     group = worker = None
     result = WorkloadResult(w.name, 0)
     try:
+        worker = start_worker(cfg, Path(cfg.model.path), 0)  # its engine starts meanwhile
         group = start_learner(cfg, Path(cfg.model.path), run_id=run_id)
         result.parameters = group.rank_info[0]["parameters"]
-        worker = start_worker(cfg, Path(cfg.model.path), 0)
         ray.get(worker.version.remote())
         if w.engines:
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
