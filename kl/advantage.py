@@ -26,7 +26,7 @@ The KL penalty as a per-token reward (reward-to-go R_t = sum_{t'>=t} k_t, beta >
   token's task advantage. No std, no reward-to-go: with K1 and no clamping its expected
   gradient on-policy is (n-1)/n times the KL gradient (the group mean includes the sample).
   Per group its gradient has less variance than separate's reward-to-go on the enumerable toy,
-  but more per unit of expected step (README). (Their centring mean used the behaviour
+  but more per unit of expected step (docs/kl.md). (Their centring mean used the behaviour
   policy's log-probs and the per-sample sum the current policy's; here both use the current
   policy.)
 The folded forms (normalized, centered) replace the task advantage, so off-policy they go

@@ -9,7 +9,7 @@ from kl.surrogate import Importance, Placement
 
 
 class KLConfig(BaseModel):
-    """How the KL penalty toward the reference policy enters the update (see README table)."""
+    """How the KL penalty toward the reference policy enters the update (see the table of docs/kl.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -6,9 +6,9 @@ With delta_t = log pi(y_t|s_t) - log pi_ref(y_t|s_t) and y_t ~ pi:
 - K3 = exp(-delta) - 1 + delta  unbiased, >= 0, low variance; computed with expm1 for accuracy
 
 What each estimator's *gradient* does depends on where it is placed (reward or loss) and on
-the importance correction; see `kl.surrogate` and the table in the README.
+the importance correction; see `kl.surrogate` and the table in docs/kl.md.
 
-Adding an estimator (README, "Extending klrl"): its formula as a function of delta, its name
+Adding an estimator (docs/extending.md): its formula as a function of delta, its name
 in the `Estimator` Literal (the one home of the names: KLConfig, ESTIMATORS, the exact tests
 and `klrl kl-table` read it) and in FORMULAS. FORMULAS is read at every call, so a test can
 try a formula on the exact toy (kl.analysis) before it is added to the Literal.

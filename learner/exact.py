@@ -8,7 +8,7 @@ of the trainer's loss is a finite sum over them: one call of `policy_loss` on a 
 holds every group (the group statistics are per group, so groups do not interact), one
 backward to the per-token log-probs, and the chain rule through the toy's logits table.
 Nothing is sampled: the numbers are exact up to float64 rounding. `klrl kl-table` and the
-tests compare these expectations with what the README says each configuration computes
+tests compare these expectations with what docs/kl.md says each configuration computes
 (learner/exact_table.py).
 
 The batch is what the trainer sees: a one-token prompt then the response, right-padded;

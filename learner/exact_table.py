@@ -1,5 +1,5 @@
 """The trainer-level rows of `klrl kl-table`: what the KL does to the trainer's own update, in
-exact expectation, against what the README says it does.
+exact expectation, against what docs/kl.md says it does.
 
 For each configuration (kl.placement x kl.kl_in_advantage x advantage.estimator x
 advantage.normalize x learner.task_off_policy x group size n) and each behaviour policy
@@ -9,7 +9,7 @@ expected update is
     d = E_mu[grad loss(beta)] - E_mu[grad loss(beta = 0)]
 
 (learner.exact: policy_loss summed over every group of n toy sequences, a binary task reward
-on every sequence). The documented form of d, where the README claims one exactly:
+on every sequence). The documented form of d, where docs/kl.md claims one exactly:
 
     separate     beta x G, G the KL gradient of kl.surrogate's table (K1 reward: g*; K3 loss:
                  the token-level forward KL gradient; K3 reward+loss: g*), for every task
@@ -79,7 +79,7 @@ def _kl_cfg(mode, lag: float, beta: float, cap: float) -> KLConfig:
 
 
 def documented(mode, est: str, norm: str, n: int, lag: float, beta: float, refs, toy, cap):
-    """(target, exact): the README's form of d for this cell, and whether it claims it exactly
+    """(target, exact): docs/kl.md's form of d for this cell, and whether it claims it exactly
     (False: the on-policy form, shown as a reference)."""
     _, kia, placement, k, trunc = mode
     if kia == "separate":

@@ -259,7 +259,7 @@ def policy_loss(
             ratio = torch.exp(log_rho[mask])
             ratio_min, ratio_max = float(ratio.min()), float(ratio.max())
             # |log pi - log mu| per response token: at max_lag 0 (update 0 of a batch) the
-            # learner/sampler numerics mismatch itself (README, GPU); otherwise lag included.
+            # learner/sampler numerics mismatch itself (docs/gpu.md); otherwise lag included.
             abs_log_ratio = log_rho[mask].abs()
             abs_lr_mean, abs_lr_max = float(abs_log_ratio.mean()), float(abs_log_ratio.max())
         else:  # no response token at all: nothing to compare, report the neutral ratio

@@ -6,7 +6,7 @@ variance, on-policy and off-policy, whether the exact expectation matches docs/d
 table, and a sweep of the bias against the behaviour policy's lag. Then the trainer-level
 rows: the KL's share of the learner's whole expected update (every placement x
 kl_in_advantage x advantage estimator x normalize x task_off_policy, groups of 2 and 3)
-against the README's form. Everything is exact enumeration (no sampling), so the numbers are
+against the form docs/kl.md gives. Everything is exact enumeration (no sampling), so the numbers are
 deterministic for a seed; it runs in seconds on CPU and exits 1 if a row stops matching. The
 numbers come from kl/table.py and learner/exact_table.py; this module parses, prints and plots.
 """
@@ -49,7 +49,7 @@ def print_table(result: dict) -> None:
 
 def print_trainer_table(trainer: dict) -> None:
     """The trainer-level rows: the KL's share of the learner's expected update against the
-    README's form. A bare number is a claimed cell (must be at float64 precision); one in
+    documented form. A bare number is a claimed cell (must be at float64 precision); one in
     parentheses is no claim, the distance from the on-policy form."""
     from rich.console import Console
     from rich.table import Table
@@ -57,7 +57,7 @@ def print_trainer_table(trainer: dict) -> None:
     cfg = trainer["config"]
     table = Table(title=f"The trainer's loss, exactly over every group of n of {trainer['num_sequences']} "
                         f"toy sequences (beta {cfg['beta']:g}): rel.err of the KL's share of E\\[update] "
-                        "against the README's form; (x): no exact claim, distance from the on-policy form")
+                        "against the documented form; (x): no exact claim, distance from the on-policy form")
     table.add_column("kl / estimator / normalize / n", no_wrap=True)
     table.add_column("max|A| (bound)", justify="right")
     lags = cfg["lags"]

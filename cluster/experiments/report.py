@@ -6,7 +6,7 @@ configuration's runs are its seeds. The report reads only files (config.yaml, me
 final/), so it works on a sweep that is still running. It writes DIR/report/report.md and one
 PNG per question beside it (report_plots.py).
 
-Instability flags (per run; thresholds are ReportConfig fields, documented in README):
+Instability flags (per run; thresholds are ReportConfig fields, documented in docs/sweeps.md):
 - accuracy collapse: an eval accuracy falls below `collapse_fraction` x its best earlier value
   (once that best is at least `collapse_min_peak`) and stays below at every later evaluation,
   at least `collapse_min_evals` evaluations in all.

@@ -84,7 +84,7 @@ class SweepConfig(BaseModel):
             if not _KEY.match(key):
                 raise ValueError(f"{key!r} is not a config key such as kl.beta or max_lag")
             if key in RESERVED_KEYS:
-                raise ValueError(f"{key!r} is set by the sweep for each run (see README)")
+                raise ValueError(f"{key!r} is set by the sweep for each run (see docs/sweeps.md)")
         return value
 
     @field_validator("grid")
