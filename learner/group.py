@@ -59,9 +59,9 @@ class LearnerGroup:
         world = learner_cfg.num_ranks
         # "health": a thread of its own in each rank, so `health` answers while a call runs;
         # every other method runs in the default group, one at a time (the lockstep above).
-        actor = ray.remote(concurrency_groups={"health": 1})(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
-                                                num_gpus=learner_cfg.num_gpus_per_rank,
-                                                resources=resources or None)
+        actor = ray.remote(concurrency_groups={"health": 1})(LearnerRank).options(
+            num_cpus=learner_cfg.num_cpus_per_rank, num_gpus=learner_cfg.num_gpus_per_rank,
+            resources=resources or None)
         files = ModelFiles.of(model)
         self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,
                                    run_id, publisher, total_optimizer_steps)

@@ -189,8 +189,8 @@ class LearnerDeadlines:
                 if idle is None:
                     return f"learner rank {rank}", "it does not answer (frozen or dead)"
                 if method == "train_step" and idle > deadline.seconds:
-                    return (f"learner rank {rank}", f"it answers but made no progress for "
-                            f"{idle:.0f} s (stuck in a collective?)")
+                    why = f"it answers but made no progress for {idle:.0f} s (stuck in a collective?)"
+                    return f"learner rank {rank}", why
             return None
 
         t0 = time.monotonic()

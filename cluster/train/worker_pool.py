@@ -31,7 +31,6 @@ from cluster.config.train_config import TrainConfig
 from cluster.train.deadlines import PROBE_S, Deadline, HangPolicy, Hung, WaitTimes, wait_all
 from cluster.train.stopping import RunStopped
 
-
 START = "worker start-up"  # the kind of wait of a worker's start (deadlines.py)
 
 
