@@ -97,7 +97,8 @@ class Hung(Exception):
     `part` names what hung ("learner rank 0"), `what` the call ("train step 11")."""
 
     def __init__(self, part: str, what: str, waited_s: float, why: str, deadline: Deadline):
-        self.part, self.what, self.waited_s, self.why, self.deadline = part, what, waited_s, why, deadline
+        self.part, self.what, self.waited_s, self.why = part, what, waited_s, why
+        self.deadline = deadline
         super().__init__(f"{part} {self.detail}")
 
     @property
@@ -128,7 +129,8 @@ def wait_all(refs: list, deadline: Deadline, part: str, what: str, probe: Probe,
     check_at, ceiling_at, said = start + deadline.seconds, start + deadline.ceiling_s, False
     pending = list(refs)
     while pending:
-        ready, pending = wait(pending, num_returns=1, timeout=max(0.0, min(check_at, ceiling_at) - clock()))
+        timeout = max(0.0, min(check_at, ceiling_at) - clock())
+        ready, pending = wait(pending, num_returns=1, timeout=timeout)
         if ready:
             get(ready)  # raises a failed call's exception now
             continue
@@ -159,8 +161,9 @@ class LearnerHung(RunStopped):
 # LearnerRank's methods, as deadlines name their kinds of wait. "node_info" is the ranks' first
 # call: it waits for Ray to place and construct them (no call, the probe included, runs before),
 # which may mean waiting for nodes to join, so only the ceiling bounds it.
-LEARNER_KINDS = {"node_info": "learner placement", "setup": "learner start-up", "train_step": "train step",
-                 "export_weights": "weight publish", "save_checkpoint": "checkpoint",
+LEARNER_KINDS = {"node_info": "learner placement", "setup": "learner start-up",
+                 "train_step": "train step", "export_weights": "weight publish",
+                 "save_checkpoint": "checkpoint",
                  "load_checkpoint": "checkpoint load", "save_hf": "Hugging Face export"}
 
 
@@ -181,16 +184,16 @@ class LearnerDeadlines:
         if method == "node_info":
             deadline = Deadline(self.ceiling_s, self.ceiling_s,
                                 f"faults.learner_timeout_s={self.ceiling_s:g}")
-        what = {"train_step": f"train step {group.version + 1}",
-                "export_weights": f"the weight publish of version {group.version}"}.get(method, kind)
+        what = {"train_step": f"train step {group.version + 1}", "export_weights":
+                f"the weight publish of version {group.version}"}.get(method, kind)
 
         def probe():
             for rank, idle in enumerate(group.health(min(PROBE_S, deadline.seconds))):
                 if idle is None:
                     return f"learner rank {rank}", "it does not answer (frozen or dead)"
                 if method == "train_step" and idle > deadline.seconds:
-                    why = f"it answers but made no progress for {idle:.0f} s (stuck in a collective?)"
-                    return f"learner rank {rank}", why
+                    return f"learner rank {rank}", (f"it answers but made no progress for "
+                                                    f"{idle:.0f} s (stuck in a collective?)")
             return None
 
         t0 = time.monotonic()

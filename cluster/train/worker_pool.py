@@ -191,7 +191,8 @@ class WorkerPool:
         try:
             self._wait(i, self.workers[i].version.remote(), START, "its start")
         except Hung as hang:
-            raise WorkerRestartsExhausted(f"the replacement of rollout worker {i} {hang.detail}") from None
+            raise WorkerRestartsExhausted(
+                f"the replacement of rollout worker {i} {hang.detail}") from None
         self.on_restart(self.workers[i])
         print(f"rollout worker {i} {reason}; replaced and re-synced in "
               f"{time.perf_counter() - t0:.1f}s (restart {self.restarts}/{limit})", file=sys.stderr)
