@@ -1,5 +1,6 @@
 """Deadlines of waits on the learner and rollout workers (cluster/train/deadlines.py): the
-derivation from measured durations, and the wait loop, on a fake clock (no Ray, no waiting).
+derivation from measured durations, and the wait loop, on a fake clock (no Ray, no waiting);
+and the process group's timeout in two real gloo processes (slow: DeepSpeed, about 5 s).
 The real stack (SIGSTOP of a learner rank or a worker) is in tests/test_faults.py."""
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from cluster.train.deadlines import (
     deadline_for,
     wait_all,
 )
+from learner.rank import remove_shm_buffers
 
 POLICY = HangPolicy(multiple=5, floor_s=10, startup_s=300, startup_waits=3)
 
@@ -189,6 +191,7 @@ def _rank(rank: int, port: int, out) -> None:
         out.put((type(exc).__name__, time.monotonic() - t0))
 
 
+@pytest.mark.slow
 def test_a_stuck_collective_raises_within_the_process_groups_timeout():
     """learner.rank.init_process_group's timeout (faults.learner_timeout_s in a run) reaches
     gloo: a collective a rank never joins raises in the rank waiting in it."""
@@ -206,4 +209,5 @@ def test_a_stuck_collective_raises_within_the_process_groups_timeout():
         for p in procs:
             p.kill()
             p.join()
-    assert outcome != "returned" and waited < 15, (outcome, waited)
+        remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU all-reduce buffers (RAM)
+    assert outcome != "returned" and 1.5 < waited < 15, (outcome, waited)
