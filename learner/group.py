@@ -161,19 +161,21 @@ class LearnerGroup:
         """Free the ranks' shared-memory buffers, then kill the rank actors (their process
         group dies with them). Best effort: a dead or hung rank must not block shutdown."""
         ranks = getattr(self, "ranks", [])
-        if ranks:
+        local = getattr(self, "_local_rendezvous", None)
+        broken = getattr(self, "broken", False)
+        if ranks and not (broken and local):
             # A dead or hung rank cannot free its buffers, which outlive it in /dev/shm (RAM):
-            # the driver removes them below when it shares the ranks' node. On the health
-            # thread, so a rank blocked in a call still frees its own; a frozen one never
-            # answers, hence the short wait once the group is broken.
+            # the driver removes them below when it shares the ranks' node (so a broken group
+            # there is not asked). On the health thread, so a rank blocked in a call still
+            # frees its own; a frozen one never answers, hence the short wait when broken.
             with contextlib.suppress(Exception):
                 ray.get([h.release_shm.options(concurrency_group="health").remote()
-                         for h in ranks], timeout=5 if getattr(self, "broken", False) else 30)
+                         for h in ranks], timeout=5 if broken else 30)
         for h in ranks:
             ray.kill(h, no_restart=True)
         self.ranks = []
-        if (rendezvous := getattr(self, "_local_rendezvous", None)) is not None:
-            remove_shm_buffers(*rendezvous)
+        if local is not None:
+            remove_shm_buffers(*local)
 
     def _all(self, method: str, *args) -> list[Any]:
         return self._get([getattr(h, method).remote(*args) for h in self.ranks], method)
