@@ -223,8 +223,18 @@ def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_one_restart_each
                                                             for m in steps]
 
 
-def _shm_buffers() -> set:
-    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+def _shm_buffers_of(run: TrainProcess) -> set[str]:
+    """The /dev/shm all-reduce buffers this run's learner ranks have mapped (other runs on the
+    machine make buffers of their own, so a glob alone would see theirs)."""
+    found = set()
+    for p in run._descendants():
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::LearnerRank"):
+                found |= {m.path for m in p.memory_maps()
+                          if m.path.startswith("/dev/shm/deepspeed_allreduce_buffer_")}
+        except psutil.Error:
+            continue
+    return found
 
 
 def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_checkpoint(
@@ -234,18 +244,18 @@ def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_check
     last complete checkpoint and prints the --resume command, exits 1, and tears everything
     down: no process left (the frozen rank included), and its /dev/shm buffers (~70 MB of RAM
     each, which it cannot free itself) removed."""
-    before = _shm_buffers()
     run = TrainProcess(tmp_path, "learner", *tiny_args(
         tiny_model_dir, tmp_path, "learner", 50, "checkpoint_every=2", *FAST_DEADLINES))
     run.wait_for_step(3)
-    assert _shm_buffers() - before, "the learner made no /dev/shm buffer to check"
+    buffers = _shm_buffers_of(run)
+    assert buffers, "the learner made no /dev/shm buffer to check"
     run.kill_titled("ray::LearnerRank", sig=signal.SIGSTOP)
     frozen_at, frozen_after = time.monotonic(), run.steps_done()
     code = run.finish()
     stopped_in = time.monotonic() - frozen_at
     assert code == 1, run.output()
     assert not run.leftovers()
-    assert not _shm_buffers() - before, "the frozen rank's shared-memory buffers were left"
+    assert not [b for b in buffers if Path(b).exists()], "the frozen rank's buffers were left"
     out = run.output()
     assert caught_within(out, "learner rank 0") <= CAUGHT_WITHIN_S
     assert stopped_in < CAUGHT_WITHIN_S + 60, (stopped_in, out)  # + the teardown
