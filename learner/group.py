@@ -3,6 +3,8 @@
 Every call fans out to all ranks at once (the ranks run collectives in lockstep) and waits for
 all of them. If any rank fails, the group is broken (the others may be blocked in a
 collective): the error is raised at once rather than waiting on the rest; call `shutdown()`.
+How long it waits is its owner's choice (`wait`: cluster/train/deadlines.py gives every call a
+deadline); `health()` answers on a thread of each rank's own, even while a call runs.
 
 Invariant (enforced in `train_step`): `version` is the number of rollout batches trained with at
 least one applied optimizer step, on every rank alike; a batch whose every step was refused
@@ -12,6 +14,7 @@ steps (one by default).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,9 @@ class LearnerGroup:
                  kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
                  publisher: WeightPublisher | None = None,
                  total_optimizer_steps: int | None = None,
-                 resources: dict[str, float] | None = None):
+                 resources: dict[str, float] | None = None,
+                 wait: Callable[[LearnerGroup, list, str], list] | None = None,
+                 collective_timeout_s: float | None = None):
         """`model`: the policy's directory (also the reference), or a ModelFiles (a separate
         reference, hub revision, remote code; cluster/train/launch.py builds it from
         TrainConfig.model). `publisher`: the weight transport `export_weights` uses
@@ -40,17 +45,23 @@ class LearnerGroup:
         Every rank gets a copy; rank 0's publishes. `total_optimizer_steps`: the run's
         optimizer steps (total_steps x updates_per_batch), where a decaying learner.lr_schedule
         ends; required by linear and cosine. `resources`: custom Ray resources each rank
-        requests (placement on chosen nodes, e.g. {"head": 1})."""
+        requests (placement on chosen nodes, e.g. {"head": 1}). `wait(group, refs, method)`:
+        how every call on the ranks is waited for (default: `get_all`, without a deadline).
+        `collective_timeout_s`: the process group's timeout (LearnerRank.setup)."""
         if learner_cfg.lr_schedule != "constant" and total_optimizer_steps is None:
             # Refused here, before any actor starts (make_scheduler would refuse in every rank).
             raise ValueError(f"learner.lr_schedule={learner_cfg.lr_schedule} needs "
                              "LearnerGroup(..., total_optimizer_steps=N)")
         self.cfg, self.run_id = learner_cfg, run_id
         self.version = 0
+        self._wait = wait or (lambda _group, refs, _method: get_all(refs))
+        self.broken = False  # a call failed or hung: ranks may be blocked in a collective
         world = learner_cfg.num_ranks
-        actor = ray.remote(LearnerRank).options(num_cpus=learner_cfg.num_cpus_per_rank,
-                                                num_gpus=learner_cfg.num_gpus_per_rank,
-                                                resources=resources or None)
+        # "health": a thread of its own in each rank, so `health` answers while a call runs;
+        # every other method runs in the default group, one at a time (the lockstep above).
+        actor = ray.remote(concurrency_groups={"health": 1})(LearnerRank).options(
+            num_cpus=learner_cfg.num_cpus_per_rank, num_gpus=learner_cfg.num_gpus_per_rank,
+            resources=resources or None)
         files = ModelFiles.of(model)
         self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,
                                    run_id, publisher, total_optimizer_steps)
@@ -66,9 +77,9 @@ class LearnerGroup:
             here = ray.get_runtime_context().get_node_id()
             self._local_rendezvous = (addr, port) if set(nodes) == {here} else None
             local = [nodes[:r].count(nodes[r]) for r in range(world)]
-            self.rank_info = get_all([  # per rank: parameter count, optimizer class
-                h.setup.remote(addr, port, local[r], nodes.count(nodes[r]))
-                for r, h in enumerate(self.ranks)])
+            self.rank_info = self._get([  # per rank: parameter count, optimizer class
+                h.setup.remote(addr, port, local[r], nodes.count(nodes[r]), collective_timeout_s)
+                for r, h in enumerate(self.ranks)], "setup")
         except BaseException:
             self.shutdown()
             raise
@@ -83,7 +94,8 @@ class LearnerGroup:
         including `nonfinite` (1: every step refused) and `grad/norm`."""
         world, n = self.num_ranks, batch.num_sequences
         shards = [batch.shard(r, world) for r in range(world)]  # whole groups, equal sizes
-        per_rank = get_all([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)])
+        per_rank = self._get([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)],
+                             "train_step")
         updates = []
         for parts in zip(*per_rank):  # update k of every rank
             refused = {p["nonfinite"] for p in parts}
@@ -132,23 +144,48 @@ class LearnerGroup:
     def named_parameters_for_inference(self) -> dict:
         return self._all("named_parameters_for_inference")[0]
 
+    def health(self, timeout: float) -> list[float | None]:
+        """Per rank: seconds since it last made progress (LearnerRank.health), or None if it
+        did not answer within `timeout` (frozen, dead, or its node unreachable)."""
+        refs = [h.health.options(concurrency_group="health").remote() for h in self.ranks]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out: list[float | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
+
     def shutdown(self) -> None:
         """Free the ranks' shared-memory buffers, then kill the rank actors (their process
         group dies with them). Best effort: a dead or hung rank must not block shutdown."""
         ranks = getattr(self, "ranks", [])
-        if ranks:
+        local = getattr(self, "_local_rendezvous", None)
+        broken = getattr(self, "broken", False)
+        if ranks and not (broken and local):
             # A dead or hung rank cannot free its buffers, which outlive it in /dev/shm (RAM):
-            # the driver removes them below when it shares the ranks' node.
+            # the driver removes them below when it shares the ranks' node (so a broken group
+            # there is not asked). On the health thread, so a rank blocked in a call still
+            # frees its own; a frozen one never answers, hence the short wait when broken.
             with contextlib.suppress(Exception):
-                ray.get([h.release_shm.remote() for h in ranks], timeout=30)
+                ray.get([h.release_shm.options(concurrency_group="health").remote()
+                         for h in ranks], timeout=5 if broken else 30)
         for h in ranks:
             ray.kill(h, no_restart=True)
         self.ranks = []
-        if (rendezvous := getattr(self, "_local_rendezvous", None)) is not None:
-            remove_shm_buffers(*rendezvous)
+        if local is not None:
+            remove_shm_buffers(*local)
 
     def _all(self, method: str, *args) -> list[Any]:
-        return get_all([getattr(h, method).remote(*args) for h in self.ranks])
+        return self._get([getattr(h, method).remote(*args) for h in self.ranks], method)
+
+    def _get(self, refs: list, method: str) -> list[Any]:
+        try:
+            return self._wait(self, refs, method)
+        except BaseException:
+            self.broken = True
+            raise
 
 
 def get_all(refs: list) -> list:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -121,6 +122,7 @@ class LearnerRank:
         # The policy version of these weights: rollout batches trained with at least one applied
         # optimizer step (one batch = learner.epochs x learner.mini_batches optimizer steps).
         self.version = 0
+        self._progress_at = time.monotonic()  # when this rank last did a unit of work (health)
         # Ray sets OMP_NUM_THREADS from num_cpus; torch's intra-op pool needs telling as well.
         torch.set_num_threads(max(1, int(learner_cfg.num_cpus_per_rank)))
 
@@ -141,6 +143,16 @@ class LearnerRank:
             s.bind((host, 0))
             return s.getsockname()[1]
 
+    def health(self) -> float:
+        """Seconds since this rank last made progress (a micro-batch, an optimizer step, the
+        start of a train step). The group calls it on a thread of its own while another call
+        runs: a frozen rank does not answer, one stuck in a collective answers an ever larger
+        number (cluster/train/deadlines.py decides what is hung)."""
+        return time.monotonic() - self._progress_at
+
+    def _progress(self) -> None:
+        self._progress_at = time.monotonic()
+
     def release_shm(self) -> int:
         """Delete the shared-memory all-reduce buffers DeepSpeed's CPU comm op created for this
         process group. They live in /dev/shm (RAM) and outlive the process: ~70 MB per rank
@@ -148,8 +160,10 @@ class LearnerRank:
         rendezvous = getattr(self, "_rendezvous", None)
         return 0 if rendezvous is None else remove_shm_buffers(*rendezvous)
 
-    def setup(self, master_addr: str, master_port: int, local_rank: int, local_size: int) -> dict:
-        """Join the process group, load policy + reference, build the DeepSpeed engine."""
+    def setup(self, master_addr: str, master_port: int, local_rank: int, local_size: int,
+              collective_timeout_s: float | None = None) -> dict:
+        """Join the process group (`init_process_group`), load policy + reference, build the
+        DeepSpeed engine."""
         import deepspeed
 
         cuda = self.cfg.device_kind == "cuda"
@@ -159,8 +173,7 @@ class LearnerRank:
             "LOCAL_RANK": "0" if cuda else str(local_rank), "LOCAL_SIZE": str(local_size),
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         })
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
-                                   verbose=False)
+        init_process_group(cuda, collective_timeout_s)
         self._rendezvous = (master_addr, master_port)
         torch.manual_seed(self.seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -208,6 +221,7 @@ class LearnerRank:
         sequences, and each update's loss is normalised by that constant. The reference
         log-probs are computed once for all updates (the reference never changes)."""
         cfg = self.cfg
+        self._progress()
         ref_logp = self._logprobs(self.ref, shard)
         per_mini = num_sequences_global / cfg.mini_batches
         minis = [shard.shard_indices(m, cfg.mini_batches) for m in range(cfg.mini_batches)]
@@ -251,9 +265,11 @@ class LearnerRank:
                 # Poison this rank's gradients so the global norm is NaN on every rank.
                 backward = logp.sum() * float("nan")
             self.engine.backward(backward)
+            self._progress()
             parts.append(metrics)
         lr = self.optimizer.param_groups[0]["lr"]
         self.engine.step()
+        self._progress()
         applied = self.engine.was_step_applied()
         if self.cfg.deepspeed_wraps_optimizer:
             norm = self.engine.get_global_grad_norm()
@@ -277,6 +293,7 @@ class LearnerRank:
             mb = _to_device(batch.select(torch.arange(start, min(B, start + micro))), self.device)
             out[start:start + mb.num_sequences, :mb.width] = sequence_logprobs(
                 model(**_model_inputs(mb)).logits, mb.input_ids)
+            self._progress()
         return out
 
     # ------------------------------------------------------------------ weights out
@@ -377,6 +394,19 @@ class LearnerRank:
         self.version = int(state["version"])
         torch.set_rng_state(state["torch_rng"])
         return {"version": self.version}
+
+
+def init_process_group(cuda: bool, collective_timeout_s: float | None = None) -> None:
+    """Join torch.distributed through DeepSpeed (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the
+    environment): NCCL on GPU, gloo on CPU. A collective that waits longer than
+    `collective_timeout_s` raises instead of blocking forever (gloo raises in the waiting rank;
+    NCCL's watchdog aborts the communicator); None: DeepSpeed's default (30 minutes)."""
+    import deepspeed
+
+    timeout = {} if collective_timeout_s is None else {
+        "timeout": timedelta(seconds=collective_timeout_s)}
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                               verbose=False, **timeout)
 
 
 def _make_optimizer(params, cfg: LearnerConfig, adam: dict) -> torch.optim.Optimizer:

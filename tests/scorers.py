@@ -27,3 +27,22 @@ def short_answers_slowly(completion: str, problem) -> float:
 
     time.sleep(0.1)
     return short_answers(completion, problem)
+
+
+def short_answers_slow_once(completion: str, problem) -> float:
+    """`short_answers`; but the one call that finds the file named by $KLRL_TEST_SLOW_ONCE
+    takes it away and first sleeps as many seconds as it holds: one generate call, made slower
+    on purpose (while the worker stays live), at the moment the test chooses."""
+    import os
+    import time
+
+    marker = os.environ.get("KLRL_TEST_SLOW_ONCE")
+    if marker:
+        try:
+            with open(marker) as f:
+                seconds = float(f.read())
+            os.remove(marker)  # one caller wins: the others find no file
+        except (FileNotFoundError, ValueError):
+            seconds = 0.0
+        time.sleep(seconds)
+    return short_answers(completion, problem)

@@ -1,13 +1,17 @@
 """Faults injected into real `klrl train` processes (Ray + vLLM + DeepSpeed on loopback).
 
-Each test starts the real command line in a subprocess, injects a fault from outside (SIGKILL
-of a rollout worker while Ray shows it running `generate`, SIGKILL of a learner rank, SIGTERM
-to the driver) and checks the outcome: the run goes on, or stops with a clear message, the
-right exit code and a loadable checkpoint, and never leaves a process behind.
+Each test starts the real command line in a subprocess, injects faults from outside (SIGKILL
+or SIGSTOP of a rollout worker while Ray shows it running `generate`, SIGSTOP of a learner
+rank, SIGTERM to the driver, a scorer made slow on purpose) and checks the outcome: the run
+goes on, or stops with a clear message, the right exit code and a loadable checkpoint, and
+never leaves a process behind. Each run costs a Ray + vLLM + DeepSpeed start, so each carries
+several faults; its docstring lists what it asserts. The deadline arithmetic itself is tested
+without processes in tests/test_deadlines.py.
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +35,11 @@ class TrainProcess:
     """`python -m cluster.cli train ...` in a subprocess, with every descendant it ever had
     recorded (to prove none outlives it) and a way to kill descendants by Ray process title."""
 
-    def __init__(self, tmp_path: Path, name: str, *args: str):
+    def __init__(self, tmp_path: Path, name: str, *args: str, env: dict | None = None):
         self.run_dir = tmp_path / name
         self.log = tmp_path / f"{name}.log"
-        env = os.environ | {"PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = os.environ | (env or {}) | {
+            "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", *args],
                                          cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -69,9 +74,11 @@ class TrainProcess:
             assert time.monotonic() < deadline, f"no step {step} in {timeout}s:\n{self.output()}"
             time.sleep(0.1)
 
-    def kill_titled(self, title: str, times: int = 1, timeout: float = 120) -> None:
-        """SIGKILL descendants whose process title starts with `title` (Ray titles an actor
-        process `ray::Class.method` while it runs that method), `times` times."""
+    def kill_titled(self, title: str, times: int = 1, timeout: float = 120,
+                    sig: int = signal.SIGKILL) -> None:
+        """Send `sig` (SIGKILL; SIGSTOP freezes) to descendants whose process title starts with
+        `title` (Ray titles an actor process `ray::Class.method` while it runs that method),
+        until `times` of them have had it in all."""
         deadline = time.monotonic() + timeout
         while len(self.killed) < times:
             assert time.monotonic() < deadline, f"never saw {title!r}:\n{self.output()}"
@@ -80,9 +87,10 @@ class TrainProcess:
             for p in self._descendants():
                 try:
                     cmdline = p.cmdline()  # read once: a dying process's changes under us
-                    if cmdline and cmdline[0].startswith(title):
+                    if (cmdline and cmdline[0].startswith(title)
+                            and p.status() != psutil.STATUS_STOPPED):  # frozen: had its signal
                         self.killed.append(cmdline[0])
-                        p.kill()
+                        p.send_signal(sig)
                         break
                 except psutil.Error:
                     continue
@@ -123,77 +131,140 @@ def tiny_args(model_dir, out, name, steps, *extra) -> list[str]:
             "task.reward=scorers:short_answers", *extra]
 
 
-def test_killed_worker_is_resynced_exactly_and_restarts_used_up_stop_with_a_checkpoint(
+# Deadlines that fit these runs (a step takes about a second): 5x the median of the waits
+# measured so far, at least 5 s, from the first measured wait of each kind on (60 s before).
+# A hang is then caught within the 5 s floor plus a 5 s probe.
+FAST_DEADLINES = ("faults.hang_floor_s=5", "faults.hang_startup_waits=1",
+                  "faults.hang_startup_s=60")
+CAUGHT_WITHIN_S = 5 + 5 + 5  # floor, probe, slack for a loaded 2-core machine
+
+
+def caught_within(out: str, part: str) -> int:
+    """The seconds `part`'s hang message says it waited."""
+    found = re.search(rf"{part} did not finish .*? within (\d+) s: it does not answer", out)
+    assert found, out
+    return int(found.group(1))
+
+
+def test_frozen_worker_is_replaced_a_slow_live_one_is_not_and_restarts_used_up_stop(
         tmp_path, tiny_model_dir):
-    """One run, two faults (one run instead of two: each costs a Ray + vLLM + DeepSpeed start).
-    The first killed worker is replaced and re-synced, and the run trains on; the second uses up
-    faults.max_worker_restarts=1 and stops the run with a checkpoint, exit 1."""
+    """One run at max_lag 0, three faults (each run costs a Ray + vLLM + DeepSpeed start).
+    1. A rollout worker frozen (SIGSTOP) in generate is replaced within its deadline (one
+       restart) and re-synced exactly: at max_lag 0 the learner's log-probs equal the
+       sampler's only if the new worker holds the learner's weights.
+    2. One generate call made slower than its deadline (a scorer sleeps 8 s once) by a worker
+       that stays live is waited on and logged, not cut off: no restart.
+    3. A killed worker then uses up faults.max_worker_restarts=1: the run stops with a
+       checkpoint, exit 1, no process left."""
+    marker = tmp_path / "slow_once"
     run = TrainProcess(tmp_path, "restarts", *tiny_args(
-        tiny_model_dir, tmp_path, "restarts", 50, "faults.max_worker_restarts=1"))
-    run.wait_for_step(1)
-    run.kill_titled("ray::RolloutWorker.generate")
-    run.wait_for_step(4)  # trained on by the replacement
-    out_after_first = run.output()
-    assert "rollout worker 0 died during generate" in out_after_first, out_after_first
-    assert "re-synced" in out_after_first, out_after_first
+        tiny_model_dir, tmp_path, "restarts", 50, "faults.max_worker_restarts=1",
+        "task.reward=scorers:short_answers_slow_once", "task.scorer_timeout_s=60",
+        *FAST_DEADLINES), env={"KLRL_TEST_SLOW_ONCE": str(marker)})
+    run.wait_for_step(2)
+    run.kill_titled("ray::RolloutWorker.generate", sig=signal.SIGSTOP)
+    run.wait_for_step(5)  # trained on by the replacement
+    out = run.output()
+    assert "re-synced" in out and "(restart 1/1)" in out, out
+    assert caught_within(out, "rollout worker 0") <= CAUGHT_WITHIN_S
+
+    slow_from = run.steps_done()
+    (tmp_path / "slow_once.tmp").write_text("8")
+    (tmp_path / "slow_once.tmp").rename(marker)
+    run.wait_for_step(slow_from + 3)
+    out = run.output()
+    assert not marker.exists() and "past its deadline" in out and "but is live" in out, out
+    assert "(restart 2/" not in out
+
     run.kill_titled("ray::RolloutWorker.generate", times=2)
     assert run.finish() == 1, run.output()
     assert not run.leftovers()
     out = run.output()
     assert "faults.max_worker_restarts=1" in out and "run stopped" in out, out
     steps = [m for m in read_metrics(run.run_dir) if m["step"] > 0]
-    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 4
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 7
     assert steps[-1]["faults/worker_restarts"] == 1
-    # at max_lag 0 the learner's log-probs equal the sampler's only if the new worker holds
-    # exactly the learner's weights: the re-sync is checked end to end, not just by version
+    assert max(m["time/wait_for_rollouts"] for m in steps[slow_from:]) >= 8  # past 5 s
     for m in steps:
         assert abs(m["is/ratio_max"] - 1) < 1e-3 and abs(m["is/ratio_min"] - 1) < 1e-3, m
     latest = ckpt.latest_checkpoint(run.run_dir)
     assert latest is not None and f"checkpoint: {latest}" in out
     state = ckpt.read_checkpoint(latest)
-    assert state.step >= 4 and state.worker_restarts == 1
+    assert state.step >= 7 and state.worker_restarts == 1
     assert not (run.run_dir / "final").exists()
 
 
-def test_async_run_rides_out_one_worker_death_with_one_restart(tmp_path, tiny_model_dir):
-    """max_lag 4: the batches still in flight when the worker dies are sent again to its
-    replacement, so one fault costs one restart; each weight load's sync.timeout_s counts from
+def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_one_restart_each(
+        tmp_path, tiny_model_dir):
+    """max_lag 2: a killed worker and then a frozen (SIGSTOP) one are replaced, one restart
+    each (the frozen one within its deadline): the batches still in flight are sent again to
+    the replacement, at no extra restart. Also: each weight load's sync.timeout_s counts from
     when it could start, not from when it was queued behind slow generate calls (each takes
     over 1.6 s here against a 1.2 s sync timeout); and with generation slower than training a
-    load queued behind 4 batches still finds its shm file (the controller confirms older loads
-    before publishing: the transport keeps two versions)."""
+    load queued behind 2 batches still finds its shm file (the controller confirms older
+    loads before publishing: the transport keeps two versions)."""
     run = TrainProcess(tmp_path, "async", *tiny_args(
-        tiny_model_dir, tmp_path, "async", 9, "max_lag=4", "sync.timeout_s=1.2",
-        "task.reward=scorers:short_answers_slowly"))
-    run.wait_for_step(5)  # the worker runs 4 batches behind the learner until it is killed
+        tiny_model_dir, tmp_path, "async", 10, "max_lag=2", "sync.timeout_s=1.2",
+        "task.reward=scorers:short_answers_slowly", *FAST_DEADLINES))
+    run.wait_for_step(3)  # the worker runs 2 batches behind the learner until it is killed
     run.kill_titled("ray::RolloutWorker.generate")
+    run.wait_for_step(6)
+    run.kill_titled("ray::RolloutWorker.generate", times=2, sig=signal.SIGSTOP)
     assert run.finish() == 0, run.output()
     assert not run.leftovers()
+    out = run.output()
+    assert "died during generate" in out and "(restart 2/3)" in out, out
+    assert caught_within(out, "rollout worker 0") <= CAUGHT_WITHIN_S
     steps = [m for m in read_metrics(run.run_dir) if m["step"] > 0]
-    assert [m["step"] for m in steps] == list(range(1, 10))
-    assert steps[-1]["faults/worker_restarts"] == 1
-    assert max(m["lag/max"] for m in steps) <= 4
+    assert [m["step"] for m in steps] == list(range(1, 11))
+    assert steps[-1]["faults/worker_restarts"] == 2
+    assert max(m["lag/max"] for m in steps) <= 2
     assert [m["rollout/policy_version"] for m in steps] == [m["step"] - 1 - m["lag/mean"]
                                                             for m in steps]
 
 
-def _shm_buffers() -> set:
-    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+def _shm_buffers_of(run: TrainProcess) -> set[str]:
+    """The /dev/shm all-reduce buffers this run's learner ranks have mapped (other runs on the
+    machine make buffers of their own, so a glob alone would see theirs)."""
+    found = set()
+    for p in run._descendants():
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::LearnerRank"):
+                found |= {m.path for m in p.memory_maps()
+                          if m.path.startswith("/dev/shm/deepspeed_allreduce_buffer_")}
+        except psutil.Error:
+            continue
+    return found
 
 
-def test_learner_crash_tears_everything_down_and_exits_nonzero(tmp_path, tiny_model_dir):
-    """... and frees the killed rank's /dev/shm buffers (~70 MB of RAM each), which it could
-    not free itself."""
-    before = _shm_buffers()
-    run = TrainProcess(tmp_path, "learner", *tiny_args(tiny_model_dir, tmp_path, "learner", 50))
-    run.wait_for_step(1)
-    assert _shm_buffers() - before, "the learner made no /dev/shm buffer to check"
-    run.kill_titled("ray::LearnerRank")
+def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_checkpoint(
+        tmp_path, tiny_model_dir):
+    """A learner rank frozen mid-run (SIGSTOP: what a stuck collective or a wedged GPU leaves)
+    stops the run within its deadline with one line naming the rank and the call, keeps the
+    last complete checkpoint and prints the --resume command, exits 1, and tears everything
+    down: no process left (the frozen rank included), and its /dev/shm buffers (~70 MB of RAM
+    each, which it cannot free itself) removed."""
+    run = TrainProcess(tmp_path, "learner", *tiny_args(
+        tiny_model_dir, tmp_path, "learner", 50, "checkpoint_every=2", *FAST_DEADLINES))
+    run.wait_for_step(3)
+    buffers = _shm_buffers_of(run)
+    assert buffers, "the learner made no /dev/shm buffer to check"
+    run.kill_titled("ray::LearnerRank", sig=signal.SIGSTOP)
+    frozen_at, frozen_after = time.monotonic(), run.steps_done()
     code = run.finish()
+    stopped_in = time.monotonic() - frozen_at
     assert code == 1, run.output()
-    assert "torn down" in run.output()
     assert not run.leftovers()
-    assert not _shm_buffers() - before, "the killed rank's shared-memory buffers were left"
+    assert not [b for b in buffers if Path(b).exists()], "the frozen rank's buffers were left"
+    out = run.output()
+    assert caught_within(out, "learner rank 0") <= CAUGHT_WITHIN_S
+    assert stopped_in < CAUGHT_WITHIN_S + 60, (stopped_in, out)  # + the teardown
+    [line] = [ln for ln in out.splitlines() if "learner rank 0 did not finish" in ln]
+    assert line.startswith("run stopped: learner rank 0 did not finish ") and "deadline:" in line
+    latest = ckpt.latest_checkpoint(run.run_dir)
+    assert latest is not None and f"checkpoint: {latest}" in out
+    assert f"continue with: klrl train --resume {run.run_dir}" in out
+    assert 2 <= ckpt.read_checkpoint(latest).step <= frozen_after + 1
 
 
 def test_sigterm_checkpoints_and_stops_then_resume_finishes(tmp_path, tiny_model_dir):

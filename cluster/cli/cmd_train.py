@@ -58,6 +58,9 @@ def _report_stop(stop) -> int:
     msg = f"run stopped: {stop}"
     if stop.checkpoint is not None:
         msg += f"\ncheckpoint: {stop.checkpoint}\ncontinue with: klrl train --resume {stop.checkpoint.parent.parent}"
+    elif stop.run_dir is not None:  # e.g. a learner that hung before the first checkpoint
+        msg += (f"\nno checkpoint yet: klrl train --resume {stop.run_dir} starts the run afresh "
+                "(checkpoint_every > 0 keeps one)")
     print(msg, file=sys.stderr)
     return stop.exit_code
 

@@ -153,16 +153,40 @@ class LoggingConfig(_Strict):
 
 
 class FaultConfig(_Strict):
-    """How the controller rides out rollout-worker faults (see docs/checkpoints.md, "what survives what")."""
+    """How the controller rides out faults of rollout workers and learner ranks (see docs/checkpoints.md,
+    "what survives what"). Every wait on a part has a deadline derived from the run's own
+    measured times (cluster/train/deadlines.py): `hang_multiple` x the median of the recent
+    waits of its kind, at least `hang_floor_s` (`hang_startup_s` for the first
+    `hang_startup_waits`), at most the part's ceiling. When it passes, a part that does not
+    answer (or, in a train step, has made no progress within the deadline) is hung; a live
+    one is waited on up to the ceiling."""
 
     max_worker_restarts: int = Field(3, ge=0, le=10_000, description="Rollout-worker restarts "
                                      "allowed over the whole run (a worker that dies or hangs is "
                                      "replaced and re-synced); one more failure stops the run with "
                                      "a checkpoint.")
-    generate_timeout_s: float = Field(3600.0, gt=0, le=86_400, description="A rollout worker "
-                                      "that does not return a generation or evaluation request "
-                                      "this long after the controller starts waiting is "
-                                      "considered hung: it is killed and restarted.")
+    hang_multiple: float = Field(5.0, ge=1.5, le=1000, description="A wait's deadline is this "
+                                 "multiple of the median duration of the recent waits of its "
+                                 "kind (train step, weight publish, checkpoint, generate, "
+                                 "evaluate, ...), measured in this run. When it passes, a part "
+                                 "that does not answer, or a learner rank that made no progress "
+                                 "within it, is hung.")
+    hang_floor_s: float = Field(60.0, gt=0, le=86_400, description="No deadline is shorter "
+                                "(short steps: a pause of the machine, a garbage collection).")
+    hang_startup_s: float = Field(600.0, gt=0, le=86_400, description="The deadline of a kind "
+                                  "of wait before hang_startup_waits of it are measured: "
+                                  "start-up (engines, learner set-up) and the first steps.")
+    hang_startup_waits: int = Field(3, ge=1, le=1000, description="Waits of a kind measured "
+                                    "before their median sets its deadline.")
+    generate_timeout_s: float = Field(3600.0, gt=0, le=86_400, description="Ceiling of a "
+                                      "rollout worker's deadlines: a generation or evaluation "
+                                      "request (or a worker start) that takes longer, live or "
+                                      "not, counts as hung: the worker is killed and replaced.")
+    learner_timeout_s: float = Field(3600.0, gt=0, le=86_400, description="Ceiling of the "
+                                     "learner's deadlines (set-up, train step, weight publish, "
+                                     "checkpoint): a call that takes longer, live or not, "
+                                     "stops the run. Also the process group's timeout, so a "
+                                     "stuck collective raises in the ranks.")
 
 
 # Resources Ray defines itself, and the options that request them (None: klrl does not).

@@ -35,6 +35,7 @@ from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
+from cluster.train.deadlines import LearnerDeadlines
 from cluster.train.launch import connect_nccl, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
@@ -119,7 +120,7 @@ class Controller:
             completed = True
             return last
         except RunStopped as stop:
-            stop.checkpoint = self._checkpoint() if self.learner is not None else None
+            self._checkpoint_for(stop)
             raise
         finally:
             # A failed or stopped run raises its own exception; a part that then fails to
@@ -135,7 +136,8 @@ class Controller:
         # mostly imports and model loading, in processes of their own).
         self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
-                                     steps=self._planned_steps())
+                                     steps=self._planned_steps(),
+                                     wait=LearnerDeadlines(self.cfg.faults))
         self.pool.wait_started()
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
             connect_nccl(self.learner, self.pool.workers)
@@ -309,12 +311,7 @@ class Controller:
         """Wait until the worker of `sync` has generated the batch queued before its load (a
         worker that dies meanwhile has answered; one that hangs is replaced); from then on the
         load can run, and its sync.timeout_s counts."""
-        refs = [c.ref for c in sync.after.calls if c.worker == sync.call.worker]
-        limit = self.cfg.faults.generate_timeout_s
-        _, hung = ray.wait(refs, num_returns=len(refs), timeout=limit)
-        if hung:
-            self.pool.restart(sync.call.worker, f"no answer to generate within "
-                                                f"faults.generate_timeout_s={limit:g}")
+        self.pool.wait_done([c for c in sync.after.calls if c.worker == sync.call.worker])
         sync.ready_since = time.monotonic()
 
     def _resync(self, worker) -> None:
@@ -378,6 +375,19 @@ class Controller:
             reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
         return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
                                      keep=self.cfg.keep_checkpoints)
+
+    def _checkpoint_for(self, stop: RunStopped) -> None:
+        """Give `stop` the checkpoint to resume from: a new one, or the last complete one when
+        the learner cannot write one (it hung, now or while writing this one)."""
+        stop.run_dir = self.run_dir
+        if stop.write_checkpoint and self.learner is not None:
+            try:
+                stop.checkpoint = self._checkpoint()
+                return
+            except RunStopped as hung:  # the learner hung writing it: that is the news
+                self._checkpoint_for(hung)
+                raise hung from stop
+        stop.checkpoint = ckpt.latest_checkpoint(self.run_dir)
 
     def _finish(self) -> None:
         if self.cfg.checkpoint_every:  # so that the run can be extended with --resume

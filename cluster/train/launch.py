@@ -46,19 +46,24 @@ def resolve_model(cfg: TrainConfig) -> Path:
     return Path(init_default_model())
 
 
-def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | None = None):
+def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | None = None,
+                  wait=None):
     """The learner group, given what learner/ may not read itself (it imports only kl/): the
     weight transport of actors/, where its models come from (`model.ref_path`, `revision`,
     `trust_remote_code`), and the run's optimizer steps, where a decaying LR schedule ends
     (`steps`: the run's planned steps, fewer than total_steps when data.epochs end it first;
-    default total_steps)."""
+    default total_steps). `wait`: how its calls are waited for (the controller's
+    cluster.train.deadlines.LearnerDeadlines); the process group's timeout is
+    faults.learner_timeout_s, the ceiling of every learner call, so a collective stuck that
+    long raises in the ranks that still run."""
     from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
     return LearnerGroup(learner_model_files(cfg, model_dir), cfg.learner, cfg.kl, cfg.advantage,
                         seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
                         total_optimizer_steps=(steps or cfg.total_steps) * cfg.learner.updates_per_batch,
-                        resources=cfg.ray.learner_resources)
+                        resources=cfg.ray.learner_resources, wait=wait,
+                        collective_timeout_s=cfg.faults.learner_timeout_s)
 
 
 def learner_model_files(cfg: TrainConfig, model_dir: Path):

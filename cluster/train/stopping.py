@@ -17,12 +17,15 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 
 class RunStopped(RuntimeError):
     """The run stops early but cleanly: the controller checkpoints, then re-raises.
-    `exit_code` is what `klrl train` exits with; `checkpoint` is set by the controller."""
+    `exit_code` is what `klrl train` exits with; `checkpoint` (the one to resume from, None if
+    there is none) and `run_dir` are set by the controller. `write_checkpoint=False`: the
+    learner cannot write one (it hung), so `checkpoint` is the last complete one."""
 
-    def __init__(self, message: str, exit_code: int = 1):
+    def __init__(self, message: str, exit_code: int = 1, write_checkpoint: bool = True):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.write_checkpoint = exit_code, write_checkpoint
         self.checkpoint: Path | None = None
+        self.run_dir: Path | None = None
 
 
 class GracefulStop:

@@ -1,7 +1,9 @@
 """`WorkerPool`: the rollout workers, replaced when they die or hang.
 
-A worker whose call fails with a dead actor, or does not answer within
-`faults.generate_timeout_s`, is killed and replaced by a fresh one on the same model; the
+A worker whose call fails with a dead actor, or hangs (cluster/train/deadlines.py: past the
+deadline derived from the run's measured calls of that kind, it does not answer a health call;
+or past the ceiling `faults.generate_timeout_s`, live or not), is killed and replaced by a
+fresh one on the same model; the
 pool's owner re-syncs the current weights into it (`on_restart`, which checks the version)
 before the failed call is sent again. Replaying a generation request is exact: the request
 carries its own seed. Every replacement counts against `faults.max_worker_restarts` over the
@@ -24,8 +26,12 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from actors.records import RolloutBatch
 from cluster.config.train_config import TrainConfig
+from cluster.train.deadlines import PROBE_S, Deadline, HangPolicy, Hung, WaitTimes, wait_all
 from cluster.train.stopping import RunStopped
+
+START = "worker start-up"  # the kind of wait of a worker's start (deadlines.py)
 
 
 class WorkerRestartsExhausted(RunStopped):
@@ -50,7 +56,9 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
     from actors.rollout_worker import RolloutWorker
 
     r = cfg.worker_rollout  # rollout.dtype resolved against learner.dtype
-    return ray.remote(RolloutWorker).options(
+    # "health": a thread of its own, so that `version` answers the hang probe while a
+    # generate call runs; every other call runs in the default group, one at a time, in order.
+    return ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
         num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker,
         resources=cfg.ray.worker_resources or None).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
@@ -63,13 +71,22 @@ class WorkerPool:
         self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
         self.restarts = 0
         self.incarnation = [0] * cfg.rollout.num_workers  # bumped when worker i is replaced
+        # Deadlines per kind of call ("generate", "evaluate", START), measured over
+        # all workers together: they run the same engine on the same kind of batch.
+        self.times: dict[str, WaitTimes] = {}
         # Actor creation returns at once: the engines start while the caller starts the
         # learner, and `wait_started` surfaces their start-up errors.
         self.workers = [start_worker(cfg, model_dir, i) for i in range(cfg.rollout.num_workers)]
 
     def wait_started(self) -> None:
-        """Block until every worker's engine is up (raises its start-up error)."""
-        ray.get([w.version.remote() for w in self.workers])
+        """Block until every worker's engine is up (raises its start-up error), within the
+        ceiling (a starting actor cannot be probed: `_wait`)."""
+        starts = [w.version.remote() for w in self.workers]
+        for i, ref in enumerate(starts):
+            try:
+                self._wait(i, ref, START, "its start")
+            except Hung as hang:
+                raise RunStopped(str(hang)) from None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -87,19 +104,70 @@ class WorkerPool:
         """The value of `call`. If its worker was replaced meanwhile, the call is sent again
         to the replacement; if the worker dies or hangs now, it is replaced (one restart) and
         the call sent again, until it succeeds or restarts run out."""
-        i, timeout = call.worker, self.cfg.faults.generate_timeout_s
+        i = call.worker
         while True:
             if not self.is_current(call):
                 call = self.call(i, call.method, *call.args)
+            t0 = time.monotonic()
             try:
-                return ray.get(call.ref, timeout=timeout)
-            except (RayActorError, GetTimeoutError) as exc:
+                value = self._wait(i, call.ref, call.method, call.method)
+            except (RayActorError, Hung) as exc:
                 if not self.is_current(call):
                     continue  # replaced while we waited: no new restart for the same fault
-                hung = isinstance(exc, GetTimeoutError)
-                self.restart(i, f"no answer to {call.method} within faults.generate_timeout_s="
-                                f"{timeout:g}" if hung else
-                                f"died during {call.method}: {type(exc).__name__}")
+                self.restart(i, exc.detail if isinstance(exc, Hung) else
+                             f"died during {call.method}: {type(exc).__name__}")
+                continue
+            # A generate call's measure: the controller's wait, or the engine time the worker
+            # reports when that is longer (at max_lag > 0 a batch is often done before the
+            # controller asks for it, so the wait alone would understate the call).
+            waited = time.monotonic() - t0
+            self._times(call.method).record(max(waited, value.gen_seconds) if isinstance(
+                value, RolloutBatch) else waited)
+            return value
+
+    def wait_done(self, calls: list[WorkerCall]) -> None:
+        """Wait until `calls` (to one worker) have finished, one way or another, without taking
+        their values: a worker that died has answered (its death is handled when the values
+        are taken); one that hangs is replaced (one restart)."""
+        for call in calls:
+            if not self.is_current(call):
+                continue
+            try:
+                self._wait(call.worker, call.ref, call.method, call.method)
+            except RayActorError:
+                continue
+            except Hung as hang:
+                if self.is_current(call):
+                    self.restart(call.worker, hang.detail)
+
+    def _wait(self, i: int, ref, kind: str, what: str):
+        """The value of `ref`, a call to worker i, under the deadline of `kind` (Hung past it).
+        A starting worker cannot be probed (Ray runs no call before its constructor returns,
+        and loading a large model may take long): its start is bounded by the ceiling alone."""
+        worker = self.workers[i]
+
+        def probe():
+            try:
+                ray.get(worker.version.options(concurrency_group="health").remote(),
+                        timeout=min(PROBE_S, deadline.seconds))
+            except GetTimeoutError:
+                return f"rollout worker {i}", "it does not answer (frozen or dead)"
+            except RayActorError:
+                return f"rollout worker {i}", "it died"
+            return None
+
+        deadline = self._times(kind).deadline()
+        if kind == START:
+            ceiling = self.cfg.faults.generate_timeout_s
+            deadline = Deadline(ceiling, ceiling, f"faults.generate_timeout_s={ceiling:g}")
+        return wait_all([ref], deadline, f"rollout worker {i}", what, probe)[0]
+
+    def _times(self, kind: str) -> WaitTimes:
+        if kind not in self.times:
+            self.times[kind] = WaitTimes(kind, HangPolicy.of(self.cfg.faults),
+                                         self.cfg.faults.generate_timeout_s,
+                                         "faults.generate_timeout_s")
+        return self.times[kind]
 
     def restart(self, i: int, reason: str) -> None:
         """Replace worker i (dead or hung) and let the owner re-sync its weights."""
@@ -118,8 +186,13 @@ class WorkerPool:
         self.workers[i] = start_worker(self.cfg, self.model_dir, i)
         self.incarnation[i] += 1
         # Wait for the engine to be up first: the owner's re-sync has sync.timeout_s for the
-        # load alone, which an engine start (20 s on 2 CPU cores) must not eat into.
-        ray.get(self.workers[i].version.remote(), timeout=self.cfg.faults.generate_timeout_s)
+        # load alone, which an engine start (20 s on 2 CPU cores) must not eat into. A
+        # replacement that hangs in its start stops the run (no restart of a restart).
+        try:
+            self._wait(i, self.workers[i].version.remote(), START, "its start")
+        except Hung as hang:
+            raise WorkerRestartsExhausted(
+                f"the replacement of rollout worker {i} {hang.detail}") from None
         self.on_restart(self.workers[i])
         print(f"rollout worker {i} {reason}; replaced and re-synced in "
               f"{time.perf_counter() - t0:.1f}s (restart {self.restarts}/{limit})", file=sys.stderr)
