@@ -52,7 +52,19 @@ def make_llm(model: str | Path, *, cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _gib_str(cpu_kvcache_gib))
     from vllm import LLM
 
-    return LLM(**llm_kwargs(model, cpu=cpu, **options))
+    # vLLM-cpu writes LD_PRELOAD (its tcmalloc, torch's libgomp) into os.environ for the
+    # processes it would spawn. In-process that only reaches the processes this one starts
+    # later (Ray actors, subprocesses), whose second OpenMP runtime then makes vLLM's CPU
+    # attention see another thread count on a non-main thread ("Check failed:
+    # input->metadata->thread_num == thread_num"): the caller's value is put back.
+    preload = os.environ.get("LD_PRELOAD")
+    try:
+        return LLM(**llm_kwargs(model, cpu=cpu, **options))
+    finally:
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
 
 
 def llm_kwargs(

@@ -38,6 +38,8 @@ def tiny_llm(tiny_model_dir):
 
 
 TESTS_DIR = str(Path(__file__).parent)
+# Before any engine starts in this process (tests/test_evaluate.py checks make_llm keeps it).
+LD_PRELOAD_AT_START = os.environ.get("LD_PRELOAD")
 
 # Ray workers and scoring processes import the plug-in scorers of tests/scorers.py and
 # tests/scorer_faults.py: a local cluster hands its workers the driver's PYTHONPATH when it

