@@ -16,9 +16,9 @@ PYTEST_ARGS ?=
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
 
-# Two pytest-xdist workers: every test that starts Ray, vLLM or DeepSpeed runs on one of them,
-# one after another (tests/conftest.py), the rest on the other. The JUnit report feeds
-# `make test-durations`.
+# Two pytest-xdist workers, each taking one of the two groups of tests that start Ray, vLLM or
+# DeepSpeed (one after another within a group; tests/conftest.py), and the other tests around
+# them. The JUnit report feeds `make test-durations`.
 JUNIT := .cache/pytest-junit.xml
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 --junitxml=$(JUNIT) $(PYTEST_ARGS)

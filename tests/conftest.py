@@ -77,16 +77,19 @@ def pytest_collection_modifyitems(config, items):
     modules that start them otherwise (a training run, a subprocess) carry the mark
     themselves. `make test-quick` runs what is left (`-m "not slow"`).
 
-    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every `slow` test
-    goes to one group: they run one after another on one worker, in file order, as in a
-    plain run (no two real stacks compete for the 2 cores, and the checks that look at
-    machine-wide state, such as /dev/shm, see only their own run), while the other worker
-    takes the tests that need none of them."""
+    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), the `slow` tests
+    form two groups, each run one test after another on one worker in file order: the
+    modules whose runs are processes of their own (`klrl` subprocesses, Ray nodes; they set
+    `XDIST_GROUP = "own-processes"`) and the rest, which share the worker's Ray cluster and
+    engine. The two groups run side by side, about equal in length; every check of
+    machine-wide state looks only at what its own run made (its processes, its /dev/shm
+    buffers). The tests that need no real component fill in around them."""
     for item in items:
         if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group("stack"))
+            group = getattr(getattr(item, "module", None), "XDIST_GROUP", "stack")
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_sessionfinish(session, exitstatus):

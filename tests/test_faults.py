@@ -26,6 +26,7 @@ from cluster.train import checkpoint as ckpt
 from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
+XDIST_GROUP = "own-processes"  # runs of their own processes (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -32,6 +32,7 @@ from cluster.train.jobs import auth_headers
 from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
+XDIST_GROUP = "own-processes"  # runs of their own processes (tests/conftest.py)
 
 SECRET = "hunter2-" + uuid.uuid4().hex[:8]  # must reach the job and never be printed
 SCORER = f'''

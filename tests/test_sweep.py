@@ -27,6 +27,7 @@ from cluster.experiments.sweep import (
 from cluster.train.run_log import last_step
 
 ROOT = Path(__file__).resolve().parents[1]
+XDIST_GROUP = "own-processes"  # its real sweep runs `klrl train` subprocesses (conftest)
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 
