@@ -137,7 +137,9 @@ def tiny_args(model_dir, out, name, steps, *extra) -> list[str]:
 # A hang is then caught within the 5 s floor plus a 5 s probe.
 FAST_DEADLINES = ("faults.hang_floor_s=5", "faults.hang_startup_waits=1",
                   "faults.hang_startup_s=60")
-CAUGHT_WITHIN_S = 5 + 5 + 5  # floor, probe, slack for a loaded 2-core machine
+# floor, probe, and slack: the suite runs two real stacks side by side on 2 cores (a run in a
+# fresh clone took 16 s). What matters is seconds, against the fixed hour before deadlines.
+CAUGHT_WITHIN_S = 5 + 5 + 15
 
 
 def caught_within(out: str, part: str) -> int:
