@@ -51,7 +51,7 @@ from learner.schedule import make_scheduler
 
 class WeightPublisher(Protocol):
     """What the learner needs from a weight transport. cluster/ passes in
-    actors.weight_sync.WeightPublisher; learner/ may import only kl/ (README, Layout), so the
+    actors.weight_sync.WeightPublisher; learner/ may import only kl/ (docs/layout.md), so the
     transport is injected instead of imported."""
 
     def publish(self, weights: dict[str, torch.Tensor], version: int, transport: str, *,
