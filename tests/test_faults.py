@@ -203,11 +203,12 @@ def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_one_restart_each
     each (the frozen one within its deadline): the batches still in flight are sent again to
     the replacement, at no extra restart. Also: each weight load's sync.timeout_s counts from
     when it could start, not from when it was queued behind slow generate calls (each takes
-    over 1.6 s here against a 1.2 s sync timeout); and with generation slower than training a
+    over 1.6 s here, and a load waits behind up to two of them, against a 2 s sync timeout:
+    at 1.2 s a load once timed out with another real stack running beside it); and with generation slower than training a
     load queued behind 2 batches still finds its shm file (the controller confirms older
     loads before publishing: the transport keeps two versions)."""
     run = TrainProcess(tmp_path, "async", *tiny_args(
-        tiny_model_dir, tmp_path, "async", 10, "max_lag=2", "sync.timeout_s=1.2",
+        tiny_model_dir, tmp_path, "async", 10, "max_lag=2", "sync.timeout_s=2",
         "task.reward=scorers:short_answers_slowly", *FAST_DEADLINES))
     run.wait_for_step(3)  # the worker runs 2 batches behind the learner until it is killed
     run.kill_titled("ray::RolloutWorker.generate")
