@@ -196,7 +196,9 @@ class SyncConfig(BaseModel):
         "and every worker need a GPU of their own.")
     timeout_s: float = Field(300.0, gt=0.0, le=86_400.0, description="A worker's weight load "
                              "(fetch + reload) that takes longer raises TimeoutError; so does a "
-                             "controller waiting on it.")
+                             "controller waiting on it, counted from when the load could start. "
+                             "A worker that then does not answer a probe (frozen) is replaced "
+                             "instead, as a hung one (one restart).")
     shm_dir: str = Field("/dev/shm", min_length=1, description="Directory for the shm transport's "
                          "files (a tmpfs: /dev/shm on Linux). Each run writes klrl-<run_id>/ in "
                          "it and keeps only the newest two versions.")

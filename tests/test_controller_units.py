@@ -121,3 +121,45 @@ def test_failed_scoring_pools_are_logged_as_faults(tmp_path):
     rollouts, metrics = c._take_batch()
     assert len(rollouts) == 4 and metrics["faults/scoring_pool_errors"] == 1
     assert metrics["reward/score_failures"] == 2 and metrics["reward/mean"] == 0.5
+
+
+class _ProbedPool:
+    """Workers whose health probe answers or not (`why`); `restart` records its reason."""
+
+    def __init__(self, why):
+        self.why, self.restarted = why, []
+
+    def unresponsive(self, i):
+        return self.why
+
+    def restart(self, i, reason):
+        self.restarted.append((i, reason))
+
+
+def _late_load(tmp_path, why):
+    from actors.weight_sync import WeightUpdate
+    from cluster.train.controller import PendingSync
+    from cluster.train.worker_pool import WorkerCall
+
+    c = Controller(load_train_config(DEMO_CONFIG, []), tmp_path / "run", tmp_path / "model")
+    c.pool = _ProbedPool(why)
+    update = WeightUpdate(6, "shm", 0, 0, path="v6.safetensors")
+    c._on_late_load(PendingSync(WorkerCall(0, 0, "load_weights", (update,), None), None, 0.0),
+                    timeout=2.0)
+    return c.pool.restarted
+
+
+def test_a_load_past_its_timeout_on_a_frozen_worker_replaces_the_worker(tmp_path):
+    """A worker frozen in (or right before) a weight load is hung, as one frozen in generate:
+    replaced (one restart), with the same wording the hang messages use."""
+    [(worker, reason)] = _late_load(tmp_path, "it does not answer (frozen or dead)")
+    assert worker == 0 and reason == ("did not finish its load of weights version 6 within 2 s: "
+                                      "it does not answer (frozen or dead) "
+                                      "(deadline: sync.timeout_s=2)")
+
+
+def test_a_load_past_its_timeout_on_a_live_worker_fails_the_run(tmp_path):
+    """A live worker whose load is that slow has a broken sync; a new worker would not mend it."""
+    with pytest.raises(TimeoutError, match="worker 0 did not load weights version 6 within "
+                                           "sync.timeout_s=2 of being able to start"):
+        _late_load(tmp_path, None)

@@ -201,12 +201,14 @@ def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_one_restart_each
         tmp_path, tiny_model_dir):
     """max_lag 2: a killed worker and then a frozen (SIGSTOP) one are replaced, one restart
     each (the frozen one within its deadline): the batches still in flight are sent again to
-    the replacement, at no extra restart. Also: each weight load's sync.timeout_s counts from
-    when it could start, not from when it was queued behind slow generate calls (each takes
-    over 1.6 s here, and a load waits behind up to two of them, against a 2 s sync timeout:
-    at 1.2 s a load once timed out with another real stack running beside it); and with generation slower than training a
-    load queued behind 2 batches still finds its shm file (the controller confirms older
-    loads before publishing: the transport keeps two versions)."""
+    the replacement, at no extra restart. The signal is sent to a process titled `generate`,
+    which may have gone on to its weight load by the time it lands (a fresh-clone run once
+    froze it there): a frozen load is caught as a hang too, by its sync.timeout_s. Also: each
+    load's sync.timeout_s counts from when it could start, not from when it was queued behind
+    slow generate calls (each takes over 1.6 s here, and a load waits behind up to two of
+    them, against a 2 s sync timeout); and with generation slower than training a load queued
+    behind 2 batches still finds its shm file (the controller confirms older loads before
+    publishing: the transport keeps two versions)."""
     run = TrainProcess(tmp_path, "async", *tiny_args(
         tiny_model_dir, tmp_path, "async", 10, "max_lag=2", "sync.timeout_s=2",
         "task.reward=scorers:short_answers_slowly", *FAST_DEADLINES))

@@ -302,10 +302,21 @@ class Controller:
             except RayActorError:
                 self.pool.restart(sync.call.worker, "died while loading weights")
             except GetTimeoutError:
-                raise TimeoutError(f"rollout worker {sync.call.worker} did not load weights "
-                                   f"version {sync.call.args[0].version} within sync.timeout_s="
-                                   f"{timeout:g} of being able to start") from None
+                self._on_late_load(sync, timeout)
         self.syncs = waiting
+
+    def _on_late_load(self, sync: PendingSync, timeout: float) -> None:
+        """A load past its sync.timeout_s: a worker that no longer answers (frozen, as a hang
+        in the load itself or just before it leaves it) is hung and replaced like one that
+        hangs in generate (one restart; the replacement is re-synced); a live worker whose
+        load is that slow is a broken sync, which a restart would not mend: the run fails."""
+        i, version = sync.call.worker, sync.call.args[0].version
+        why = self.pool.unresponsive(i)
+        if why is None:
+            raise TimeoutError(f"rollout worker {i} did not load weights version {version} "
+                               f"within sync.timeout_s={timeout:g} of being able to start")
+        self.pool.restart(i, f"did not finish its load of weights version {version} within "
+                             f"{timeout:.0f} s: {why} (deadline: sync.timeout_s={timeout:g})")
 
     def _wait_for_generation(self, sync: PendingSync) -> None:
         """Wait until the worker of `sync` has generated the batch queued before its load (a

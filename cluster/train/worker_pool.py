@@ -144,23 +144,27 @@ class WorkerPool:
         """The value of `ref`, a call to worker i, under the deadline of `kind` (Hung past it).
         A starting worker cannot be probed (Ray runs no call before its constructor returns,
         and loading a large model may take long): its start is bounded by the ceiling alone."""
-        worker = self.workers[i]
-
         def probe():
-            try:
-                ray.get(worker.version.options(concurrency_group="health").remote(),
-                        timeout=min(PROBE_S, deadline.seconds))
-            except GetTimeoutError:
-                return f"rollout worker {i}", "it does not answer (frozen or dead)"
-            except RayActorError:
-                return f"rollout worker {i}", "it died"
-            return None
+            why = self.unresponsive(i, min(PROBE_S, deadline.seconds))
+            return (f"rollout worker {i}", why) if why else None
 
         deadline = self._times(kind).deadline()
         if kind == START:
             ceiling = self.cfg.faults.generate_timeout_s
             deadline = Deadline(ceiling, ceiling, f"faults.generate_timeout_s={ceiling:g}")
         return wait_all([ref], deadline, f"rollout worker {i}", what, probe)[0]
+
+    def unresponsive(self, i: int, within_s: float = PROBE_S) -> str | None:
+        """Why worker i is hung (it does not answer a health call within `within_s`, or it
+        died), or None when it answers: the health group runs beside a busy call."""
+        try:
+            ray.get(self.workers[i].version.options(concurrency_group="health").remote(),
+                    timeout=within_s)
+        except GetTimeoutError:
+            return "it does not answer (frozen or dead)"
+        except RayActorError:
+            return "it died"
+        return None
 
     def _times(self, kind: str) -> WaitTimes:
         if kind not in self.times:
