@@ -91,8 +91,13 @@ class RolloutConfig(BaseModel):
                                           "memory the engine may take (weights + KV cache); "
                                           "ignored on CPU. Leave room for a learner on the same GPU.")
     num_cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved "
-                                       "per worker; also its torch/OpenMP thread count (rounded "
-                                       "down, at least 1).")
+                                       "per worker.")
+    threads_per_worker: int | None = Field(None, ge=1, le=1024, description="torch/OpenMP "
+                                           "threads of each worker's engine. null: at max_lag 0 "
+                                           "the run's reserved CPUs shared among the workers "
+                                           "(generation and training alternate, so each phase "
+                                           "can use every core); at max_lag >= 1 its own "
+                                           "num_cpus_per_worker, rounded down, at least 1.")
     num_gpus_per_worker: float = Field(0.0, ge=0.0, le=64.0, description="Ray GPUs per worker: "
                                        "0 on CPU, 1 for one engine per GPU, a fraction to share a "
                                        "GPU with the learner (not with sync.transport nccl).")
@@ -171,12 +176,18 @@ class RolloutConfig(BaseModel):
                              "request whose prompt is split, and every klrl request is seeded")
         return self
 
-    def resolved(self, learner_dtype: str) -> RolloutConfig:
+    def resolved(self, learner_dtype: str, threads: int) -> RolloutConfig:
         """This config as a run's rollout workers get it: `dtype` null becomes the learner's
-        dtype. The one place that default is resolved (`TrainConfig.worker_rollout`)."""
-        if self.dtype is not None:
-            return self
-        return self.model_copy(update={"dtype": learner_dtype})
+        dtype, `threads_per_worker` null becomes `threads` (TrainConfig's rule). The one place
+        these defaults are resolved (`TrainConfig.worker_rollout`)."""
+        return self.model_copy(update={"dtype": self.dtype or learner_dtype,
+                                       "threads_per_worker": self.threads_per_worker or threads})
+
+    @property
+    def threads(self) -> int:
+        """The engine's torch/OpenMP threads: threads_per_worker once resolved, else the
+        Ray CPUs reserved (rounded down, at least 1)."""
+        return self.threads_per_worker or max(1, int(self.num_cpus_per_worker))
 
     @property
     def vllm_top_k(self) -> int:

@@ -32,8 +32,8 @@ Design choices:
   log-probs of the distribution it actually sampled from; at temperature 1 without top-k/top-p
   these equal the model's own log_softmax (tested against HF transformers in fp32 to 1e-4).
   The default "raw_logprobs" would silently return the untempered model's log-probs.
-- Threads: torch/OpenMP use floor(num_cpus_per_worker) threads (at least 1), set before the
-  engine starts; vLLM's CPU thread pinning is off ("nobind", set by `make_llm`) because Ray does not pin actors
+- Threads: torch/OpenMP use `RolloutConfig.threads` (the run's thread rule,
+  `TrainConfig.worker_rollout`), set before the engine starts; vLLM's CPU thread pinning is off ("nobind", set by `make_llm`) because Ray does not pin actors
   to cores, and pinning every worker to the same auto-chosen cores would make them fight.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
   task's scorer (per-item timeout, crash isolation); failures are counted, never raised. If
@@ -97,6 +97,9 @@ class RolloutWorker:
         self._broken: str | None = None         # why the engine can no longer be trusted
         self._reload_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-reload")
         self._pending: concurrent.futures.Future | None = None
+        # Where the last successful load's time went (seconds: fetch, read, reload,
+        # cache_reset; nccl: reload, cache_reset); `klrl bench` reports it.
+        self.last_load_seconds: dict[str, float] = {}
 
         configure_engine_process(rollout_cfg)
         self.scorer = _load_scorer(task_cfg)
@@ -194,18 +197,24 @@ class RolloutWorker:
             info = update.nccl_update_info
 
             def reload():
+                t0 = time.perf_counter()
                 self.llm.start_weight_update()
                 self.llm.update_weights({"update_info": info})
                 self.llm.finish_weight_update()
+                return {"reload": time.perf_counter() - t0}
         else:
+            t0 = time.perf_counter()
             source = fetch(update, deadline)  # TimeoutError here leaves the engine untouched
+            fetch_s = time.perf_counter() - t0
 
             def reload():
-                self.llm.collective_rpc("klrl_reload_weights", args=(source,))
+                ranks = self.llm.collective_rpc("klrl_reload_weights", args=(source,))
+                return {"fetch": fetch_s, "read": max(r["read"] for r in ranks),
+                        "reload": max(r["reload"] for r in ranks)}
 
         self._pending = self._reload_thread.submit(reload)
         try:
-            self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
+            seconds = self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             self._broken = (f"reload of version {update.version} did not finish within "
                             f"{timeout:g} s")
@@ -214,7 +223,9 @@ class RolloutWorker:
             self._broken = f"reload of version {update.version} failed: {type(e).__name__}: {e}"
             raise
         # Cached prefix KV blocks were computed with the old weights.
+        t0 = time.perf_counter()
         self.llm.reset_prefix_cache()
+        self.last_load_seconds = seconds | {"cache_reset": time.perf_counter() - t0}
         self._version, self._broken = update.version, None
         return self._version
 
@@ -233,6 +244,10 @@ class RolloutWorker:
     def version(self) -> int:
         """Policy version of the weights the engine holds."""
         return self._version
+
+    def load_seconds(self) -> dict[str, float]:
+        """Where the last successful `load_weights` spent its time (seconds by part)."""
+        return dict(self.last_load_seconds)
 
     def engine_settings(self, names: Sequence[str]) -> dict[str, Any]:
         """The live engine's value of each setting in `names` (a field of one of vLLM's
@@ -302,7 +317,7 @@ def configure_engine_process(cfg: RolloutConfig) -> None:
     """Threads and vLLM settings of a process about to build its engine (see the module
     docstring on threads); `RolloutWorker` calls it, and so does `klrl bench`'s raw-vLLM
     baseline, so that the two run vLLM alike."""
-    threads = max(1, int(cfg.num_cpus_per_worker))
+    threads = cfg.threads
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = _gib(cfg.cpu_kv_cache_gib)
     # vLLM logs several INFO/WARNING lines per weight reload (prefix-cache reset, a

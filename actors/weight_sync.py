@@ -94,6 +94,9 @@ class WeightUpdate:
     path: str | None = None
     ref: Any = None
     nccl_update_info: dict | None = None
+    # Where the publishing side's time went, in seconds: "gather" (the learner's full weights
+    # on rank 0) and "serialise_write" (into the transport); `klrl bench` reports them.
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.version < 0:
@@ -148,17 +151,21 @@ def publish(
         return WeightUpdate(version, "nccl", _nbytes(items), len(items),
                             nccl_update_info=info)
 
+    t0 = time.perf_counter()
     tensors = _cpu_tensors(items)
     metadata = {"klrl_version": str(version)}
     if transport == "shm":
         path = _write_shm(tensors, metadata, version, run_dir(run_id, shm_dir))
-        return WeightUpdate(version, "shm", path.stat().st_size, len(tensors), path=str(path))
+        return WeightUpdate(version, "shm", path.stat().st_size, len(tensors), path=str(path),
+                            seconds={"serialise_write": time.perf_counter() - t0})
 
     import ray
     from safetensors.torch import save
 
     data = save(tensors, metadata=metadata)
-    return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ray.put(data))
+    ref = ray.put(data)
+    return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ref,
+                        seconds={"serialise_write": time.perf_counter() - t0})
 
 
 class WeightPublisher:

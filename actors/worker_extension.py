@@ -8,15 +8,20 @@ that boundary: a path or bytes, never tensors (they do not survive the serialisa
 """
 from __future__ import annotations
 
+import time
+
 EXTENSION = "actors.worker_extension.KlrlWorkerExtension"
 
 
 class KlrlWorkerExtension:
     """Weight reload for the rollout worker (see actors/weight_sync.py)."""
 
-    def klrl_reload_weights(self, source: str | bytes) -> int:
+    def klrl_reload_weights(self, source: str | bytes) -> dict[str, float]:
         """Replace the model's weights in place with the HF-named tensors in `source` (a
-        safetensors path, or safetensors bytes); return how many tensors were loaded.
+        safetensors path, or safetensors bytes); return how many tensors were loaded
+        ("tensors") and the seconds spent reading them ("read") and loading them into the
+        model ("reload": vLLM's copy into its parameters and its own processing after it,
+        on CPU the repacking of each linear layer for oneDNN).
 
         Uses vLLM's layerwise in-place reload (`model_runner.reload_weights`), which maps
         checkpoint names to vLLM's fused parameters (qkv, gate_up) and shards them for
@@ -26,10 +31,12 @@ class KlrlWorkerExtension:
 
         from actors.weight_sync import load_tensors
 
+        t0 = time.perf_counter()
         tensors = load_tensors(source)
+        t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-        return len(tensors)
+        return {"tensors": len(tensors), "read": t1 - t0, "reload": time.perf_counter() - t1}
 
     def klrl_cuda_device_uuid(self) -> str:
         """The UUID of the CUDA device this engine rank runs on (GPU only): the nccl transport

@@ -63,7 +63,13 @@ class LearnerConfig(BaseModel):
     ppo_clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="Clip range eps of "
                                 "task_off_policy=ppo_clip: rho is clipped to [1-eps, 1+eps].")
     num_cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved per "
-                                     "rank; torch uses max(1, floor(this)) threads.")
+                                     "rank.")
+    threads_per_rank: int | None = Field(None, ge=1, le=1024, description="torch threads of each "
+                                         "rank. null: at max_lag 0 the run's reserved CPUs "
+                                         "shared among the ranks (training and generation "
+                                         "alternate, so each phase can use every core); at "
+                                         "max_lag >= 1 its own num_cpus_per_rank, rounded down, "
+                                         "at least 1.")
     num_gpus_per_rank: float = Field(0.0, ge=0.0, le=8.0, description="Ray GPUs per rank; > 0 runs "
                                      "on CUDA with the nccl backend, 0 on CPU with gloo.")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -121,6 +127,12 @@ class LearnerConfig(BaseModel):
     def updates_per_batch(self) -> int:
         """Optimizer steps per rollout batch."""
         return self.epochs * self.mini_batches
+
+    @property
+    def threads(self) -> int:
+        """torch threads per rank: threads_per_rank once resolved (TrainConfig.rank_learner),
+        else the Ray CPUs reserved (rounded down, at least 1)."""
+        return self.threads_per_rank or max(1, int(self.num_cpus_per_rank))
 
     @property
     def device_kind(self) -> Literal["cpu", "cuda"]:

@@ -59,8 +59,11 @@ class LearnerGroup:
         world = learner_cfg.num_ranks
         # "health": a thread of its own in each rank, so `health` answers while a call runs;
         # every other method runs in the default group, one at a time (the lockstep above).
+        # OMP_NUM_THREADS from the start (Ray would set it to num_cpus): OpenMP reads it once,
+        # and the thread pool Ray runs calls on does not see set_num_threads of another thread.
         actor = ray.remote(concurrency_groups={"health": 1})(LearnerRank).options(
             num_cpus=learner_cfg.num_cpus_per_rank, num_gpus=learner_cfg.num_gpus_per_rank,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(learner_cfg.threads)}},
             resources=resources or None)
         files = ModelFiles.of(model)
         self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,

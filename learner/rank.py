@@ -24,6 +24,7 @@ finite.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -123,8 +124,9 @@ class LearnerRank:
         # optimizer step (one batch = learner.epochs x learner.mini_batches optimizer steps).
         self.version = 0
         self._progress_at = time.monotonic()  # when this rank last did a unit of work (health)
-        # Ray sets OMP_NUM_THREADS from num_cpus; torch's intra-op pool needs telling as well.
-        torch.set_num_threads(max(1, int(learner_cfg.num_cpus_per_rank)))
+        # Ray sets OMP_NUM_THREADS from num_cpus; the run's thread rule may give more
+        # (LearnerConfig.threads), and torch's intra-op pool needs telling either way.
+        torch.set_num_threads(learner_cfg.threads)
 
     # ------------------------------------------------------------------ start-up
 
@@ -330,13 +332,16 @@ class LearnerRank:
         # time, so the optimizer cannot step while the live CPU parameters are read: no copy
         # is needed (`klrl bench`: a fresh 400 MB copy cost 0.15-1 s of page faults per sync).
         # nccl broadcasts in the background and ZeRO-3 re-partitions after the gather: copies.
+        t0 = time.perf_counter()
         weights = self.named_parameters_for_inference(str(self.device) if nccl else "cpu",
                                                       copy=nccl or self.cfg.zero_stage == 3)
         if self.rank != 0:
             return None
         assert version == self.version, f"exporting version {version} but rank 0 holds {self.version}"
-        return self._publisher().publish(weights, version, transport, run_id=run_id,
-                                         shm_dir=shm_dir)
+        gather_s = time.perf_counter() - t0
+        update = self._publisher().publish(weights, version, transport, run_id=run_id,
+                                           shm_dir=shm_dir)
+        return dataclasses.replace(update, seconds={"gather": gather_s, **update.seconds})
 
     def nccl_sender_init(self, num_workers: int, ranks_per_worker: int = 1) -> list[dict]:
         """Rank 0, GPU only: open the trainer end of vLLM's NCCL weight-transfer group; returns

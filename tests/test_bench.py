@@ -30,7 +30,16 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     syncs = result["weight_sync_seconds"]
     assert set(syncs) == {"shm", "object_store"}
     assert all(_finite_positive(s) for per_model in syncs.values() for s in per_model.values()), syncs
-    pipeline = result["workloads"][result["headline_workload"]]["pipeline"]
+    # Where each sync's time went: every part measured, and the parts add up to the whole
+    # (calls is the remainder: Ray calls and queueing, which cannot be negative).
+    head = result["workloads"][result["headline_workload"]]
+    for sync in head["weight_sync"]:
+        parts = sync["parts"]
+        assert set(parts) == {"gather", "serialise_write", "fetch", "read", "reload",
+                              "cache_reset", "calls"}, parts
+        assert all(v >= 0 for v in parts.values()) and parts["reload"] > 0, parts
+        assert sum(parts.values()) == pytest.approx(sync["total_seconds"], rel=0.5), sync
+    pipeline = head["pipeline"]
     assert [r["max_lag"] for r in pipeline["runs"]] == [0, 1, 2]
 
     printed = capsys.readouterr().out

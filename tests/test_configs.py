@@ -207,19 +207,45 @@ def test_rollout_dtype_defaults_to_the_learners_and_reaches_the_engine():
     for overrides, want in cases:
         cfg = load_config(TrainConfig, tiny, overrides)
         assert cfg.worker_rollout.dtype == want, overrides
-        assert cfg.worker_rollout.model_dump(exclude={"dtype"}) == cfg.rollout.model_dump(
-            exclude={"dtype"})
+        resolved = {"dtype", "threads_per_worker"}  # the thread rule: the next test
+        assert cfg.worker_rollout.model_dump(exclude=resolved) == cfg.rollout.model_dump(
+            exclude=resolved)
         options = engine_options(cfg.worker_rollout, cfg.sync, cfg.seed)
         options.pop("cpu_kvcache_gib")  # make_llm sets it as an environment variable
         for cpu in (True, False):
             assert llm_kwargs("model", cpu=cpu, **options)["dtype"] == want, (overrides, cpu)
     assert load_config(TrainConfig, tiny).rollout.dtype is None  # the file keeps null
-    assert RolloutConfig().resolved(LearnerConfig().dtype).dtype == "float32"
+    assert RolloutConfig().resolved(LearnerConfig().dtype, 1).dtype == "float32"
     # A worker built by hand with dtype null: make_llm's own default.
     assert llm_kwargs("model", cpu=True)["dtype"] == "float32"
     assert llm_kwargs("model", cpu=False)["dtype"] == "auto"
     with pytest.raises(ConfigError, match="dtype"):
         load_config(TrainConfig, tiny, ["rollout.dtype=float64"])
+
+
+def test_thread_rule_gives_each_phase_every_core_at_lag_0_and_its_own_share_above():
+    """rollout.threads_per_worker / learner.threads_per_rank null: at max_lag 0 the phases
+    alternate, so the workers share all the CPUs the run reserves, and so do the ranks; at
+    max_lag >= 1 each part keeps its own reservation. Set values win; the parts get the
+    resolved values (TrainConfig.worker_rollout / rank_learner, which the workers, the ranks
+    and the bench's raw baselines are built from)."""
+    from cluster.config.train_config import TrainConfig
+
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+
+    def threads(*overrides):
+        cfg = load_config(TrainConfig, tiny, list(overrides))
+        return cfg.worker_rollout.threads, cfg.rank_learner.threads, cfg.reserved_cpus
+
+    assert threads() == (2, 2, 2.0)  # the demo: 1 + 1 reserved CPUs, max_lag 0
+    assert threads("max_lag=1") == threads("max_lag=4") == (1, 1, 2.0)
+    assert threads("rollout.num_workers=2", "learner.num_cpus_per_rank=2") == (2, 4, 4.0)
+    assert threads("rollout.num_cpus_per_worker=2.5", "max_lag=1") == (2, 1, 3.5)
+    assert threads("rollout.threads_per_worker=3", "learner.threads_per_rank=1") == (3, 1, 2.0)
+    assert threads("learner.threads_per_rank=4", "max_lag=2") == (1, 4, 2.0)
+    assert load_config(TrainConfig, tiny).rollout.threads_per_worker is None  # the file keeps null
+    with pytest.raises(ConfigError, match="threads_per_rank"):
+        load_config(TrainConfig, tiny, ["learner.threads_per_rank=0"])
 
 
 def test_task_and_eval_sections_are_the_rewards_configs():

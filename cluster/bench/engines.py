@@ -131,7 +131,7 @@ def measure_learner(group, cfg, batch, reps: int) -> Overhead:
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
         path = Path(tmp) / "batch.pt"
         torch.save({f: getattr(batch, f) for f in batch.__dataclass_fields__}, path)
-        spec = {"model_dir": str(cfg.model.path), "learner": cfg.learner.model_dump(mode="json"),
+        spec = {"model_dir": str(cfg.model.path), "learner": cfg.rank_learner.model_dump(mode="json"),
                 "kl": cfg.kl.model_dump(mode="json"), "advantage": cfg.advantage.model_dump(mode="json"),
                 "seed": cfg.seed, "batch": str(path), "reps": reps}
         raw = _run_baseline("bare-deepspeed", spec)
@@ -156,7 +156,7 @@ def _bare_deepspeed(spec: dict) -> dict:
     from learner.config import LearnerConfig
 
     cfg = LearnerConfig(**spec["learner"])
-    threads = max(1, int(cfg.num_cpus_per_rank))
+    threads = cfg.threads
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,9 +8,10 @@ One run on the machine it runs on measures, for each workload (a model and a bat
   against the ideal built from T_gen and T_train (cluster/bench/pipeline.py).
 
 CPU split: a local Ray cluster with one logical CPU per core (2 here); the rollout worker and
-the learner rank each reserve 1 Ray CPU and run 1 torch/OpenMP thread (the demo config's
-`rollout.num_cpus_per_worker: 1`, `learner.num_cpus_per_rank: 1`). The raw baselines run in a
-subprocess with the same single thread while the actors sit idle.
+the learner rank each reserve 1 Ray CPU (the demo config's `rollout.num_cpus_per_worker: 1`,
+`learner.num_cpus_per_rank: 1`) and run the threads of the run's thread rule
+(`TrainConfig.worker_rollout` / `rank_learner`): at max_lag 0 each phase gets both cores, above
+one each. The raw baselines run in a subprocess with the same threads while the actors sit idle.
 """
 from __future__ import annotations
 
@@ -205,9 +206,10 @@ def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, A
         "headline_workload": plan.headline,
         "memcpy_gb_per_s": bytes_per_s / 1e9,
         "machine": machine() | {"load_avg_before": list(load_before), "load_avg_after": list(load_after)},
-        "split": {"ray_num_cpus": "one per core", "rollout_worker": "1 Ray CPU, 1 torch/OpenMP thread",
-                  "learner_rank": "1 Ray CPU, 1 torch thread",
-                  "baselines": "subprocess, 1 thread, actors idle"},
+        "split": {"ray_num_cpus": "one per core",
+                  "rollout_worker": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
+                  "learner_rank": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
+                  "baselines": "subprocess, the same threads as klrl's part, actors idle"},
         "workloads": {r.name: {
             "parameters": r.parameters,
             "rollout": r.rollout.to_dict() if r.rollout else None,
@@ -226,14 +228,16 @@ def print_tables(result: dict[str, Any]) -> None:
     console = Console(width=None if Console().is_terminal else 130)
     console.print(f"[bold]klrl bench[/bold] on {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, "
                   f"GPU: {m['gpu'] or 'none'}; load average {m['load_avg_before'][0]:.2f} before, "
-                  f"{m['load_avg_after'][0]:.2f} after. Split: rollout worker and learner rank one "
-                  f"core each (1 Ray CPU, 1 thread). memcpy {result['memcpy_gb_per_s']:.1f} GB/s (1 thread).")
+                  f"{m['load_avg_after'][0]:.2f} after. Split: rollout worker and learner rank 1 Ray "
+                  f"CPU each; at max_lag 0 each phase runs on every core, above on its own. "
+                  f"memcpy {result['memcpy_gb_per_s']:.1f} GB/s (1 thread).")
     eng = Table(title="Engine overheads (ratio = raw throughput / klrl throughput; 1 = no overhead)")
     for col in ("workload", "engine", "tokens", "raw tok/s", "klrl tok/s", "ratio", "in engine"):
         eng.add_column(col, justify="left" if col in ("workload", "engine") else "right")
     syn = Table(title="Weight sync (learner export -> worker serving the new weights)")
-    for col in ("model", "transport", "MB", "publish s", "load s", "total s", "1-copy bound s", "x bound"):
-        syn.add_column(col, justify="left" if col in ("model", "transport") else "right")
+    for col in ("model", "transport", "MB", "publish s", "load s", "total s", "1-copy bound s", "x bound",
+                "where it goes, ms"):
+        syn.add_column(col, justify="left" if col in ("model", "transport", "where it goes, ms") else "right")
     pipe = Table(title="End to end (overlap efficiency = measured / ideal samples/s)")
     for col in ("workload", "max_lag", "samples/s", "ideal", "efficiency", "step s", "T_gen s", "T_train s"):
         pipe.add_column(col, justify="left" if col == "workload" else "right")
@@ -246,7 +250,8 @@ def print_tables(result: dict[str, Any]) -> None:
         for s in w["weight_sync"]:
             syn.add_row(name, s["transport"], f"{s['num_bytes'] / 1e6:.1f}", f"{s['publish_seconds']:.3f}",
                         f"{s['load_seconds']:.3f}", f"{s['total_seconds']:.3f}",
-                        f"{s['bound_seconds']:.4f}", f"{s['ratio_to_bound']:.0f}")
+                        f"{s['bound_seconds']:.4f}", f"{s['ratio_to_bound']:.1f}",
+                        " ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items()))
         p = w["pipeline"]
         for r in p["runs"] if p else []:
             pipe.add_row(name, str(r["max_lag"]), f"{r['samples_per_s']:.1f}", f"{r['ideal_samples_per_s']:.1f}",

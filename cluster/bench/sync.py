@@ -5,12 +5,17 @@ One sync is what the controller does after an optimizer step: `LearnerGroup.expo
 `RolloutWorker.load_weights` (fetch, reload into the live vLLM engine), timed from the
 driver until the worker answers. The bound is one copy of the bytes at the measured memcpy
 speed of one core (each actor has one): no sync can move the weights faster than that.
+
+Where the time goes (`parts`, medians): the learner's "gather" and "serialise_write"
+(`WeightUpdate.seconds`), the worker's "fetch", "read", "reload" (vLLM's copy into its
+parameters and its processing after it) and "cache_reset" (`RolloutWorker.load_seconds`);
+"calls" is the rest: the Ray calls and queueing between them.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CPU_TRANSPORTS = ("shm", "object_store")  # nccl needs GPUs
@@ -26,6 +31,7 @@ class SyncLatency:
     total_seconds: float      # median: publish + load, one sync end to end
     bound_seconds: float      # num_bytes / memcpy bandwidth
     reps: int
+    parts: dict[str, float] = field(default_factory=dict)  # median seconds by part (above)
 
     @property
     def ratio_to_bound(self) -> float:
@@ -63,7 +69,7 @@ def measure_sync(group, worker, model: str, shm_dir: str, reps: int, bytes_per_s
 
     out = []
     for transport in transports:
-        publish, load, total, num_bytes = [], [], [], 0
+        publish, load, total, parts, num_bytes = [], [], [], [], 0
         for r in range(reps + 1):
             t0 = time.perf_counter()
             update = group.export_weights(transport, shm_dir)
@@ -74,9 +80,12 @@ def measure_sync(group, worker, model: str, shm_dir: str, reps: int, bytes_per_s
                 publish.append(t1 - t0)
                 load.append(t2 - t1)
                 total.append(t2 - t0)
+                seconds = dict(update.seconds) | ray.get(worker.load_seconds.remote())
+                parts.append(seconds | {"calls": (t2 - t0) - sum(seconds.values())})
             num_bytes = update.num_bytes
             del update  # object_store: frees the learner's copy in the object store
         out.append(SyncLatency(model, transport, num_bytes, statistics.median(publish),
                                statistics.median(load), statistics.median(total),
-                               num_bytes / bytes_per_s, reps))
+                               num_bytes / bytes_per_s, reps,
+                               {k: statistics.median(p[k] for p in parts) for k in parts[0]}))
     return out

@@ -11,7 +11,6 @@ from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
 from cluster.experiments.report import ReportConfig, write_report
 from cluster.experiments.sweep import (
     SweepConfig,
-    cpus_per_run,
     expand,
     load_sweep,
     preflight_runs,
@@ -44,7 +43,7 @@ def _run_sweep(args) -> int:
             print(f"[{run.index}/{len(runs)}] {run.name} ({state}): "
                   + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
         return 0
-    need = max(cpus_per_run(c) for c in configs.values())
+    need = max(c.reserved_cpus for c in configs.values())
     if not args.address and cfg.parallel * need > (cores := _cores()):
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
               f"machine has {cores}: they will share cores and each will run slower", file=sys.stderr)

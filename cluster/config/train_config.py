@@ -359,10 +359,33 @@ class TrainConfig(_Strict):
                              "without top_k / top_p")
 
     @property
+    def reserved_cpus(self) -> float:
+        """Ray CPUs the run reserves: its rollout workers and its learner ranks."""
+        r, lc = self.rollout, self.learner
+        return r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
+
+    def _threads(self, reserved_each: float, parts: int) -> int:
+        """The thread rule (rollout.threads_per_worker, learner.threads_per_rank when null):
+        at max_lag 0 generation and training alternate, so the parts of each phase share
+        every CPU the run reserves; at max_lag >= 1 the phases overlap and each part keeps
+        its own reservation (on 2 cores, giving either phase more cost more than it won:
+        docs/bench.md)."""
+        cpus = self.reserved_cpus / parts if self.max_lag == 0 else reserved_each
+        return max(1, int(cpus))
+
+    @property
     def worker_rollout(self) -> RolloutConfig:
-        """`rollout` as the rollout workers get it: its dtype resolved against learner.dtype
-        (`RolloutConfig.resolved`)."""
-        return self.rollout.resolved(self.learner.dtype)
+        """`rollout` as the rollout workers get it: its dtype resolved against learner.dtype,
+        its threads by the thread rule (`RolloutConfig.resolved`)."""
+        r = self.rollout
+        return r.resolved(self.learner.dtype, self._threads(r.num_cpus_per_worker, r.num_workers))
+
+    @property
+    def rank_learner(self) -> LearnerConfig:
+        """`learner` as the learner ranks get it: threads_per_rank by the thread rule."""
+        lc = self.learner
+        threads = lc.threads_per_rank or self._threads(lc.num_cpus_per_rank, lc.num_ranks)
+        return lc.model_copy(update={"threads_per_rank": threads})
 
 
 def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:

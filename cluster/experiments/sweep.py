@@ -208,12 +208,6 @@ def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:
     return ["train", cfg.train_config, *run.overrides, *(["--resume"] if state == "partial" else [])]
 
 
-def cpus_per_run(train_cfg) -> float:
-    """Ray CPUs one run reserves: its rollout workers and its learner ranks."""
-    r, lr = train_cfg.rollout, train_cfg.learner
-    return r.num_workers * r.num_cpus_per_worker + lr.num_ranks * lr.num_cpus_per_rank
-
-
 # ---- running the runs ---------------------------------------------------------------------
 
 

@@ -29,9 +29,7 @@ def start_ray(cfg: TrainConfig) -> bool:
                 "`ray start --head` runs there (`ray status --address ...`); a cluster started "
                 "with token authentication also needs RAY_AUTH_MODE=token here") from None
         return False
-    r, lc = cfg.rollout, cfg.learner
-    wanted = r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
-    num_cpus = cfg.ray.num_cpus or max(int(wanted + 0.999), os.cpu_count() or 1)
+    num_cpus = cfg.ray.num_cpus or max(int(cfg.reserved_cpus + 0.999), os.cpu_count() or 1)
     # address="local": a new cluster even if another one runs on this machine (ray.init's
     # default would join it, against `ray.address: null` meaning "start a local cluster").
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -59,7 +57,7 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | N
     from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
-    return LearnerGroup(learner_model_files(cfg, model_dir), cfg.learner, cfg.kl, cfg.advantage,
+    return LearnerGroup(learner_model_files(cfg, model_dir), cfg.rank_learner, cfg.kl, cfg.advantage,
                         seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
                         total_optimizer_steps=(steps or cfg.total_steps) * cfg.learner.updates_per_batch,
                         resources=cfg.ray.learner_resources, wait=wait,

@@ -55,11 +55,15 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
     the model and tokenizer at model.revision with model.trust_remote_code."""
     from actors.rollout_worker import RolloutWorker
 
-    r = cfg.worker_rollout  # rollout.dtype resolved against learner.dtype
+    r = cfg.worker_rollout  # dtype and threads resolved (TrainConfig's rules)
     # "health": a thread of its own, so that `version` answers the hang probe while a
     # generate call runs; every other call runs in the default group, one at a time, in order.
+    # OMP_NUM_THREADS from the start (Ray would set it to num_cpus): OpenMP reads it once, and
+    # the threads Ray runs calls on keep that value whatever torch.set_num_threads says on
+    # another (vLLM's CPU attention checks that the two agree).
     return ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
         num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(r.threads)}},
         resources=cfg.ray.worker_resources or None).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
         worker_index=index, seed=cfg.seed, revision=cfg.model.revision,
