@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from cluster.bench import report
 from cluster.cli.main import main
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,14 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert sum(parts.values()) == pytest.approx(sync["total_seconds"], rel=0.5), sync
     pipeline = head["pipeline"]
     assert [r["max_lag"] for r in pipeline["runs"]] == [0, 1, 2]
+    # The bound: the one-core reference run's work spread over the run's 2 cores; nothing
+    # measured beats it (a little noise aside), and the best lag is reported against it.
+    assert pipeline["cores"] == 2 and _finite_positive(pipeline["one_core_samples_per_s"])
+    assert all(r["of_bound"] < 1.2 for r in pipeline["runs"]), pipeline
+    assert _finite_positive(result["of_bound_best_lag"])
+    assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
+    page = report.markdown(result)  # what `--docs` writes into docs/bench.md
+    assert page.count("\n| ") >= 2 + 2 * 2 + 3, page
 
     printed = capsys.readouterr().out
     for title in ("Engine overheads", "Weight sync", "End to end"):

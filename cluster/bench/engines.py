@@ -58,10 +58,17 @@ class Overhead:
         """Raw throughput / klrl throughput: 1.0 means klrl adds nothing."""
         return self.klrl_seconds / self.raw_seconds
 
+    @property
+    def outside_engine_ms(self) -> float:
+        """Milliseconds per call outside the engine (rollout: building requests, converting
+        outputs, scoring, the records' trip through Ray; learner: batching and the calls)."""
+        return (self.klrl_seconds - self.engine_seconds) * 1e3
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"raw_tokens_per_s": self.raw_tokens_per_s,
                                "klrl_tokens_per_s": self.klrl_tokens_per_s,
-                               "overhead_ratio": self.overhead_ratio}
+                               "overhead_ratio": self.overhead_ratio,
+                               "outside_engine_ms": self.outside_engine_ms}
 
 
 # --------------------------------------------------------------------------- rollout

@@ -199,6 +199,7 @@ def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, A
     return {
         "rollout_overhead_ratio": head.rollout.overhead_ratio,
         "learner_overhead_ratio": head.learner.overhead_ratio,
+        "of_bound_best_lag": head.pipeline.of_bound(head.pipeline.best_lag),
         "overlap_efficiency_lag0": head.pipeline.efficiency(0),
         "overlap_efficiency_lag1": head.pipeline.efficiency(1),
         "overlap_efficiency_lag2": head.pipeline.efficiency(2),
@@ -232,21 +233,24 @@ def print_tables(result: dict[str, Any]) -> None:
                   f"CPU each; at max_lag 0 each phase runs on every core, above on its own. "
                   f"memcpy {result['memcpy_gb_per_s']:.1f} GB/s (1 thread).")
     eng = Table(title="Engine overheads (ratio = raw throughput / klrl throughput; 1 = no overhead)")
-    for col in ("workload", "engine", "tokens", "raw tok/s", "klrl tok/s", "ratio", "in engine"):
+    for col in ("workload", "engine", "tokens", "raw tok/s", "klrl tok/s", "ratio", "in engine",
+                "outside engine ms"):
         eng.add_column(col, justify="left" if col in ("workload", "engine") else "right")
     syn = Table(title="Weight sync (learner export -> worker serving the new weights)")
     for col in ("model", "transport", "MB", "publish s", "load s", "total s", "1-copy bound s", "x bound",
                 "where it goes, ms"):
         syn.add_column(col, justify="left" if col in ("model", "transport", "where it goes, ms") else "right")
-    pipe = Table(title="End to end (overlap efficiency = measured / ideal samples/s)")
-    for col in ("workload", "max_lag", "samples/s", "ideal", "efficiency", "step s", "T_gen s", "T_train s"):
+    pipe = Table(title="End to end (efficiency = measured / ideal; bound = batch x cores / one-core "
+                 "T_gen + T_train)")
+    for col in ("workload", "max_lag", "samples/s", "ideal", "efficiency", "of bound", "step s",
+                "one-core T_gen s", "one-core T_train s"):
         pipe.add_column(col, justify="left" if col == "workload" else "right")
     for name, w in result["workloads"].items():
         for o in (w["rollout"], w["learner"]):
             if o:
                 eng.add_row(name, o["name"], str(o["tokens"]), f"{o['raw_tokens_per_s']:.0f}",
                             f"{o['klrl_tokens_per_s']:.0f}", f"{o['overhead_ratio']:.3f}",
-                            f"{o['engine_seconds'] / o['klrl_seconds']:.0%}")
+                            f"{o['engine_seconds'] / o['klrl_seconds']:.0%}", f"{o['outside_engine_ms']:.0f}")
         for s in w["weight_sync"]:
             syn.add_row(name, s["transport"], f"{s['num_bytes'] / 1e6:.1f}", f"{s['publish_seconds']:.3f}",
                         f"{s['load_seconds']:.3f}", f"{s['total_seconds']:.3f}",
@@ -255,7 +259,7 @@ def print_tables(result: dict[str, Any]) -> None:
         p = w["pipeline"]
         for r in p["runs"] if p else []:
             pipe.add_row(name, str(r["max_lag"]), f"{r['samples_per_s']:.1f}", f"{r['ideal_samples_per_s']:.1f}",
-                         f"{r['overlap_efficiency']:.2f}", f"{r['step_seconds']:.3f}",
+                         f"{r['overlap_efficiency']:.2f}", f"{r['of_bound']:.2f}", f"{r['step_seconds']:.3f}",
                          f"{p['t_gen_seconds']:.3f}", f"{p['t_train_seconds']:.3f}")
     for table in (eng, syn, pipe):
         console.print(table)

@@ -1,0 +1,63 @@
+"""The figures of a `klrl bench` JSON as the markdown block docs/bench.md quotes.
+
+`klrl bench --json docs/figures/bench.json --docs docs/bench.md` writes both; a test checks
+that the page's block is this rendering of that JSON, so the page quotes the figures of one
+real run and nothing typed by hand.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cluster.config.options import replace_block
+
+MARKER = "bench:figures"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The machine line and three tables: engine overheads, weight sync, end to end."""
+    m = result["machine"]
+    lines = [f"`klrl bench` on {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, GPU: "
+             f"{m['gpu'] or 'none'}; finished {result['finished_at']}; load average "
+             f"{m['load_avg_before'][0]:.2f} before, {m['load_avg_after'][0]:.2f} after; memcpy "
+             f"{result['memcpy_gb_per_s']:.1f} GB/s on one thread. Split: "
+             f"{result['split']['rollout_worker']} (rollout worker), "
+             f"{result['split']['learner_rank']} (learner rank).", "",
+             "| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
+             "| outside engine, ms per call |", "|---|---|---|---|---|---|---|"]
+    for name, w in result["workloads"].items():
+        for o in (w["rollout"], w["learner"]):
+            if o:
+                lines.append(f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
+                             f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
+                             f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
+                             f"| {o['outside_engine_ms']:.0f} |")
+    lines += ["", "| weight sync (median) | transport | MB | total s | one-copy bound s | x bound "
+              "| where it goes (ms) |", "|---|---|---|---|---|---|---|"]
+    for name, w in result["workloads"].items():
+        for s in w["weight_sync"]:
+            parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items())
+            lines.append(f"| {name} | {s['transport']} | {s['num_bytes'] / 1e6:.1f} "
+                         f"| {s['total_seconds']:.3f} | {s['bound_seconds']:.4f} "
+                         f"| **{s['ratio_to_bound']:.1f}** | {parts} |")
+    lines += ["", "| end to end | max_lag | samples/s | ideal | efficiency | bound | of bound "
+              "| wait for rollouts s | train + publish s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, w in result["workloads"].items():
+        p = w["pipeline"]
+        for r in p["runs"] if p else []:
+            lines.append(f"| {name} | {r['max_lag']} | **{r['samples_per_s']:.1f}** "
+                         f"| {r['ideal_samples_per_s']:.1f} | {r['overlap_efficiency']:.2f} "
+                         f"| {p['bound_samples_per_s']:.1f} | {r['of_bound']:.2f} "
+                         f"| {r['wait_for_rollouts_seconds']:.3f} "
+                         f"| {r['train_plus_publish_seconds']:.3f} |")
+    refs = [f"{name}: T_gen {w['pipeline']['t_gen_seconds']:.3f} s, T_train "
+            f"{w['pipeline']['t_train_seconds']:.3f} s ({w['pipeline']['one_core_samples_per_s']:.1f} "
+            f"samples/s)" for name, w in result["workloads"].items() if w["pipeline"]]
+    lines += ["", "One-core reference (max_lag 0, one thread per part): " + "; ".join(refs) + "."]
+    return "\n".join(lines)
+
+
+def write_docs(result: dict[str, Any], page: str | Path) -> None:
+    """Replace the `<!-- bench:figures -->` block of `page` with `markdown(result)`."""
+    page = Path(page)
+    page.write_text(replace_block(page.read_text(), MARKER, markdown(result)))
