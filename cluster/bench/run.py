@@ -67,11 +67,15 @@ class BenchPlan:
     measured_steps: int        # end-to-end steps measured per max_lag
 
 
+# The headline shape: 8 prompts x 4 samples of 32 new tokens (also `klrl bench --peer`'s).
+RANDOM_25M = Workload("random-25M", SIZE_25M, ("rollout.max_new_tokens=32",
+                                               "rollout.prompts_per_step=8",
+                                               "rollout.samples_per_prompt=4"))
+
 FULL = BenchPlan(
     workloads=(
         Workload("demo-1M", "demo"),  # configs/tiny_cpu.yaml as the demo runs it
-        Workload("random-25M", SIZE_25M, ("rollout.max_new_tokens=32", "rollout.prompts_per_step=8",
-                                          "rollout.samples_per_prompt=4")),
+        RANDOM_25M,
         Workload("random-100M", SIZE_100M, ("rollout.max_new_tokens=32",), engines=False),
     ),
     headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6)
@@ -107,7 +111,7 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
     runs_dir = work_dir / "runs" / time.strftime("%Y%m%d-%H%M%S")
     try:
         for w in plan.workloads:
-            cfg = _config(w, _model_dir(w, work_dir))
+            cfg = _config(w, workload_model_dir(w, work_dir))
             started = start_ray(cfg) or started  # the first call starts it; the runs share it
             results.append(_run_workload(w, cfg, plan, bytes_per_s, runs_dir))
     finally:
@@ -116,7 +120,10 @@ def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
     return _to_json(plan, results, bytes_per_s, load_before, os.getloadavg())
 
 
-def _model_dir(w: Workload, work_dir: Path) -> Path:
+def workload_model_dir(w, work_dir: Path) -> Path:
+    """The model of workload `w` (anything with `name` and `model` as Workload has them):
+    the demo model, or a random one built under WORK_DIR/models/<name> (identical rebuilds,
+    so a kept directory is reused)."""
     if w.model == "demo":
         return Path(init_default_model())
     size = {} if w.model == "tiny" else dict(w.model)

@@ -23,6 +23,9 @@ M = TypeVar("M", bound=BaseModel)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # a Ray job's working_dir (cluster/train/jobs.py)
 DEMO_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.yaml"  # `klrl demo`, the benchmarks
+# Plain GRPO on the demo config (group mean/std advantages, K3 in the loss: TRL's GRPO): the
+# docs' learning figures (`klrl figures`) and `klrl bench --peer trl` run it beside the demo's own.
+PLAIN_GRPO = ("advantage.estimator=grpo", "kl.estimator=k3", "kl.placement=loss")
 
 
 class ConfigError(ValueError):

@@ -27,17 +27,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.config.loader import REPO_ROOT
+from cluster.config.loader import PLAIN_GRPO, REPO_ROOT
 from cluster.config.options import replace_block as replace_marked_block
 from cluster.tiny.model import init_default_model, read_metadata
+from cluster.train.gains import TAIL, per_1k, reward_before_after
 from cluster.train.progress import format_duration
 from cluster.train.run_log import read_config, read_metrics
 
 BLOCKS = ("model", "demo", "learning")
 # The docs page each block lives in (relative to the repository root).
 PAGES = {"model": "docs/model.md", "demo": "docs/demo.md", "learning": "docs/demo.md"}
-GRPO = ("advantage.estimator=grpo", "kl.estimator=k3", "kl.placement=loss")
-TAIL = 0.1  # the training reward "before" and "after": means over the first and last 10% of steps
+GRPO = PLAIN_GRPO
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class RunFigures:
     same_step_as_token_mean: float
 
     def per_1k(self, gain: float) -> float:
-        return 1000 * gain / self.samples
+        return per_1k(gain, self.samples)
 
 
 def plan(seeds: Sequence[int], blocks: Sequence[str]) -> list[DemoRun]:
@@ -119,6 +119,7 @@ def run_figures(run: DemoRun, run_dir: Path, wall_seconds: float) -> RunFigures:
     per_step = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
     k = max(1, round(TAIL * len(train)))
     first, last = evals[0], evals[-1]
+    reward_before, reward_after = reward_before_after([r["reward/mean"] for r in train])
     return RunFigures(
         label=run.label, max_lag=run.max_lag, seed=run.seed, steps=len(train),
         samples=len(train) * per_step, wall_seconds=round(wall_seconds, 1),
@@ -127,8 +128,7 @@ def run_figures(run: DemoRun, run_dir: Path, wall_seconds: float) -> RunFigures:
         sampled_after=last["eval/in_domain/sampled_accuracy"],
         greedy_before=first["eval/in_domain/accuracy"], greedy_after=last["eval/in_domain/accuracy"],
         ood_greedy_after=last["eval/out_of_domain/accuracy"],
-        reward_before=statistics.fmean(r["reward/mean"] for r in train[:k]),
-        reward_after=statistics.fmean(r["reward/mean"] for r in train[-k:]),
+        reward_before=reward_before, reward_after=reward_after,
         kl_pi_ref_after=statistics.fmean(r["kl/pi_ref"] for r in train[-k:]),
         same_step_as_token_mean=statistics.fmean(
             float(r["grad/norm"] > clip * max(1.0, r["response/length_mean"])) for r in train)
