@@ -1,8 +1,9 @@
-"""The figures of a `klrl bench` JSON as the markdown block docs/bench.md quotes.
+"""The figures of a `klrl bench` JSON as the markdown blocks docs/bench.md quotes.
 
-`klrl bench --json docs/figures/bench.json --docs docs/bench.md` writes both; a test checks
-that the page's block is this rendering of that JSON, so the page quotes the figures of one
-real run and nothing typed by hand.
+`klrl bench --json docs/figures/bench.json --docs docs/bench.md` writes both (the block
+`bench:figures`; with `--peer trl`, docs/figures/peers.json and the block `bench:peers`); a
+test checks that the page's blocks are these renderings of those files, so the page quotes
+the figures of real runs and nothing typed by hand.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from cluster.config.options import replace_block
 
-MARKER = "bench:figures"
+MARKERS = {"bench": "bench:figures", "peers": "bench:peers"}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -57,7 +58,36 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def peers_markdown(result: dict[str, Any]) -> str:
+    """The side-by-side table of a `klrl bench --peer trl` JSON, its versions and differences."""
+    peers, m = result["peers"]["trl"], result["machine"]
+    lines = [f"`klrl bench --peer trl` on {m['cpu_model']}, {m['cpus']} CPUs, "
+             f"{m['memory_gib']} GiB, GPU: {m['gpu'] or 'none'}; objective: "
+             f"{peers['objective']}; load average {m['load_avg_before'][0]:.2f} before, "
+             f"{m['load_avg_after'][0]:.2f} after.", "",
+             "| workload | trainer | samples/s | vs TRL | step s | reward before -> after "
+             "| reward gain per 1k samples |", "|---|---|---|---|---|---|---|"]
+    notes: set[str] = set()
+    for name, sides in peers["workloads"].items():
+        for side in ("klrl", "trl"):
+            r = sides[side]
+            gain = r["reward_gain_per_1k_samples"]
+            lines.append(f"| {name} | {side} | **{r['samples_per_s']:.1f}** "
+                         f"| {r['samples_per_s'] / sides['trl']['samples_per_s']:.2f}x "
+                         f"| {r['step_seconds_mean']:.3f} "
+                         f"| {r['reward_before']:.3f} -> {r['reward_after']:.3f} "
+                         f"| {'n/a (random weights)' if gain is None else f'{gain:+.4f}'} |")
+        notes.update(sides["trl"]["settings"]["differences"])
+        versions = sides["trl"]["versions"] | {"klrl": sides["klrl"]["versions"]["klrl"]}
+    lines += ["", f"TRL {versions['trl']}, transformers {versions['transformers']}, torch "
+              f"{versions['torch']}; {versions['klrl']}. What still differs:", ""]
+    lines += [f"- {note}" for note in sorted(notes)]
+    return "\n".join(lines)
+
+
 def write_docs(result: dict[str, Any], page: str | Path) -> None:
-    """Replace the `<!-- bench:figures -->` block of `page` with `markdown(result)`."""
+    """Replace the block of `page` that `result` fills (`MARKERS`) with its rendering."""
     page = Path(page)
-    page.write_text(replace_block(page.read_text(), MARKER, markdown(result)))
+    kind = "peers" if "peers" in result else "bench"
+    body = peers_markdown(result) if kind == "peers" else markdown(result)
+    page.write_text(replace_block(page.read_text(), MARKERS[kind], body))

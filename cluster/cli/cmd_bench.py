@@ -14,15 +14,13 @@ def run(args) -> int:
     if args.peer:
         return run_peer(args)
     # Ray, torch, vLLM and DeepSpeed: loaded when the benchmark runs, not at `klrl --help`.
-    from cluster.bench.run import FULL, QUICK, check_result, print_tables, run_bench, write_json
+    from cluster.bench.run import FULL, QUICK, check_result, print_tables, run_bench
 
     plan = QUICK if args.quick else FULL
     with _work_dir(args.work_dir) as work_dir:
         result = run_bench(plan, work_dir)
     print_tables(result)
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
+    _write(result, args)
     bad = check_result(result)
     if bad:
         print(f"error: figures missing or not positive: {', '.join(bad)}", file=sys.stderr)
@@ -48,19 +46,28 @@ def run_peer(args) -> int:
         print_peer_table,
         run_peers,
     )
-    from cluster.bench.run import write_json
-
     with _work_dir(args.work_dir) as work_dir:
         result = run_peers(PEERS_QUICK if args.quick else PEERS_FULL, args.peer_objective, work_dir)
     print_peer_table(result)
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
+    _write(result, args)
     bad = check_peers(result)
     if bad:
         print(f"error: samples/s missing or not positive: {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _write(result, args) -> None:
+    """--json and --docs: the figures as JSON, and the docs page's block rendered from them."""
+    from cluster.bench.report import write_docs
+    from cluster.bench.run import write_json
+
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.docs:
+        write_docs(result, args.docs)
+        print(f"rewrote the figures block of {args.docs}")
 
 
 @contextmanager
@@ -78,6 +85,9 @@ def register(subparsers) -> None:
                               "against TRL's GRPOTrainer",
                               description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON here")
+    p.add_argument("--docs", default=None, metavar="PAGE", help="also rewrite the figures block "
+                   "of this docs page (docs/bench.md) from this run: <!-- bench:figures --> or, "
+                   "with --peer, <!-- bench:peers -->")
     p.add_argument("--quick", action="store_true", help="tiny model and batch, one repetition each "
                    "(about a minute; checks the machinery, the figures are noisy)")
     p.add_argument("--work-dir", default=None, metavar="DIR", help="keep the models and run "
