@@ -19,13 +19,7 @@ def run(args) -> int:
     plan = QUICK if args.quick else FULL
     with _work_dir(args.work_dir) as work_dir:
         result = run_bench(plan, work_dir)
-    print_tables(result)
-    _write(result, args)
-    bad = check_result(result)
-    if bad:
-        print(f"error: figures missing or not positive: {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    return _finish(result, args, print_tables, check_result, "figures")
 
 
 def run_peer(args) -> int:
@@ -46,28 +40,30 @@ def run_peer(args) -> int:
         print_peer_table,
         run_peers,
     )
+
     with _work_dir(args.work_dir) as work_dir:
         result = run_peers(PEERS_QUICK if args.quick else PEERS_FULL, args.peer_objective, work_dir)
-    print_peer_table(result)
-    _write(result, args)
-    bad = check_peers(result)
-    if bad:
-        print(f"error: samples/s missing or not positive: {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    return _finish(result, args, print_peer_table, check_peers, "samples/s")
 
 
-def _write(result, args) -> None:
-    """--json and --docs: the figures as JSON, and the docs page's block rendered from them."""
+def _finish(result, args, show, check, what: str) -> int:
+    """Print the tables, write --json and --docs (the docs page's block rendered from the
+    figures), and exit 1 naming any `what` that is missing or not positive."""
     from cluster.bench.report import write_docs
     from cluster.bench.run import write_json
 
+    show(result)
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
     if args.docs:
         write_docs(result, args.docs)
         print(f"rewrote the figures block of {args.docs}")
+    bad = check(result)
+    if bad:
+        print(f"error: {what} missing or not positive: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @contextmanager
