@@ -143,3 +143,39 @@ def test_peer_table_prints_both_trainers_side_by_side(capsys):
     assert check_peers(result) == []
     result["peers"]["trl"]["workloads"]["demo-1M"]["trl"]["samples_per_s"] = float("nan")
     assert check_peers(result) == ["demo-1M/trl"]
+
+
+def test_a_running_trl_process_shows_its_progress(tmp_path, monkeypatch, capsys):
+    """The parent prints the child's newest progress line while it runs (a 300-step TRL run
+    is otherwise a minute or more of silence), and returns its exit code; a real child
+    process writes the lines, as the TRL process does."""
+    import subprocess
+
+    from cluster.bench import peer_trl
+
+    monkeypatch.setattr(peer_trl, "PROGRESS_EVERY_S", 0.3)
+    log_path = tmp_path / "child.log"
+    script = ("import time\nfor k in range(1, 4):\n"
+              f"    print('{peer_trl.PROGRESS}step %d/3' % k, flush=True)\n    time.sleep(0.5)\n")
+    with open(log_path, "w") as log:
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=log,
+                                 stderr=subprocess.STDOUT)
+        assert peer_trl._wait_reporting(child, log_path, "w", deadline_s=60) == 0
+    shown = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[bench] w: TRL")]
+    assert shown and all("step" in ln or "starting" in ln for ln in shown), shown
+    assert any("step 2/3" in ln or "step 3/3" in ln for ln in shown), shown
+
+
+def test_a_trl_process_past_its_deadline_is_killed(tmp_path, monkeypatch):
+    import subprocess
+
+    from cluster.bench import peer_trl
+
+    monkeypatch.setattr(peer_trl, "PROGRESS_EVERY_S", 0.2)
+    log_path = tmp_path / "child.log"
+    with open(log_path, "w") as log:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 stdout=log, stderr=subprocess.STDOUT)
+        with pytest.raises(TimeoutError, match="took over 0.5 s"):
+            peer_trl._wait_reporting(child, log_path, "w", deadline_s=0.5)
+    assert child.poll() is not None  # killed, not left behind

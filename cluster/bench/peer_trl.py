@@ -44,6 +44,7 @@ from cluster.config.train_config import TrainConfig
 PEER_PACKAGES = ("trl", "accelerate")
 TRL_SERIES = "1.16"  # the release the mapping below was read from (the extra pins it)
 TRL_LOSS = "dr_grpo"
+PROGRESS, PROGRESS_EVERY_S = "klrl-progress: ", 15.0  # the child's progress lines, how often shown
 # Variables that would make accelerate in the child believe it is one rank of a group.
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -146,9 +147,9 @@ def run_trl(cfg: TrainConfig, workload: str, steps: int, warmup: int, work_dir: 
         "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        code = subprocess.call([sys.executable, "-m", "cluster.bench.peer_trl", str(spec_path),
-                                str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                               timeout=4 * 3600)
+        child = subprocess.Popen([sys.executable, "-m", "cluster.bench.peer_trl", str(spec_path),
+                                  str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        code = _wait_reporting(child, log_path, workload, deadline_s=4 * 3600)
     wall = time.perf_counter() - t0
     if code != 0:
         tail = log_path.read_text()[-4000:]
@@ -165,6 +166,25 @@ def run_trl(cfg: TrainConfig, workload: str, steps: int, warmup: int, work_dir: 
     return PeerRun("trl", workload, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
                    warmup, out["step_seconds"], out["rewards"], wall, out["versions"], settings,
                    learns)
+
+
+def _wait_reporting(child: subprocess.Popen, log_path: Path, workload: str,
+                    deadline_s: float) -> int:
+    """Wait for the TRL process, printing its newest progress line (PROGRESS) every
+    PROGRESS_EVERY_S seconds, so a long comparison is never silent; killed past deadline_s."""
+    start = time.monotonic()
+    while True:
+        try:
+            return child.wait(timeout=PROGRESS_EVERY_S)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() - start > deadline_s:
+                child.kill()
+                child.wait()
+                raise TimeoutError(f"TRL run {workload} took over {deadline_s:g} s (log {log_path})")
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
+                     if ln.startswith(PROGRESS)]
+            print(f"[bench] {workload}: TRL {lines[-1][len(PROGRESS):] if lines else 'starting'} "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)
 
 
 # ----------------------------------------------------------------------------- the subprocess
@@ -213,6 +233,7 @@ def _child(spec: dict) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             ticks.append(time.perf_counter())
+            print(f"{PROGRESS}step {state.global_step // updates}/{steps}", flush=True)
 
     schedule = make_scheduler(cfg.learner, steps * updates)
 
