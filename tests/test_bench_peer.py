@@ -133,7 +133,9 @@ def test_peer_table_prints_both_trainers_side_by_side(capsys):
 
     result = {"peers": {"trl": {"objective": "same", "workloads": {
         "demo-1M": {"klrl": _side("klrl", 0.5), "trl": _side("trl", 0.25)},
-        "random-25M": {"klrl": _side("klrl", 2.0, False), "trl": _side("trl", 2.0, False)}}}}}
+        "random-25M": {"klrl": _side("klrl", 2.0, False), "trl": _side("trl", 2.0, False)}}}},
+        "machine": {"cpu_model": "cpu", "cpus": 2, "memory_gib": 24.0, "gpu": None,
+                    "load_avg_before": [0.1, 0.1, 0.1], "load_avg_after": [0.2, 0.2, 0.2]}}
     json.dumps(result)  # JSON-ready as it stands
     print_peer_table(result)
     out = capsys.readouterr().out

@@ -122,38 +122,10 @@ def _klrl_versions() -> dict[str, str]:
 
 
 def print_peer_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    """Both trainers side by side, as docs/bench.md quotes them (cluster/bench/report.py)."""
+    from cluster.bench.report import peers_markdown, print_markdown
 
-    peers = result["peers"]["trl"]
-    console = Console(width=None if Console().is_terminal else 130)
-    table = Table(title=f"klrl against TRL GRPOTrainer (same model, prompts, batch, tokens, lr, "
-                        f"beta; objective: {peers['objective']})")
-    for col in ("workload", "trainer", "samples/s", "vs TRL", "step s", "measured steps",
-                "reward before -> after", "reward gain / 1k samples", "threads"):
-        table.add_column(col, justify="left" if col in ("workload", "trainer") else "right")
-    notes = set()
-    for name, sides in peers["workloads"].items():
-        for side in ("klrl", "trl"):
-            r = sides[side]
-            gain = r["reward_gain_per_1k_samples"]
-            threads = r["settings"]["threads"]
-            ratio = r["samples_per_s"] / sides["trl"]["samples_per_s"]
-            table.add_row(name, side, f"{r['samples_per_s']:.1f}", f"{ratio:.2f}x",
-                          f"{r['step_seconds_mean']:.3f}",
-                          f"{r['measured_steps']} of {r['steps']}",
-                          f"{r['reward_before']:.3f} -> {r['reward_after']:.3f}",
-                          "n/a (random weights)" if gain is None else f"{gain:+.4f}",
-                          "/".join(str(t) for t in threads.values()) if isinstance(threads, dict)
-                          else str(threads))
-        notes.update(sides["trl"]["settings"]["differences"])
-        versions = sides["trl"]["versions"]
-    console.print(table)
-    console.print(f"TRL {versions['trl']} (transformers {versions['transformers']}, torch "
-                  f"{versions['torch']}), use_vllm=False; {sides['klrl']['versions']['klrl']}; "
-                  "threads: TRL's process, klrl's rollout worker/learner rank")
-    for note in sorted(notes):
-        console.print(f"  differs: {note}")
+    print_markdown(peers_markdown(result))
 
 
 def check_peers(result: dict[str, Any]) -> list[str]:

@@ -229,47 +229,10 @@ def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, A
 
 
 def print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    """The run's figures as docs/bench.md quotes them (cluster/bench/report.py)."""
+    from cluster.bench.report import markdown, print_markdown
 
-    m = result["machine"]
-    console = Console(width=None if Console().is_terminal else 130)
-    console.print(f"[bold]klrl bench[/bold] on {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, "
-                  f"GPU: {m['gpu'] or 'none'}; load average {m['load_avg_before'][0]:.2f} before, "
-                  f"{m['load_avg_after'][0]:.2f} after. Split: rollout worker and learner rank 1 Ray "
-                  f"CPU each; at max_lag 0 each phase runs on every core, above on its own. "
-                  f"memcpy {result['memcpy_gb_per_s']:.1f} GB/s (1 thread).")
-    eng = Table(title="Engine overheads (ratio = raw throughput / klrl throughput; 1 = no overhead)")
-    for col in ("workload", "engine", "tokens", "raw tok/s", "klrl tok/s", "ratio", "in engine",
-                "outside engine ms"):
-        eng.add_column(col, justify="left" if col in ("workload", "engine") else "right")
-    syn = Table(title="Weight sync (learner export -> worker serving the new weights)")
-    for col in ("model", "transport", "MB", "publish s", "load s", "total s", "1-copy bound s", "x bound",
-                "where it goes, ms"):
-        syn.add_column(col, justify="left" if col in ("model", "transport", "where it goes, ms") else "right")
-    pipe = Table(title="End to end (efficiency = measured / ideal; bound = batch x cores / one-core "
-                 "T_gen + T_train)")
-    for col in ("workload", "max_lag", "samples/s", "ideal", "efficiency", "of bound", "step s",
-                "one-core T_gen s", "one-core T_train s"):
-        pipe.add_column(col, justify="left" if col == "workload" else "right")
-    for name, w in result["workloads"].items():
-        for o in (w["rollout"], w["learner"]):
-            if o:
-                eng.add_row(name, o["name"], str(o["tokens"]), f"{o['raw_tokens_per_s']:.0f}",
-                            f"{o['klrl_tokens_per_s']:.0f}", f"{o['overhead_ratio']:.3f}",
-                            f"{o['engine_seconds'] / o['klrl_seconds']:.0%}", f"{o['outside_engine_ms']:.0f}")
-        for s in w["weight_sync"]:
-            syn.add_row(name, s["transport"], f"{s['num_bytes'] / 1e6:.1f}", f"{s['publish_seconds']:.3f}",
-                        f"{s['load_seconds']:.3f}", f"{s['total_seconds']:.3f}",
-                        f"{s['bound_seconds']:.4f}", f"{s['ratio_to_bound']:.1f}",
-                        " ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items()))
-        p = w["pipeline"]
-        for r in p["runs"] if p else []:
-            pipe.add_row(name, str(r["max_lag"]), f"{r['samples_per_s']:.1f}", f"{r['ideal_samples_per_s']:.1f}",
-                         f"{r['overlap_efficiency']:.2f}", f"{r['of_bound']:.2f}", f"{r['step_seconds']:.3f}",
-                         f"{p['t_gen_seconds']:.3f}", f"{p['t_train_seconds']:.3f}")
-    for table in (eng, syn, pipe):
-        console.print(table)
+    print_markdown(markdown(result))
 
 
 def check_result(result: dict[str, Any]) -> list[str]:
