@@ -178,10 +178,10 @@ class RolloutConfig(BaseModel):
 
     def resolved(self, learner_dtype: str, threads: int) -> RolloutConfig:
         """This config as a run's rollout workers get it: `dtype` null becomes the learner's
-        dtype, `threads_per_worker` null becomes `threads` (TrainConfig's rule). The one place
-        these defaults are resolved (`TrainConfig.worker_rollout`)."""
+        dtype, and the threads are `threads` (TrainConfig's rule, which keeps a set
+        threads_per_worker). The one place these are resolved (`TrainConfig.worker_rollout`)."""
         return self.model_copy(update={"dtype": self.dtype or learner_dtype,
-                                       "threads_per_worker": self.threads_per_worker or threads})
+                                       "threads_per_worker": threads})
 
     @property
     def threads(self) -> int:

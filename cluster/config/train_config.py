@@ -378,7 +378,8 @@ class TrainConfig(_Strict):
         """`rollout` as the rollout workers get it: its dtype resolved against learner.dtype,
         its threads by the thread rule (`RolloutConfig.resolved`)."""
         r = self.rollout
-        return r.resolved(self.learner.dtype, self._threads(r.num_cpus_per_worker, r.num_workers))
+        threads = r.threads_per_worker or self._threads(r.num_cpus_per_worker, r.num_workers)
+        return r.resolved(self.learner.dtype, threads)
 
     @property
     def rank_learner(self) -> LearnerConfig:

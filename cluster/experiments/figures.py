@@ -37,7 +37,6 @@ from cluster.train.run_log import read_config, read_metrics
 BLOCKS = ("model", "demo", "learning")
 # The docs page each block lives in (relative to the repository root).
 PAGES = {"model": "docs/model.md", "demo": "docs/demo.md", "learning": "docs/demo.md"}
-GRPO = PLAIN_GRPO
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def plan(seeds: Sequence[int], blocks: Sequence[str]) -> list[DemoRun]:
     if "demo" in blocks:
         runs += [DemoRun("klrl demo", 2, s) for s in seeds]
     if "learning" in blocks:
-        runs += [DemoRun("plain GRPO", 0, s, GRPO) for s in seeds]
+        runs += [DemoRun("plain GRPO", 0, s, PLAIN_GRPO) for s in seeds]
     return runs
 
 

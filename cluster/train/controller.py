@@ -35,7 +35,7 @@ from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
-from cluster.train.deadlines import LearnerDeadlines
+from cluster.train.deadlines import Deadline, Hung, LearnerDeadlines
 from cluster.train.launch import connect_nccl, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
@@ -315,8 +315,9 @@ class Controller:
         if why is None:
             raise TimeoutError(f"rollout worker {i} did not load weights version {version} "
                                f"within sync.timeout_s={timeout:g} of being able to start")
-        self.pool.restart(i, f"did not finish its load of weights version {version} within "
-                             f"{timeout:.0f} s: {why} (deadline: sync.timeout_s={timeout:g})")
+        deadline = Deadline(timeout, timeout, f"sync.timeout_s={timeout:g}")
+        self.pool.restart(i, Hung(f"rollout worker {i}", f"its load of weights version {version}",
+                                  timeout, why, deadline).detail)
 
     def _wait_for_generation(self, sync: PendingSync) -> None:
         """Wait until the worker of `sync` has generated the batch queued before its load (a

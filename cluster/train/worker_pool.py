@@ -152,10 +152,11 @@ class WorkerPool:
             why = self.unresponsive(i, min(PROBE_S, deadline.seconds))
             return (f"rollout worker {i}", why) if why else None
 
-        deadline = self._times(kind).deadline()
         if kind == START:
             ceiling = self.cfg.faults.generate_timeout_s
             deadline = Deadline(ceiling, ceiling, f"faults.generate_timeout_s={ceiling:g}")
+        else:
+            deadline = self._times(kind).deadline()
         return wait_all([ref], deadline, f"rollout worker {i}", what, probe)[0]
 
     def unresponsive(self, i: int, within_s: float = PROBE_S) -> str | None:
