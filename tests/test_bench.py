@@ -42,10 +42,16 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert sum(parts.values()) == pytest.approx(sync["total_seconds"], rel=0.5), sync
     pipeline = head["pipeline"]
     assert [r["max_lag"] for r in pipeline["runs"]] == [0, 1, 2]
-    # The bound: the one-core reference run's work spread over the run's 2 cores; nothing
-    # measured beats it (a little noise aside), and the best lag is reported against it.
+    # The bound: the one-core reference run's work spread over the run's 2 cores, and each run
+    # reported against it. No threshold on the ratio: on a tiny model the one-core times are
+    # mostly waiting on Ray calls, which a deeper pipeline hides, so a lag can exceed the bound
+    # (CI measured 1.28 at max_lag 2); whether it does is a figure, not a behaviour.
     assert pipeline["cores"] == 2 and _finite_positive(pipeline["one_core_samples_per_s"])
-    assert all(r["of_bound"] < 1.2 for r in pipeline["runs"]), pipeline
+    bound = pipeline["cores"] * pipeline["runs"][0]["samples_per_step"] / (
+        pipeline["t_gen_seconds"] + pipeline["t_train_seconds"])
+    assert pipeline["bound_samples_per_s"] == pytest.approx(bound)
+    for r in pipeline["runs"]:
+        assert r["of_bound"] == pytest.approx(r["samples_per_s"] / bound), r
     assert _finite_positive(result["of_bound_best_lag"])
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
     page = report.markdown(result)  # what `--docs` writes into docs/bench.md

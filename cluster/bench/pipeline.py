@@ -14,7 +14,8 @@ alternate and each is measured alone on one core:
 Then the runs at max_lag 0, 1, 2 use the default thread rule (TrainConfig: at max_lag 0 each
 phase gets every core, above each part its own). Two yardsticks:
 - the bound: batch x cores / (T_gen + T_train), the work of one step spread perfectly over
-  every core; no schedule beats it. `of_bound` = measured / bound;
+  every core; no schedule beats it while the phases are compute. `of_bound` = measured /
+  bound (a tiny model's phases are mostly waiting on calls, which overlap hides: above 1 there);
 - the ideal overlap at max_lag >= 1, where each part keeps its own core: batch /
   max(T_gen, T_train); overlap efficiency = measured / that. At max_lag 0 the ideal is the
   bound (each phase perfectly parallel on every core).
