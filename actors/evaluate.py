@@ -31,7 +31,7 @@ from actors.prompting import PromptRenderer
 from actors.seeds import stream_seed
 from rewards.config import EvalConfig, TaskConfig
 
-DEFAULT_SPLITS = ("in_domain", "out_of_domain")
+DEFAULT_SPLITS = ("in_domain", "out_of_domain")  # `klrl eval`'s splits when none are named
 CHUNK = 128  # prompts per vLLM call: the granularity of the progress bar
 
 

@@ -8,8 +8,15 @@ Splits, mirroring the paper's in/out-of-domain evaluation:
   problems that are not held out.
 - "in_domain": the same distribution, drawn without replacement from a fixed held-out set of
   HELD_OUT_SIZE problems that "train" never produces.
+- "zero_padded": two-digit problems with a single-digit operand written with a leading zero
+  ("07+54=", "36-05=", "03+08="), drawn without replacement. Out of distribution in format
+  only: the numbers are those of training, but no training prompt (nor any of the embedded
+  model's supervised warm-up) has a leading zero, so the model must carry what RL taught it to
+  a spelling it never saw. The embedded model starts at ~10-20% greedy here (in-domain ~55%),
+  where a generalisation gap can show; the tiny config evaluates it as `eval.out_of_domain`.
 - "out_of_domain": a, b uniform in [100, 999] (longer numbers), op in {+, -}, drawn without
-  replacement; disjoint from the others by construction.
+  replacement; disjoint from the others by construction. The far split: the embedded model
+  solves ~0% before and after training (the tiny config's `eval.far_out_of_domain`).
 """
 from __future__ import annotations
 
@@ -23,21 +30,24 @@ OPERATORS = ("+", "-")
 IN_DOMAIN_RANGE = (0, 99)
 OUT_OF_DOMAIN_RANGE = (100, 999)
 HELD_OUT_SIZE = 2000  # 10% of the 20,000 two-digit problems
-DEFAULT_SIZES = {"train": 10_000, "in_domain": HELD_OUT_SIZE, "out_of_domain": 1000}
+DEFAULT_SIZES = {"train": 10_000, "in_domain": HELD_OUT_SIZE, "zero_padded": 1000,
+                 "out_of_domain": 1000}
 
 _INTEGER = re.compile(r"[+-]?[0-9]{1,40}")  # ASCII digits only; long enough for any answer here
 
 
-def make_problem(a: int, op: str, b: int, split: str = "train") -> Problem:
-    """The arithmetic problem "a op b =" (op is "+" or "-")."""
+def make_problem(a: int, op: str, b: int, split: str = "train", width: int = 1) -> Problem:
+    """The arithmetic problem "a op b =" (op is "+" or "-"), each operand zero-padded to
+    `width` digits (1: as is)."""
     if op not in OPERATORS:
         raise ValueError(f"op must be one of {OPERATORS}, got {op!r}")
     result = a + b if op == "+" else a - b
+    text = f"{a:0{width}d}{op}{b:0{width}d}"
     return Problem(
-        uid=f"arithmetic/{split}/{a}{op}{b}",
+        uid=f"arithmetic/{split}/{text}",
         task="arithmetic",
         split=split,
-        prompt=f"{a}{op}{b}=",
+        prompt=f"{text}=",
         answer=str(result),
         metadata={"a": a, "op": op, "b": b},
     )
@@ -64,15 +74,24 @@ def _two_digit_partition() -> tuple[list[tuple[int, str, int]], list[tuple[int, 
     return every[HELD_OUT_SIZE:], every[:HELD_OUT_SIZE]
 
 
-class ArithmeticTask(Task):
-    """Two-digit addition/subtraction (train, in_domain) and three-digit (out_of_domain).
+@functools.lru_cache(maxsize=1)
+def _single_digit_operand_problems() -> list[tuple[int, str, int]]:
+    """Every two-digit problem with an operand below 10: the ones a leading zero changes."""
+    lo, hi = IN_DOMAIN_RANGE
+    return [(a, op, b) for a in range(lo, hi + 1) for op in OPERATORS for b in range(lo, hi + 1)
+            if min(a, b) < 10]
 
-    No options. `problems(split, n=None)` gives DEFAULT_SIZES[split] problems; in_domain and
-    out_of_domain refuse an `n` larger than the split holds.
+
+class ArithmeticTask(Task):
+    """Two-digit addition/subtraction (train, in_domain), the same with zero-padded
+    single-digit operands (zero_padded) and three-digit (out_of_domain).
+
+    No options. `problems(split, n=None)` gives DEFAULT_SIZES[split] problems; the evaluation
+    splits refuse an `n` larger than the split holds.
     """
 
     name = "arithmetic"
-    splits = ("train", "in_domain", "out_of_domain")
+    splits = ("train", "in_domain", "zero_padded", "out_of_domain")
     scorer = staticmethod(score_arithmetic)
     max_new_tokens = 8  # the longest answer, "-899", is 4 characters; leave room for EOS
 
@@ -85,6 +104,10 @@ class ArithmeticTask(Task):
             held_out = _two_digit_partition()[1]
             _check_size(split, n, len(held_out))
             return [make_problem(*t, split=split) for t in rng.sample(held_out, n)]
+        if split == "zero_padded":
+            pool = _single_digit_operand_problems()
+            _check_size(split, n, len(pool))
+            return [make_problem(*t, split=split, width=2) for t in rng.sample(pool, n)]
         lo, hi = OUT_OF_DOMAIN_RANGE
         width = hi - lo + 1
         total = width * width * len(OPERATORS)

@@ -145,6 +145,11 @@ class EvalSet(_Strict):
         return EvalSet(task=training.name, options=dict(training.options), split=self.split)
 
 
+# The evaluation sets a run can have, in the order they are evaluated, logged and reported
+# (eval/<name>/accuracy): one home for the names, which EvalConfig's fields must match.
+EVAL_SETS = ("in_domain", "out_of_domain", "far_out_of_domain")
+
+
 class EvalConfig(_Strict):
     """Greedy pass@1 and sampled accuracy, in- and out-of-domain, every `eval_every` steps.
 
@@ -157,6 +162,10 @@ class EvalConfig(_Strict):
     out_of_domain: EvalSet | None = Field(
         default_factory=lambda: EvalSet(split="out_of_domain"),
         description="Out-of-domain set (eval/out_of_domain/accuracy); null: none.")
+    far_out_of_domain: EvalSet | None = Field(
+        None, description="A second, further out-of-domain set (eval/far_out_of_domain/"
+        "accuracy), e.g. one the model cannot solve before or after training, kept beside a "
+        "nearer out_of_domain set where a generalisation gap can show; null: none.")
     num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
     samples: int = Field(4, ge=0, le=1024, description="Samples per problem (at `temperature`) for "
                          "eval/<set>/sampled_accuracy (the quantity RL optimises); 0: greedy only.")
@@ -185,13 +194,13 @@ class EvalConfig(_Strict):
             try:
                 task.check_split(s.split)
             except ValueError as e:
-                other = ("; or evaluate another task (eval.out_of_domain.task, e.g. mmlu) or none "
-                         "(eval.out_of_domain=null)" if name == "out_of_domain" else "")
+                other = (f"; or evaluate another task (eval.{name}.task, e.g. mmlu) or none "
+                         f"(eval.{name}=null)" if name != "in_domain" else "")
                 raise ValueError(f"eval.{name}.split: {e}{other}") from None
 
     def sets(self, training: TaskConfig) -> dict[str, EvalSet]:
-        """The configured sets by name ("in_domain", "out_of_domain"), tasks resolved."""
-        named = (("in_domain", self.in_domain), ("out_of_domain", self.out_of_domain))
+        """The configured sets by name (EVAL_SETS order), tasks resolved."""
+        named = ((name, getattr(self, name)) for name in EVAL_SETS)
         return {name: s.resolve(training) for name, s in named if s is not None}
 
 

@@ -55,6 +55,23 @@ def test_evaluation_splits_are_distinct_problems_and_bounded():
     assert TASK.problems("train", 0) == []
 
 
+def test_zero_padded_spells_training_numbers_in_a_form_no_training_prompt_has():
+    """The near out-of-domain split: two-digit problems, a single-digit operand written with a
+    leading zero, its answer the problem's own; no train prompt ever looks like it."""
+    problems = TASK.problems("zero_padded", 3800)  # all of them
+    assert len({p.prompt for p in problems}) == 3800
+    with pytest.raises(ValueError, match="holds 3800"):
+        TASK.problems("zero_padded", 3801)
+    for p in problems:
+        a, op, b = FORMAT.fullmatch(p.prompt).groups()
+        assert len(a) == len(b) == 2 and "0" in (a[0], b[0]), p.prompt
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert score_arithmetic(p.answer, p) == 1.0
+    train = {p.prompt for p in TASK.problems("train", 20_000)}
+    assert not train & {p.prompt for p in problems}
+    assert not any(re.search(r"(^|[+-])0\d", prompt) for prompt in train)
+
+
 def test_deterministic_for_a_seed_and_different_across_seeds():
     for split in TASK.splits:
         first = TASK.problems(split, 50, seed=7)

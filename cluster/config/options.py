@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from pydantic import BaseModel
 
 from cluster.config.train_config import TrainConfig
+from rewards.config import EVAL_SETS
 
 # Sections whose value is one record a user sets whole (e.g. eval.in_domain: {task, split}),
 # listed as one row rather than field by field.
-WHOLE_VALUES = ("in_domain", "out_of_domain")
+WHOLE_VALUES = EVAL_SETS
 
 
 def option_rows(model: type[BaseModel] = TrainConfig, prefix: str = "") -> Iterator[tuple[str, str, str]]:

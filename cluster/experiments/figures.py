@@ -17,8 +17,6 @@ Nothing is typed by hand: a block is replaced only by what this module computed.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from cluster.config.options import replace_block as replace_marked_block
 from cluster.tiny.model import init_default_model, read_metadata
 from cluster.train.gains import TAIL, per_1k, reward_before_after
 from cluster.train.progress import format_duration
+from cluster.train.provenance import machine
 from cluster.train.run_log import read_config, read_metrics
 
 BLOCKS = ("model", "demo", "learning")
@@ -133,21 +132,6 @@ def run_figures(run: DemoRun, run_dir: Path, wall_seconds: float) -> RunFigures:
             float(r["grad/norm"] > clip * max(1.0, r["response/length_mean"])) for r in train)
         if (clip := cfg["learner"]["grad_clip"]) > 0 else 0.0,
     )
-
-
-def machine() -> str:
-    """The machine in words: CPU model, cores, memory (the demo runs on CPU only)."""
-    cpu = platform.machine()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines()
-                   if line.startswith("model name"))
-        mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                      if line.startswith("MemTotal"))
-        memory = f", {mem_kb / 2**20:.0f} GiB"
-    except (OSError, StopIteration, ValueError):
-        memory = ""
-    return f"{cpu}, {os.cpu_count()} cores{memory}, CPU only, Python {platform.python_version()}"
 
 
 # ----------------------------------------------------------------------------- tables

@@ -12,6 +12,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+# How reports name each evaluation set (rewards.config.EVAL_SETS).
+SET_LABELS = {"in_domain": "in-domain", "out_of_domain": "out-of-domain",
+              "far_out_of_domain": "far out-of-domain"}
+
 # Config keys that differ between runs without making them different configurations.
 NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.")
 ALWAYS_NAMED = ("kl.estimator", "kl.placement")

@@ -28,15 +28,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.labels import configuration_keys, flatten, value_token
+from cluster.experiments.labels import SET_LABELS, configuration_keys, flatten, value_token
 from cluster.experiments.report_plots import FIGURES, plot_figure
 from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
+from rewards.config import EVAL_SETS
 
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
-ACCURACY_KEYS = [("eval/in_domain/accuracy", "in-domain"),
-                 ("eval/out_of_domain/accuracy", "out-of-domain"),
-                 ("eval/in_domain/sampled_accuracy", "in-domain sampled"),
-                 ("eval/out_of_domain/sampled_accuracy", "out-of-domain sampled")]
+ACCURACY_KEYS = [(f"eval/{name}/{key}", SET_LABELS[name] + suffix)
+                 for key, suffix in (("accuracy", ""), ("sampled_accuracy", " sampled"))
+                 for name in EVAL_SETS]
 
 
 class ReportConfig(BaseModel):

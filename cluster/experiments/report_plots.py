@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments.labels import configuration_keys
+from cluster.experiments.labels import SET_LABELS, configuration_keys
+from rewards.config import EVAL_SETS
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,11 @@ FIGURES = (
            "policy is trained on, sampled by the behaviour policy).",
            (Panel("reward/mean", "Mean reward of the training batch", "mean reward"),)),
     Figure("accuracy.png", "Evaluation accuracy", "Greedy pass@1 on the in-domain and "
-           "out-of-domain sets, and (when logged) accuracy of samples at temperature 1.",
-           (Panel("eval/in_domain/accuracy", "In-domain, greedy", _ACC, **_EVAL),
-            Panel("eval/out_of_domain/accuracy", "Out-of-domain, greedy", _ACC, **_EVAL),
-            Panel("eval/in_domain/sampled_accuracy", "In-domain, sampled (T=1)", _ACC, **_EVAL),
-            Panel("eval/out_of_domain/sampled_accuracy", "Out-of-domain, sampled (T=1)", _ACC,
-                  **_EVAL))),
+           "out-of-domain sets (and the far one when evaluated), and (when logged) accuracy of samples at temperature 1.",
+           tuple(Panel(f"eval/{name}/{key}", f"{SET_LABELS[name].capitalize()}, {kind}", _ACC,
+                       **_EVAL) for key, kind in (("accuracy", "greedy"),
+                                                   ("sampled_accuracy", "sampled (T=1)"))
+                 for name in EVAL_SETS)),
     Figure("kl.png", "KL to the reference policy", "Per-sequence KL(pi || pi_ref) of the "
            "learner's policy, estimated from the training batch with prefix importance weights "
            "(K1: unbiased, noisy, can be negative; K3: lower variance), and the sampler's own "

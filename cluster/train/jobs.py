@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import REPO_ROOT, read_yaml
+from rewards.config import EVAL_SETS
 
 # Never uploaded with the repository: environments, run outputs, caches.
 EXCLUDES = [".venv", "runs", ".git", "**/__pycache__", "wandb", ".pytest_cache"]
@@ -175,9 +176,8 @@ def plugin_specs(cfg) -> dict[str, str]:
     from rewards.registry import is_plugin
 
     specs = {"task.reward": cfg.task.reward} if cfg.task.reward else {}
-    named = {"task.name": cfg.task.name} | {f"eval.{name}.task": s.task for name, s in (
-        ("in_domain", cfg.eval.in_domain), ("out_of_domain", cfg.eval.out_of_domain))
-        if s is not None and s.task}
+    named = {"task.name": cfg.task.name} | {f"eval.{name}.task": s.task for name in EVAL_SETS
+                                            if (s := getattr(cfg.eval, name)) is not None and s.task}
     return specs | {field: name for field, name in named.items() if is_plugin(name)}
 
 

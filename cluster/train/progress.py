@@ -21,8 +21,7 @@ from rich.progress import (
 )
 
 from cluster.train.run_log import final_dir, read_config, read_metrics
-
-EVAL_SETS = ("in_domain", "out_of_domain")
+from rewards.config import EVAL_SETS
 
 
 def default_every(total_steps: int) -> int:

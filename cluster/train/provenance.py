@@ -2,8 +2,11 @@
 every run directory (run_log.py) and printed by `klrl --version`."""
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 from importlib import metadata
+from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT
 
@@ -32,8 +35,30 @@ def git_state() -> dict[str, object]:
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 
+def machine() -> str:
+    """The machine in words: CPU model, cores, memory, Python (and the GPU when there is one)."""
+    cpu = platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                   if line.startswith("model name"))
+        mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal"))
+        memory = f", {mem_kb / 2**20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        memory = ""
+    return f"{cpu}, {os.cpu_count()} cores{memory}, {_gpu()}, Python {platform.python_version()}"
+
+
+def _gpu() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
+
+
 def provenance() -> dict[str, object]:
-    return {"klrl_version": klrl_version(), **git_state()}
+    """What a run directory records at each start: code (version, commit) and machine."""
+    return {"klrl_version": klrl_version(), **git_state(), "machine": machine()}
 
 
 def version_line() -> str:
