@@ -28,9 +28,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config.loader import ConfigError
+from cluster.experiments import findings as findings_module
 from cluster.experiments.labels import SET_LABELS, configuration_keys, flatten, value_token
 from cluster.experiments.report_plots import FIGURES, plot_figure
-from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
+from cluster.train.run_log import (
+    has_metrics,
+    is_finished,
+    read_config,
+    read_metrics,
+    read_provenance,
+)
 from rewards.config import EVAL_SETS
 
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
@@ -292,6 +299,11 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
           f"{len(runs)} run(s), {sum(r.finished for r in runs)} finished, in {len(groups)} "
           f"configuration(s)" + (f" labelled by {', '.join(f'`{k}`' for k in keys)}" if keys else "")
           + f"; seeds {', '.join(seeds)}. Written {time.strftime('%Y-%m-%d %H:%M')} by `klrl report`.",
+          "", *provenance_lines(runs), "", "## Findings", "",
+          ("Each claim tested on this directory's finished runs (rules: docs/sweeps.md, "
+           f"Findings). A difference counts when it exceeds {findings_module.Z:g} standard "
+           "errors of the difference; with 3 seeds that is a rough test."), "",
+          *findings_module.findings_markdown(findings_module.findings(runs, flags)),
           "", "## Final accuracy", "",
           ("Accuracy at each run's last evaluation (greedy pass@1; *sampled*: temperature 1), "
            "mean ± sample std over the configuration's runs (seeds)."), "",
@@ -316,6 +328,20 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
     report = out / "report.md"
     report.write_text("\n".join(md) + "\n")
     return report
+
+
+def provenance_lines(runs: list[RunData]) -> list[str]:
+    """Which code, machine and dates produced the runs (their provenance.jsonl)."""
+    starts = [row for r in runs for row in read_provenance(r.dir)]
+    if not starts:
+        return []
+    commits = sorted({(row.get("git_commit") or "unknown")[:12] + ("+modified" if row.get("git_dirty") else "")
+                      for row in starts})
+    machines = sorted({row.get("machine", "not recorded") for row in starts})
+    dates = sorted(row["started_at"][:10] for row in starts if row.get("started_at"))
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    return [(f"Runs started {when}; klrl commit(s) {', '.join(commits)}; machine(s): "
+             f"{'; '.join(machines)}.")]
 
 
 def _flag_definitions(cfg: ReportConfig) -> str:

@@ -190,6 +190,20 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [row for line in lines if (row := parse_row(line)) is not None]
 
 
+def read_provenance(run_dir: str | Path) -> list[dict]:
+    """Every start of the run (provenance.jsonl: time, code, machine); [] when it has none."""
+    path = Path(run_dir) / PROVENANCE_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut by a crash
+            continue
+    return [row for row in rows if isinstance(row, dict)]
+
+
 def last_step(run_dir: str | Path) -> int:
     """Step of the last row of RUN_DIR/metrics.jsonl (0 if none yet); reads only the tail,
     so a sweep can poll every running run cheaply."""
