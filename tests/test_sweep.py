@@ -47,6 +47,26 @@ def test_grid_expands_in_order_with_names_from_values(tmp_path):
     assert len({r.name for r in runs}) == 16
 
 
+def test_controls_vary_the_grid_and_join_its_runs(tmp_path):
+    cfg = _sweep(tmp_path, grid={"kl.estimator": ["k1", "k3"], "max_lag": [0, 2], "seed": [0, 1]},
+                 controls=[{"kl": {"beta": [0.0]}, "kl.estimator": ["k1"]},   # the no-KL control
+                           {"kl.importance": ["prefix"], "max_lag": [2]},
+                           {"max_lag": [2]}])                                # all in the grid
+    runs = expand(cfg)
+    names = [r.name for r in runs]
+    assert len(runs) == 8 + 4 + 4 and len(set(names)) == 16 and [r.index for r in runs] == list(range(1, 17))
+    assert names[8:12] == ["k1-lag0-s0-b0", "k1-lag0-s1-b0", "k1-lag2-s0-b0", "k1-lag2-s1-b0"]
+    assert names[12:] == ["k1-lag2-s0-is_prefix", "k1-lag2-s1-is_prefix", "k3-lag2-s0-is_prefix",
+                          "k3-lag2-s1-is_prefix"]
+    configs = validate_runs(cfg, runs)
+    assert configs["k1-lag2-s1-b0"].kl.beta == 0.0 and configs["k1-lag2-s1-b0"].seed == 1
+    assert configs["k3-lag2-s0-is_prefix"].kl.importance == "prefix"
+    # A seed list given on the command line reaches the controls too: they vary the grid.
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump() | {"train_config": str(TINY)}))
+    assert len(expand(load_sweep(path, ["grid.seed=[0,1,2]"]))) == 12 + 6 + 6
+
+
 def test_value_tokens():
     assert value_token("kl.beta", 0.05) == "b0.05"
     assert value_token("kl.placement", "reward+loss") == "reward_loss"
@@ -96,7 +116,10 @@ def test_sweep_file_and_cli_overrides(tmp_path):
     ({"grid": {}}, "at least 1"),
     ({"grid": {"bad key": [1]}}, "config key"),
     ({"parallel": 0}, "parallel"),
-    ({"overrides": {"seed": 3}}, "both in grid and in overrides"),
+    ({"overrides": {"seed": 3}}, "both in grid"),
+    ({"overrides": {"kl.beta": 0.1}, "controls": [{"kl.beta": [0.0]}]}, "both in grid"),
+    ({"controls": [{"run_name": ["x"]}]}, "set by the sweep"),
+    ({"controls": [{"seed": [1, 1]}]}, "twice"),
 ])
 def test_bad_sweep_fields_are_rejected(tmp_path, fields, match):
     from pydantic import ValidationError

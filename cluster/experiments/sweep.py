@@ -63,6 +63,12 @@ class SweepConfig(BaseModel):
         ..., min_length=1, max_length=20, description="`key.sub: [values]`: one run per "
         "combination, in the order written (the last key varies fastest). `seed` is the key "
         "the report averages over.")
+    controls: list[dict[str, Annotated[list[Any], Field(min_length=1, max_length=1000)]]] = Field(
+        default_factory=list, max_length=20, description="Variations of the grid whose runs join "
+        "the sweep, in one directory and report: each maps keys to new value lists (replacing "
+        "the grid's, or adding keys), e.g. the no-KL control {kl.beta: [0.0], kl.estimator: "
+        "[k1], kl.placement: [reward]}. Keys they add name their runs (`k1-reward-lag8-s0-b0`); a run they "
+        "share with the grid runs once.")
     parallel: int = Field(1, ge=1, le=1024, description="Runs at once: local processes (each "
                           "needs the CPUs its config reserves), or Ray jobs in flight with --address.")
     poll_s: float = Field(2.0, gt=0, le=600, description="Seconds between checks of the running "
@@ -77,6 +83,12 @@ class SweepConfig(BaseModel):
         grid.kl.beta=[0.05,0.1] arrive nested)."""
         return flatten(value) if isinstance(value, dict) else value
 
+    @field_validator("controls", mode="before")
+    @classmethod
+    def _dotted_control_keys(cls, value: Any) -> Any:
+        return [flatten(c) if isinstance(c, dict) else c for c in value] \
+            if isinstance(value, list) else value
+
     @field_validator("overrides", "grid")
     @classmethod
     def _plain_keys(cls, value: dict) -> dict:
@@ -86,6 +98,14 @@ class SweepConfig(BaseModel):
             if key in RESERVED_KEYS:
                 raise ValueError(f"{key!r} is set by the sweep for each run (see docs/sweeps.md)")
         return value
+
+    @field_validator("controls")
+    @classmethod
+    def _plain_control_keys(cls, controls: list) -> list:
+        for control in controls:
+            cls._plain_keys(control)
+            cls._distinct_values(control)
+        return controls
 
     @field_validator("grid")
     @classmethod
@@ -97,9 +117,15 @@ class SweepConfig(BaseModel):
 
     @model_validator(mode="after")
     def _grid_keys_not_overridden(self) -> SweepConfig:
-        if both := sorted(set(self.grid) & set(self.overrides)):
-            raise ValueError(f"{both} both in grid and in overrides: the grid would silently win")
+        varied = set(self.grid).union(*self.controls)
+        if both := sorted(varied & set(self.overrides)):
+            raise ValueError(f"{both} both in grid (or controls) and in overrides: the grid "
+                             "would silently win")
         return self
+
+    def grids(self) -> list[dict[str, list[Any]]]:
+        """The grid, then each control: the grid with the control's keys replaced or added."""
+        return [self.grid, *({**self.grid, **control} for control in self.controls)]
 
 
 @dataclass(frozen=True)
@@ -138,15 +164,18 @@ def override_value(value: Any) -> str:
 
 def expand(cfg: SweepConfig) -> list[RunSpec]:
     """The sweep's runs, in grid order. Raises ConfigError when two runs would share a name."""
-    keys = list(cfg.grid)
     shared = [f"{k}={override_value(v)}" for k, v in cfg.overrides.items()]
     runs, seen = [], {}
-    for i, combo in enumerate(itertools.product(*cfg.grid.values()), start=1):
-        values = dict(zip(keys, combo))
+    combos = [dict(zip(grid, combo)) for grid in cfg.grids()
+              for combo in itertools.product(*grid.values())]
+    for values in combos:
         name = "-".join(value_token(k, v) for k, v in values.items())
         if name in seen:
+            if seen[name] == values:  # a control's run that the grid (or a control) has
+                continue
             raise ConfigError(f"grid points {seen[name]} and {values} would both be named {name!r}")
         seen[name] = values
+        i = len(runs) + 1
         tags = [f"{k}={v}"[:64] for k, v in values.items()]  # wandb caps a tag at 64 chars
         run_overrides = [*shared, *(f"{k}={override_value(v)}" for k, v in values.items()),
                          f"output_dir={sweep_dir(cfg)}", f"run_name={name}",
