@@ -168,6 +168,9 @@ def test_report_of_one_run_and_the_cli(tmp_path, capsys):
     assert "| `my-run` | accuracy collapse (in-domain) | 30 |" in md
     assert main(["report", str(run_dir), "collapse_fraction=0.1"]) == 0
     assert "No run was flagged" in (run_dir / "report" / "report.md").read_text()
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "docs" / "page")]) == 0
+    assert (tmp_path / "docs" / "page" / "report.md").read_text().startswith("# Report: my-run")
+    assert (tmp_path / "docs" / "page" / "accuracy.png").is_file()
     assert main(["report", str(run_dir), "colapse_fraction=0.1"]) == 2
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "colapse_fraction" in capsys.readouterr().err

@@ -87,7 +87,7 @@ def _run_report(args) -> int:
             base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
         cfg = validate(ReportConfig, merge(base, args.overrides), source="report options",
                        overrides=args.overrides)
-        report = write_report(path, cfg)
+        report = write_report(path, cfg, out=args.out)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,4 +114,6 @@ def register(subparsers) -> None:
     p.add_argument("dir", help="a run directory, or a directory of runs (a sweep)")
     p.add_argument("overrides", nargs="*", help="report options, e.g. collapse_fraction=0.3 "
                    "kl_max=50 smooth=1 (default: the sweep's `report:` section)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write report.md and its plots "
+                   "here (default DIR/report), e.g. docs/sweeps/offpolicy_tiny for the docs")
     p.set_defaults(func=_run_report)

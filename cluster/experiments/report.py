@@ -280,8 +280,9 @@ def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[
     return lines
 
 
-def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
-    """Write PATH/report/report.md and its plots; returns the report.md path."""
+def write_report(path: str | Path, cfg: ReportConfig | None = None,
+                 out: str | Path | None = None) -> Path:
+    """Write report.md and its plots into `out` (default PATH/report); returns report.md's path."""
     cfg = cfg or ReportConfig()
     path = Path(path)
     runs = find_runs(path)
@@ -290,7 +291,7 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None) -> Path:
     check_kl_metric(runs, cfg)
     groups = group_runs(runs)
     flags = [f for r in runs for f in instability_flags(r, cfg)]
-    out = path / "report"
+    out = Path(out) if out is not None else path / "report"
     out.mkdir(parents=True, exist_ok=True)
     figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
     keys = configuration_keys(runs)
