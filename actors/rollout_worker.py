@@ -52,9 +52,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from actors import lora_serving
 from actors.config import RolloutConfig, SyncConfig
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
+from actors.lora_serving import AdapterSlot
 from actors.prompting import PromptRenderer
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
 from actors.weight_sync import WeightUpdate, fetch
@@ -83,11 +85,14 @@ class RolloutWorker:
         the weights in model_dir.
     revision, trust_remote_code: how the engine loads the model and its tokenizer (the one
         tokenizer the worker uses): a run passes model.revision and model.trust_remote_code.
+    lora_rank: serve LoRA adapters of this rank on the base model_dir (learner.lora.rank;
+        actors/lora_serving.py); None: weight updates replace the full weights.
     """
 
     def __init__(self, model_dir: str | Path, rollout_cfg: RolloutConfig, sync_cfg: SyncConfig,
                  task_cfg: TaskConfig, *, worker_index: int = 0, seed: int = 0, version: int = 0,
-                 revision: str | None = None, trust_remote_code: bool = False):
+                 revision: str | None = None, trust_remote_code: bool = False,
+                 lora_rank: int | None = None):
         if not isinstance(task_cfg, TaskConfig):
             raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
                             f"{type(task_cfg).__name__}")
@@ -107,9 +112,12 @@ class RolloutWorker:
 
         from actors.engine import make_llm
 
+        self.adapter = AdapterSlot(worker_index) if lora_rank is not None else None
+        lora = lora_serving.engine_options(lora_rank) if lora_rank is not None else {}
         self.llm = make_llm(model_dir, **engine_options(rollout_cfg, sync_cfg, seed,
                                                         revision=revision,
-                                                        trust_remote_code=trust_remote_code))
+                                                        trust_remote_code=trust_remote_code),
+                            **lora)
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         self._warm_up()
@@ -132,7 +140,7 @@ class RolloutWorker:
                                 stop=self.renderer.stop)
         prompts = self.renderer.prompts(problems)
         t0 = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._serving().generate(prompts, params, use_tqdm=False)
         gen_s = time.perf_counter() - t0
 
         samples = [(p, g, out, c) for p, g, out in zip(problems, group_ids, outputs)
@@ -167,7 +175,7 @@ class RolloutWorker:
         and problems and sampling seeds fixed by eval_cfg.seed (not the run seed).
         `EvalReport.metrics()` gives the logged eval/<set>/... metrics."""
         self._check_usable()
-        return evaluate_sets(self.llm, eval_cfg, self.task_cfg,
+        return evaluate_sets(self._serving(), eval_cfg, self.task_cfg,
                              default_max_tokens=self.cfg.max_new_tokens,
                              renderer=self.renderer, scoring_pool=self.pool)
 
@@ -207,10 +215,19 @@ class RolloutWorker:
             source = fetch(update, deadline)  # TimeoutError here leaves the engine untouched
             fetch_s = time.perf_counter() - t0
 
-            def reload():
-                ranks = self.llm.collective_rpc("klrl_reload_weights", args=(source,))
-                return {"fetch": fetch_s, "read": max(r["read"] for r in ranks),
-                        "reload": max(r["reload"] for r in ranks)}
+            if update.adapter is not None:
+                if self.adapter is None:
+                    raise ValueError(f"worker {self.worker_index} was built without LoRA "
+                                     "(lora_rank) but got an adapter update")
+
+                def reload():
+                    return {"fetch": fetch_s} | self.adapter.load(self.llm, update.version,
+                                                                  source, update.adapter)
+            else:
+                def reload():
+                    ranks = self.llm.collective_rpc("klrl_reload_weights", args=(source,))
+                    return {"fetch": fetch_s, "read": max(r["read"] for r in ranks),
+                            "reload": max(r["reload"] for r in ranks)}
 
         self._pending = self._reload_thread.submit(reload)
         try:
@@ -270,9 +287,15 @@ class RolloutWorker:
         from actors.engine import shutdown_llm
 
         self.pool.close()
+        if self.adapter is not None:
+            self.adapter.close()
         shutdown_llm(self.llm)
 
     # ------------------------------------------------------------------ helpers
+
+    def _serving(self):
+        """The engine, naming the LoRA adapter being served in every request (if any)."""
+        return self.adapter.engine(self.llm) if self.adapter is not None else self.llm
 
     def _check_usable(self) -> None:
         if self._broken is not None:

@@ -97,6 +97,9 @@ class WeightUpdate:
     # Where the publishing side's time went, in seconds: "gather" (the learner's full weights
     # on rank 0) and "serialise_write" (into the transport); `klrl bench` reports them.
     seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # LoRA: the tensors are a PEFT adapter for the workers' base model, and this is its
+    # adapter_config.json (actors/lora_serving.py); None: the full weights.
+    adapter: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         if self.version < 0:
@@ -119,6 +122,7 @@ def publish(
     run_id: str,
     shm_dir: str | os.PathLike = "/dev/shm",
     nccl_sender: NcclWeightSender | None = None,
+    adapter: Mapping[str, Any] | None = None,
 ) -> WeightUpdate:
     """Publish the learner's full HF-named weights as policy `version`; return the record
     the workers load (`RolloutWorker.load_weights`).
@@ -131,12 +135,17 @@ def publish(
 
     run_id names the shm directory (one per run, so concurrent runs do not collide);
     shm_dir is its parent (SyncConfig.shm_dir). nccl_sender: required for transport "nccl".
+    adapter: a LoRA adapter's config when the tensors are that adapter (shm and object_store;
+    no lm_head then: the workers keep their base).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS}")
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     names = [n for n, _ in items]
-    if LM_HEAD not in names:
+    if adapter is not None and transport == "nccl":
+        raise ValueError("a LoRA adapter travels by shm or object_store: vLLM's NCCL weight "
+                         "transfer replaces base weights, not adapters")
+    if LM_HEAD not in names and adapter is None:
         raise ValueError(
             f"weight update for version {version} has no {LM_HEAD!r}. Send it even when "
             "embeddings are tied (e.g. lm_head.weight = model.embed_tokens.weight): vLLM keeps "
@@ -157,7 +166,7 @@ def publish(
     if transport == "shm":
         path = _write_shm(tensors, metadata, version, run_dir(run_id, shm_dir))
         return WeightUpdate(version, "shm", path.stat().st_size, len(tensors), path=str(path),
-                            seconds={"serialise_write": time.perf_counter() - t0})
+                            seconds={"serialise_write": time.perf_counter() - t0}, adapter=adapter)
 
     import ray
     from safetensors.torch import save
@@ -165,7 +174,7 @@ def publish(
     data = save(tensors, metadata=metadata)
     ref = ray.put(data)
     return WeightUpdate(version, "object_store", len(data), len(tensors), ref=ref,
-                        seconds={"serialise_write": time.perf_counter() - t0})
+                        seconds={"serialise_write": time.perf_counter() - t0}, adapter=adapter)
 
 
 class WeightPublisher:
@@ -179,7 +188,8 @@ class WeightPublisher:
         self.nccl_sender: NcclWeightSender | None = None
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int, transport: Transport, *,
-                run_id: str, shm_dir: str | os.PathLike | None = None) -> WeightUpdate:
+                run_id: str, shm_dir: str | os.PathLike | None = None,
+                adapter: Mapping[str, Any] | None = None) -> WeightUpdate:
         """`publish` these weights; shm_dir None means its default. nccl needs `nccl_open`
         and `nccl_connect` first (cluster.train.launch.connect_nccl drives both)."""
         if transport == "nccl" and self.nccl_sender is None:
@@ -187,7 +197,7 @@ class WeightPublisher:
                 "transport nccl: call cluster.train.launch.connect_nccl(learner, workers) first")
         kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
         return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender,
-                       **kw)
+                       adapter=adapter, **kw)
 
     def nccl_open(self, host: str, port: int, num_workers: int,
                   ranks_per_worker: int = 1) -> list[dict]:

@@ -12,6 +12,42 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class LoraSpec(BaseModel):
+    """learner.lora: train low-rank adapters (PEFT LoRA) on the frozen policy base instead of
+    every weight; the base is also the KL reference (learner/lora.py, docs/lora.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(8, ge=1, le=512, description="Rank r of each adapter (B A, with A r x in "
+                      "and B out x r). vLLM serves ranks up to 512.")
+    alpha: float | None = Field(None, gt=0.0, le=1e6, description="The adapter's update is "
+                                "alpha / rank x B A. null: 2 x rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input "
+                           "while training. Above 0 the learner's log-probs are random, so "
+                           "the learner/sampler ratios are not 1 even at max_lag 0.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Modules that get adapters: names (or name suffixes) of "
+        "linear layers, e.g. [q_proj, v_proj]; all-linear: every linear layer but the output "
+        "head. Refused before start when the model has none of a name.")
+    save_merged: bool = Field(False, description="Also write final/merged/: the base with the "
+                              "adapters folded in, a plain model for transformers and vLLM "
+                              "(final/ itself holds the adapter).")
+
+    @property
+    def scaling(self) -> float:
+        return self.resolved_alpha / self.rank
+
+    @property
+    def resolved_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+    @model_validator(mode="after")
+    def _named_modules(self) -> LoraSpec:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty: name modules or use all-linear")
+        return self
+
+
 class LearnerConfig(BaseModel):
     """The DeepSpeed policy learner: data-parallel ranks (Ray actors), optimizer, loss options."""
 
@@ -91,6 +127,8 @@ class LearnerConfig(BaseModel):
     offload_param: bool = Field(False, description="ZeRO-Infinity: keep the policy's parameters "
                                 "in CPU memory between uses (DeepSpeed "
                                 "zero_optimization.offload_param). GPU-only; needs zero_stage 3.")
+    lora: LoraSpec | None = Field(None, description="Train LoRA adapters on the frozen base "
+                                  "(e.g. learner.lora.rank=8); null: every weight trains.")
     entropy_coef: float = Field(0.0, ge=0.0, le=1e3, description="Entropy bonus: adds "
                                 "-entropy_coef x (sum over response tokens of the current "
                                 "policy's full-vocabulary entropy at each position) / sequences "

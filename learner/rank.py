@@ -37,6 +37,7 @@ import torch
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner import lora
 from learner.files import give_normal_modes
 from learner.loading import ModelFiles, load_causal_lm, load_tokenizer
 from learner.loss import (
@@ -56,7 +57,7 @@ class WeightPublisher(Protocol):
     transport is injected instead of imported."""
 
     def publish(self, weights: dict[str, torch.Tensor], version: int, transport: str, *,
-                run_id: str, shm_dir: str | None = None) -> Any: ...
+                run_id: str, shm_dir: str | None = None, adapter: dict | None = None) -> Any: ...
 
     def nccl_open(self, host: str, port: int, num_workers: int,
                   ranks_per_worker: int = 1) -> list[dict]: ...
@@ -186,10 +187,16 @@ class LearnerRank:
             # Non-reentrant checkpointing: it needs no input that requires grad and recomputes
             # each layer's forward exactly, so the gradients are those without it.
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.lora is not None:  # the base frozen; only the adapters train (learner/lora.py)
+            policy = lora.wrap(policy, cfg.lora)
         policy.train()
         num_parameters = sum(p.numel() for p in policy.parameters())  # before ZeRO-3 partitions
-        ref = load_causal_lm(self.files.reference_path, self.files, cfg)
-        self.ref = ref.to(self.device).eval().requires_grad_(False)
+        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        if cfg.lora is not None and self.files.reference is None:
+            self.ref = None  # the reference is the policy's base: its adapters switched off
+        else:
+            ref = load_causal_lm(self.files.reference_path, self.files, cfg)
+            self.ref = ref.to(self.device).eval().requires_grad_(False)
 
         params = [p for p in policy.parameters() if p.requires_grad]
         adam = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
@@ -205,10 +212,10 @@ class LearnerRank:
         # optimizer unwrapped exactly when it does not check and clip itself.
         assert (self.engine.optimizer is self.optimizer) == (not cfg.deepspeed_wraps_optimizer), \
             f"unexpected DeepSpeed optimizer wrapping: {type(self.engine.optimizer).__name__}"
-        return {"rank": self.rank, "parameters": num_parameters,
+        return {"rank": self.rank, "parameters": num_parameters, "trainable_parameters": trainable,
                 "optimizer": type(self.engine.optimizer).__name__,
                 # What transformers actually runs (its default when attn_implementation is null).
-                "attn_implementation": [m.config._attn_implementation for m in (policy, ref)],
+                "attn_implementation": [m.config._attn_implementation for m in (policy, self.ref or policy)],
                 "gradient_checkpointing": policy.is_gradient_checkpointing}
 
     # ------------------------------------------------------------------ training
@@ -224,7 +231,7 @@ class LearnerRank:
         log-probs are computed once for all updates (the reference never changes)."""
         cfg = self.cfg
         self._progress()
-        ref_logp = self._logprobs(self.ref, shard)
+        ref_logp = self._reference_logprobs(shard)
         per_mini = num_sequences_global / cfg.mini_batches
         minis = [shard.shard_indices(m, cfg.mini_batches) for m in range(cfg.mini_batches)]
         updates = []
@@ -285,6 +292,14 @@ class LearnerRank:
                     "time/learner_step": time.perf_counter() - t0})
         return out
 
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] log-probs under the reference: its own model, or with LoRA and no separate
+        reference the policy's base (the same forward with the adapters off)."""
+        if self.ref is not None:
+            return self._logprobs(self.ref, batch)
+        with self.engine.module.disable_adapter():
+            return self._logprobs(self.engine, batch)
+
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         """[B, L] log-probs of `batch` under `model` (no grad), in micro-batch-sized chunks."""
@@ -333,14 +348,19 @@ class LearnerRank:
         # is needed (`klrl bench`: a fresh 400 MB copy cost 0.15-1 s of page faults per sync).
         # nccl broadcasts in the background and ZeRO-3 re-partitions after the gather: copies.
         t0 = time.perf_counter()
-        weights = self.named_parameters_for_inference(str(self.device) if nccl else "cpu",
-                                                      copy=nccl or self.cfg.zero_stage == 3)
+        adapter = None
+        if self.cfg.lora is not None:  # the adapters only: the workers hold the base
+            weights = self.adapter_tensors()
+            adapter = lora.adapter_config(self.engine.module)
+        else:
+            weights = self.named_parameters_for_inference(str(self.device) if nccl else "cpu",
+                                                          copy=nccl or self.cfg.zero_stage == 3)
         if self.rank != 0:
             return None
         assert version == self.version, f"exporting version {version} but rank 0 holds {self.version}"
         gather_s = time.perf_counter() - t0
         update = self._publisher().publish(weights, version, transport, run_id=run_id,
-                                           shm_dir=shm_dir)
+                                           shm_dir=shm_dir, adapter=adapter)
         return dataclasses.replace(update, seconds={"gather": gather_s, **update.seconds})
 
     def nccl_sender_init(self, num_workers: int, ranks_per_worker: int = 1) -> list[dict]:
@@ -365,13 +385,37 @@ class LearnerRank:
                                "LearnerGroup(..., publisher=actors.weight_sync.WeightPublisher())")
         return self.publisher
 
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapters' CPU copies under their adapter-file names (collective under ZeRO-3)."""
+        return lora.adapter_tensors(self.engine.module, gather=self.cfg.zero_stage == 3)
+
     def save_hf(self, out_dir: str) -> str | None:
         """Write the policy in Hugging Face format (config, generation config, tokenizer,
-        safetensors), loadable by transformers and vLLM. Collective; rank 0 writes."""
+        safetensors), loadable by transformers and vLLM. With LoRA: the adapter (PEFT's files,
+        for the base model) and, with lora.save_merged, the merged model in merged/.
+        Collective; rank 0 writes."""
+        if self.cfg.lora is not None:
+            return self._save_adapter(out_dir)
         weights = self.named_parameters_for_inference()
         if self.rank != 0:
             return None
-        module = self.engine.module
+        return self._save_model(self.engine.module, weights, out_dir)
+
+    def _save_adapter(self, out_dir: str) -> str | None:
+        tensors = self.adapter_tensors()
+        full = self.named_parameters_for_inference() if self.cfg.lora.save_merged else None
+        if self.rank != 0:
+            return None
+        config = lora.adapter_config(self.engine.module) | {"base_model_name_or_path": self.files.policy}
+        lora.write_adapter(out_dir, tensors, config)
+        load_tokenizer(self.files).save_pretrained(str(out_dir))
+        if full is not None:
+            merged = lora.merged_weights(full, self.cfg.lora.scaling)
+            self._save_model(self.engine.module.get_base_model(), merged, str(Path(out_dir) / "merged"))
+        give_normal_modes(Path(out_dir))
+        return str(out_dir)
+
+    def _save_model(self, module, weights: dict[str, torch.Tensor], out_dir: str) -> str:
         if getattr(module.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)  # tied: transformers and vLLM re-tie on load
         out = Path(out_dir)
@@ -386,14 +430,18 @@ class LearnerRank:
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> None:
         """DeepSpeed checkpoint (weights, optimizer moments, LR scheduler). Collective; every
         rank writes its own shards, so `directory` must be shared by the ranks' nodes."""
-        # The RNG state too: nothing in the loss samples today, but a resumed run must not
-        # silently diverge the day something (dropout, subsampling) does.
+        # The RNG state too: LoRA dropout samples, and a resumed run must not silently diverge
+        # the day something else (subsampling) does.
         state = dict(client_state or {}, version=self.version, torch_rng=torch.get_rng_state())
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+        # With LoRA the frozen base is the model the run started from: only the adapters (and
+        # their optimizer state) are saved.
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state,
+                                    exclude_frozen_parameters=self.cfg.lora is not None)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:
         path, state = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True,
+                                                  load_module_strict=self.cfg.lora is None)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {directory}")
         self.version = int(state["version"])

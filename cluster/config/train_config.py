@@ -322,6 +322,11 @@ class TrainConfig(_Strict):
                     f"{shared}. Request whole GPUs (learner.num_gpus_per_rank and "
                     "rollout.num_gpus_per_worker >= 1), or use sync.transport: shm (one node) or "
                     "object_store, which work on a shared GPU")
+        if self.sync.transport == "nccl" and self.learner.lora is not None:
+            raise ValueError("learner.lora with sync.transport=nccl: vLLM's NCCL weight "
+                             "transfer replaces base weights and cannot load an adapter; an "
+                             "adapter is small, so use sync.transport: object_store (or shm on "
+                             "one node)")
         if self.sync.transport == "nccl" and self.rollout.tensor_parallel_size > 1:
             # connect_nccl sizes the NCCL weight-transfer group for one engine rank per worker.
             raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 only; "

@@ -111,6 +111,39 @@ def check_engine_kwargs(engine_kwargs: dict) -> None:
             + "; see vLLM's EngineArgs")
 
 
+def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
+    """learner.lora against the model, before anything starts: vLLM must serve LoRA for its
+    architecture, and each named target module must be a linear layer of it. Builds the model
+    on the meta device (no weights) and imports vLLM's model registry (a few seconds)."""
+    spec = cfg.learner.lora
+    if spec is None:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hub = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
+    config = AutoConfig.from_pretrained(str(model_dir), **hub)
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    for arch in config.architectures or []:
+        cls = ModelRegistry._try_load_model_cls(arch)  # vLLM's own lookup of an architecture
+        if cls is not None and not supports_lora(cls):
+            raise ConfigError(f"learner.lora: vLLM cannot serve LoRA adapters for {arch} (the "
+                              f"model at {model_dir}); train every weight (learner.lora=null)")
+    if spec.target_modules == "all-linear":
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    missing = [t for t in spec.target_modules
+               if not any(n == t or n.endswith("." + t) for n in linear)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        raise ConfigError(f"learner.lora.target_modules: {model_dir} has no linear layer named "
+                          f"{', '.join(missing)}; its linear layers are {', '.join(leaves)}")
+
+
 def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None]:
     """Check everything that can be checked before the run starts, touching nothing.
     Returns (run directory, checkpoint to resume from or None)."""

@@ -9,7 +9,7 @@ import ray
 from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.preflight import check_cluster_resources, preflight
+from cluster.train.preflight import check_cluster_resources, check_lora, preflight
 from cluster.train.run_log import abandon_metrics, has_metrics
 from cluster.train.stopping import GracefulStop
 
@@ -28,6 +28,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
         abandon_metrics(run_dir)
         print(f"{run_dir} has no complete checkpoint: starting it afresh")
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
+    check_lora(cfg, model_dir)
     started = start_ray(cfg)
     try:
         check_cluster_resources(cfg)  # needs Ray: a request no node can meet would hang the run

@@ -65,8 +65,10 @@ def has_metrics(run_dir: str | Path) -> bool:
 
 
 def is_finished(run_dir: str | Path) -> bool:
-    """Whether the run finished: the final model's config.json, written last, is there."""
-    return (final_dir(run_dir) / "config.json").is_file()
+    """Whether the run finished: the final model's config.json (with LoRA the adapter's
+    adapter_config.json), written last, is there."""
+    final = final_dir(run_dir)
+    return (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
 
 
 def default_run_name(cfg) -> str:

@@ -67,7 +67,8 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
         resources=cfg.ray.worker_resources or None).remote(
         model_dir=str(model_dir), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
         worker_index=index, seed=cfg.seed, revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code)
+        trust_remote_code=cfg.model.trust_remote_code,
+        lora_rank=cfg.learner.lora.rank if cfg.learner.lora is not None else None)
 
 
 class WorkerPool:

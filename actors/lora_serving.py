@@ -1,0 +1,86 @@
+"""Serving the learner's LoRA adapter in a rollout worker's vLLM engine (`learner.lora`).
+
+The engine is built with LoRA enabled (`engine_options`) on the base model, which it keeps.
+Each weight update carries only the adapter (its tensors by shm or object_store, its
+adapter_config.json in `WeightUpdate.adapter`); `AdapterSlot.load` writes it as a PEFT adapter
+directory of its own (vLLM's LoRA loader reads adapter_config.json and
+adapter_model.safetensors), registers it with the engine under a new LoRA id and drops the
+previous one. Generation and evaluation then name it in every request (`request`); at version 0
+there is none yet, and the base model is exactly the policy (the adapters' B starts at zero).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# The ranks vLLM can be built for (vllm.config.lora.MaxLoRARanks); an adapter may have any
+# rank up to the engine's.
+VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_options(rank: int) -> dict[str, Any]:
+    """vLLM engine options that serve one adapter of rank `rank`."""
+    fits = [r for r in VLLM_MAX_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves ranks up to {VLLM_MAX_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
+class AdapterSlot:
+    """The adapter a worker serves: its request (None: the base model) and its directory."""
+
+    def __init__(self, worker_index: int):
+        self.root = Path(tempfile.mkdtemp(prefix=f"klrl-lora-w{worker_index}-"))
+        self.request = None
+
+    def load(self, llm, version: int, source: str | bytes, config: Mapping[str, Any]) -> dict[str, float]:
+        """Serve the adapter of policy `version` (source: the shm file or the safetensors
+        bytes, as `weight_sync.fetch` gives them); returns the seconds spent writing it
+        ("read") and loading it into the engine ("reload")."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        directory = self.root / f"v{version}"
+        directory.mkdir(exist_ok=True)
+        target = directory / "adapter_model.safetensors"
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            target.write_bytes(bytes(source))
+        else:
+            shutil.copyfile(source, target)  # the shm file is deleted two versions later
+        (directory / "adapter_config.json").write_text(json.dumps(dict(config)))
+        written = time.perf_counter()
+        request = LoRARequest(f"klrl-v{version}", version + 1, str(directory))  # ids are >= 1
+        previous, self.request = self.request, request
+        if previous is not None and previous.lora_int_id == request.lora_int_id:
+            llm.llm_engine.remove_lora(previous.lora_int_id)  # the same version again: reload
+            previous = None
+        llm.llm_engine.add_lora(request)
+        if previous is not None:
+            llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return {"read": written - t0, "reload": time.perf_counter() - written}
+
+    def engine(self, llm):
+        """`llm` as generation and evaluation use it: every generate names the adapter."""
+        return llm if self.request is None else _Serving(llm, self.request)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _Serving:
+    """An engine whose generate calls carry a LoRA request; everything else is the engine's."""
+
+    def __init__(self, llm, request):
+        self._llm, self._request = llm, request
+
+    def generate(self, *args, **kwargs):
+        return self._llm.generate(*args, lora_request=self._request, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
