@@ -35,9 +35,9 @@ from typing import Any, Protocol
 import torch
 
 from kl.config import AdvantageConfig, KLConfig
+from learner import lora
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner import lora
 from learner.files import give_normal_modes
 from learner.loading import ModelFiles, load_causal_lm, load_tokenizer
 from learner.loss import (
