@@ -25,7 +25,8 @@ def _nav_pages(nav) -> list[str]:
 
 def test_docs_build_strict(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+    # No --quiet: it hides the warnings from --strict too, and the build then passes them.
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
