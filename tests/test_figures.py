@@ -101,7 +101,7 @@ def test_replace_block_rewrites_only_between_its_markers():
 @pytest.mark.parametrize("args, message", [
     (["--seeds", "0,x"], "comma-separated integers"),
     (["--seeds", "1,1"], "distinct"),
-    (["--only", "demo,plots"], "choose from model, demo, learning"),
+    (["--only", "demo,plots"], "choose from model, demo, learning, lora"),
 ])
 def test_bad_figures_arguments_fail_before_anything_runs(args, message):
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "figures", *args],

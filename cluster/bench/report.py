@@ -39,6 +39,9 @@ def markdown(result: dict[str, Any]) -> str:
               "| one-copy bound s | x bound | where it goes (ms) |"),
               "|---|---|---|---|---|---|---|---|---|"]
     for name, w in result["workloads"].items():
+        trained = w.get("trainable_parameters") or w["parameters"]
+        if trained != w["parameters"]:  # LoRA: the optimizer holds the adapters only
+            name = f"{name} (trains {trained / 1e6:.2f}M of {w['parameters'] / 1e6:.0f}M parameters)"
         for s in w["weight_sync"]:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items())
             lines.append(f"| {name} | {s['transport']} | {s['num_bytes'] / 1e6:.1f} "

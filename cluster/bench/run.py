@@ -72,17 +72,22 @@ RANDOM_25M = Workload("random-25M", SIZE_25M, ("rollout.max_new_tokens=32",
                                                "rollout.prompts_per_step=8",
                                                "rollout.samples_per_prompt=4"))
 
+LORA = "learner.lora.rank=8"  # the sync-only LoRA workloads: the adapter instead of the model
+
 FULL = BenchPlan(
     workloads=(
         Workload("demo-1M", "demo"),  # configs/tiny_cpu.yaml as the demo runs it
         RANDOM_25M,
         Workload("random-100M", SIZE_100M, ("rollout.max_new_tokens=32",), engines=False),
+        Workload("random-25M-lora8", SIZE_25M, (*RANDOM_25M.overrides, LORA), engines=False),
+        Workload("random-100M-lora8", SIZE_100M, ("rollout.max_new_tokens=32", LORA), engines=False),
     ),
     headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6)
 
+_TINY = ("rollout.max_new_tokens=8", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4")
 QUICK = BenchPlan(
-    workloads=(Workload("tiny-random", "tiny", ("rollout.max_new_tokens=8", "rollout.prompts_per_step=4",
-                                                "rollout.samples_per_prompt=4")),),
+    workloads=(Workload("tiny-random", "tiny", _TINY),
+               Workload("tiny-random-lora8", "tiny", (*_TINY, LORA), engines=False)),
     headline="tiny-random", engine_reps=1, sync_reps=1, measured_steps=2)
 
 
@@ -90,6 +95,7 @@ QUICK = BenchPlan(
 class WorkloadResult:
     name: str
     parameters: int
+    trainable_parameters: int = 0   # those the optimizer holds: fewer with LoRA
     rollout: Overhead | None = None
     learner: Overhead | None = None
     pipeline: PipelineResult | None = None
@@ -143,6 +149,7 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_di
         worker = start_worker(cfg, Path(cfg.model.path), 0)  # its engine starts meanwhile
         group = start_learner(cfg, Path(cfg.model.path), run_id=run_id)
         result.parameters = group.rank_info[0]["parameters"]
+        result.trainable_parameters = group.rank_info[0]["trainable_parameters"]
         ray.get(worker.version.remote())
         if w.engines:
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
@@ -220,6 +227,7 @@ def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, A
                   "baselines": "subprocess, the same threads as klrl's part, actors idle"},
         "workloads": {r.name: {
             "parameters": r.parameters,
+            "trainable_parameters": r.trainable_parameters,
             "rollout": r.rollout.to_dict() if r.rollout else None,
             "learner": r.learner.to_dict() if r.learner else None,
             "pipeline": r.pipeline.to_dict() if r.pipeline else None,
