@@ -238,8 +238,7 @@ def lora_block(figures: list[RunFigures], where: str) -> str:
         "|---|---|---|---|---|---|",
     ]
     for label, how in (("klrl demo", "every weight (`make demo`, lr 1e-4)"),
-                       ("LoRA rank 8", "LoRA rank 8 (`make demo ARGS=\"learner.lora.rank=8 "
-                                       "learner.lr=1e-3\"`)")):
+                       ("LoRA rank 8", f"LoRA rank 8 (`make demo ARGS=\"{' '.join(LORA_DEMO)}\"`)")):
         rows = [f for f in figures if f.label == label and f.max_lag == 0]
         if rows:
             lines.append(
