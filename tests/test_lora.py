@@ -6,9 +6,9 @@ merged model loads in transformers and vLLM. And what is refused before anything
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import tiny_run_config
 
-from cluster.config.loader import DEMO_CONFIG, ConfigError
-from cluster.config.train_config import load_train_config
+from cluster.config.loader import ConfigError
 from cluster.train import checkpoint as ckpt
 from cluster.train.preflight import check_lora
 from cluster.train.run import train
@@ -24,12 +24,7 @@ def _ray(ray_cluster):  # the runs share the session's cluster
 
 
 def _cfg(tiny_model_dir, out, name, steps, *extra):
-    return load_train_config(DEMO_CONFIG, [
-        "task.reward=scorers:short_answers", f"model.path={tiny_model_dir}", f"output_dir={out}",
-        f"run_name={name}", f"total_steps={steps}", "max_lag=0", "eval_every=0",
-        "eval.num_problems=8", "eval.samples=0", "eval.out_of_domain=null",
-        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "learner.lr=1e-2",
-        "learner.lora.rank=4", "logging.wandb_mode=offline", *extra])
+    return tiny_run_config(tiny_model_dir, out, name, steps, "learner.lora.rank=4", *extra, lr=1e-2)
 
 
 @pytest.fixture(scope="module")

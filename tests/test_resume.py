@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import tiny_run_config
 
-from cluster.config.loader import DEMO_CONFIG, ConfigError
-from cluster.config.train_config import load_train_config
+from cluster.config.loader import ConfigError
 from cluster.train import checkpoint as ckpt
 from cluster.train.run import train
 from cluster.train.run_log import read_metrics, read_samples, samples_path
@@ -28,13 +28,8 @@ def _ray(ray_cluster):  # the runs share the session's cluster (a run joins a ru
 
 
 def _cfg(tiny_model_dir, out, name, steps, *extra):
-    return load_train_config(DEMO_CONFIG, [
-        "task.reward=scorers:short_answers", f"model.path={tiny_model_dir}", f"output_dir={out}",
-        f"run_name={name}", f"total_steps={steps}", "max_lag=0", "eval_every=0",
-        "eval.num_problems=8", "eval.samples=0", "eval.out_of_domain=null",
-        "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "learner.lr=1e-3",
-        "learner.warmup_steps=2", "logging.wandb_mode=offline", "logging.samples_every=1",
-        "logging.samples_per_log=2", *extra])
+    return tiny_run_config(tiny_model_dir, out, name, steps, "learner.warmup_steps=2",
+                           "logging.samples_every=1", "logging.samples_per_log=2", *extra)
 
 
 def _final_params(run_dir) -> dict:

@@ -81,6 +81,14 @@ class Config:
         values = (_measure(run, key) for run in self.runs)
         return Stat(tuple(v for v in values if math.isfinite(v)))
 
+    @property
+    def broken_share(self) -> float:
+        return self.broken / len(self.runs)
+
+    def unwell_share(self, study: Study) -> float:
+        """The share of runs that broke or drifted."""
+        return len({r.name for r in self.runs} & (study.broken | study.drifting)) / len(self.runs)
+
     def flags_text(self) -> str:
         n = len(self.runs)
         return f"broken {self.broken}/{n}, drifting {self.drifting}/{n}"
@@ -133,6 +141,10 @@ class Study:
         return out
 
 
+def _verdict(reproduced: bool, contradicted: bool) -> str:
+    return "reproduced" if reproduced else "contradicted" if contradicted else "inconclusive"
+
+
 def _compare(a: Config, b: Config, key: str) -> str:
     sa, sb = a.stat(key), b.stat(key)
     sign = ">" if ahead(sa, sb) else "<" if ahead(sb, sa) else "~"
@@ -169,13 +181,10 @@ def k1_loss_unstable(study: Study, beta: float, lag: int) -> Finding:
     setting = f"beta {beta:g}, max_lag {lag}"
     if k1l is None or k1r is None or lag == 0:
         return Finding(claim, "paper", setting, "not run here", "needs K1 in loss and in reward at a lag")
-    n = len(k1l.runs)
-    if 2 * k1l.broken >= n and k1l.broken / n > k1r.broken / len(k1r.runs):
-        verdict = "reproduced"
-    elif k1l.broken == k1l.drifting == 0 and not ahead(k1r.stat(IN_DOMAIN), k1l.stat(IN_DOMAIN)):
-        verdict = "contradicted"
-    else:
-        verdict = "inconclusive"
+    verdict = _verdict(
+        reproduced=k1l.broken_share >= 0.5 and k1l.broken_share > k1r.broken_share,
+        contradicted=k1l.broken == k1l.drifting == 0
+        and not ahead(k1r.stat(IN_DOMAIN), k1l.stat(IN_DOMAIN)))
     return Finding(claim, "paper", setting, verdict,
                    f"K1 in loss: {k1l.flags_text()}; K1 in reward: {k1r.flags_text()}; KL at the "
                    f"end: {_compare(k1l, k1r, KL)}; in-domain: {_compare(k1l, k1r, IN_DOMAIN)}")
@@ -192,12 +201,8 @@ def k3_loss_stable_worse_ood(study: Study, beta: float, lag: int) -> Finding:
     if k3l is None or k1r is None:
         return Finding(claim, "paper", setting, "not run here", "needs K3 in loss and K1 in reward")
     ood_k1r, ood_k3l = k1r.stat(OUT_OF_DOMAIN), k3l.stat(OUT_OF_DOMAIN)
-    if k3l.broken == 0 and ahead(ood_k1r, ood_k3l):
-        verdict = "reproduced"
-    elif 2 * k3l.broken >= len(k3l.runs) or ahead(ood_k3l, ood_k1r):
-        verdict = "contradicted"
-    else:
-        verdict = "inconclusive"
+    verdict = _verdict(reproduced=k3l.broken == 0 and ahead(ood_k1r, ood_k3l),
+                       contradicted=k3l.broken_share >= 0.5 or ahead(ood_k3l, ood_k1r))
     return Finding(claim, "paper", setting, verdict,
                    f"K3 in loss: {k3l.flags_text()}; out-of-domain: "
                    f"{_compare(k3l, k1r, OUT_OF_DOMAIN)}")
@@ -214,13 +219,9 @@ def kl_stabilises_async(study: Study, beta: float, lag: int) -> Finding:
     if nokl is None or k1r is None or lag == 0:
         return Finding(claim, "paper", setting, "not run here",
                        "needs the no-KL control (kl.beta 0) and K1 in reward at a lag")
-    n = len(nokl.runs)
-    if 2 * nokl.broken >= n and k1r.broken / len(k1r.runs) < nokl.broken / n:
-        verdict = "reproduced"
-    elif nokl.broken == 0 and not ahead(k1r.stat(IN_DOMAIN), nokl.stat(IN_DOMAIN)):
-        verdict = "contradicted"
-    else:
-        verdict = "inconclusive"
+    verdict = _verdict(
+        reproduced=nokl.broken_share >= 0.5 and k1r.broken_share < nokl.broken_share,
+        contradicted=nokl.broken == 0 and not ahead(k1r.stat(IN_DOMAIN), nokl.stat(IN_DOMAIN)))
     return Finding(claim, "paper", setting, verdict,
                    f"no KL: {nokl.flags_text()}; K1 in reward: {k1r.flags_text()}; in-domain: "
                    f"{_compare(k1r, nokl, IN_DOMAIN)}; KL at the end: {_compare(k1r, nokl, KL)}")
@@ -235,14 +236,8 @@ def k3_reward_breaks(study: Study, beta: float, lag: int) -> Finding:
     setting = f"beta {beta:g}, max_lag {lag}"
     if k3r is None or k1r is None or lag == 0:
         return Finding(claim, "klrl", setting, "not run here", "needs K3 and K1 in reward at a lag")
-    bad = len({r.name for r in k3r.runs} & (study.broken | study.drifting))
-    bad_k1r = len({r.name for r in k1r.runs} & (study.broken | study.drifting))
-    if 2 * bad >= len(k3r.runs) and bad / len(k3r.runs) > bad_k1r / len(k1r.runs):
-        verdict = "reproduced"
-    elif bad == 0:
-        verdict = "contradicted"
-    else:
-        verdict = "inconclusive"
+    bad, bad_k1r = k3r.unwell_share(study), k1r.unwell_share(study)
+    verdict = _verdict(reproduced=bad >= 0.5 and bad > bad_k1r, contradicted=bad == 0)
     return Finding(claim, "klrl", setting, verdict,
                    f"K3 in reward: {k3r.flags_text()}; K1 in reward: {k1r.flags_text()}; KL at "
                    f"the end: {_compare(k3r, k1r, KL)}")
@@ -266,12 +261,9 @@ def prefix_repairs(study: Study, beta: float, lag: int) -> Finding:
     evidence = "; ".join(f"{a.name}: {a.flags_text()} -> with prefix {b.flags_text()}" for a, b in pairs)
     if not bad:
         return Finding(claim, "klrl", setting, "inconclusive", "nothing broke without them: " + evidence)
-    if any(b.broken + b.drifting >= a.broken + a.drifting for a, b in bad):
-        verdict = "contradicted"
-    elif all(b.broken == 0 for _, b in bad):
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
+    contradicted = any(b.broken + b.drifting >= a.broken + a.drifting for a, b in bad)
+    verdict = _verdict(reproduced=not contradicted and all(b.broken == 0 for _, b in bad),
+                       contradicted=contradicted)
     return Finding(claim, "klrl", setting, verdict, evidence)
 
 
