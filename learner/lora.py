@@ -65,7 +65,8 @@ def adapter_config(module) -> dict[str, Any]:
 
 
 def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """adapter_model.safetensors + adapter_config.json: what PEFT and vLLM load."""
+    """adapter_model.safetensors, then adapter_config.json (which marks the directory
+    complete): what PEFT and vLLM load."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)

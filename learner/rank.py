@@ -406,12 +406,12 @@ class LearnerRank:
         full = self.named_parameters_for_inference() if self.cfg.lora.save_merged else None
         if self.rank != 0:
             return None
-        config = lora.adapter_config(self.engine.module) | {"base_model_name_or_path": self.files.policy}
-        lora.write_adapter(out_dir, tensors, config)
-        load_tokenizer(self.files).save_pretrained(str(out_dir))
         if full is not None:
             merged = lora.merged_weights(full, self.cfg.lora.scaling)
             self._save_model(self.engine.module.get_base_model(), merged, str(Path(out_dir) / "merged"))
+        load_tokenizer(self.files).save_pretrained(str(out_dir))
+        config = lora.adapter_config(self.engine.module) | {"base_model_name_or_path": self.files.policy}
+        lora.write_adapter(out_dir, tensors, config)  # last: it marks final/ complete
         give_normal_modes(Path(out_dir))
         return str(out_dir)
 

@@ -6,7 +6,8 @@ commit, one line per start), `metrics.jsonl` (one JSON object per step,
 with at least `step`; flushed each line so a crash loses nothing), `samples.jsonl` (rows of
 sample generations every `logging.samples_every` steps, one JSON object each, with `step`),
 `wandb/`, `checkpoints/` and `hf/` (cluster/train/checkpoint.py) and `final/` (the trained
-policy; `final/config.json` is written last, so it marks a finished run). The local directory is always written, whatever wandb does;
+policy; `final/config.json`, with LoRA `final/adapter_config.json`, is written last, so it marks
+a finished run). The local directory is always written, whatever wandb does;
 wandb mirrors the same metrics, its mode from the config, else WANDB_MODE, else offline (files
 only, no account needed).
 
