@@ -3,6 +3,10 @@ model: only the adapters train and travel; the reference is the base with the ad
 max_lag 0 the engine serves exactly the learner's policy (ratios 1 within 1e-4) through shm and
 object_store, at ZeRO-0 and ZeRO-3; resume is bit-exact; final/ holds the adapter, and the
 merged model loads in transformers and vLLM. And what is refused before anything starts."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,6 +20,7 @@ from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,8 +83,6 @@ def test_the_merged_model_is_base_plus_adapter_in_transformers_and_vllm(runs, ti
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from cluster.cli.main import main
-
     straight, _, _ = runs
     final = straight / "final"
     ids = torch.tensor([[5, 40, 41, 12, 44, 50, 30]])
@@ -89,7 +92,12 @@ def test_the_merged_model_is_base_plus_adapter_in_transformers_and_vllm(runs, ti
         merged = AutoModelForCausalLM.from_pretrained(str(final / "merged"),
                                                       dtype=torch.float32).eval()(ids).logits
     assert (adapted - merged).abs().max().item() < 1e-5
-    assert main(["eval", str(final / "merged"), "--n", "4", "--samples", "0"]) == 0
+    # In a process of its own: an in-process engine's shutdown tears down vLLM's distributed
+    # state, which the session's shared engine (conftest tiny_llm) in this process needs.
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(final / "merged"),
+                           "--n", "4", "--samples", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def test_refused_before_start(tiny_model_dir, tmp_path):
