@@ -253,7 +253,7 @@ class RolloutWorker:
 
     def cuda_device_uuids(self) -> list[str]:
         """GPU only: the CUDA device UUID of each of the engine's ranks (one without tensor
-        parallelism), for `actors.weight_sync.check_nccl_devices`."""
+        parallelism), for `actors.nccl_transfer.check_nccl_devices`."""
         return [str(u) for u in self.llm.collective_rpc("klrl_cuda_device_uuid")]
 
     # ------------------------------------------------------------------ introspection

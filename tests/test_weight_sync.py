@@ -230,7 +230,7 @@ def test_nccl_records_match_vllm_types():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from actors.weight_sync import NCCL_PACKING_FIELDS, NcclWeightSender, trainer_init_kwargs
+    from actors.nccl_transfer import NCCL_PACKING_FIELDS, NcclWeightSender, trainer_init_kwargs
 
     sender = NcclWeightSender("10.0.0.1", 29555, num_workers=3, packed=True)
     info = NCCLWeightTransferInitInfo(**sender.worker_init_info(2))
@@ -255,7 +255,7 @@ def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
     routes nccl_open / nccl_connect / publish to this module (a fake sender: no GPU here)."""
     import pickle
 
-    from actors import weight_sync
+    from actors import nccl_transfer, weight_sync
 
     calls = []
 
@@ -271,7 +271,7 @@ def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
 
         def send_async(self, items):
             calls.append(("send", [n for n, _ in items]))
-            return weight_sync.nccl_update_info(items)
+            return nccl_transfer.nccl_update_info(items)
 
     monkeypatch.setattr(weight_sync, "NcclWeightSender", FakeSender)
     pub = pickle.loads(pickle.dumps(weight_sync.WeightPublisher()))
@@ -295,7 +295,7 @@ def test_nccl_sync_gpu(tiny_model_dir):
     through vLLM's NCCL weight-transfer group to a worker's engine on another GPU."""
     import socket
 
-    from actors.weight_sync import NcclWeightSender
+    from actors.nccl_transfer import NcclWeightSender
 
     @ray.remote(num_gpus=1)
     class Learner:  # only names importable in the actor: it is pickled by value
@@ -357,7 +357,7 @@ def test_nccl_start_up_refuses_a_gpu_shared_with_the_learner_gpu(tiny_model_dir)
     """GPU only, not run on CPU machines: on a one-GPU machine a rollout worker's engine
     reports the UUID of the only GPU, which is the learner's too, and the start-up check of
     the nccl transport refuses the pair before NCCL would ("Duplicate GPU detected")."""
-    from actors.weight_sync import check_nccl_devices
+    from actors.nccl_transfer import check_nccl_devices
 
     if torch.cuda.device_count() != 1:
         pytest.skip("checks the one-GPU case")

@@ -80,7 +80,7 @@ def connect_nccl(learner, workers: list) -> None:
     NCCL would refuse ("Duplicate GPU detected"); TrainConfig already refuses GPU requests
     that let Ray share one. Here rather than in learner/ because it drives the rollout
     workers. Written against vLLM's API; not exercised by the CPU test-suite."""
-    from actors.weight_sync import check_nccl_devices
+    from actors.nccl_transfer import check_nccl_devices
     from learner.group import get_all
 
     check_nccl_devices(learner.cuda_device_uuid(),
