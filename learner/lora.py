@@ -30,10 +30,9 @@ def wrap(policy, cfg) -> Any:
     """The policy with fresh adapters (`cfg`: learner.lora), its base frozen."""
     from peft import LoraConfig, get_peft_model
 
-    target = cfg.target_modules if cfg.target_modules != "all-linear" else "all-linear"
     return get_peft_model(policy, LoraConfig(r=cfg.rank, lora_alpha=cfg.resolved_alpha,
-                                             lora_dropout=cfg.dropout, target_modules=target,
-                                             bias="none"))
+                                             lora_dropout=cfg.dropout,
+                                             target_modules=cfg.target_modules, bias="none"))
 
 
 def is_adapter_parameter(name: str) -> bool:
