@@ -25,7 +25,8 @@ from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loading import ModelFiles
 from learner.loss import merge_metrics, merge_updates
-from learner.rank import LearnerRank, WeightPublisher, remove_shm_buffers
+from learner.process_group import remove_shm_buffers
+from learner.rank import LearnerRank, WeightPublisher
 
 
 class LearnerGroup:
@@ -74,7 +75,7 @@ class LearnerGroup:
             nodes = [i["node_id"] for i in infos]
             # One node: rendezvous on loopback. Several: rank 0's node address.
             addr = "127.0.0.1" if len(set(nodes)) == 1 else infos[0]["ip"]
-            port = ray.get(self.ranks[0].free_port.remote(addr))
+            port = ray.get(self.ranks[0].host_rendezvous.remote(addr, collective_timeout_s))
             # Where the ranks' /dev/shm buffers are named after, when they all share the
             # driver's node: shutdown then removes what a killed rank could not.
             here = ray.get_runtime_context().get_node_id()

@@ -28,7 +28,6 @@ import dataclasses
 import math
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +47,7 @@ from learner.loss import (
     sequence_logprobs,
     token_entropy,
 )
+from learner.process_group import host_store, init_process_group, remove_shm_buffers
 from learner.schedule import make_scheduler
 
 
@@ -94,16 +94,6 @@ class _GuardedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def remove_shm_buffers(addr: str, port: int) -> int:
-    """Delete this node's /dev/shm all-reduce buffers of the process group that met at
-    addr:port (DeepSpeed's CPU comm op names them after it); how many were removed."""
-    removed = 0
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
-        path.unlink(missing_ok=True)
-        removed += 1
-    return removed
-
-
 class LearnerRank:
     """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks.
     `model`: the policy's directory, or a ModelFiles (reference, revision, remote code).
@@ -138,8 +128,14 @@ class LearnerRank:
         return {"node_id": ray.get_runtime_context().get_node_id(),
                 "ip": ray.util.get_node_ip_address()}
 
+    def host_rendezvous(self, host: str, collective_timeout_s: float | None = None) -> int:
+        """Rank 0: host the process group's store on `host`, at a port the OS picks and this
+        rank holds from now on (learner/process_group.py says why); returns the port."""
+        self._store = host_store(host, self.world_size, collective_timeout_s)
+        return self._store.port
+
     def free_port(self, host: str) -> int:
-        """A free TCP port on this node (rank 0 hosts the torch.distributed rendezvous)."""
+        """A free TCP port on this node (the nccl weight transport's rendezvous)."""
         import socket
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -171,12 +167,11 @@ class LearnerRank:
 
         cuda = self.cfg.device_kind == "cuda"
         os.environ.update({
-            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             # On GPU Ray gives each actor its own CUDA_VISIBLE_DEVICES, so the device is cuda:0.
             "LOCAL_RANK": "0" if cuda else str(local_rank), "LOCAL_SIZE": str(local_size),
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         })
-        init_process_group(cuda, collective_timeout_s)
+        init_process_group(cuda, self.rank, self.world_size, master_addr, master_port,
+                           getattr(self, "_store", None), collective_timeout_s)
         self._rendezvous = (master_addr, master_port)
         torch.manual_seed(self.seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -447,19 +442,6 @@ class LearnerRank:
         self.version = int(state["version"])
         torch.set_rng_state(state["torch_rng"])
         return {"version": self.version}
-
-
-def init_process_group(cuda: bool, collective_timeout_s: float | None = None) -> None:
-    """Join torch.distributed through DeepSpeed (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the
-    environment): NCCL on GPU, gloo on CPU. A collective that waits longer than
-    `collective_timeout_s` raises instead of blocking forever (gloo raises in the waiting rank;
-    NCCL's watchdog aborts the communicator); None: DeepSpeed's default (30 minutes)."""
-    import deepspeed
-
-    timeout = {} if collective_timeout_s is None else {
-        "timeout": timedelta(seconds=collective_timeout_s)}
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
-                               verbose=False, **timeout)
 
 
 def _make_optimizer(params, cfg: LearnerConfig, adam: dict) -> torch.optim.Optimizer:

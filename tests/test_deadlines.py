@@ -4,9 +4,8 @@ and the process group's timeout in two real gloo processes (slow: DeepSpeed, abo
 The real stack (SIGSTOP of a learner rank or a worker) is in tests/test_faults.py."""
 from __future__ import annotations
 
+import errno
 import multiprocessing
-import os
-import socket
 import time
 
 import pytest
@@ -24,7 +23,7 @@ from cluster.train.deadlines import (
     deadline_for,
     wait_all,
 )
-from learner.rank import remove_shm_buffers
+from learner.process_group import remove_shm_buffers
 
 POLICY = HangPolicy(multiple=5, floor_s=10, startup_s=300, startup_waits=3)
 
@@ -171,15 +170,19 @@ def test_fault_options_are_bounded_and_the_old_timeout_keeps_its_meaning_as_the_
         load_train_config(None, ["faults.hang_floor_s=0"])
 
 
-def _rank(rank: int, port: int, out) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def _rank(rank: int, ports, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from learner.rank import init_process_group
+    from learner.process_group import host_store, init_process_group
 
-    init_process_group(cuda=False, collective_timeout_s=2)
+    store = None
+    if rank == 0:  # hosts the rendezvous, as a learner's rank 0 does, and tells rank 1 where
+        store = host_store("127.0.0.1", 2, collective_timeout_s=2)
+        ports.put(store.port)
+        ports.put(store.port)  # one for rank 1, one for the test (its shm cleanup)
+    port = store.port if store else ports.get(timeout=60)
+    init_process_group(False, rank, 2, "127.0.0.1", port, store, collective_timeout_s=2)
     if rank == 1:  # never joins the collective, and stays alive
         time.sleep(30)
         return
@@ -193,21 +196,35 @@ def _rank(rank: int, port: int, out) -> None:
 
 @pytest.mark.slow
 def test_a_stuck_collective_raises_within_the_process_groups_timeout():
-    """learner.rank.init_process_group's timeout (faults.learner_timeout_s in a run) reaches
-    gloo: a collective a rank never joins raises in the rank waiting in it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """learner.process_group.init_process_group's timeout (faults.learner_timeout_s in a run)
+    reaches gloo: a collective a rank never joins raises in the rank waiting in it."""
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, ports, out), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
+    port = None
     try:
         outcome, waited = out.get(timeout=120)
+        port = ports.get(timeout=5)
     finally:
         for p in procs:
             p.kill()
             p.join()
-        remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU all-reduce buffers (RAM)
+        if port is not None:
+            remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU all-reduce buffers (RAM)
     assert outcome != "returned" and 1.5 < waited < 15, (outcome, waited)
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
+    """Rank 0 listens on the port the OS gave it before anyone learns the number, so no other
+    process can take it in between (CI once lost a run to EADDRINUSE when a free port was
+    picked first and bound later)."""
+    import socket
+
+    from learner.process_group import host_store
+
+    store = host_store("127.0.0.1", 2, collective_timeout_s=5)
+    with socket.socket() as s, pytest.raises(OSError) as err:
+        s.bind(("127.0.0.1", store.port))
+    assert err.value.errno == errno.EADDRINUSE

@@ -1,0 +1,66 @@
+"""How a learner's ranks meet: torch.distributed (gloo on CPU, NCCL on GPU) on a TCP store that
+rank 0 hosts, then DeepSpeed's communication layer on top of that process group.
+
+Invariant: rank 0 binds the store's port itself (port 0: the OS picks one) and holds the socket
+from then on, so no other process can take it between choosing and listening. Choosing a "free"
+port first and binding it later, as torch's env:// rendezvous does, loses to any process that
+binds it in between: on a busy node (CI's pytest workers, Ray, vLLM, each opening connections
+on ephemeral ports) that ended a run in EADDRINUSE before its first step.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+# DeepSpeed's own default when a process group is given no timeout.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def _timeout(collective_timeout_s: float | None) -> timedelta:
+    return DEFAULT_TIMEOUT if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
+
+
+def host_store(host: str, world_size: int, collective_timeout_s: float | None = None):
+    """Rank 0's side: a TCP store listening on `host` at a port the OS picks (`.port`); keep
+    the returned object alive until `init_process_group` has run on every rank."""
+    return torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                                      timeout=_timeout(collective_timeout_s))
+
+
+def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: int, store=None,
+                       collective_timeout_s: float | None = None) -> None:
+    """Join the process group that meets at addr:port: rank 0 passes the store it hosts
+    (`host_store`), the others connect to it. Then DeepSpeed wraps that group. A collective
+    that waits longer than `collective_timeout_s` raises instead of blocking forever (gloo
+    raises in the waiting rank; NCCL's watchdog aborts the communicator); None: 30 minutes."""
+    import deepspeed
+
+    timeout = _timeout(collective_timeout_s)
+    # DeepSpeed's CPU all-reduce names its /dev/shm buffers after MASTER_ADDR/PORT
+    # (remove_shm_buffers finds them by that name).
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+    if store is None:
+        store = torch.distributed.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    backend = "nccl" if cuda else "gloo"
+    extra = {}
+    if cuda and world_size > 1:  # as DeepSpeed does: bind the group to this rank's device
+        extra["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                         timeout=timeout, **extra)
+    # torch.distributed is up, so DeepSpeed only wraps it (comm.init_distributed).
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=timeout)
+
+
+def remove_shm_buffers(addr: str, port: int) -> int:
+    """Delete this node's /dev/shm all-reduce buffers of the process group that met at
+    addr:port (DeepSpeed's CPU comm op names them after it); how many were removed."""
+    removed = 0
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
