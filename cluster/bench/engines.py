@@ -157,29 +157,25 @@ def measure_learner(group, cfg, batch, reps: int) -> Overhead:
 def _bare_deepspeed(spec: dict) -> dict:
     """Baseline: one DeepSpeed engine in this process, single rank (gloo), configured as
     LearnerRank configures it, stepping on the batch with the learner's loss."""
-    import socket
-
     from kl.config import AdvantageConfig, KLConfig
     from learner.config import LearnerConfig
 
     cfg = LearnerConfig(**spec["learner"])
     threads = cfg.threads
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"OMP_NUM_THREADS": str(threads), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM
 
     from learner.batch import TrainBatch
     from learner.loss import policy_loss, sequence_logprobs
+    from learner.process_group import host_store, init_process_group, remove_shm_buffers
 
     torch.set_num_threads(threads)
     kl_cfg, adv_cfg = KLConfig(**spec["kl"]), AdvantageConfig(**spec["advantage"])
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    store = host_store("127.0.0.1", 1)  # as a learner's rank 0 meets its group
+    port = store.port
+    init_process_group(False, 0, 1, "127.0.0.1", port, store)
     torch.manual_seed(spec["seed"])
     policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).train()
     ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
@@ -205,8 +201,7 @@ def _bare_deepspeed(spec: dict) -> dict:
             if r >= WARMUP_REPS:
                 seconds.append(time.perf_counter() - t0)
     finally:
-        for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
-            f.unlink(missing_ok=True)  # DeepSpeed's CPU comm buffers outlive the process
+        remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU comm buffers outlive the process
     return {"seconds": seconds}
 
 
