@@ -161,6 +161,10 @@ class LearnerGroup:
                 out.append(None)
         return out
 
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's bytes held (LearnerRank.memory), in rank order."""
+        return self._all("memory")
+
     def shutdown(self) -> None:
         """Free the ranks' shared-memory buffers, then kill the rank actors (their process
         group dies with them). Best effort: a dead or hung rank must not block shutdown."""

@@ -28,7 +28,6 @@ import dataclasses
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -37,8 +36,8 @@ from kl.config import AdvantageConfig, KLConfig
 from learner import lora
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner.files import give_normal_modes
-from learner.loading import ModelFiles, load_causal_lm, load_tokenizer
+from learner.files import write_adapter_dir, write_model
+from learner.loading import ModelFiles, load_causal_lm
 from learner.loss import (
     group_stats,
     merge_metrics,
@@ -380,6 +379,20 @@ class LearnerRank:
                                "LearnerGroup(..., publisher=actors.weight_sync.WeightPublisher())")
         return self.publisher
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds, for `klrl bench`: its policy's parameters (all, and those it
+        trains), the separate reference (0 when LoRA's base is the reference), the optimizer
+        state (Adam's moments exist from the first step on), and the process's peak resident
+        set so far (the OS's count: libraries, activations and copies included)."""
+        import resource
+
+        params = list(self.engine.module.parameters())
+        return {"weights": _nbytes(params), "trainable": _nbytes(p for p in params if p.requires_grad),
+                "reference": 0 if self.ref is None else _nbytes(self.ref.parameters()),
+                "optimizer_state": _nbytes(t for state in self.optimizer.state.values()
+                                           for t in state.values() if torch.is_tensor(t)),
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapters' CPU copies under their adapter-file names (collective under ZeRO-3)."""
         return lora.adapter_tensors(self.engine.module, gather=self.cfg.zero_stage == 3)
@@ -388,37 +401,16 @@ class LearnerRank:
         """Write the policy in Hugging Face format (config, generation config, tokenizer,
         safetensors), loadable by transformers and vLLM. With LoRA: the adapter (PEFT's files,
         for the base model) and, with lora.save_merged, the merged model in merged/.
-        Collective; rank 0 writes."""
-        if self.cfg.lora is not None:
-            return self._save_adapter(out_dir)
-        weights = self.named_parameters_for_inference()
-        if self.rank != 0:
-            return None
-        return self._save_model(self.engine.module, weights, out_dir)
-
-    def _save_adapter(self, out_dir: str) -> str | None:
+        Collective; rank 0 writes (learner/files.py)."""
+        spec = self.cfg.lora
+        if spec is None:
+            weights = self.named_parameters_for_inference()
+            return write_model(self.engine.module, weights, out_dir, self.files) if self.rank == 0 else None
         tensors = self.adapter_tensors()
-        full = self.named_parameters_for_inference() if self.cfg.lora.save_merged else None
+        full = self.named_parameters_for_inference() if spec.save_merged else None
         if self.rank != 0:
             return None
-        if full is not None:
-            merged = lora.merged_weights(full, self.cfg.lora.scaling)
-            self._save_model(self.engine.module.get_base_model(), merged, str(Path(out_dir) / "merged"))
-        load_tokenizer(self.files).save_pretrained(str(out_dir))
-        config = lora.adapter_config(self.engine.module) | {"base_model_name_or_path": self.files.policy}
-        lora.write_adapter(out_dir, tensors, config)  # last: it marks final/ complete
-        give_normal_modes(Path(out_dir))
-        return str(out_dir)
-
-    def _save_model(self, module, weights: dict[str, torch.Tensor], out_dir: str) -> str:
-        if getattr(module.config, "tie_word_embeddings", False):
-            weights.pop("lm_head.weight", None)  # tied: transformers and vLLM re-tie on load
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        module.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
-        load_tokenizer(self.files).save_pretrained(str(out))
-        give_normal_modes(out)  # safetensors writes 0600: colleagues could not read the model
-        return str(out)
+        return write_adapter_dir(self.engine.module, tensors, full, spec.scaling, out_dir, self.files)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -470,6 +462,10 @@ def _cuts_groups(group_ids: torch.Tensor, chunks: list[torch.Tensor]) -> bool:
             return True
         seen |= ids
     return False
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _model_inputs(batch: TrainBatch) -> dict:

@@ -54,11 +54,20 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert r["of_bound"] == pytest.approx(r["samples_per_s"] / bound), r
     assert _finite_positive(result["of_bound_best_lag"])
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
+    # Learner memory, full fine-tuning against LoRA on the same model: Adam's two fp32 moments
+    # (and a step count per tensor) for exactly the trained weights; no reference copy with
+    # LoRA, whose base is the reference; the process holds at least its weights.
+    full, adapters = (result["workloads"][n]["learner_memory"] for n in ("tiny-random", "tiny-random-lora8"))
+    for mem in (full, adapters):
+        assert 2 * mem["trainable"] <= mem["optimizer_state"] <= 2 * mem["trainable"] + 4096, mem
+        assert mem["peak_rss"] > mem["weights"] + mem["reference"], mem
+    assert full["trainable"] == full["weights"] == full["reference"], full
+    assert adapters["reference"] == 0 and adapters["trainable"] < full["trainable"] / 5, adapters
     page = report.markdown(result)  # what `--docs` writes into docs/bench.md
-    assert page.count("\n| ") >= 2 + 2 * 2 + 3, page
+    assert page.count("\n| ") >= 2 + 2 * 2 + 2 + 3, page
 
     printed = capsys.readouterr().out
-    for title in ("Engine overheads", "Weight sync", "End to end"):
+    for title in ("Engine overheads", "Weight sync", "Learner memory", "End to end"):
         assert title in printed
     # Each invocation trains in a directory of its own, so a kept --work-dir can be reused.
     assert len(list((tmp_path / "work" / "runs").iterdir())) == 1

@@ -48,6 +48,17 @@ def markdown(result: dict[str, Any]) -> str:
                          f"| {s['publish_seconds']:.3f} | {s['load_seconds']:.3f} "
                          f"| {s['total_seconds']:.3f} | {s['bound_seconds']:.4f} "
                          f"| **{s['ratio_to_bound']:.1f}** | {parts} |")
+    memory = {name: w["learner_memory"] for name, w in result["workloads"].items()
+              if w.get("learner_memory")}  # absent from JSONs written before it was measured
+    if memory:
+        lines += ["", ("**Learner memory** (rank 0 after an optimizer step, MB; peak RSS: the "
+                  "rank process's peak resident set, libraries and activations included)"), "",
+                  ("| learner memory | trained weights | all weights | separate reference "
+                   "| optimizer state | peak RSS |"), "|---|---|---|---|---|---|"]
+    for name, mem in memory.items():
+        lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
+                     f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
+                     f"| **{mem['peak_rss'] / 1e6:.0f}** |")
     lines += ["", ("**End to end** (efficiency = measured / ideal; bound = batch x cores / the "
               "one-core T_gen + T_train)"), "",
               ("| end to end | max_lag | samples/s | ideal | efficiency | bound | of bound "

@@ -4,6 +4,8 @@ One run on the machine it runs on measures, for each workload (a model and a bat
 - rollout and learner throughput through klrl's actors against vLLM and DeepSpeed called
   directly (cluster/bench/engines.py): overhead ratio = raw throughput / klrl throughput;
 - weight-sync latency per transport against one copy at memcpy speed (cluster/bench/sync.py);
+- the learner rank's memory after an optimizer step (`LearnerRank.memory`: weights, separate
+  reference, optimizer state, peak resident set), which LoRA workloads set beside full ones;
 - end-to-end samples/s of the real trainer at max_lag 0, 1, 2 and the overlap efficiency
   against the ideal built from T_gen and T_train (cluster/bench/pipeline.py).
 
@@ -100,6 +102,7 @@ class WorkloadResult:
     learner: Overhead | None = None
     pipeline: PipelineResult | None = None
     syncs: list[SyncLatency] = field(default_factory=list)
+    memory: dict[str, int] | None = None  # rank 0's bytes after an optimizer step (LearnerRank.memory)
 
 
 # --------------------------------------------------------------------------- running
@@ -158,6 +161,11 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_di
             result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts), plan.engine_reps)
         print(f"[bench] {w.name}: weight sync", flush=True)
         result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps, bytes_per_s)
+        if result.learner is None:  # sync only so far: one step, so the optimizer state exists
+            problems = _problems(cfg)
+            generated = ray.get(worker.generate.remote(problems, list(range(len(problems))), 0))
+            group.train_step(_train_batch(cfg, generated.rollouts))
+        result.memory = group.memory()[0]
     finally:
         if worker is not None:
             try:
@@ -231,7 +239,8 @@ def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, A
             "rollout": r.rollout.to_dict() if r.rollout else None,
             "learner": r.learner.to_dict() if r.learner else None,
             "pipeline": r.pipeline.to_dict() if r.pipeline else None,
-            "weight_sync": [s.to_dict() for s in r.syncs]} for r in results},
+            "weight_sync": [s.to_dict() for s in r.syncs],
+            "learner_memory": r.memory} for r in results},
         "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
