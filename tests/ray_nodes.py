@@ -97,8 +97,30 @@ def short_temp_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="klrl-ray-", dir="/tmp"))
 
 
+# How Ray's components say a port was taken (ray start's checks, the GCS's and raylet's bind).
+_PORT_TAKEN = ("already in use", "already occupied", "eaddrinuse", "address in use")
+
+
+def _with_fresh_ports(start, attempts: int = 3) -> RayNode:
+    """`start()` again, with newly chosen ports, when Ray failed because one was taken: a
+    port chosen free here is bound later by `ray start`, and on a busy machine (CI's two
+    pytest workers, their Ray clusters and vLLM) another process can take it in between."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except RuntimeError as exc:
+            taken = any(m in str(exc).lower() for m in _PORT_TAKEN)
+            if attempt == attempts - 1 or not taken:
+                raise
+    raise AssertionError("unreachable")
+
+
 def start_head(temp_dir: Path, num_cpus: int, resources: dict | None = None,
                dashboard: bool = False) -> RayNode:
+    return _with_fresh_ports(lambda: _start_head(temp_dir, num_cpus, resources, dashboard))
+
+
+def _start_head(temp_dir: Path, num_cpus: int, resources: dict | None, dashboard: bool) -> RayNode:
     port = free_port()
     args = ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}",
             *_common(num_cpus, resources, temp_dir)]
@@ -116,7 +138,11 @@ def start_head(temp_dir: Path, num_cpus: int, resources: dict | None = None,
 
 def start_worker(head: RayNode, num_cpus: int, resources: dict | None = None) -> RayNode:
     temp_dir = head.temp_dir / "node2"
-    temp_dir.mkdir()
+    temp_dir.mkdir(exist_ok=True)
+    return _with_fresh_ports(lambda: _start_worker(head, num_cpus, resources, temp_dir))
+
+
+def _start_worker(head: RayNode, num_cpus: int, resources: dict | None, temp_dir: Path) -> RayNode:
     node = RayNode([f"--address={head.address}", *_common(num_cpus, resources, temp_dir)],
                    temp_dir, temp_dir.parent / "node2.log")
     node.wait_started()
