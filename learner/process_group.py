@@ -15,17 +15,20 @@ from pathlib import Path
 
 import torch
 
-# DeepSpeed's own default when a process group is given no timeout.
-DEFAULT_TIMEOUT = timedelta(minutes=30)
-
 
 def _timeout(collective_timeout_s: float | None) -> timedelta:
-    return DEFAULT_TIMEOUT if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
+    """None: DeepSpeed's default (10 minutes, or DEEPSPEED_TIMEOUT), as before klrl made the
+    store itself."""
+    if collective_timeout_s is None:
+        from deepspeed.constants import default_pg_timeout
+
+        return default_pg_timeout
+    return timedelta(seconds=collective_timeout_s)
 
 
 def host_store(host: str, world_size: int, collective_timeout_s: float | None = None):
     """Rank 0's side: a TCP store listening on `host` at a port the OS picks (`.port`); keep
-    the returned object alive until `init_process_group` has run on every rank."""
+    the returned object alive as long as the process group (it serves the group's store)."""
     return torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                                       timeout=_timeout(collective_timeout_s))
 
@@ -35,7 +38,8 @@ def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: 
     """Join the process group that meets at addr:port: rank 0 passes the store it hosts
     (`host_store`), the others connect to it. Then DeepSpeed wraps that group. A collective
     that waits longer than `collective_timeout_s` raises instead of blocking forever (gloo
-    raises in the waiting rank; NCCL's watchdog aborts the communicator); None: 30 minutes."""
+    raises in the waiting rank; NCCL's watchdog aborts the communicator); None: DeepSpeed's
+    default."""
     import deepspeed
 
     timeout = _timeout(collective_timeout_s)

@@ -110,6 +110,7 @@ class LearnerRank:
         self.seed, self.run_id = seed, run_id
         self.publisher = publisher
         self.engine = self.ref = self.optimizer = None
+        self._store = None  # rank 0's rendezvous store (host_rendezvous), kept for the group's life
         # The policy version of these weights: rollout batches trained with at least one applied
         # optimizer step (one batch = learner.epochs x learner.mini_batches optimizer steps).
         self.version = 0
@@ -170,7 +171,7 @@ class LearnerRank:
             "LOCAL_RANK": "0" if cuda else str(local_rank), "LOCAL_SIZE": str(local_size),
         })
         init_process_group(cuda, self.rank, self.world_size, master_addr, master_port,
-                           getattr(self, "_store", None), collective_timeout_s)
+                           self._store, collective_timeout_s)
         self._rendezvous = (master_addr, master_port)
         torch.manual_seed(self.seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -105,14 +105,13 @@ def _with_fresh_ports(start, attempts: int = 3) -> RayNode:
     """`start()` again, with newly chosen ports, when Ray failed because one was taken: a
     port chosen free here is bound later by `ray start`, and on a busy machine (CI's two
     pytest workers, their Ray clusters and vLLM) another process can take it in between."""
-    for attempt in range(attempts):
+    for _ in range(attempts - 1):
         try:
             return start()
         except RuntimeError as exc:
-            taken = any(m in str(exc).lower() for m in _PORT_TAKEN)
-            if attempt == attempts - 1 or not taken:
+            if not any(m in str(exc).lower() for m in _PORT_TAKEN):
                 raise
-    raise AssertionError("unreachable")
+    return start()
 
 
 def start_head(temp_dir: Path, num_cpus: int, resources: dict | None = None,

@@ -55,10 +55,10 @@ def markdown(result: dict[str, Any]) -> str:
                   "rank process's peak resident set, libraries and activations included)"), "",
                   ("| learner memory | trained weights | all weights | separate reference "
                    "| optimizer state | peak RSS |"), "|---|---|---|---|---|---|"]
-    for name, mem in memory.items():
-        lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
-                     f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
-                     f"| **{mem['peak_rss'] / 1e6:.0f}** |")
+        for name, mem in memory.items():
+            lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
+                         f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
+                         f"| **{mem['peak_rss'] / 1e6:.0f}** |")
     lines += ["", ("**End to end** (efficiency = measured / ideal; bound = batch x cores / the "
               "one-core T_gen + T_train)"), "",
               ("| end to end | max_lag | samples/s | ideal | efficiency | bound | of bound "
