@@ -100,7 +100,8 @@ class RolloutConfig(BaseModel):
                                            "num_cpus_per_worker, rounded down, at least 1.")
     num_gpus_per_worker: float = Field(0.0, ge=0.0, le=64.0, description="Ray GPUs per worker: "
                                        "0 on CPU, 1 for one engine per GPU, a fraction to share a "
-                                       "GPU with the learner (not with sync.transport nccl).")
+                                       "GPU with the learner (not with sync.transport nccl; "
+                                       "required by cuda_ipc).")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs / torch.compile. "
                                        "null: True on CPU (no compile start-up cost), False on GPU.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -200,11 +201,13 @@ class SyncConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transport: Literal["shm", "object_store", "nccl"] = Field(
+    transport: Literal["shm", "object_store", "nccl", "cuda_ipc"] = Field(
         "shm", description="shm: a safetensors file in shm_dir (learner and workers on one node). "
         "object_store: the safetensors bytes in Ray's object store (any nodes, CPU or GPU). "
         "nccl: GPU only, a broadcast through vLLM's NCCL weight-transfer engine; learner rank 0 "
-        "and every worker need a GPU of their own.")
+        "and every worker need a GPU of their own. cuda_ipc: GPU only, not yet run on one: CUDA "
+        "IPC handles through vLLM's IPC weight-transfer engine, device to device; one learner "
+        "rank and every worker on ONE GPU (fractional GPU requests that fit in one GPU).")
     timeout_s: float = Field(300.0, gt=0.0, le=86_400.0, description="A worker's weight load "
                              "(fetch + reload) that takes longer raises TimeoutError; so does a "
                              "controller waiting on it, counted from when the load could start. "

@@ -59,7 +59,7 @@ from actors.evaluate import EvalReport, evaluate_sets
 from actors.lora_serving import AdapterSlot
 from actors.prompting import PromptRenderer
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
-from actors.weight_sync import WeightUpdate, fetch
+from actors.weight_sync import VLLM_BACKENDS, WeightUpdate, fetch
 from actors.worker_extension import EXTENSION
 from rewards import ScoreResult, ScoringPool, ScoringPoolError
 from rewards.config import EvalConfig, TaskConfig
@@ -103,7 +103,7 @@ class RolloutWorker:
         self._reload_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-reload")
         self._pending: concurrent.futures.Future | None = None
         # Where the last successful load's time went (seconds: fetch, read, reload,
-        # cache_reset; nccl: reload, cache_reset); `klrl bench` reports it.
+        # cache_reset; nccl and cuda_ipc: reload, cache_reset); `klrl bench` reports it.
         self.last_load_seconds: dict[str, float] = {}
 
         configure_engine_process(rollout_cfg)
@@ -201,8 +201,11 @@ class RolloutWorker:
                 f"the older weight update (version {update.version})")
         timeout = self.sync_cfg.timeout_s
         deadline = time.monotonic() + timeout
-        if update.transport == "nccl":
-            info = update.nccl_update_info
+        if update.transport in VLLM_BACKENDS:  # nccl, cuda_ipc: vLLM's weight-transfer engine
+            # A copy: vLLM 0.26's IPC engine pops keys off the dict it is given, and in-process
+            # that would be the record's own dict.
+            info = dict(update.nccl_update_info if update.transport == "nccl"
+                        else update.ipc_update_info)
 
             def reload():
                 t0 = time.perf_counter()
@@ -251,9 +254,21 @@ class RolloutWorker:
         Needs the engine built for it: sync.transport == "nccl"."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
+    def init_cuda_ipc(self) -> None:
+        """Ready the engine's IPC weight transfer (GPU only; sync.transport == "cuda_ipc",
+        whose engines are built for it): the init info of the installed vLLM (unpacked
+        transfers, actors/ipc_transfer.py). Refuses an engine core outside this process, which
+        could not take the IPC handles as they are."""
+        from actors.ipc_transfer import engine_process_problem, worker_init_info
+
+        if problem := engine_process_problem(os.environ):
+            raise RuntimeError(f"rollout worker {self.worker_index}: {problem}")
+        self.llm.init_weight_transfer_engine({"init_info": worker_init_info()})
+
     def cuda_device_uuids(self) -> list[str]:
         """GPU only: the CUDA device UUID of each of the engine's ranks (one without tensor
-        parallelism), for `actors.nccl_transfer.check_nccl_devices`."""
+        parallelism), for `actors.nccl_transfer.check_nccl_devices` and
+        `actors.ipc_transfer.check_cuda_ipc_devices`."""
         return [str(u) for u in self.llm.collective_rpc("klrl_cuda_device_uuid")]
 
     # ------------------------------------------------------------------ introspection
@@ -315,10 +330,10 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
     `TrainConfig.worker_rollout`; null here leaves it to `make_llm`; then `engine_kwargs`,
     whose keys never clash with these: `RolloutConfig` refuses klrl's own), the model's
     revision and trust_remote_code, the weight-reload extension, processed log-probs, and
-    vLLM's NCCL weight transfer when sync is nccl."""
+    vLLM's weight transfer when sync is nccl (its "nccl" backend) or cuda_ipc ("ipc")."""
     extra: dict[str, Any] = {}
-    if sync_cfg.transport == "nccl":
-        extra["weight_transfer_config"] = {"backend": "nccl"}
+    if sync_cfg.transport in VLLM_BACKENDS:
+        extra["weight_transfer_config"] = {"backend": VLLM_BACKENDS[sync_cfg.transport]}
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,

@@ -31,6 +31,18 @@ Transports:
   and returns at once; each worker's `load_weights` runs vLLM's `start_weight_update` /
   `update_weights` / `finish_weight_update`, which receives it. The only payload in the
   record is the parameter metadata (names, dtypes, shapes).
+- `cuda_ipc` (GPU only, learner rank 0 and every worker on ONE GPU; its code in
+  actors/ipc_transfer.py; written against vLLM 0.26's and 0.32's `ipc` weight-transfer
+  backend, NOT run on a GPU yet): `IpcWeightSender` on learner rank 0 (created by its
+  `WeightPublisher` at the first publish) copies the weights into a snapshot on the GPU and
+  puts a CUDA IPC handle of each tensor, keyed by the GPU's UUID, in the record
+  (`ipc_update_info`); each worker's `load_weights` runs vLLM's `start_weight_update` /
+  `update_weights` / `finish_weight_update` (engines built with
+  `weight_transfer_config={"backend": "ipc"}`), which reads the snapshot device to device.
+  The snapshots of the two newest versions stay alive, so no load reads memory the
+  optimizer writes or frees (actors/ipc_transfer.py says why two suffice).
+  `check_cuda_ipc_devices` compares the CUDA device UUIDs at start-up
+  (cluster.train.launch.connect_cuda_ipc).
 
 vLLM versions (nccl). The two versions klrl meets disagree in two places, and klrl reads
 which layout is installed from vLLM's own types, not from a version string:
@@ -69,10 +81,14 @@ from typing import Any, Literal
 
 import torch
 
+from actors.ipc_transfer import IpcWeightSender
 from actors.nccl_transfer import NcclWeightSender
 
-Transport = Literal["shm", "object_store", "nccl"]
-TRANSPORTS: tuple[str, ...] = ("shm", "object_store", "nccl")
+Transport = Literal["shm", "object_store", "nccl", "cuda_ipc"]
+TRANSPORTS: tuple[str, ...] = ("shm", "object_store", "nccl", "cuda_ipc")
+# Transports through vLLM's weight-transfer engines, which replace base weights only (no LoRA
+# adapter), and the name of each one's vLLM backend (the engine's weight_transfer_config).
+VLLM_BACKENDS: dict[str, str] = {"nccl": "nccl", "cuda_ipc": "ipc"}
 LM_HEAD = "lm_head.weight"
 KEEP_VERSIONS = 2  # shm: files kept per run (the one being published and the one before)
 _FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
@@ -85,7 +101,9 @@ class WeightUpdate:
     Exactly one payload field is set, by transport: `path` (shm: a safetensors file),
     `ref` (object_store: a `ray.ObjectRef` of the safetensors bytes, owned by the
     publishing learner actor), `nccl_update_info` (nccl: names/dtype_names/shapes, the
-    update info of vLLM's NCCL engine; the tensors follow as a broadcast).
+    update info of vLLM's NCCL engine; the tensors follow as a broadcast),
+    `ipc_update_info` (cuda_ipc: the update info of vLLM's IPC engine, names/dtype_names/
+    shapes and one CUDA IPC handle per tensor, into learner rank 0's snapshot).
     """
 
     version: int                    # policy version (optimizer steps) of these weights
@@ -95,8 +113,11 @@ class WeightUpdate:
     path: str | None = None
     ref: Any = None
     nccl_update_info: dict | None = None
+    ipc_update_info: dict | None = None
     # Where the publishing side's time went, in seconds: "gather" (the learner's full weights
-    # on rank 0) and "serialise_write" (into the transport); `klrl bench` reports them.
+    # on rank 0) and "serialise_write" (into the transport; cuda_ipc: "snapshot", the copy on
+    # the GPU, about 0 for a version sent before, whose snapshot is reused); `klrl bench`
+    # reports them.
     seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # LoRA: the tensors are a PEFT adapter for the workers' base model, and this is its
     # adapter_config.json (actors/lora_serving.py); None: the full weights.
@@ -107,7 +128,8 @@ class WeightUpdate:
             raise ValueError(f"version must be >= 0, got {self.version}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; one of {TRANSPORTS}")
-        payload = {"shm": self.path, "object_store": self.ref, "nccl": self.nccl_update_info}
+        payload = {"shm": self.path, "object_store": self.ref, "nccl": self.nccl_update_info,
+                   "cuda_ipc": self.ipc_update_info}
         if payload[self.transport] is None:
             raise ValueError(f"a {self.transport} WeightUpdate needs its payload field set")
 
@@ -124,6 +146,7 @@ def publish(
     shm_dir: str | os.PathLike = "/dev/shm",
     nccl_sender: NcclWeightSender | None = None,
     adapter: Mapping[str, Any] | None = None,
+    ipc_sender: IpcWeightSender | None = None,
 ) -> WeightUpdate:
     """Publish the learner's full HF-named weights as policy `version`; return the record
     the workers load (`RolloutWorker.load_weights`).
@@ -132,10 +155,12 @@ def publish(
     checkpoint, `lm_head.weight` included even when embeddings are tied (ValueError
     otherwise; `model.state_dict()` of a HF model has it). For shm and
     object_store the tensors are serialised before this returns, so the caller may step the
-    optimizer right away; for nccl it must `nccl_sender.wait()` first.
+    optimizer right away; for nccl it must `nccl_sender.wait()` first; for cuda_ipc the
+    workers read `ipc_sender`'s snapshot of the tensors, so it may step right away too.
 
     run_id names the shm directory (one per run, so concurrent runs do not collide);
-    shm_dir is its parent (SyncConfig.shm_dir). nccl_sender: required for transport "nccl".
+    shm_dir is its parent (SyncConfig.shm_dir). nccl_sender: required for transport "nccl";
+    ipc_sender: for "cuda_ipc" (tensors on learner rank 0's GPU).
     adapter: a LoRA adapter's config when the tensors are that adapter (shm and object_store;
     no lm_head then: the workers keep their base).
     """
@@ -143,9 +168,10 @@ def publish(
         raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS}")
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     names = [n for n, _ in items]
-    if adapter is not None and transport == "nccl":
-        raise ValueError("a LoRA adapter travels by shm or object_store: vLLM's NCCL weight "
-                         "transfer replaces base weights, not adapters")
+    if adapter is not None and transport in VLLM_BACKENDS:
+        raise ValueError(f"a LoRA adapter travels by shm or object_store: vLLM's "
+                         f"{VLLM_BACKENDS[transport]} weight transfer ({transport}) replaces "
+                         "base weights, not adapters")
     if LM_HEAD not in names and adapter is None:
         raise ValueError(
             f"weight update for version {version} has no {LM_HEAD!r}. Send it even when "
@@ -160,6 +186,13 @@ def publish(
         info = nccl_sender.send_async(items)
         return WeightUpdate(version, "nccl", _nbytes(items), len(items),
                             nccl_update_info=info)
+    if transport == "cuda_ipc":
+        if ipc_sender is None:
+            raise ValueError("transport 'cuda_ipc' needs ipc_sender (an IpcWeightSender)")
+        t0 = time.perf_counter()
+        info = ipc_sender.send(items, version)
+        return WeightUpdate(version, "cuda_ipc", _nbytes(items), len(items), ipc_update_info=info,
+                            seconds={"snapshot": time.perf_counter() - t0})
 
     t0 = time.perf_counter()
     tensors = _cpu_tensors(items)
@@ -182,11 +215,13 @@ class WeightPublisher:
     """The learner's weight transport: cluster/ builds one and passes it to `LearnerGroup`,
     which hands a (pickled) copy to every rank. Injected rather than imported because learner/
     may import only kl/ (docs/layout.md); the learner calls just these three methods, and
-    only on rank 0. The NCCL sender, once opened, lives in rank 0's copy.
+    only on rank 0. The NCCL sender, once opened, and the IPC sender, made at the first
+    cuda_ipc publish, live in rank 0's copy.
     """
 
     def __init__(self):
         self.nccl_sender: NcclWeightSender | None = None
+        self.ipc_sender: IpcWeightSender | None = None
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int, transport: Transport, *,
                 run_id: str, shm_dir: str | os.PathLike | None = None,
@@ -196,9 +231,11 @@ class WeightPublisher:
         if transport == "nccl" and self.nccl_sender is None:
             raise RuntimeError(
                 "transport nccl: call cluster.train.launch.connect_nccl(learner, workers) first")
+        if transport == "cuda_ipc" and self.ipc_sender is None:
+            self.ipc_sender = IpcWeightSender()  # holds the snapshots the workers read
         kw = {"shm_dir": shm_dir} if shm_dir is not None else {}
         return publish(weights, version, transport, run_id=run_id, nccl_sender=self.nccl_sender,
-                       adapter=adapter, **kw)
+                       adapter=adapter, ipc_sender=self.ipc_sender, **kw)
 
     def nccl_open(self, host: str, port: int, num_workers: int,
                   ranks_per_worker: int = 1) -> list[dict]:

@@ -40,7 +40,8 @@ class KlrlWorkerExtension:
 
     def klrl_cuda_device_uuid(self) -> str:
         """The UUID of the CUDA device this engine rank runs on (GPU only): the nccl transport
-        compares it with the learner's (NCCL refuses two ranks on one GPU)."""
+        compares it with the learner's (NCCL refuses two ranks on one GPU), and cuda_ipc needs
+        it equal to the learner's (an IPC handle opens on its own GPU only)."""
         import torch
 
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)

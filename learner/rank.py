@@ -335,9 +335,11 @@ class LearnerRank:
     def export_weights(self, version: int, transport: str, run_id: str, shm_dir: str | None):
         """Publish the current weights as `version` (collective; rank 0 publishes and returns
         the WeightUpdate, the other ranks return None). nccl broadcasts copies on the GPU in
-        the background (so the next optimizer step cannot race it); shm and object_store
-        serialise CPU copies before returning."""
+        the background (so the next optimizer step cannot race it); cuda_ipc's publisher keeps
+        a snapshot on the GPU that the workers read; shm and object_store serialise CPU copies
+        before returning."""
         nccl = transport == "nccl"
+        on_gpu = nccl or transport == "cuda_ipc"
         # shm/object_store serialise before `publish` returns and this actor runs one call at a
         # time, so the optimizer cannot step while the live CPU parameters are read: no copy
         # is needed (`klrl bench`: a fresh 400 MB copy cost 0.15-1 s of page faults per sync).
@@ -348,7 +350,7 @@ class LearnerRank:
             weights = self.adapter_tensors()
             adapter = lora.adapter_config(self.engine.module)
         else:
-            weights = self.named_parameters_for_inference(str(self.device) if nccl else "cpu",
+            weights = self.named_parameters_for_inference(str(self.device) if on_gpu else "cpu",
                                                           copy=nccl or self.cfg.zero_stage == 3)
         if self.rank != 0:
             return None

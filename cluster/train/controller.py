@@ -36,7 +36,7 @@ from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
 from cluster.train.deadlines import Deadline, Hung, LearnerDeadlines
-from cluster.train.launch import connect_nccl, start_learner
+from cluster.train.launch import connect_cuda_ipc, connect_nccl, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
 from cluster.train.run_log import (
@@ -141,6 +141,8 @@ class Controller:
         self.pool.wait_started()
         if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
             connect_nccl(self.learner, self.pool.workers)
+        if self.cfg.sync.transport == "cuda_ipc":  # GPU only: the workers on learner rank 0's GPU
+            connect_cuda_ipc(self.learner, self.pool.workers)
         if state is None:
             first = self._evaluate(self.step)
             self.log.log({"step": 0, "policy_version": 0, **first})
@@ -267,9 +269,10 @@ class Controller:
             return {}  # a refused step changed nothing: the workers already hold these weights
         t0 = time.perf_counter()
         # Every load of a version older than the last one published must be done before the
-        # next is published: the shm transport keeps only the newest two files, and nccl
-        # broadcasts one version at a time. So at most one version's loads are in flight per
-        # worker; confirming the older ones can wait behind generate calls sent before them.
+        # next is published: the shm transport keeps only the newest two files, cuda_ipc the
+        # newest two GPU snapshots, and nccl broadcasts one version at a time. So at most one
+        # version's loads are in flight per worker; confirming the older ones can wait behind
+        # generate calls sent before them.
         self._check_syncs(settle_through=self.published_version - 1)
         self.published_version = self.step
         update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
@@ -328,6 +331,8 @@ class Controller:
 
     def _resync(self, worker) -> None:
         """Give a fresh worker the current weights and check it holds them (by version)."""
+        if self.cfg.sync.transport == "cuda_ipc":  # a replacement may land on another GPU
+            connect_cuda_ipc(self.learner, [worker])
         if self.step > 0:
             update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
             ray.get(worker.load_weights.remote(update), timeout=self.cfg.sync.timeout_s)
