@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick test-durations test-gpu venv kl-table figures docs clean-venv
+.PHONY: demo test test-quick test-durations test-gpu gpu-check venv kl-table figures docs clean-venv
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
@@ -40,6 +40,21 @@ test-durations: $(STAMP)
 GPU_PYTHON ?= $(BIN)/python
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -m gpu -rs $(PYTEST_ARGS)
+
+# `klrl bench --device cuda` on this machine's GPU, one part per call (each sized for 10
+# minutes), merged into one JSON: rollout and learner against raw vLLM / bare DeepSpeed, weight
+# sync against a device-to-device copy, end to end at max_lag 0 and 2, then the gpu-marked
+# tests. GPU_PYTHON as for test-gpu; the JSON is started afresh; a part that fails does not
+# stop the next ones, but the target fails (and stops at once where the bench is refused, e.g.
+# no CUDA). docs/bench.md, "On one GPU".
+GPU_CHECK_JSON ?= gpu-check.json
+gpu-check:
+	rm -f $(GPU_CHECK_JSON)
+	status=0; for part in engines sync e2e tests; do \
+	  $(GPU_PYTHON) -m cluster.cli.main bench --device cuda --only $$part \
+	    --json $(GPU_CHECK_JSON) $(ARGS); rc=$$?; \
+	  if [ $$rc -eq 2 ]; then exit 2; elif [ $$rc -ne 0 ]; then status=1; fi; \
+	done; exit $$status
 
 kl-table: $(STAMP)
 	$(BIN)/klrl kl-table $(ARGS)

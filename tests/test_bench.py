@@ -14,7 +14,7 @@ from cluster.cli.main import main
 pytestmark = pytest.mark.slow
 
 REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag1",
-            "overlap_efficiency_lag2")
+            "overlap_efficiency_lag2", "rollout_outside_engine_ms_256x64")
 
 
 def _finite_positive(x) -> bool:
@@ -54,6 +54,14 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert r["of_bound"] == pytest.approx(r["samples_per_s"] / bound), r
     assert _finite_positive(result["of_bound_best_lag"])
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
+    # The rollout's cost outside the engine at the fixed shape (cluster/bench/outside.py): every
+    # call generated exactly 256 x 64 tokens, and each part of the cost was measured.
+    outside = result["outside_engine"]
+    assert (outside["samples"], outside["new_tokens"], outside["tokens"]) == (256, 64, 256 * 64)
+    assert set(outside["parts_ms"]) == {"requests", "scoring", "records", "ray_trip"}
+    assert all(v > 0 for v in outside["parts_ms"].values()), outside
+    assert outside["outside_engine_ms"] == result["rollout_outside_engine_ms_256x64"]
+    assert result["device"] == "cpu" and set(result["parts"]) == {"engines", "sync", "e2e"}
     # Learner memory, full fine-tuning against LoRA on the same model: Adam's two fp32 moments
     # (and a step count per tensor) for exactly the trained weights; no reference copy with
     # LoRA, whose base is the reference; the process holds at least its weights.
@@ -67,7 +75,8 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     assert page.count("\n| ") >= 2 + 2 * 2 + 2 + 3, page
 
     printed = capsys.readouterr().out
-    for title in ("Engine overheads", "Weight sync", "Learner memory", "End to end"):
+    for title in ("Engine overheads", "cost outside the engine", "Weight sync", "Learner memory",
+                  "End to end"):
         assert title in printed
     # Each invocation trains in a directory of its own, so a kept --work-dir can be reused.
     assert len(list((tmp_path / "work" / "runs").iterdir())) == 1

@@ -11,6 +11,11 @@ Each baseline runs in a subprocess (`python -m cluster.bench.engines raw-vllm|ba
 SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
 imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
 after WARMUP_REPS untimed ones.
+
+On CUDA (`klrl bench --device cuda`) the baselines run on the machine's first GPU, the one the
+actors share on a one-GPU machine: vLLM with the worker's engine settings (its memory share
+included), DeepSpeed with the batch moved to the GPU in each step as the learner rank moves it,
+and the step timed up to `torch.cuda.synchronize()`.
 """
 from __future__ import annotations
 
@@ -94,24 +99,33 @@ def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, l
             engine_s.append(batch.gen_seconds)
             tokens.append(batch.num_response_tokens)
         rollouts = batch.rollouts
+    raw_s = raw["seconds"]
     if tokens != raw["tokens"]:  # same seeds must give the same tokens, else not the same work
-        raise RuntimeError(f"raw vLLM generated {raw['tokens']} tokens, the worker {tokens}")
-    return Overhead("rollout", tokens[-1], statistics.median(raw["seconds"]),
+        # On a GPU, kernels may round differently in the two processes and flip a sample's
+        # length: within 5% the raw time is scaled to the worker's tokens, per repetition.
+        close = all(abs(k - r) <= 0.05 * k for k, r in zip(tokens, raw["tokens"]))
+        if cfg.rollout.num_gpus_per_worker == 0 or not close:
+            raise RuntimeError(f"raw vLLM generated {raw['tokens']} tokens, the worker {tokens}")
+        print(f"[bench] note: raw vLLM generated {raw['tokens']} tokens, the worker {tokens}; "
+              "raw times scaled to the worker's tokens", flush=True)
+        raw_s = [s * k / r for s, k, r in zip(raw_s, tokens, raw["tokens"])]
+    return Overhead("rollout", tokens[-1], statistics.median(raw_s),
                     statistics.median(klrl_s), statistics.median(engine_s), reps), rollouts
 
 
 def _raw_vllm(spec: dict) -> dict:
-    """Baseline: vLLM alone in this process, configured as RolloutWorker configures it."""
-    from actors.config import RolloutConfig
+    """Baseline: vLLM alone in this process, configured as RolloutWorker configures it (its
+    engine settings, less the weight-reload extension klrl adds)."""
+    from actors.config import RolloutConfig, SyncConfig
 
     cfg = RolloutConfig(**spec["rollout"])
     from actors.engine import make_llm, request_params, shutdown_llm
-    from actors.rollout_worker import LOGPROBS_MODE, configure_engine_process
+    from actors.rollout_worker import configure_engine_process, engine_options
 
     configure_engine_process(cfg)  # what RolloutWorker does before its engine starts
-    llm = make_llm(spec["model_dir"], seed=spec["seed"], max_model_len=cfg.max_model_len,
-                   dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
-                   cpu_kvcache_gib=cfg.cpu_kv_cache_gib, logprobs_mode=LOGPROBS_MODE)
+    options = engine_options(cfg, SyncConfig(), spec["seed"])
+    options.pop("worker_extension_cls")
+    llm = make_llm(spec["model_dir"], **options)
     prompts = spec["prompts"]
     seconds, tokens = [], []
     try:
@@ -165,39 +179,48 @@ def _bare_deepspeed(spec: dict) -> dict:
     os.environ.update({"OMP_NUM_THREADS": str(threads), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
     import deepspeed
     import torch
-    from transformers import AutoModelForCausalLM
 
     from learner.batch import TrainBatch
+    from learner.loading import ModelFiles, load_causal_lm
     from learner.loss import policy_loss, sequence_logprobs
     from learner.process_group import host_store, init_process_group, remove_shm_buffers
 
     torch.set_num_threads(threads)
+    cuda = cfg.device_kind == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     kl_cfg, adv_cfg = KLConfig(**spec["kl"]), AdvantageConfig(**spec["advantage"])
     store = host_store("127.0.0.1", 1)  # as a learner's rank 0 meets its group
     port = store.port
-    init_process_group(False, 0, 1, "127.0.0.1", port, store)
+    init_process_group(cuda, 0, 1, "127.0.0.1", port, store)
     torch.manual_seed(spec["seed"])
-    policy = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).train()
-    ref = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    files = ModelFiles(spec["model_dir"])
+    policy = load_causal_lm(files.policy, files, cfg).train()  # as LearnerRank loads both
+    ref = load_causal_lm(files.reference_path, files, cfg).to(device)
     ref.eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     batch = TrainBatch(**torch.load(spec["batch"]))
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                       config=cfg.deepspeed_config(batch.num_sequences, 1))
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
     seconds = []
     try:
         for r in range(WARMUP_REPS + spec["reps"]):
             t0 = time.perf_counter()
-            logp = sequence_logprobs(engine(**inputs).logits, batch.input_ids)
+            b = batch if not cuda else TrainBatch(**{f: getattr(batch, f).to(device)
+                                                     for f in batch.__dataclass_fields__})
+            inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "use_cache": False}
+            logp = sequence_logprobs(engine(**inputs).logits, b.input_ids)
             with torch.no_grad():
-                ref_logp = sequence_logprobs(ref(**inputs).logits, batch.input_ids)
-            loss, _ = policy_loss(logp, ref_logp, batch, kl_cfg, adv_cfg, cfg, batch.num_sequences)
+                ref_logp = sequence_logprobs(ref(**inputs).logits, b.input_ids)
+            loss, _ = policy_loss(logp, ref_logp, b, kl_cfg, adv_cfg, cfg, b.num_sequences)
             engine.backward(loss)
             if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:  # as LearnerRank's optimizer does
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
             engine.step()
+            if cuda:
+                torch.cuda.synchronize()
             if r >= WARMUP_REPS:
                 seconds.append(time.perf_counter() - t0)
     finally:

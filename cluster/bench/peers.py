@@ -24,7 +24,8 @@ from typing import Any
 
 from cluster.bench.peer_record import PeerRun
 from cluster.bench.peer_trl import differences, run_trl
-from cluster.bench.run import RANDOM_25M, machine, workload_model_dir
+from cluster.bench.results import machine
+from cluster.bench.run import RANDOM_25M, workload_model_dir
 from cluster.config.loader import DEMO_CONFIG, PLAIN_GRPO
 from cluster.config.train_config import TrainConfig, load_train_config
 from cluster.train.provenance import version_line

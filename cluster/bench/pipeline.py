@@ -19,6 +19,13 @@ phase gets every core, above each part its own). Two yardsticks:
 - the ideal overlap at max_lag >= 1, where each part keeps its own core: batch /
   max(T_gen, T_train); overlap efficiency = measured / that. At max_lag 0 the ideal is the
   bound (each phase perfectly parallel on every core).
+
+On one GPU shared by the learner and the rollout worker (`one_core=False`, `klrl bench
+--device cuda`) there are no cores to split: the reference is the max_lag 0 run itself, where
+generation and training alternate on the GPU, and the GPU counts as the one "core". Then the
+bound is batch / (T_gen + T_train) of that run, and the ideal at max_lag >= 1 is batch /
+max(T_gen, T_train): the two phases overlapping perfectly, which their contention for the
+one GPU prevents in part.
 """
 from __future__ import annotations
 
@@ -53,9 +60,10 @@ class LagRun:
 @dataclass
 class PipelineResult:
     workload: str
-    one_core: LagRun           # the reference run: max_lag 0, one thread per part
-    cores: int
+    one_core: LagRun           # the reference run: max_lag 0, one thread per part (GPU: the max_lag 0 run)
+    cores: int                 # CPU cores the run has (GPU: 1, the one GPU)
     runs: list[LagRun] = field(default_factory=list)
+    reference: str = "one-core"  # "one-core", or "max_lag 0" (one shared GPU)
 
     def run(self, lag: int) -> LagRun:
         return next(r for r in self.runs if r.max_lag == lag)
@@ -88,7 +96,7 @@ class PipelineResult:
         return max(self.runs, key=lambda r: r.samples_per_s).max_lag
 
     def to_dict(self) -> dict[str, Any]:
-        return {"workload": self.workload, "t_gen_seconds": self.t_gen,
+        return {"workload": self.workload, "reference": self.reference, "t_gen_seconds": self.t_gen,
                 "t_train_seconds": self.t_train, "cores": self.cores,
                 "bound_samples_per_s": self.bound_samples_per_s,
                 "one_core_samples_per_s": self.one_core.samples_per_s,
@@ -105,14 +113,20 @@ class PipelineResult:
 
 
 def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measured_steps: int,
-                     lags: tuple[int, ...] = (0, 1, 2)) -> PipelineResult:
+                     lags: tuple[int, ...] = (0, 1, 2), one_core: bool = True) -> PipelineResult:
     """The one-core reference run, then a run at each max_lag in `lags`, with the demo config
-    plus `overrides`; Ray must already be running (the runs share it)."""
-    one_core = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0, "-1core")
-    cores = load_train_config(DEMO_CONFIG, overrides).reserved_cpus  # the cores the run has
-    result = PipelineResult(workload, one_core, cores=int(cores))
-    for lag in lags:
-        result.runs.append(_measure(workload, overrides, out_dir, measured_steps, lag, ""))
+    plus `overrides`; Ray must already be running (the runs share it). one_core=False (one
+    shared GPU): no reference run, the max_lag 0 run (which `lags` must hold) is the reference."""
+    if one_core:
+        reference = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0, "-1core")
+        cores = load_train_config(DEMO_CONFIG, overrides).reserved_cpus  # the cores the run has
+        result = PipelineResult(workload, reference, cores=int(cores))
+    elif 0 not in lags:
+        raise ValueError(f"without the one-core run the max_lag 0 run is the reference: lags {lags}")
+    runs = [_measure(workload, overrides, out_dir, measured_steps, lag, "") for lag in lags]
+    if not one_core:
+        result = PipelineResult(workload, runs[lags.index(0)], cores=1, reference="max_lag 0")
+    result.runs.extend(runs)
     return result
 
 

@@ -1,9 +1,10 @@
 """The figures of a `klrl bench` JSON as the markdown blocks docs/bench.md quotes.
 
 `klrl bench --json docs/figures/bench.json --docs docs/bench.md` writes both (the block
-`bench:figures`; with `--peer trl`, docs/figures/peers.json and the block `bench:peers`); a
-test checks that the page's blocks are these renderings of those files, so the page quotes
-the figures of real runs and nothing typed by hand.
+`bench:figures`; with `--peer trl`, docs/figures/peers.json and the block `bench:peers`; with
+`--device cuda`, a page's `bench:gpu` block); a test checks that the page's blocks are these
+renderings of those files, so the page quotes the figures of real runs and nothing typed by
+hand. A result of some parts only (`--only`) renders the tables it has.
 """
 from __future__ import annotations
 
@@ -12,42 +13,105 @@ from typing import Any
 
 from cluster.config.options import replace_block
 
-MARKERS = {"bench": "bench:figures", "peers": "bench:peers"}
+MARKERS = {"bench": "bench:figures", "peers": "bench:peers", "gpu": "bench:gpu"}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The machine line and three tables: engine overheads, weight sync, end to end."""
-    m = result["machine"]
-    lines = [(f"`klrl bench` on {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, GPU: "
-             f"{m['gpu'] or 'none'}; finished {result['finished_at']}; load average "
-             f"{m['load_avg_before'][0]:.2f} before, {m['load_avg_after'][0]:.2f} after; memcpy "
-             f"{result['memcpy_gb_per_s']:.1f} GB/s on one thread. Split: "
-             f"{result['split']['rollout_worker']} (rollout worker), "
-             f"{result['split']['learner_rank']} (learner rank)."), "",
-             "**Engine overheads** (ratio = raw throughput / klrl throughput; 1 = no overhead)", "",
-             ("| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
-             "| outside engine, ms per call |"), "|---|---|---|---|---|---|---|"]
+    """The machine line and the tables: engine overheads (and the rollout's cost outside the
+    engine at 256 x 64), weight sync, learner memory, end to end; on CUDA the gpu-marked
+    tests. Tables without rows (parts not run) are left out."""
+    cuda = result.get("device") == "cuda"
+    lines = [_gpu_machine_line(result) if cuda else _machine_line(result)]
+    rows = []
     for name, w in result["workloads"].items():
-        for o in (w["rollout"], w["learner"]):
+        for o in (w.get("rollout"), w.get("learner")):
             if o:
-                lines.append(f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
-                             f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
-                             f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
-                             f"| {o['outside_engine_ms']:.0f} |")
-    lines += ["", "**Weight sync** (learner export -> worker serving the new weights)", "",
-              ("| weight sync (median) | transport | MB | publish s | load s | total s "
-              "| one-copy bound s | x bound | where it goes (ms) |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+                rows.append(f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
+                            f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
+                            f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
+                            f"| {o['outside_engine_ms']:.0f} |")
+    if rows:
+        lines += ["", ("**Engine overheads** (ratio = raw throughput / klrl throughput; 1 = no "
+                       "overhead)"), "",
+                  ("| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
+                   "| outside engine, ms per call |"), "|---|---|---|---|---|---|---|", *rows]
+    if result.get("outside_engine"):
+        lines += _outside_table(result["outside_engine"])
+    lines += _later_tables(result)
+    if cuda and result.get("gpu_tests"):
+        lines += _gpu_tests(result["gpu_tests"])
+    return "\n".join(lines)
+
+
+def _machine_line(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    return (f"`klrl bench` on {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, GPU: "
+            f"{m['gpu'] or 'none'}; finished {result['finished_at']}; load average "
+            f"{m['load_avg_before'][0]:.2f} before, {m['load_avg_after'][0]:.2f} after"
+            + (f"; memcpy {result['memcpy_gb_per_s']:.1f} GB/s on one thread"
+               if "memcpy_gb_per_s" in result else "") + ". Split: "
+            f"{result['split']['rollout_worker']} (rollout worker), "
+            f"{result['split']['learner_rank']} (learner rank).")
+
+
+def _gpu_machine_line(result: dict[str, Any]) -> str:
+    m, v = result["machine"], result.get("versions") or {}
+    parts = ", ".join(f"{p} {d['finished_at']}" for p, d in (result.get("parts") or {}).items())
+    copy = (f"; device-to-device copy {result['d2d_gb_per_s']:.0f} GB/s"
+            if "d2d_gb_per_s" in result else "")
+    return (f"`klrl bench --device cuda` on {m['gpu']} (driver {v.get('driver')}, CUDA "
+            f"{v.get('cuda')}), {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; torch "
+            f"{v.get('torch')}, vLLM {v.get('vllm')}, DeepSpeed {v.get('deepspeed')}, Ray "
+            f"{v.get('ray')}; {v.get('klrl')}; {result.get('dtype', 'float32')}{copy}; parts "
+            f"finished: {parts or result['finished_at']}. Split: {result['split']['gpu']}; "
+            f"{result['split']['rollout_worker']} (rollout worker), "
+            f"{result['split']['learner_rank']} (learner rank); weight sync in the runs: "
+            f"{result['split']['sync_transport']}.")
+
+
+def _outside_table(o: dict[str, Any]) -> list[str]:
+    parts = o["parts_ms"]
+    return ["", (f"**The rollout's cost outside the engine** ({o['samples']} samples x "
+                 f"{o['new_tokens']} new tokens per call, {o['workload']}; ms per call, medians "
+                 f"of {o['reps']})"), "",
+            ("| workload | tokens | klrl ms | in engine ms | outside engine ms | requests "
+             "| scoring | records | Ray trip |"), "|---|---|---|---|---|---|---|---|---|",
+            (f"| {o['workload']} | {o['tokens']} | {o['klrl_ms']:.0f} | {o['engine_ms']:.0f} "
+             f"| **{o['outside_engine_ms']:.1f}** | {parts['requests']:.1f} "
+             f"| {parts['scoring']:.1f} | {parts['records']:.1f} | {parts['ray_trip']:.1f} |")]
+
+
+def _gpu_tests(t: dict[str, Any]) -> list[str]:
+    if t.get("error") or t.get("timed_out"):
+        return ["", f"**GPU tests** (`{t['command']}`): {t.get('error') or 'timed out'}"]
+    lines = ["", (f"**GPU tests** (`{t['command']}`): {t['passed']} passed, {t['skipped']} "
+                  f"skipped, {t['failed']} failed, {t['errors']} errors in "
+                  f"{t['seconds']:.0f} s"), ""]
+    lines += [f"- skipped: {s['test']}: {s['reason']}" for s in t["skip_reasons"]]
+    lines += [f"- failed: {f['test']}: {f['message']}" for f in t["failures"]]
+    return lines if t["skip_reasons"] or t["failures"] else lines[:-1]
+
+
+def _later_tables(result: dict[str, Any]) -> list[str]:
+    """The weight-sync, learner-memory and end-to-end tables, and the reference line."""
+    lines = []
+    rows = []
     for name, w in result["workloads"].items():
         trained = w.get("trainable_parameters") or w["parameters"]
         if trained != w["parameters"]:  # LoRA: the optimizer holds the adapters only
             name = f"{name} (trains {trained / 1e6:.2f}M of {w['parameters'] / 1e6:.0f}M parameters)"
-        for s in w["weight_sync"]:
+        for s in w.get("weight_sync") or []:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items())
-            lines.append(f"| {name} | {s['transport']} | {s['num_bytes'] / 1e6:.1f} "
-                         f"| {s['publish_seconds']:.3f} | {s['load_seconds']:.3f} "
-                         f"| {s['total_seconds']:.3f} | {s['bound_seconds']:.4f} "
-                         f"| **{s['ratio_to_bound']:.1f}** | {parts} |")
+            rows.append(f"| {name} | {s['transport']} | {s['num_bytes'] / 1e6:.1f} "
+                        f"| {s['publish_seconds']:.3f} | {s['load_seconds']:.3f} "
+                        f"| {s['total_seconds']:.3f} | {s['bound_seconds']:.4f} "
+                        f"| **{s['ratio_to_bound']:.1f}** | {parts} |")
+    if rows:
+        copy = "device-to-device copy" if result.get("device") == "cuda" else "one-copy"
+        lines += ["", "**Weight sync** (learner export -> worker serving the new weights)", "",
+                  ("| weight sync (median) | transport | MB | publish s | load s | total s "
+                   f"| {copy} bound s | x bound | where it goes (ms) |"),
+                  "|---|---|---|---|---|---|---|---|---|", *rows]
     memory = {name: w["learner_memory"] for name, w in result["workloads"].items()
               if w.get("learner_memory")}  # absent from JSONs written before it was measured
     if memory:
@@ -59,23 +123,28 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
                          f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
                          f"| **{mem['peak_rss'] / 1e6:.0f}** |")
-    lines += ["", ("**End to end** (efficiency = measured / ideal; bound = batch x cores / the "
-              "one-core T_gen + T_train)"), "",
+    pipelines = {name: w["pipeline"] for name, w in result["workloads"].items() if w.get("pipeline")}
+    if not pipelines:
+        return lines
+    gpu = any(p.get("reference") == "max_lag 0" for p in pipelines.values())
+    bound = ("batch / T_gen + T_train of the max_lag 0 run, on one GPU" if gpu else
+             "batch x cores / the one-core T_gen + T_train")
+    lines += ["", f"**End to end** (efficiency = measured / ideal; bound = {bound})", "",
               ("| end to end | max_lag | samples/s | ideal | efficiency | bound | of bound "
               "| wait for rollouts s | train + publish s |"), "|---|---|---|---|---|---|---|---|---|"]
-    for name, w in result["workloads"].items():
-        p = w["pipeline"]
-        for r in p["runs"] if p else []:
+    for name, p in pipelines.items():
+        for r in p["runs"]:
             lines.append(f"| {name} | {r['max_lag']} | **{r['samples_per_s']:.1f}** "
                          f"| {r['ideal_samples_per_s']:.1f} | {r['overlap_efficiency']:.2f} "
                          f"| {p['bound_samples_per_s']:.1f} | {r['of_bound']:.2f} "
                          f"| {r['wait_for_rollouts_seconds']:.3f} "
                          f"| {r['train_plus_publish_seconds']:.3f} |")
-    refs = [f"{name}: T_gen {w['pipeline']['t_gen_seconds']:.3f} s, T_train "
-            f"{w['pipeline']['t_train_seconds']:.3f} s ({w['pipeline']['one_core_samples_per_s']:.1f} "
-            f"samples/s)" for name, w in result["workloads"].items() if w["pipeline"]]
-    lines += ["", "One-core reference (max_lag 0, one thread per part): " + "; ".join(refs) + "."]
-    return "\n".join(lines)
+    refs = [f"{name}: T_gen {p['t_gen_seconds']:.3f} s, T_train {p['t_train_seconds']:.3f} s "
+            f"({p['one_core_samples_per_s']:.1f} samples/s)" for name, p in pipelines.items()]
+    what = ("Reference (the max_lag 0 run, learner and worker sharing the GPU)" if gpu else
+            "One-core reference (max_lag 0, one thread per part)")
+    lines += ["", f"{what}: " + "; ".join(refs) + "."]
+    return lines
 
 
 def peers_markdown(result: dict[str, Any]) -> str:
@@ -123,6 +192,13 @@ def print_markdown(text: str) -> None:
 def write_docs(result: dict[str, Any], page: str | Path) -> None:
     """Replace the block of `page` that `result` fills (`MARKERS`) with its rendering."""
     page = Path(page)
-    kind = "peers" if "peers" in result else "bench"
+    kind = block_kind(result)
     body = peers_markdown(result) if kind == "peers" else markdown(result)
     page.write_text(replace_block(page.read_text(), MARKERS[kind], body))
+
+
+def block_kind(result: dict[str, Any]) -> str:
+    """Which block of `MARKERS` a result fills: peers, gpu (--device cuda) or bench."""
+    if "peers" in result:
+        return "peers"
+    return "gpu" if result.get("device") == "cuda" else "bench"

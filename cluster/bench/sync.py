@@ -3,8 +3,9 @@
 One sync is what the controller does after an optimizer step: `LearnerGroup.export_weights`
 (gather the HF-named tensors, serialise them into the transport) and then every worker's
 `RolloutWorker.load_weights` (fetch, reload into the live vLLM engine), timed from the
-driver until the worker answers. The bound is one copy of the bytes at the measured memcpy
-speed of one core (each actor has one): no sync can move the weights faster than that.
+driver until the worker answers. The bound is one copy of the bytes: on CPU at the measured
+memcpy speed of one core (each actor has one), on CUDA a device-to-device copy of the same
+bytes (cluster/bench/gpu.py): no sync can move the weights faster than that.
 
 Where the time goes (`parts`, medians): the learner's "gather" and "serialise_write"
 (`WeightUpdate.seconds`), the worker's "fetch", "read", "reload" (vLLM's copy into its
@@ -15,10 +16,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CPU_TRANSPORTS = ("shm", "object_store")  # nccl needs GPUs
+# Transports whose sender hands out again what it sent of a version already sent (cuda_ipc: its
+# GPU snapshot, actors/ipc_transfer.py): each of their syncs publishes a new version number,
+# so that each copies the weights as the sync after an optimizer step does.
+NEW_VERSION_EACH_SYNC = ("cuda_ipc",)
 
 
 @dataclass
@@ -29,7 +35,7 @@ class SyncLatency:
     publish_seconds: float    # median: learner export (gather + serialise)
     load_seconds: float       # median: worker fetch + reload, as the driver sees it
     total_seconds: float      # median: publish + load, one sync end to end
-    bound_seconds: float      # num_bytes / memcpy bandwidth
+    bound_seconds: float      # one copy of num_bytes (CPU: at memcpy speed; CUDA: device to device)
     reps: int
     parts: dict[str, float] = field(default_factory=dict)  # median seconds by part (above)
 
@@ -61,16 +67,19 @@ def memcpy_bytes_per_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-def measure_sync(group, worker, model: str, shm_dir: str, reps: int, bytes_per_s: float,
+def measure_sync(group, worker, model: str, shm_dir: str, reps: int,
+                 bound_seconds: Callable[[int], float],
                  transports: tuple[str, ...] = CPU_TRANSPORTS) -> list[SyncLatency]:
     """Sync latency of the learner `group` to the rollout `worker` for each transport
-    (median of `reps` after one warm-up)."""
+    (median of `reps` after one warm-up), against `bound_seconds(num_bytes)`."""
     import ray
 
     out = []
     for transport in transports:
         publish, load, total, parts, num_bytes = [], [], [], [], 0
         for r in range(reps + 1):
+            if transport in NEW_VERSION_EACH_SYNC:
+                group.version += 1  # the same weights under a new version: a fresh snapshot
             t0 = time.perf_counter()
             update = group.export_weights(transport, shm_dir)
             t1 = time.perf_counter()
@@ -86,6 +95,6 @@ def measure_sync(group, worker, model: str, shm_dir: str, reps: int, bytes_per_s
             del update  # object_store: frees the learner's copy in the object store
         out.append(SyncLatency(model, transport, num_bytes, statistics.median(publish),
                                statistics.median(load), statistics.median(total),
-                               num_bytes / bytes_per_s, reps,
+                               bound_seconds(num_bytes), reps,
                                {k: statistics.median(p[k] for p in parts) for k in parts[0]}))
     return out

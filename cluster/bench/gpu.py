@@ -1,0 +1,179 @@
+"""`klrl bench --device cuda`: what differs on a GPU (cluster/bench/run.py runs the same
+measurements on either device): the workloads' settings, the copy bound of a weight sync,
+the driver and CUDA versions, and the `gpu`-marked tests.
+
+One GPU holds the learner rank and the rollout worker, `GPU_SHARE` of it each in Ray's
+accounting (as the H100 runs of docs/gpu.md did). The worker's engine may take
+`ENGINE_MEMORY` of the GPU's memory (`rollout.gpu_memory_utilization`): that leaves room for
+the learner and for the raw-vLLM baseline, which starts a second engine with the same settings
+in a subprocess while the worker sits idle (cluster/bench/engines.py). A weight sync goes
+through the transports that work on one shared GPU (`SHARED_GPU_TRANSPORTS`, those that
+actors.weight_sync has); nccl needs a GPU per member of its group.
+
+Nothing here starts Ray, vLLM or DeepSpeed; torch is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from cluster.config.loader import REPO_ROOT
+
+GPU_SHARE = 0.5        # Ray GPUs of the learner rank and of the rollout worker: one GPU shared
+ENGINE_MEMORY = 0.3    # rollout.gpu_memory_utilization: worker + raw baseline + learner fit
+SHARED_GPU_TRANSPORTS = ("shm", "object_store", "cuda_ipc")
+GPU_LAGS = (0, 2)      # end to end: on-policy, and the pipeline two versions deep
+COPY_PROBE_BYTES = 256 * 2**20  # the headline device-to-device copy speed
+GPU_TESTS_TIMEOUT_S = 540       # `--only tests` fits a 10-minute call with start-up around it
+
+
+def cuda_missing() -> str | None:
+    """Why `--device cuda` cannot run here (None: torch sees a CUDA GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False); "
+            "run it where one is, with the gpu extra (docs/gpu.md)")
+
+
+def sync_transports() -> tuple[str, ...]:
+    """The transports that work on one shared GPU here: those of `SHARED_GPU_TRANSPORTS` that
+    the installed actors.weight_sync implements and `sync.transport` takes (cuda_ipc only
+    where it exists)."""
+    from actors.config import SyncConfig
+    from actors.weight_sync import TRANSPORTS
+
+    accepted = typing.get_args(SyncConfig.model_fields["transport"].annotation)
+    return tuple(t for t in SHARED_GPU_TRANSPORTS if t in TRANSPORTS and t in accepted)
+
+
+def run_transport() -> str:
+    """The default `sync.transport` of the workloads (their engines are built for it, the
+    end-to-end runs sync with it): cuda_ipc where it exists, else shm (one node)."""
+    return "cuda_ipc" if "cuda_ipc" in sync_transports() else "shm"
+
+
+def measured_transports(transport: str) -> tuple[str, ...]:
+    """The transports the sync part measures when the workloads run `transport`: shm and
+    object_store always, cuda_ipc when the engines are built for it (vLLM's IPC backend)."""
+    return tuple(t for t in sync_transports() if t != "cuda_ipc" or transport == "cuda_ipc")
+
+
+def gpu_overrides(dtype: str = "float32", transport: str | None = None) -> tuple[str, ...]:
+    """The config overrides that put a workload on one GPU shared by the learner rank and one
+    rollout worker (learner.num_gpus_per_rank > 0 is what makes the learner run on CUDA),
+    syncing with `transport` (default: `run_transport`)."""
+    return (f"learner.num_gpus_per_rank={GPU_SHARE}", f"rollout.num_gpus_per_worker={GPU_SHARE}",
+            f"rollout.gpu_memory_utilization={ENGINE_MEMORY}", f"learner.dtype={dtype}",
+            f"sync.transport={transport or run_transport()}")
+
+
+def gpu_split(cfg) -> dict[str, Any]:
+    """How a GPU workload (TrainConfig `cfg`) shares the machine, for the JSON's `split`."""
+    r, lc = cfg.worker_rollout, cfg.rank_learner
+    return {"gpu": (f"one GPU shared: learner rank {lc.num_gpus_per_rank:g} and rollout worker "
+                    f"{r.num_gpus_per_worker:g} Ray GPU"),
+            "rollout_worker": (f"{r.num_gpus_per_worker:g} Ray GPU, engine "
+                               f"gpu_memory_utilization {r.gpu_memory_utilization:g}, {r.dtype}, "
+                               f"{r.num_cpus_per_worker:g} Ray CPU"),
+            "learner_rank": (f"{lc.num_gpus_per_rank:g} Ray GPU, {lc.dtype}, DeepSpeed on nccl, "
+                             f"{lc.num_cpus_per_rank:g} Ray CPU"),
+            "sync_transport": cfg.sync.transport,
+            "baselines": "subprocess on the same GPU with the same settings, actors idle"}
+
+
+# --------------------------------------------------------------------------- copy bound
+
+
+@functools.cache
+def d2d_copy_seconds(num_bytes: int, reps: int = 5) -> float:
+    """Best-of-`reps` time of one device-to-device copy of `num_bytes` between two buffers on
+    the current GPU, timed with CUDA events around the copy alone (after a warm-up copy, and
+    synchronised): no weight sync of those bytes can beat it. Cached per size."""
+    import torch
+
+    src = torch.ones(max(1, num_bytes), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)  # elapsed_time: milliseconds
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
+
+
+def d2d_bytes_per_s(num_bytes: int = COPY_PROBE_BYTES) -> float:
+    return num_bytes / d2d_copy_seconds(num_bytes)
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip().splitlines() or [None])[0]
+
+
+# --------------------------------------------------------------------------- gpu tests
+
+
+def run_gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S, python: str = sys.executable) -> dict[str, Any]:
+    """`pytest -m gpu -rs` of the checkout klrl runs from, in a subprocess (the interpreter
+    running the bench); its counts, skip reasons and failures, read from its JUnit report."""
+    command = [python, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
+    shown = "python -m pytest -q -m gpu -rs"
+    if not (REPO_ROOT / "tests").is_dir():
+        return {"command": shown, "returncode": None, "timed_out": False,
+                "error": f"no tests/ directory in {REPO_ROOT} (klrl installed without its checkout)"}
+    with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
+        xml = Path(tmp) / "gpu-tests.xml"
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([*command, f"--junitxml={xml}"], cwd=REPO_ROOT,
+                                  capture_output=True, text=True, timeout=timeout_s, check=False)
+            returncode, output, timed_out = proc.returncode, proc.stdout + proc.stderr, False
+        except subprocess.TimeoutExpired as e:
+            returncode, timed_out = None, True
+            output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                             for x in (e.stdout, e.stderr))
+        counts = parse_junit(xml) if xml.is_file() else {}
+    return {"command": shown, "returncode": returncode, "timed_out": timed_out,
+            "seconds": time.perf_counter() - t0, **counts, "output_tail": output[-3000:]}
+
+
+def parse_junit(path: str | Path) -> dict[str, Any]:
+    """Counts of a pytest JUnit report (passed, failed, errors, skipped), each skipped test
+    with its reason, and each failed or erroring test with the first line of its message."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    skips, failures = [], []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            counts["passed"] += 1
+            continue
+        message = (outcome.get("message") or outcome.text or "").strip()
+        if outcome.tag == "skipped":
+            counts["skipped"] += 1
+            skips.append({"test": test, "reason": message})
+        else:
+            counts["failed" if outcome.tag == "failure" else "errors"] += 1
+            failures.append({"test": test, "message": (message.splitlines() or [""])[0][:500]})
+    return counts | {"skip_reasons": skips, "failures": failures}
