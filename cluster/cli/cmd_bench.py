@@ -1,25 +1,78 @@
-"""`klrl bench`: throughput against the raw engines and the ideal (see cluster/bench/run.py);
-with `--peer trl`, klrl against TRL's GRPOTrainer on the same workloads (cluster/bench/peers.py)."""
+"""`klrl bench`: throughput against the raw engines and the ideal (see cluster/bench/run.py),
+on CPU or one CUDA GPU, whole or part by part; with `--peer trl`, klrl against TRL's
+GRPOTrainer on the same workloads (cluster/bench/peers.py)."""
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 PEER_EXTRA_HINT = "pip install -e '.[peers]'"
+PARTS = ("engines", "sync", "e2e", "tests")  # cluster.bench.results.PARTS (not imported: light)
 
 
 def run(args) -> int:
     if args.peer:
+        if args.device != "cpu" or args.only:
+            return _refuse("--peer compares klrl with TRL on CPU; --device and --only apply "
+                           "to the measurements without --peer")
         return run_peer(args)
+    refusal = _refusal(args)
+    if refusal:
+        return _refuse(refusal)
     # Ray, torch, vLLM and DeepSpeed: loaded when the benchmark runs, not at `klrl --help`.
-    from cluster.bench.run import FULL, QUICK, check_result, print_tables, run_bench
+    from cluster.bench.results import check_result, merge, read_json
+    from cluster.bench.run import FULL, QUICK, gpu_plan, print_tables, run_bench
 
     plan = QUICK if args.quick else FULL
+    if args.device == "cuda":
+        plan = gpu_plan(plan, args.dtype, args.sync_transport)
+    parts = tuple(dict.fromkeys(args.only)) if args.only else None
     with _work_dir(args.work_dir) as work_dir:
-        result = run_bench(plan, work_dir)
+        result = run_bench(plan, work_dir, parts)
+    if args.only and args.json and Path(args.json).is_file():
+        result = merge(read_json(args.json), result)  # the parts measured before, same device
     return _finish(result, args, print_tables, check_result, "figures")
+
+
+def _refusal(args) -> str | None:
+    """Why these options cannot run, found before anything starts (None: they can)."""
+    if args.dtype == "bfloat16" and args.device != "cuda":
+        return "--dtype bfloat16 is for GPUs (--device cuda): the CPU learner trains in float32"
+    if args.sync_transport and args.device != "cuda":
+        return ("--sync-transport is for --device cuda: on CPU the workloads sync with shm, "
+                "and shm and object_store are both measured")
+    if args.only and args.json and Path(args.json).is_file():
+        try:
+            device = json.loads(Path(args.json).read_text()).get("device", "cpu")
+        except (ValueError, AttributeError) as e:
+            return f"--only writes its part into {args.json}, which is not a bench JSON ({e})"
+        if device != args.device:
+            return (f"--only writes its part into {args.json}, which holds a {device} bench; "
+                    f"this one is {args.device}: give another --json PATH")
+    if args.docs:
+        kind, marker = ("gpu", "bench:gpu") if args.device == "cuda" else ("bench", "bench:figures")
+        page = Path(args.docs)
+        if not page.is_file() or f"<!-- {marker} -->" not in page.read_text():
+            return (f"--docs {args.docs}: no <!-- {marker} --> ... <!-- /{marker} --> block "
+                    f"there for the {kind} figures")
+    if args.device == "cuda":
+        from cluster.bench.gpu import cuda_missing, sync_transports  # imports torch
+
+        missing = cuda_missing()
+        if missing:
+            return f"klrl bench --device cuda needs a CUDA GPU: {missing}"
+        if args.sync_transport and args.sync_transport not in sync_transports():
+            return (f"--sync-transport {args.sync_transport}: not a transport of this checkout "
+                    f"that works on one shared GPU ({', '.join(sync_transports())})")
+    return None
+
+
+def _refuse(reason: str) -> int:
+    print(f"error: {reason}", file=sys.stderr)
+    return 2
 
 
 def run_peer(args) -> int:
@@ -50,7 +103,7 @@ def _finish(result, args, show, check, what: str) -> int:
     """Print the tables, write --json and --docs (the docs page's block rendered from the
     figures), and exit 1 naming any `what` that is missing or not positive."""
     from cluster.bench.report import write_docs
-    from cluster.bench.run import write_json
+    from cluster.bench.results import write_json
 
     show(result)
     if args.json:
@@ -82,10 +135,23 @@ def register(subparsers) -> None:
                               description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON here")
     p.add_argument("--docs", default=None, metavar="PAGE", help="also rewrite the figures block "
-                   "of this docs page (docs/bench.md) from this run: <!-- bench:figures --> or, "
-                   "with --peer, <!-- bench:peers -->")
+                   "of this docs page (docs/bench.md) from this run: <!-- bench:figures -->; "
+                   "with --peer, <!-- bench:peers -->; with --device cuda, <!-- bench:gpu -->")
     p.add_argument("--quick", action="store_true", help="tiny model and batch, one repetition each "
-                   "(about a minute; checks the machinery, the figures are noisy)")
+                   "(about two minutes; checks the machinery, the figures are noisy)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the learner "
+                   "rank and one rollout worker share one GPU, weight sync against a "
+                   "device-to-device copy, end to end at max_lag 0 and 2, and the gpu-marked "
+                   "tests (refused without CUDA; docs/bench.md)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --device cuda: the learner's dtype (the engine follows it)")
+    p.add_argument("--sync-transport", choices=["shm", "object_store", "cuda_ipc"], default=None,
+                   help="with --device cuda: the transport the workloads are built for and the "
+                   "end-to-end runs sync with (default: cuda_ipc where it exists, else shm); "
+                   "the sync part measures shm, object_store and, if chosen, cuda_ipc")
+    p.add_argument("--only", action="append", choices=PARTS, default=None, metavar="PART",
+                   help=f"run only this part ({', '.join(PARTS)}; repeatable); with --json, "
+                   "writes it into that file beside the parts already there (same device)")
     p.add_argument("--work-dir", default=None, metavar="DIR", help="keep the models and run "
                    "directories here (default: a temporary directory, deleted afterwards)")
     p.add_argument("--peer", choices=["trl"], default=None, help="instead of the measurements "
