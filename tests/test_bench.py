@@ -61,6 +61,9 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     assert set(outside["parts_ms"]) == {"requests", "scoring", "records", "ray_trip"}
     assert all(v > 0 for v in outside["parts_ms"].values()), outside
     assert outside["outside_engine_ms"] == result["rollout_outside_engine_ms_256x64"]
+    # Without scoring: klrl's own part, less than the whole by the scoring it leaves out.
+    assert 0 < outside["outside_engine_unscored_ms"] < outside["outside_engine_ms"]
+    assert outside["outside_engine_unscored_ms"] == result["rollout_outside_engine_unscored_ms_256x64"]
     assert result["device"] == "cpu" and set(result["parts"]) == {"engines", "sync", "e2e"}
     # Learner memory, full fine-tuning against LoRA on the same model: Adam's two fp32 moments
     # (and a step count per tensor) for exactly the trained weights; no reference copy with

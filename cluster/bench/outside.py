@@ -15,7 +15,8 @@ how long scoring takes. With the driver's round trip that splits one call into:
     ray_trip  the driver's round trip minus the actor's time in `generate`: submitting the
               call, pickling 256 Rollouts, the transfer, unpickling in the driver.
 
-outside engine = round trip - engine = requests + scoring + records + ray_trip. Each figure
+outside engine = round trip - engine = requests + scoring + records + ray_trip; "unscored" leaves
+scoring out (the task's scorer is the user's code: what remains is klrl's own). Each figure
 is the median over `reps` timed calls (after WARMUP_REPS untimed ones), so the parts' medians
 need not add up to the total's exactly. No learner and no raw baseline: the engine table has
 the ratio at the demo's own shape.
@@ -113,6 +114,7 @@ def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]
             if rep >= WARMUP_REPS:
                 rows.append({"klrl": total, "engine": batch.gen_seconds,
                              "outside": total - batch.gen_seconds,
+                             "unscored": total - batch.gen_seconds - parts["scoring"],
                              "ray_trip": total - parts.pop("in_actor"), **parts})
     finally:
         stop_worker(worker)
@@ -123,6 +125,7 @@ def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]
     return {"workload": name, "prompts": len(problems), "samples": samples,
             "new_tokens": r.max_new_tokens, "tokens": samples * r.max_new_tokens, "reps": reps,
             "klrl_ms": ms("klrl"), "engine_ms": ms("engine"), "outside_engine_ms": ms("outside"),
+            "outside_engine_unscored_ms": ms("unscored"),
             "parts_ms": {p: ms(p) for p in PARTS}}
 
 

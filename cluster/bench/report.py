@@ -74,11 +74,17 @@ def _outside_table(o: dict[str, Any]) -> list[str]:
     return ["", (f"**The rollout's cost outside the engine** ({o['samples']} samples x "
                  f"{o['new_tokens']} new tokens per call, {o['workload']}; ms per call, medians "
                  f"of {o['reps']})"), "",
-            ("| workload | tokens | klrl ms | in engine ms | outside engine ms | requests "
-             "| scoring | records | Ray trip |"), "|---|---|---|---|---|---|---|---|---|",
+            ("| workload | tokens | klrl ms | in engine ms | outside engine ms | of which not "
+             "scoring | requests | scoring | records | Ray trip |"),
+            "|---|---|---|---|---|---|---|---|---|---|",
             (f"| {o['workload']} | {o['tokens']} | {o['klrl_ms']:.0f} | {o['engine_ms']:.0f} "
-             f"| **{o['outside_engine_ms']:.1f}** | {parts['requests']:.1f} "
+             f"| **{o['outside_engine_ms']:.1f}** | {_ms(o.get('outside_engine_unscored_ms'))} "
+             f"| {parts['requests']:.1f} "
              f"| {parts['scoring']:.1f} | {parts['records']:.1f} | {parts['ray_trip']:.1f} |")]
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"**{x:.1f}**"
 
 
 def _gpu_tests(t: dict[str, Any]) -> list[str]:

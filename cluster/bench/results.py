@@ -22,9 +22,10 @@ PARTS = ("engines", "sync", "e2e", "tests")
 # The top-level figure of the fixed-shape rollout workload (cluster/bench/outside.py): ms
 # outside the engine per call of 256 samples x 64 new tokens.
 OUTSIDE_KEY = "rollout_outside_engine_ms_256x64"
+OUTSIDE_UNSCORED_KEY = "rollout_outside_engine_unscored_ms_256x64"  # the same, scoring left out
 CPU_PARTS = ("engines", "sync", "e2e")  # `klrl bench` without --only (CUDA: PARTS)
 _SUMMARY = {"rollout_overhead_ratio", "learner_overhead_ratio", "of_bound_best_lag",
-            "weight_sync_seconds", OUTSIDE_KEY}
+            "weight_sync_seconds", OUTSIDE_KEY, OUTSIDE_UNSCORED_KEY}
 
 
 def default_parts(device: str) -> tuple[str, ...]:
@@ -52,6 +53,8 @@ def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> 
         out["weight_sync_seconds"] = sync
     if outside:
         out[OUTSIDE_KEY] = outside["outside_engine_ms"]
+        if "outside_engine_unscored_ms" in outside:
+            out[OUTSIDE_UNSCORED_KEY] = outside["outside_engine_unscored_ms"]
     return out
 
 
