@@ -101,11 +101,19 @@ class LearnerConfig(BaseModel):
     num_cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved per "
                                      "rank.")
     threads_per_rank: int | None = Field(None, ge=1, le=1024, description="torch threads of each "
-                                         "rank. null: at max_lag 0 the run's reserved CPUs "
-                                         "shared among the ranks (training and generation "
-                                         "alternate, so each phase can use every core); at "
-                                         "max_lag >= 1 its own num_cpus_per_rank, rounded down, "
-                                         "at least 1.")
+                                         "rank. null: the run's reserved CPUs (the workers' "
+                                         "too) shared among the ranks, at least 1: at max_lag 0 "
+                                         "training and generation alternate, so each phase can "
+                                         "use every core; at max_lag >= 1 training, the costlier "
+                                         "phase on CPU, shares the workers' cores while they "
+                                         "generate (with omp_wait_policy passive).")
+    omp_wait_policy: Literal["default", "passive"] | None = Field(
+        None, description="How the ranks' idle OpenMP threads wait between parallel regions "
+        "(OMP_WAIT_POLICY at the rank's start). default: OpenMP's (spin a while, then sleep), "
+        "fastest on cores of its own; passive: sleep at once, giving the core back to the "
+        "processes that share it. null: passive where a rank runs more threads than its "
+        "num_cpus_per_rank while the rollout workers generate beside it (max_lag >= 1), "
+        "else default.")
     num_gpus_per_rank: float = Field(0.0, ge=0.0, le=8.0, description="Ray GPUs per rank; > 0 runs "
                                      "on CUDA with the nccl backend, 0 on CPU with gloo.")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -171,6 +179,12 @@ class LearnerConfig(BaseModel):
         """torch threads per rank: threads_per_rank once resolved (TrainConfig.rank_learner),
         else the Ray CPUs reserved (rounded down, at least 1)."""
         return self.threads_per_rank or max(1, int(self.num_cpus_per_rank))
+
+    @property
+    def passive_wait(self) -> bool:
+        """Whether the ranks start with OMP_WAIT_POLICY=PASSIVE: omp_wait_policy once resolved
+        (TrainConfig.rank_learner), else only if set to passive."""
+        return self.omp_wait_policy == "passive"
 
     @property
     def device_kind(self) -> Literal["cpu", "cuda"]:

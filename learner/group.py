@@ -64,7 +64,7 @@ class LearnerGroup:
         # and the thread pool Ray runs calls on does not see set_num_threads of another thread.
         actor = ray.remote(concurrency_groups={"health": 1})(LearnerRank).options(
             num_cpus=learner_cfg.num_cpus_per_rank, num_gpus=learner_cfg.num_gpus_per_rank,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(learner_cfg.threads)}},
+            runtime_env={"env_vars": omp_env(learner_cfg)},
             resources=resources or None)
         files = ModelFiles.of(model)
         self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,
@@ -204,3 +204,14 @@ def get_all(refs: list) -> list:
         ready, pending = ray.wait(pending, num_returns=1)
         ray.get(ready)  # raises a failed rank's exception now
     return ray.get(refs)
+
+
+def omp_env(cfg: LearnerConfig) -> dict[str, str]:
+    """The OpenMP environment of a rank's process, set at its start (OpenMP reads it once):
+    its thread count, and `learner.omp_wait_policy` passive as OMP_WAIT_POLICY=PASSIVE (a rank
+    sharing its cores with generating workers gives a core back as soon as a thread idles,
+    instead of spinning on it; TrainConfig.rank_learner resolves when)."""
+    env = {"OMP_NUM_THREADS": str(cfg.threads)}
+    if cfg.passive_wait:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env

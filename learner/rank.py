@@ -211,7 +211,9 @@ class LearnerRank:
                 "optimizer": type(self.engine.optimizer).__name__,
                 # What transformers actually runs (its default when attn_implementation is null).
                 "attn_implementation": [m.config._attn_implementation for m in (policy, self.ref or policy)],
-                "gradient_checkpointing": policy.is_gradient_checkpointing}
+                "gradient_checkpointing": policy.is_gradient_checkpointing,
+                # The threads and OpenMP wait policy this process really got (group.omp_env).
+                "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
     # ------------------------------------------------------------------ training
 

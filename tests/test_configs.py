@@ -223,12 +223,13 @@ def test_rollout_dtype_defaults_to_the_learners_and_reaches_the_engine():
         load_config(TrainConfig, tiny, ["rollout.dtype=float64"])
 
 
-def test_thread_rule_gives_each_phase_every_core_at_lag_0_and_its_own_share_above():
+def test_thread_rule_gives_each_phase_every_core_at_lag_0_and_the_learner_all_of_them_above():
     """rollout.threads_per_worker / learner.threads_per_rank null: at max_lag 0 the phases
     alternate, so the workers share all the CPUs the run reserves, and so do the ranks; at
-    max_lag >= 1 each part keeps its own reservation. Set values win; the parts get the
-    resolved values (TrainConfig.worker_rollout / rank_learner, which the workers, the ranks
-    and the bench's raw baselines are built from)."""
+    max_lag >= 1 the workers keep their own reservation and the ranks still share every CPU,
+    waiting passively (learner.omp_wait_policy null -> passive there only). Set values win;
+    the parts get the resolved values (TrainConfig.worker_rollout / rank_learner, which the
+    workers, the ranks and the bench's raw baselines are built from)."""
     from cluster.config.train_config import TrainConfig
 
     tiny = ROOT / "configs" / "tiny_cpu.yaml"
@@ -237,10 +238,19 @@ def test_thread_rule_gives_each_phase_every_core_at_lag_0_and_its_own_share_abov
         cfg = load_config(TrainConfig, tiny, list(overrides))
         return cfg.worker_rollout.threads, cfg.rank_learner.threads, cfg.reserved_cpus
 
+    def wait(*overrides):
+        return load_config(TrainConfig, tiny, list(overrides)).rank_learner.omp_wait_policy
+
     assert threads() == (2, 2, 2.0)  # the demo: 1 + 1 reserved CPUs, max_lag 0
-    assert threads("max_lag=1") == threads("max_lag=4") == (1, 1, 2.0)
+    assert threads("max_lag=1") == threads("max_lag=4") == (1, 2, 2.0)
     assert threads("rollout.num_workers=2", "learner.num_cpus_per_rank=2") == (2, 4, 4.0)
-    assert threads("rollout.num_cpus_per_worker=2.5", "max_lag=1") == (2, 1, 3.5)
+    assert threads("rollout.num_cpus_per_worker=2.5", "max_lag=1") == (2, 3, 3.5)
+    assert threads("learner.num_ranks=2", "max_lag=1") == (1, 1, 3.0)
+    # Passive waiting only where a rank's threads overlap the generating workers' cores.
+    assert wait() == "default" and wait("max_lag=1") == "passive"
+    assert wait("learner.num_ranks=2", "max_lag=1") == "default"  # 1 thread on its own CPU
+    assert wait("max_lag=1", "learner.omp_wait_policy=default") == "default"  # set values win
+    assert wait("learner.omp_wait_policy=passive") == "passive"
     assert threads("rollout.threads_per_worker=3", "learner.threads_per_rank=1") == (3, 1, 2.0)
     assert threads("learner.threads_per_rank=4", "max_lag=2") == (1, 4, 2.0)
     assert load_config(TrainConfig, tiny).rollout.threads_per_worker is None  # the file keeps null

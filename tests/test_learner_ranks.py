@@ -335,7 +335,8 @@ def with_options(ray_local, tiny_model_dir, batches, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("options")
     other = build_random_model(tmp / "other", seed=1)
     cfg = _cfg(num_ranks=1, warmup_steps=0, lr_schedule="cosine", min_lr_ratio=0.2,
-               entropy_coef=0.05, attn_implementation="eager")
+               entropy_coef=0.05, attn_implementation="eager", threads_per_rank=2,
+               omp_wait_policy="passive")
     files = ModelFiles(policy=str(tiny_model_dir), reference=str(other))
     run = _run(files, cfg, _Steps(batches, ["good", "save", "good", "load", "good"],
                                   extra=lambda group: group.rank_info),
@@ -350,6 +351,8 @@ def test_a_separate_reference_gives_a_kl_from_the_first_step(stage0, with_option
     (_, m1, _, _), _, _ = stage0
     (_, m, _, info), other = with_options
     assert info[0]["attn_implementation"] == ["eager", "eager"]  # policy and reference alike
+    # learner.threads_per_rank and omp_wait_policy reach the rank's process (group.omp_env).
+    assert (info[0]["threads"], info[0]["omp_wait_policy"]) == (2, "PASSIVE")
     assert abs(m1[0]["kl/pi_ref"]) < 1e-6
     good = batches[0]
     policy_lp, _ = _independent_logprobs_and_entropy(tiny_model_dir, good, attn="eager")

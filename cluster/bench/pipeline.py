@@ -16,8 +16,9 @@ phase gets every core, above each part its own). Two yardsticks:
 - the bound: batch x cores / (T_gen + T_train), the work of one step spread perfectly over
   every core; no schedule beats it while the phases are compute. `of_bound` = measured /
   bound (a tiny model's phases are mostly waiting on calls, which overlap hides: above 1 there);
-- the ideal overlap at max_lag >= 1, where each part keeps its own core: batch /
-  max(T_gen, T_train); overlap efficiency = measured / that. At max_lag 0 the ideal is the
+- the ideal overlap at max_lag >= 1 if each part kept a core of its own: batch /
+  max(T_gen, T_train); overlap efficiency = measured / that (the thread rule lets the learner
+  share the worker's core too, which can beat it: above 1 then). At max_lag 0 the ideal is the
   bound (each phase perfectly parallel on every core).
 
 On one GPU shared by the learner and the rollout worker (`one_core=False`, `klrl bench

@@ -284,7 +284,8 @@ def _train_batch(cfg, rollouts):
 
 CPU_SPLIT = {"ray_num_cpus": "one per core",
              "rollout_worker": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
-             "learner_rank": "1 Ray CPU; threads: the run's 2 CPUs at max_lag 0, 1 above",
+             "learner_rank": "1 Ray CPU; threads: the run's 2 CPUs (above max_lag 0 with "
+                             "passive OpenMP waiting)",
              "baselines": "subprocess, the same threads as klrl's part, actors idle"}
 
 
