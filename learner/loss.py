@@ -357,7 +357,7 @@ def merge_updates(updates: list[dict[str, float]], mini_batches: int) -> dict[st
             out[key] = max(vals)
         elif key in ("response/tokens", "response/sequences"):
             out[key] = sum(u[key] for u in first_pass)
-        elif key == "time/learner_step":
+        elif key in ("time/learner_step", "time/reference"):  # seconds spent: they add up
             out[key] = sum(vals)
         else:
             out[key] = sum(vals) / len(vals)

@@ -228,7 +228,9 @@ class LearnerRank:
         log-probs are computed once for all updates (the reference never changes)."""
         cfg = self.cfg
         self._progress()
+        t0 = time.perf_counter()
         ref_logp = self._reference_logprobs(shard)
+        ref_s = time.perf_counter() - t0
         per_mini = num_sequences_global / cfg.mini_batches
         minis = [shard.shard_indices(m, cfg.mini_batches) for m in range(cfg.mini_batches)]
         updates = []
@@ -236,6 +238,8 @@ class LearnerRank:
             for index in minis:
                 mini = shard.select(index)
                 updates.append(self._update(mini, ref_logp[index, :mini.width], per_mini))
+        for k, u in enumerate(updates):  # once per batch: the first update carries it
+            u["time/reference"] = ref_s if k == 0 else 0.0
         if any(not u["nonfinite"] for u in updates):
             self.version += 1
         return updates

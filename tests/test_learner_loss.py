@@ -459,14 +459,15 @@ def test_merge_updates_reports_each_update_and_the_step():
     def update(lo, hi, refused=0.0):
         return {"is/ratio_min": lo, "is/ratio_max": hi, "loss/total": hi - lo, "kl/pi_ref": 0.1,
                 "response/tokens": 10.0, "response/sequences": 4.0, "grad/norm": 2.0,
-                "nonfinite": refused, "time/learner_step": 1.0}
+                "nonfinite": refused, "time/learner_step": 1.0, "time/reference": 0.0}
 
     ups = [update(1.0, 1.0), update(0.9, 1.2), update(0.8, 1.1, refused=1.0), update(0.95, 1.05)]
+    ups[0]["time/reference"] = 0.5  # the batch's reference forward, carried by its first update
     m = merge_updates(ups, mini_batches=2)
     assert m["is/ratio_min"] == 0.8 and m["is/ratio_max"] == 1.2
     assert m["response/sequences"] == 8.0 and m["response/tokens"] == 20.0  # one pass
     assert m["nonfinite"] == 0.0 and m["nonfinite/updates_refused"] == 1.0
     assert m["update_0/is/ratio_max"] == 1.0 and m["update_1/is/ratio_max"] == 1.2
-    assert m["time/learner_step"] == 4.0
+    assert m["time/learner_step"] == 4.0 and m["time/reference"] == 0.5  # seconds add up
     assert merge_updates([update(0.8, 1.1, 1.0)] * 2, 1)["nonfinite"] == 1.0
     assert merge_updates(ups[:1], 1) == ups[0]
