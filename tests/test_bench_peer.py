@@ -132,8 +132,10 @@ def test_peer_table_prints_both_trainers_side_by_side(capsys):
     from cluster.bench.peers import check_peers, print_peer_table
 
     result = {"peers": {"trl": {"objective": "same", "workloads": {
-        "demo-1M": {"klrl": _side("klrl", 0.5), "trl": _side("trl", 0.25)},
-        "random-25M": {"klrl": _side("klrl", 2.0, False), "trl": _side("trl", 2.0, False)}}}},
+        "demo-1M": {"klrl": _side("klrl", 0.5), "klrl_lag2": _side("klrl", 0.2),
+                    "trl": _side("trl", 0.25)},
+        "random-25M": {"klrl": _side("klrl", 2.0, False), "klrl_lag2": _side("klrl", 1.0, False),
+                       "trl": _side("trl", 2.0, False)}}}},
         "machine": {"cpu_model": "cpu", "cpus": 2, "memory_gib": 24.0, "gpu": None,
                     "load_avg_before": [0.1, 0.1, 0.1], "load_avg_after": [0.2, 0.2, 0.2]}}
     json.dumps(result)  # JSON-ready as it stands
@@ -141,10 +143,14 @@ def test_peer_table_prints_both_trainers_side_by_side(capsys):
     out = capsys.readouterr().out
     assert "klrl against TRL GRPOTrainer" in out and "objective: same" in out
     assert "512.0" in out and "1024.0" in out and "0.50x" in out  # 256 samples / 0.5 s and / 0.25 s
+    assert "klrl (max_lag 0)" in out and "klrl (max_lag 2)" in out
+    assert "1280.0" in out and "1.25x" in out  # klrl at max_lag 2: 256 samples / 0.2 s
     assert "n/a (random weights)" in out and "differs: advantage std" in out
     assert check_peers(result) == []
     result["peers"]["trl"]["workloads"]["demo-1M"]["trl"]["samples_per_s"] = float("nan")
     assert check_peers(result) == ["demo-1M/trl"]
+    del result["peers"]["trl"]["workloads"]["random-25M"]["klrl_lag2"]
+    assert check_peers(result) == ["demo-1M/trl", "random-25M/klrl_lag2"]
 
 
 def test_a_running_trl_process_shows_its_progress(tmp_path, monkeypatch, capsys):

@@ -2,7 +2,8 @@
 
 Each workload (a model and configs/tiny_cpu.yaml with overrides) runs `steps` steps twice
 from the same TrainConfig: TRL in a subprocess (cluster/bench/peer_trl.py), then klrl's real
-trainer (`cluster.train.run.train`) at max_lag 0, whose per-step metrics (time/step,
+trainer (`cluster.train.run.train`) at max_lag 0 ("klrl", the same on-policy schedule as TRL's)
+and at max_lag 2 ("klrl_lag2", generation overlapping training), whose per-step metrics (time/step,
 reward/mean) come from its metrics.jsonl. Both are reduced to samples/s and reward gain per 1k
 samples by the same code (cluster/bench/peer_record.py).
 
@@ -54,11 +55,18 @@ PEERS_FULL = (
 PEERS_QUICK = (PeerWorkload("demo-1M", "demo", ("rollout.prompts_per_step=8",), steps=5),)
 
 
-def peer_config(w: PeerWorkload, model_dir: Path, objective: str, runs_dir: Path) -> TrainConfig:
-    """The one TrainConfig both trainers run for workload `w`."""
+# klrl's runs of each workload: JSON key -> max_lag. TRL generates and trains in turn, as klrl
+# at max_lag 0; max_lag 2 is the pipeline klrl offers on top.
+KLRL_LAGS = {"klrl": 0, "klrl_lag2": 2}
+
+
+def peer_config(w: PeerWorkload, model_dir: Path, objective: str, runs_dir: Path,
+                max_lag: int = 0) -> TrainConfig:
+    """The one TrainConfig both trainers run for workload `w` (TRL's and klrl's at max_lag 0;
+    klrl's again at `max_lag`, the only difference)."""
     return load_train_config(DEMO_CONFIG, [
-        *w.overrides, *OBJECTIVES[objective], f"model.path={model_dir}", "max_lag=0",
-        f"total_steps={w.steps}", f"output_dir={runs_dir}", f"run_name={w.name}-klrl",
+        *w.overrides, *OBJECTIVES[objective], f"model.path={model_dir}", f"max_lag={max_lag}",
+        f"total_steps={w.steps}", f"output_dir={runs_dir}", f"run_name={w.name}-klrl-lag{max_lag}",
         "checkpoint_every=0", "logging.wandb_mode=disabled", "logging.samples_every=0",
         # Evaluation only at the start (before the first step) and the end (in the last step,
         # which samples/s leaves out): TRL evaluates nothing.
@@ -76,10 +84,12 @@ def run_peers(workloads: tuple[PeerWorkload, ...], objective: str, work_dir: Pat
         cfg = peer_config(w, workload_model_dir(w, work_dir), objective, runs_dir)
         print(f"[bench] {w.name}: TRL GRPOTrainer, {w.steps} steps", flush=True)
         trl = run_trl(cfg, w.name, w.steps, w.warmup, trl_dir, w.learns)
-        print(f"[bench] {w.name}: klrl, {w.steps} steps at max_lag 0", flush=True)
-        klrl = run_klrl(cfg, w)
-        out[w.name] = {"klrl": klrl.to_dict(), "trl": trl.to_dict(),
-                       "klrl_over_trl_samples_per_s": klrl.samples_per_s / trl.samples_per_s}
+        out[w.name] = {"trl": trl.to_dict()}
+        for side, lag in KLRL_LAGS.items():
+            print(f"[bench] {w.name}: klrl, {w.steps} steps at max_lag {lag}", flush=True)
+            klrl = run_klrl(peer_config(w, cfg.model.path, objective, runs_dir, lag), w)
+            out[w.name][side] = klrl.to_dict()
+            out[w.name][f"{side}_over_trl_samples_per_s"] = klrl.samples_per_s / trl.samples_per_s
     return {"peers": {"trl": {"objective": objective, "workloads": out}},
             "machine": machine() | {"load_avg_before": list(load_before),
                                     "load_avg_after": list(os.getloadavg())},
@@ -133,7 +143,7 @@ def check_peers(result: dict[str, Any]) -> list[str]:
     """workload/trainer of every samples/s figure that is missing, non-finite or not positive."""
     bad = []
     for name, sides in result["peers"]["trl"]["workloads"].items():
-        for side in ("klrl", "trl"):
+        for side in (*KLRL_LAGS, "trl"):
             x = sides.get(side, {}).get("samples_per_s")
             if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
                 bad.append(f"{name}/{side}")

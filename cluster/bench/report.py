@@ -165,13 +165,14 @@ def peers_markdown(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     notes: set[str] = set()
     for name, sides in peers["workloads"].items():
-        for side in ("klrl", "trl"):
+        for side in (s for s in ("klrl", "klrl_lag2", "trl") if s in sides):
             r = sides[side]
             gain = r["reward_gain_per_1k_samples"]
             threads = r["settings"]["threads"]
             threads = ("/".join(str(t) for t in threads.values()) if isinstance(threads, dict)
                        else str(threads))
-            lines.append(f"| {name} | {side} | **{r['samples_per_s']:.1f}** "
+            trainer = {"klrl": "klrl (max_lag 0)", "klrl_lag2": "klrl (max_lag 2)"}.get(side, side)
+            lines.append(f"| {name} | {trainer} | **{r['samples_per_s']:.1f}** "
                          f"| {r['samples_per_s'] / sides['trl']['samples_per_s']:.2f}x "
                          f"| {r['step_seconds_mean']:.3f} | {r['measured_steps']} of {r['steps']} "
                          f"| {r['reward_before']:.3f} -> {r['reward_after']:.3f} "
