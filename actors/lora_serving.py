@@ -11,6 +11,8 @@ there is none yet, and the base model is exactly the policy (the adapters' B sta
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,11 +33,19 @@ def engine_options(rank: int) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 
-class AdapterSlot:
-    """The adapter a worker serves: its request (None: the base model) and its directory."""
+PREFIX = "klrl-lora-"  # then w<worker index>-p<pid>-<random>: whose directory it is
+_OWNER = re.compile(rf"^{PREFIX}w\d+-p(\d+)-")
 
-    def __init__(self, worker_index: int):
-        self.root = Path(tempfile.mkdtemp(prefix=f"klrl-lora-w{worker_index}-"))
+
+class AdapterSlot:
+    """The adapter a worker serves: its request (None: the base model) and its directory.
+    A worker that is killed (a hang, a crash, `ray.kill`) cannot remove its directory, so every
+    new slot first removes those of worker processes on this node that are gone (`sweep`)."""
+
+    def __init__(self, worker_index: int, parent: str | Path | None = None):
+        sweep(Path(parent or tempfile.gettempdir()))
+        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}w{worker_index}-p{os.getpid()}-",
+                                          dir=parent))
         self.request = None
 
     def load(self, llm, version: int, source: str | bytes, config: Mapping[str, Any]) -> dict[str, float]:
@@ -71,6 +81,28 @@ class AdapterSlot:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def sweep(parent: Path) -> list[Path]:
+    """Remove the adapter directories under `parent` whose worker process is gone; returns
+    them. Directories of live processes (this node's pids) stay."""
+    gone = []
+    for d in parent.glob(PREFIX + "*"):
+        m = _OWNER.match(d.name)
+        if m and d.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 class _Serving:
