@@ -125,7 +125,7 @@ def _gpu_parts() -> list[dict]:
 
     outside = {"workload": "demo-1M", "prompts": 32, "samples": 256, "new_tokens": 64,
                "tokens": 16384, "reps": 3, "klrl_ms": 180.0, "engine_ms": 165.0,
-               "outside_engine_ms": 15.0,
+               "outside_engine_ms": 15.0, "outside_engine_unscored_ms": 11.0,
                "parts_ms": {"requests": 1.5, "scoring": 4.0, "records": 6.0, "ray_trip": 3.5}}
     tests = {"command": "python -m pytest -q -m gpu -rs", "returncode": 0, "timed_out": False,
              "seconds": 95.0, "passed": 5, "failed": 0, "errors": 0, "skipped": 1,
@@ -201,7 +201,7 @@ def test_a_gpu_json_renders_its_own_tables_into_its_own_block(tmp_path):
     for expected in (("`klrl bench --device cuda` on NVIDIA H100 80GB HBM3 (driver 580.65.06, "
                       "CUDA 13.0)"), "vLLM 0.26.0", "device-to-device copy 1480 GB/s",
                      "| device-to-device copy bound s |", "**The rollout's cost outside the engine**",
-                     "| demo-1M | 16384 | 180 | 165 | **15.0** | 1.5 | 4.0 | 6.0 | 3.5 |",
+                     "| demo-1M | 16384 | 180 | 165 | **15.0** | **11.0** | 1.5 | 4.0 | 6.0 | 3.5 |",
                      "on one GPU)", "Reference (the max_lag 0 run, learner and worker sharing the GPU)",
                      "**GPU tests** (`python -m pytest -q -m gpu -rs`): 5 passed, 1 skipped, 0 failed",
                      "- skipped: tests.test_weight_sync::test_nccl_sync_gpu: nccl weight sync needs"):
@@ -219,7 +219,8 @@ def test_a_gpu_json_renders_its_own_tables_into_its_own_block(tmp_path):
 
 
 def test_the_outside_engine_table_adds_to_the_cpu_rendering_and_changes_nothing_else():
-    cpu = json.loads(BENCH_JSON.read_text())
+    # The committed CPU JSON without its own outside-engine part, then with another one.
+    cpu = {k: v for k, v in json.loads(BENCH_JSON.read_text()).items() if k != "outside_engine"}
     outside = _gpu_parts()[0]["outside_engine"]
     text = report.markdown(cpu | {"outside_engine": outside})
     table = "\n".join(report._outside_table(outside))
