@@ -51,14 +51,10 @@ Export = Callable[[torch.Tensor], "dict[str, tuple]"]  # tensor -> {gpu uuid: ha
 
 def ipc_record_fields() -> tuple[frozenset[str], frozenset[str]]:
     """Field names of the installed vLLM's `IPCWeightTransferInitInfo` and
-    `IPCWeightTransferUpdateInfo` (dataclasses in every version klrl supports)."""
-    from vllm.distributed.weight_transfer.ipc_engine import (
-        IPCWeightTransferInitInfo,
-        IPCWeightTransferUpdateInfo,
-    )
+    `IPCWeightTransferUpdateInfo`."""
+    from actors.engine import transfer_record_fields
 
-    return (frozenset(f.name for f in dataclasses.fields(IPCWeightTransferInitInfo)),
-            frozenset(f.name for f in dataclasses.fields(IPCWeightTransferUpdateInfo)))
+    return transfer_record_fields("ipc", "IPC")
 
 
 def ipc_packing_split(init_fields: Collection[str],

@@ -6,7 +6,6 @@ transports read in one file.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -29,14 +28,10 @@ def nccl_update_info(items: list[tuple[str, torch.Tensor]], extra: Mapping | Non
 
 def nccl_record_fields() -> tuple[frozenset[str], frozenset[str]]:
     """Field names of the installed vLLM's `NCCLWeightTransferInitInfo` and
-    `NCCLWeightTransferUpdateInfo` (dataclasses in every version klrl supports)."""
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLWeightTransferInitInfo,
-        NCCLWeightTransferUpdateInfo,
-    )
+    `NCCLWeightTransferUpdateInfo`."""
+    from actors.engine import transfer_record_fields
 
-    return (frozenset(f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)),
-            frozenset(f.name for f in dataclasses.fields(NCCLWeightTransferUpdateInfo)))
+    return transfer_record_fields("nccl", "NCCL")
 
 
 def nccl_packing_split(packing: Mapping, init_fields: Collection[str],
