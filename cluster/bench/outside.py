@@ -29,6 +29,7 @@ from typing import Any
 
 from actors.rollout_worker import RolloutWorker
 from cluster.bench.engines import WARMUP_REPS
+from cluster.train.worker_pool import start_worker
 
 # The workload's shape, as overrides of the demo config.
 SHAPE = ("rollout.prompts_per_step=32", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=64")
@@ -92,12 +93,8 @@ def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]
     Raises if a call does not generate exactly prompts x samples x max_new_tokens tokens."""
     import ray
 
-    r = cfg.worker_rollout  # dtype and threads resolved, as cluster.train.worker_pool starts workers
-    worker = ray.remote(TimedRolloutWorker).options(
-        num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(r.threads)}}).remote(
-        model_dir=str(cfg.model.path), rollout_cfg=r, sync_cfg=cfg.sync, task_cfg=cfg.task,
-        worker_index=0, seed=cfg.seed)
+    r = cfg.worker_rollout  # dtype and threads resolved, as the worker gets them
+    worker = start_worker(cfg, cfg.model.path, 0, worker_class=TimedRolloutWorker)  # as a run starts it
     samples = len(problems) * r.samples_per_prompt
     rows = []
     try:

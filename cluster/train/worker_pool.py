@@ -49,10 +49,11 @@ class WorkerCall:
     ref: Any
 
 
-def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
+def start_worker(cfg: TrainConfig, model_dir: Path, index: int, worker_class: type | None = None):
     """Rollout worker `index` as a Ray actor with the GPUs its engine uses (with tensor
     parallelism, num_gpus_per_worker = tensor_parallel_size: RolloutConfig's rule), loading
-    the model and tokenizer at model.revision with model.trust_remote_code."""
+    the model and tokenizer at model.revision with model.trust_remote_code. worker_class: a
+    subclass of RolloutWorker to start instead (`klrl bench`'s timed worker)."""
     from actors.rollout_worker import RolloutWorker
 
     r = cfg.worker_rollout  # dtype and threads resolved (TrainConfig's rules)
@@ -61,7 +62,7 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int):
     # OMP_NUM_THREADS from the start (Ray would set it to num_cpus): OpenMP reads it once, and
     # the threads Ray runs calls on keep that value whatever torch.set_num_threads says on
     # another (vLLM's CPU attention checks that the two agree).
-    return ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
+    return ray.remote(concurrency_groups={"health": 1})(worker_class or RolloutWorker).options(
         num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(r.threads)}},
         resources=cfg.ray.worker_resources or None).remote(
