@@ -212,8 +212,7 @@ class RolloutWorker:
         if update.transport in VLLM_BACKENDS:  # nccl, cuda_ipc: vLLM's weight-transfer engine
             # A copy: vLLM 0.26's IPC engine pops keys off the dict it is given, and in-process
             # that would be the record's own dict.
-            info = dict(update.nccl_update_info if update.transport == "nccl"
-                        else update.ipc_update_info)
+            info = dict(update.update_info)
 
             def reload():
                 t0 = time.perf_counter()

@@ -36,7 +36,7 @@ Transports:
   backend, NOT run on a GPU yet): `IpcWeightSender` on learner rank 0 (created by its
   `WeightPublisher` at the first publish) copies the weights into a snapshot on the GPU and
   puts a CUDA IPC handle of each tensor, keyed by the GPU's UUID, in the record
-  (`ipc_update_info`); each worker's `load_weights` runs vLLM's `start_weight_update` /
+  (`update_info`); each worker's `load_weights` runs vLLM's `start_weight_update` /
   `update_weights` / `finish_weight_update` (engines built with
   `weight_transfer_config={"backend": "ipc"}`), which reads the snapshot device to device.
   The snapshots of the two newest versions stay alive, so no load reads memory the
@@ -100,10 +100,10 @@ class WeightUpdate:
 
     Exactly one payload field is set, by transport: `path` (shm: a safetensors file),
     `ref` (object_store: a `ray.ObjectRef` of the safetensors bytes, owned by the
-    publishing learner actor), `nccl_update_info` (nccl: names/dtype_names/shapes, the
-    update info of vLLM's NCCL engine; the tensors follow as a broadcast),
-    `ipc_update_info` (cuda_ipc: the update info of vLLM's IPC engine, names/dtype_names/
-    shapes and one CUDA IPC handle per tensor, into learner rank 0's snapshot).
+    publishing learner actor), `update_info` (the transports through vLLM's weight-transfer
+    engines, VLLM_BACKENDS: the update info the worker hands vLLM's `update_weights`; nccl:
+    names/dtype_names/shapes, the tensors follow as a broadcast; cuda_ipc: the same and one
+    CUDA IPC handle per tensor, into learner rank 0's snapshot).
     """
 
     version: int                    # policy version (optimizer steps) of these weights
@@ -112,8 +112,7 @@ class WeightUpdate:
     num_tensors: int
     path: str | None = None
     ref: Any = None
-    nccl_update_info: dict | None = None
-    ipc_update_info: dict | None = None
+    update_info: dict | None = None
     # Where the publishing side's time went, in seconds: "gather" (the learner's full weights
     # on rank 0) and "serialise_write" (into the transport; cuda_ipc: "snapshot", the copy on
     # the GPU, about 0 for a version sent before, whose snapshot is reused); `klrl bench`
@@ -128,8 +127,8 @@ class WeightUpdate:
             raise ValueError(f"version must be >= 0, got {self.version}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; one of {TRANSPORTS}")
-        payload = {"shm": self.path, "object_store": self.ref, "nccl": self.nccl_update_info,
-                   "cuda_ipc": self.ipc_update_info}
+        payload = {"shm": self.path, "object_store": self.ref} | dict.fromkeys(
+            VLLM_BACKENDS, self.update_info)
         if payload[self.transport] is None:
             raise ValueError(f"a {self.transport} WeightUpdate needs its payload field set")
 
@@ -185,13 +184,13 @@ def publish(
             raise ValueError("transport 'nccl' needs nccl_sender (an NcclWeightSender)")
         info = nccl_sender.send_async(items)
         return WeightUpdate(version, "nccl", _nbytes(items), len(items),
-                            nccl_update_info=info)
+                            update_info=info)
     if transport == "cuda_ipc":
         if ipc_sender is None:
             raise ValueError("transport 'cuda_ipc' needs ipc_sender (an IpcWeightSender)")
         t0 = time.perf_counter()
         info = ipc_sender.send(items, version)
-        return WeightUpdate(version, "cuda_ipc", _nbytes(items), len(items), ipc_update_info=info,
+        return WeightUpdate(version, "cuda_ipc", _nbytes(items), len(items), update_info=info,
                             seconds={"snapshot": time.perf_counter() - t0})
 
     t0 = time.perf_counter()

@@ -105,7 +105,7 @@ def test_update_info_is_vllms_own_record():
     record = publish(state, 2, "cuda_ipc", run_id=RUN_ID, ipc_sender=IpcWeightSender(export=export))
     again = pickle.loads(pickle.dumps(record))
     assert again.transport == "cuda_ipc" and again.num_tensors == 4
-    assert IPCWeightTransferUpdateInfo(**again.ipc_update_info).names == list(state)
+    assert IPCWeightTransferUpdateInfo(**again.update_info).names == list(state)
 
 
 # --------------------------------------------------------------------------- the invariant

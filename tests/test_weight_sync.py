@@ -281,7 +281,7 @@ def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
     assert pub.nccl_open("10.0.0.1", 29555, 2) == [{"rank_offset": 1}, {"rank_offset": 2}]
     pub.nccl_connect()
     update = pub.publish(state, 1, "nccl", run_id=RUN_ID)
-    assert update.transport == "nccl" and update.nccl_update_info["names"] == list(state)
+    assert update.transport == "nccl" and update.update_info["names"] == list(state)
     assert calls == [("init", "10.0.0.1", 29555, 2, 1), ("connect",), ("send", list(state))]
     shm = pub.publish(state, 2, "shm", run_id=RUN_ID, shm_dir=tmp_path)
     assert shm.transport == "shm" and shm.path.startswith(str(run_dir(RUN_ID, tmp_path)))
