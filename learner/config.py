@@ -181,12 +181,6 @@ class LearnerConfig(BaseModel):
         return self.threads_per_rank or max(1, int(self.num_cpus_per_rank))
 
     @property
-    def passive_wait(self) -> bool:
-        """Whether the ranks start with OMP_WAIT_POLICY=PASSIVE: omp_wait_policy once resolved
-        (TrainConfig.rank_learner), else only if set to passive."""
-        return self.omp_wait_policy == "passive"
-
-    @property
     def device_kind(self) -> Literal["cpu", "cuda"]:
         return "cuda" if self.num_gpus_per_rank > 0 else "cpu"
 

@@ -212,6 +212,6 @@ def omp_env(cfg: LearnerConfig) -> dict[str, str]:
     sharing its cores with generating workers gives a core back as soon as a thread idles,
     instead of spinning on it; TrainConfig.rank_learner resolves when)."""
     env = {"OMP_NUM_THREADS": str(cfg.threads)}
-    if cfg.passive_wait:
+    if cfg.omp_wait_policy == "passive":  # null (unresolved) and default: OpenMP's own
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env

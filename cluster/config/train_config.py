@@ -403,35 +403,33 @@ class TrainConfig(_Strict):
         r, lc = self.rollout, self.learner
         return r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
 
-    def _threads(self, reserved_each: float, parts: int, *, overlapped_share: bool = False) -> int:
-        """The thread rule (rollout.threads_per_worker, learner.threads_per_rank when null):
-        at max_lag 0 generation and training alternate, so the parts of each phase share
-        every CPU the run reserves. At max_lag >= 1 the phases overlap: the workers keep their
-        own reservation, and the learner ranks (`overlapped_share`), whose training costs
-        about twice the generation on CPU, share every CPU too, waiting passively so that the
-        workers get the cores whenever training leaves them (`rank_learner`). Measured on 2
-        cores (docs/bench.md): the learner on both cores with passive waiting, 16.4 -> 18.8
-        samples/s at max_lag 2 (random-25M); with OpenMP's default spinning, or the workers
-        on both cores too, no better or slower."""
-        share = self.max_lag == 0 or overlapped_share
-        cpus = self.reserved_cpus / parts if share else reserved_each
-        return max(1, int(cpus))
+    def _all_cpus_among(self, parts: int) -> int:
+        """The thread rule's share (rollout.threads_per_worker, learner.threads_per_rank when
+        null): every CPU the run reserves, among `parts`. At max_lag 0 generation and training
+        alternate, so the parts of each phase share them all. At max_lag >= 1 the phases
+        overlap: the workers keep their own reservation (`worker_rollout`), and the learner
+        ranks, whose training costs about twice the generation on CPU, still share every CPU,
+        waiting passively so that the workers get the cores whenever training leaves them
+        (`rank_learner`). Measured on 2 cores (docs/bench.md): the learner on both cores with
+        passive waiting, 16.4 -> 18.8 samples/s at max_lag 2 (random-25M); with OpenMP's
+        default spinning, or the workers on both cores too, no better or slower."""
+        return max(1, int(self.reserved_cpus / parts))
 
     @property
     def worker_rollout(self) -> RolloutConfig:
         """`rollout` as the rollout workers get it: its dtype resolved against learner.dtype,
         its threads by the thread rule (`RolloutConfig.resolved`)."""
         r = self.rollout
-        threads = r.threads_per_worker or self._threads(r.num_cpus_per_worker, r.num_workers)
+        threads = r.threads_per_worker or (
+            self._all_cpus_among(r.num_workers) if self.max_lag == 0 else r.threads)
         return r.resolved(self.learner.dtype, threads)
 
     @property
     def rank_learner(self) -> LearnerConfig:
         """`learner` as the learner ranks get it: threads_per_rank by the thread rule and
-        omp_wait_policy resolved (`_threads`)."""
+        omp_wait_policy resolved (`_all_cpus_among`)."""
         lc = self.learner
-        threads = lc.threads_per_rank or self._threads(lc.num_cpus_per_rank, lc.num_ranks,
-                                                       overlapped_share=True)
+        threads = lc.threads_per_rank or self._all_cpus_among(lc.num_ranks)
         wait = lc.omp_wait_policy or (
             "passive" if self.max_lag >= 1 and threads > lc.num_cpus_per_rank else "default")
         return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait})
