@@ -3,14 +3,15 @@ on CPU or one CUDA GPU, whole or part by part; with `--peer trl`, klrl against T
 GRPOTrainer on the same workloads (cluster/bench/peers.py)."""
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+# Light (no torch, Ray or vLLM), so `klrl --help` stays fast.
+from cluster.bench.results import PARTS, check_result, merge, read_json
+
 PEER_EXTRA_HINT = "pip install -e '.[peers]'"
-PARTS = ("engines", "sync", "e2e", "tests")  # cluster.bench.results.PARTS (not imported: light)
 
 
 def run(args) -> int:
@@ -23,7 +24,6 @@ def run(args) -> int:
     if refusal:
         return _refuse(refusal)
     # Ray, torch, vLLM and DeepSpeed: loaded when the benchmark runs, not at `klrl --help`.
-    from cluster.bench.results import check_result, merge, read_json
     from cluster.bench.run import FULL, QUICK, gpu_plan, print_tables, run_bench
 
     plan = QUICK if args.quick else FULL
@@ -46,7 +46,7 @@ def _refusal(args) -> str | None:
                 "and shm and object_store are both measured")
     if args.only and args.json and Path(args.json).is_file():
         try:
-            device = json.loads(Path(args.json).read_text()).get("device", "cpu")
+            device = read_json(args.json).get("device", "cpu")
         except (ValueError, AttributeError) as e:
             return f"--only writes its part into {args.json}, which is not a bench JSON ({e})"
         if device != args.device:
