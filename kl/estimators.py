@@ -10,18 +10,20 @@ the importance correction; see `kl.surrogate` and the table in docs/kl.md.
 
 Adding an estimator (docs/extending.md): its formula as a function of delta, its name
 in the `Estimator` Literal (the one home of the names: KLConfig, ESTIMATORS, the exact tests
-and `klrl kl-table` read it) and in FORMULAS. FORMULAS is read at every call, so a test can
-try a formula on the exact toy (kl.analysis) before it is added to the Literal.
+and `klrl kl-table` read it) and in FORMULAS, its table (the form of kl.registry). FORMULAS is
+read at every call, so a test can try a formula on the exact toy (kl.analysis) before it is
+added to the Literal.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
+from kl.registry import literal_names, lookup
+
 Estimator = Literal["k1", "k2", "k3"]
-ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 
 
 def k1(delta: torch.Tensor) -> torch.Tensor:
@@ -39,11 +41,11 @@ def k3(delta: torch.Tensor) -> torch.Tensor:
 
 Formula = Callable[[torch.Tensor], torch.Tensor]
 # name -> per-token estimate as a function of delta = logp - ref_logp (elementwise, autograd
-# through delta). Exactly the Literal's names, in its order (checked below).
+# through delta). Exactly the Literal's names, in its order (checked at import).
 FORMULAS: dict[str, Formula] = {"k1": k1, "k2": k2, "k3": k3}
-if tuple(FORMULAS) != ESTIMATORS:
-    raise ImportError(f"kl.estimators.FORMULAS {tuple(FORMULAS)} must name exactly the "
-                      f"Estimator Literal's estimators {ESTIMATORS}")
+ESTIMATORS: tuple[str, ...] = literal_names(
+    Estimator, FORMULAS, table_name="kl.estimators.FORMULAS", literal_name="Estimator",
+    kind="estimators")
 
 
 def estimate(
@@ -63,9 +65,7 @@ def estimate(
             (it changes both the value and the gradient wherever |delta| > c) and exists only
             as a last-resort guard; None (the default) computes the exact estimator.
     """
-    formula = FORMULAS.get(estimator)
-    if formula is None:
-        raise ValueError(f"estimator must be one of {tuple(FORMULAS)}, got {estimator!r}")
+    formula = lookup(FORMULAS, estimator, "estimator")  # read at each call (see above)
     delta = logp - ref_logp
     if clamp_delta is not None:
         if clamp_delta <= 0:

@@ -2,15 +2,16 @@
 
 Contract (tested exactly by enumeration in tests/test_kl_exact.py): for sequences drawn from
 the sampler mu, the expectation of grad_logp of `surrogate(...)` is the configuration's KL
-gradient estimate as defined in docs/design.md (What each KL configuration computes). With beta = 1 and sg() the
-stop-gradient:
+gradient estimate as defined in docs/design.md (What each KL configuration computes). With
+beta = 1 and sg() the stop-gradient:
 
   R_t = sum_{t'>=t} k_t'                       (KL as a per-token reward, reward-to-go)
   rho_t = pi/mu per token, w_t = prod_{s<=t} rho_s (prefix weight), W = w_T (sequence weight)
 
   placement "reward" (score-function term; KL treated as a cost in the return):
     none      sum_t logp_t * sg(R_t - b)
-    token     sum_t rho_t(live) * sg(R_t - b)         truncate: sg(min(rho_t,C)) * logp_t * sg(R_t - b)
+    token     sum_t rho_t(live) * sg(R_t - b)
+              truncate: sg(min(rho_t,C)) * logp_t * sg(R_t - b)
     sequence  sg(W) * sum_t logp_t * sg(R_t - b)      truncate: sg(min(W,C)) * ...
     prefix    sum_t w_t(live) * sg(k_t) - sum_t logp_t * sg(w_t b)
               truncate: sum_t logp_t * sg(sum_{t'>=t} min(w_t',C) k_t' - min(w_{t-1},C) rho_t b)
@@ -31,6 +32,10 @@ bias is the closed form of kl.analysis.truncated_prefix_bias whatever b is; toke
 sequence weight b by their capped coefficient min(c_t, C), which adds
 +b E_mu[sum_t (c_t - C)_+ grad logp_t] to their bias (kl.analysis.truncated_bias).
 
+Each placement is an entry of PLACEMENT_FORMS (the parts it adds) and each importance one of
+IMPORTANCE_CORRECTIONS (its coefficient and its reward part), in kl.registry's form: `surrogate`
+asks the two entries and compares no name.
+
 Invariants enforced here:
 - Masked positions contribute nothing whatever they contain (NaN, inf): inputs are replaced by
   zeros there before any arithmetic, so neither values nor gradients can be poisoned.
@@ -42,16 +47,36 @@ Invariants enforced here:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from kl.estimators import Estimator, estimate
+from kl.registry import literal_names, lookup
 
 Placement = Literal["reward", "loss", "reward+loss"]
 Importance = Literal["none", "token", "sequence", "prefix"]
-PLACEMENTS: tuple[str, ...] = ("reward", "loss", "reward+loss")
-IMPORTANCES: tuple[str, ...] = ("none", "token", "sequence", "prefix")
+
+
+@dataclass(frozen=True)
+class PlacementForm:
+    """The parts of the surrogate one kl.placement adds: the score-function part (`reward`: the
+    KL as a per-token cost in the return) and the estimator differentiated as a loss (`loss`)."""
+
+    reward: bool
+    loss: bool
+
+
+PLACEMENT_FORMS: dict[str, PlacementForm] = {
+    "reward": PlacementForm(reward=True, loss=False),
+    "loss": PlacementForm(reward=False, loss=True),
+    "reward+loss": PlacementForm(reward=True, loss=True),
+}
+PLACEMENTS: tuple[str, ...] = literal_names(
+    Placement, PLACEMENT_FORMS, table_name="kl.surrogate.PLACEMENT_FORMS",
+    literal_name="Placement", kind="placements")
 
 
 def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -59,35 +84,125 @@ def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
+@dataclass(frozen=True)
+class RewardTerms:
+    """What the reward part of every importance correction is written in ([B, T] tensors, 0 on
+    masked positions, except `b` [B, 1]).
+
+    lp: live log-probs; k: the per-token estimates, live only where this reward part also
+    carries the loss part (ImportanceCorrection.carries_loss), else detached; ret: the KL
+    return-to-go minus the baseline, sg(R_t - b); b: the baseline; mask: the float mask;
+    coef_live: the importance coefficient carrying the gradient min(c, C) grad log c (None
+    without a correction); coef_b: the baseline's detached coefficient."""
+
+    lp: torch.Tensor
+    k: torch.Tensor
+    ret: torch.Tensor
+    b: torch.Tensor
+    mask: torch.Tensor
+    coef_live: torch.Tensor | None
+    coef_b: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ImportanceCorrection:
+    """One kl.importance: how it reweights the KL term toward pi when mu sampled the tokens.
+
+    log_coef: the per-token log-coefficient from the per-token log-ratios log(pi/mu) (0 on
+        masked positions); None: no correction (and no behaviour_logp needed).
+    reward_part: the score-function (KL-as-reward) term per sequence [B] from RewardTerms.
+    capped_baseline_log_coef: under a cap C, the baseline's log-coefficient from (log c,
+        log rho, log C) when it is not the capped coefficient min(c, C) itself; None: it is.
+    carries_loss: its reward part with live estimates is also the loss part, so reward+loss is
+        one term (prefix: sum_t w_t(live) k_t(live)).
+    exact: uncapped, its expectation off-policy is the on-policy one (no state shift left).
+    """
+
+    log_coef: Callable[[torch.Tensor], torch.Tensor] | None
+    reward_part: Callable[[RewardTerms], torch.Tensor]
+    capped_baseline_log_coef: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None \
+        = None
+    carries_loss: bool = False
+    exact: bool = False
+
+    @property
+    def reweights(self) -> bool:
+        """Whether it has a coefficient (and so needs behaviour_logp and may be capped)."""
+        return self.log_coef is not None
+
+
+def _unweighted_reward(t: RewardTerms) -> torch.Tensor:
+    return (t.lp * t.ret).sum(-1)
+
+
+def _token_reward(t: RewardTerms) -> torch.Tensor:
+    return (t.coef_live * t.ret).sum(-1)  # grad = min(rho_t, C) * grad logp_t * R_t
+
+
+def _sequence_reward(t: RewardTerms) -> torch.Tensor:
+    return (t.coef_b * t.lp * t.ret).sum(-1)
+
+
+def _prefix_reward(t: RewardTerms) -> torch.Tensor:
+    # Per-decision IS. w_t(live) * sg(k_t) has gradient
+    #   sum_t min(w_t, C) k_t sum_{s<=t} grad logp_s = sum_s grad logp_s sum_{t>=s} min(w_t, C) k_t,
+    # i.e. exactly the truncated form sum_t logp_t * sg(sum_{t'>=t} min(w_t', C) k_t').
+    base_term = (t.lp * (t.coef_b * t.b).detach() * t.mask).sum(-1)  # zero-mean, capped or not
+    return (t.coef_live * t.k).sum(-1) - base_term
+
+
+def _prefix_capped_baseline_log_coef(log_c: torch.Tensor, log_rho: torch.Tensor,
+                                     log_cap: float) -> torch.Tensor:
+    # min(w_{t-1}, C) rho_t, not min(w_t, C): a function of the prefix before t times rho_t has
+    # E_mu[. grad logp_t | s_t] = 0 exactly, so the baseline stays zero-mean under the cap
+    # (min(w_t, C) b would add +b E_mu[(w_t - C)_+ grad logp_t]); uncapped it is w_t.
+    return (log_c - log_rho).clamp(max=log_cap) + log_rho
+
+
+IMPORTANCE_CORRECTIONS: dict[str, ImportanceCorrection] = {
+    "none": ImportanceCorrection(None, _unweighted_reward),
+    "token": ImportanceCorrection(lambda log_rho: log_rho, _token_reward),           # rho_t
+    "sequence": ImportanceCorrection(                                                # W
+        lambda log_rho: log_rho.sum(-1, keepdim=True).expand_as(log_rho), _sequence_reward,
+        exact=True),
+    "prefix": ImportanceCorrection(                                                  # w_t
+        lambda log_rho: log_rho.cumsum(-1), _prefix_reward, _prefix_capped_baseline_log_coef,
+        carries_loss=True, exact=True),
+}
+IMPORTANCES: tuple[str, ...] = literal_names(
+    Importance, IMPORTANCE_CORRECTIONS, table_name="kl.surrogate.IMPORTANCE_CORRECTIONS",
+    literal_name="Importance", kind="importance corrections")
+REWEIGHTING: tuple[str, ...] = tuple(n for n, c in IMPORTANCE_CORRECTIONS.items() if c.reweights)
+
+
 def importance_log_coef(log_rho: torch.Tensor, importance: Importance) -> torch.Tensor:
     """log of the importance coefficient per token from per-token log-ratios log(pi/mu)
     (0 on masked positions): token rho_t, sequence W (every position), prefix w_t."""
-    if importance == "token":
-        return log_rho
-    if importance == "sequence":
-        return log_rho.sum(-1, keepdim=True).expand_as(log_rho)
-    if importance == "prefix":
-        return log_rho.cumsum(-1)
-    raise ValueError(f"importance_log_coef needs token, sequence or prefix, got {importance!r}")
+    correction = lookup(IMPORTANCE_CORRECTIONS, importance, "importance")
+    if not correction.reweights:
+        raise ValueError(f"importance_log_coef needs one of {REWEIGHTING}, got {importance!r}")
+    return correction.log_coef(log_rho)
 
 
-def _check_inputs(logp, ref_logp, mask, behaviour_logp, estimator, placement, importance, truncate):
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if importance not in IMPORTANCES:
-        raise ValueError(f"importance must be one of {IMPORTANCES}, got {importance!r}")
+def _check_inputs(logp, ref_logp, mask, behaviour_logp, placement, importance, truncate):
+    """The placement's and the importance's table entries, once the inputs are known valid."""
+    form = lookup(PLACEMENT_FORMS, placement, "placement")
+    correction = lookup(IMPORTANCE_CORRECTIONS, importance, "importance")
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     for name, t in (("ref_logp", ref_logp), ("mask", mask), ("behaviour_logp", behaviour_logp)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
-    if importance != "none" and behaviour_logp is None:
-        raise ValueError(f"importance={importance!r} needs behaviour_logp (the sampler's log-probs)")
+    if correction.reweights and behaviour_logp is None:
+        raise ValueError(f"importance={importance!r} needs behaviour_logp (the sampler's "
+                         "log-probs)")
     if truncate is not None:
-        if importance == "none":
-            raise ValueError("truncate caps an importance coefficient; it needs importance != 'none'")
+        if not correction.reweights:
+            raise ValueError("truncate caps an importance coefficient; it needs an importance "
+                             f"among {REWEIGHTING}, got {importance!r}")
         if not truncate > 0:
             raise ValueError(f"truncate must be > 0, got {truncate}")
+    return form, correction
 
 
 def surrogate(
@@ -108,14 +223,16 @@ def surrogate(
         logp: [B, T] current-policy log-probs of the sampled tokens (live, requires grad).
         ref_logp: [B, T] reference-policy log-probs (constant).
         mask: [B, T] 1/True on response tokens, 0/False on prompt and padding.
-        estimator: "k1" | "k2" | "k3" (see kl.estimators).
-        placement: "reward" | "loss" | "reward+loss".
-        importance: "none" | "token" | "sequence" | "prefix"; all but "none" need behaviour_logp.
+        estimator: a name of kl.estimators.FORMULAS ("k1" | "k2" | "k3").
+        placement: a name of PLACEMENT_FORMS ("reward" | "loss" | "reward+loss").
+        importance: a name of IMPORTANCE_CORRECTIONS ("none" | "token" | "sequence" |
+            "prefix"); all but "none" need behaviour_logp.
         behaviour_logp: [B, T] log-probs of the distribution that sampled the tokens (mu).
         truncate: cap C > 0 on the importance coefficient (None: no cap).
         baseline: optional [B] baseline subtracted from the KL return in the reward part.
     """
-    _check_inputs(logp, ref_logp, mask, behaviour_logp, estimator, placement, importance, truncate)
+    form, correction = _check_inputs(logp, ref_logp, mask, behaviour_logp, placement,
+                                     importance, truncate)
     m = mask.bool()
     out_dtype = torch.promote_types(logp.dtype, torch.float32)
     zero = torch.zeros((), dtype=out_dtype, device=logp.device)
@@ -128,52 +245,31 @@ def surrogate(
     # coef_live has the same value but carries grad: exp(log_cap + log_c - sg(log_c)), so
     # grad coef_live = min(c, C) * grad log c. It never forms c itself, so a capped
     # coefficient stays finite however large the log-ratio is.
-    coef_live = coef_cap = coef_base = None
-    if importance != "none":
+    coef_live = coef_cap = coef_b = None
+    if correction.reweights:
         mu = torch.where(m, behaviour_logp.detach().to(out_dtype), zero)
         log_rho = torch.where(m, lp.double() - mu.double(), 0.0)  # live
-        log_c = importance_log_coef(log_rho, importance)
+        log_c = correction.log_coef(log_rho)
         log_cap = log_c.detach()
         if truncate is not None:
             log_cap = log_cap.clamp(max=math.log(truncate))
         coef_live = torch.where(m, torch.exp(log_cap + log_c - log_c.detach()).to(out_dtype), zero)
-        coef_cap = coef_live.detach()
-        if importance == "prefix" and truncate is not None:
-            # The baseline's coefficient: min(w_{t-1}, C) rho_t, not min(w_t, C). A function of
-            # the prefix before t times rho_t has E_mu[. grad logp_t | s_t] = 0 exactly, so the
-            # baseline stays zero-mean under the cap (min(w_t, C) b would add
-            # +b E_mu[(w_t - C)_+ grad logp_t]); uncapped it is w_t, the same coefficient.
-            lr = log_rho.detach()
-            log_base = (log_c.detach() - lr).clamp(max=math.log(truncate)) + lr
-            coef_base = torch.where(m, torch.exp(log_base).to(out_dtype), zero)
+        coef_b = coef_cap = coef_live.detach()
+        if correction.capped_baseline_log_coef is not None and truncate is not None:
+            log_base = correction.capped_baseline_log_coef(
+                log_c.detach(), log_rho.detach(), math.log(truncate))
+            coef_b = torch.where(m, torch.exp(log_base).to(out_dtype), zero)
 
     b = zero if baseline is None else baseline.detach().to(out_dtype).reshape(-1, 1)
     total = torch.zeros(lp.shape[0], dtype=out_dtype, device=lp.device)
-    unified_prefix = placement == "reward+loss" and importance == "prefix"
-    if placement in ("reward", "reward+loss"):
-        total = total + _reward_part(lp, k, m, b, importance, coef_live,
-                                     coef_cap if coef_base is None else coef_base, unified_prefix)
-    if placement in ("loss", "reward+loss") and not unified_prefix:
-        weights = torch.ones_like(k) if importance == "none" else coef_cap
+    # The loss part rides in the reward part where the correction unifies them (prefix).
+    unified = form.reward and form.loss and correction.carries_loss
+    if form.reward:
+        mf = m.to(lp.dtype)
+        ret = (_reverse_cumsum(k) - b).detach() * mf  # KL return-to-go minus baseline
+        terms = RewardTerms(lp, k if unified else k.detach(), ret, b, mf, coef_live, coef_b)
+        total = total + correction.reward_part(terms)
+    if form.loss and not unified:
+        weights = torch.ones_like(k) if coef_cap is None else coef_cap
         total = total + (weights * k).sum(-1)
     return total
-
-
-def _reward_part(lp, k, m, b, importance, coef_live, coef_b, unified_prefix):
-    """Score-function (KL-as-reward) term. With `unified_prefix` it also carries the loss part.
-    coef_b: the (detached) coefficient of the baseline; for token and sequence the capped
-    coefficient itself."""
-    mf = m.to(lp.dtype)
-    ret = (_reverse_cumsum(k) - b).detach() * mf  # KL return-to-go minus baseline
-    if importance == "none":
-        return (lp * ret).sum(-1)
-    if importance == "token":
-        return (coef_live * ret).sum(-1)  # grad = min(rho_t, C) * grad logp_t * R_t
-    if importance == "sequence":
-        return (coef_b * lp * ret).sum(-1)
-    # prefix (per-decision IS). w_t(live) * sg(k_t) has gradient
-    #   sum_t min(w_t, C) k_t sum_{s<=t} grad logp_s = sum_s grad logp_s sum_{t>=s} min(w_t, C) k_t,
-    # i.e. exactly the truncated form sum_t logp_t * sg(sum_{t'>=t} min(w_t', C) k_t').
-    base_term = (lp * (coef_b * b).detach() * mf).sum(-1)  # zero-mean under mu, capped or not
-    k_term = k if unified_prefix else k.detach()
-    return (coef_live * k_term).sum(-1) - base_term
