@@ -6,6 +6,10 @@ Baselines (per group of samples of one prompt):
 - drgrpo:    group mean, no std (Dr. GRPO)
 - reinforce: no baseline
 Scale (`normalize`): none, group (per-group std) or batch (std over the whole batch).
+Each estimator is an entry of ADVANTAGE_ESTIMATORS (its Baseline, the fewest samples per group
+it accepts and the normalisation its name means), each normalisation one of NORMALIZATIONS and
+each form of the KL reward below one of KL_IN_ADVANTAGE_FORMS, in kl.registry's form: the
+configs, the learner and the exact tables ask these entries, so each rule has one home.
 
 The KL penalty as a per-token reward (reward-to-go R_t = sum_{t'>=t} k_t, beta > 0):
 - separate (default): normalise the task part only and add -beta * (R_t - b_K) unnormalised,
@@ -34,66 +38,256 @@ through learner.task_off_policy: tis weights and ppo_clip clips the KL part with
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from kl.registry import literal_names, lookup
+
 AdvantageEstimator = Literal["rloo", "grpo", "drgrpo", "reinforce"]
 Normalization = Literal["none", "group", "batch"]
 KLInAdvantage = Literal["separate", "normalized", "centered"]
-KL_IN_ADVANTAGE: tuple[str, ...] = ("separate", "normalized", "centered")
 KL_CLAMP = 10.0  # per-token clamp of the `centered` form, as in the authors' code
 
 
 def _group_sums(values: torch.Tensor, group_ids: torch.Tensor):
     groups, inverse = torch.unique(group_ids, return_inverse=True)
-    sums = torch.zeros(len(groups), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    sums = torch.zeros(len(groups), dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, values)
     counts = torch.zeros(len(groups), dtype=values.dtype, device=values.device).index_add_(
         0, inverse, torch.ones_like(values))
     return sums[inverse], counts[inverse]
 
 
-def group_baseline(values: torch.Tensor, group_ids: torch.Tensor, estimator: AdvantageEstimator) -> torch.Tensor:
-    """Per-sample baseline [B] from the values [B] of its group."""
-    if estimator == "reinforce":
-        return torch.zeros_like(values)
+# ---- baselines ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Baseline:
+    """A per-sample baseline computed from the values of the sample's prompt group.
+
+    of: (values [B], group_ids [B]) -> the baseline [B].
+    expected_scale: n -> the factor subtracting it puts on the expected gradient in a group of
+        n (1 when it never depends on the sample itself).
+    group_std_bound: n -> the most |A| can be once the centred values are divided by their
+        group's std (n >= 2); None: nothing bounds it.
+    """
+
+    of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    expected_scale: Callable[[int], float]
+    group_std_bound: Callable[[int], float] | None
+
+
+def _leave_one_out_mean(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     sums, counts = _group_sums(values, group_ids)
-    if estimator == "rloo":
-        if bool((counts < 2).any()):
-            raise ValueError("rloo needs at least 2 samples per group (n_samples_per_prompt >= 2)")
-        return (sums - values) / (counts - 1)
-    if estimator in ("grpo", "drgrpo"):
-        return sums / counts
-    raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return (sums - values) / (counts - 1)
 
 
-def kl_baseline(values: torch.Tensor, group_ids: torch.Tensor, estimator: AdvantageEstimator) -> torch.Tensor:
+def _group_mean(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    sums, counts = _group_sums(values, group_ids)
+    return sums / counts
+
+
+LEAVE_ONE_OUT = Baseline(_leave_one_out_mean, lambda n: 1.0, lambda n: n / math.sqrt(n - 1))
+# The mean includes the sample, so it scales the expected gradient by (n-1)/n.
+GROUP_MEAN = Baseline(_group_mean, lambda n: (n - 1) / n, lambda n: math.sqrt(n - 1))
+NO_BASELINE = Baseline(lambda values, group_ids: torch.zeros_like(values), lambda n: 1.0, None)
+
+
+# ---- normalisations -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Scale:
+    """One advantage.normalize: the divisor of each centred value.
+
+    of: (values [B], group_ids [B], eps) -> the divisor [B].
+    within_group: it depends on the sample's own group only, so a learner rank's shard of
+        whole groups computes it exactly as the whole batch would.
+    meaning: what it is called in a refusal.
+    """
+
+    of: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    within_group: bool
+    meaning: str
+
+
+def _group_std(values: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    sums, counts = _group_sums(values, group_ids)
+    sq, _ = _group_sums(values * values, group_ids)
+    var = (sq / counts - (sums / counts) ** 2).clamp_min(0.0)
+    return var.sqrt() + eps
+
+
+NORMALIZATIONS: dict[str, Scale] = {
+    "none": Scale(lambda values, group_ids, eps: torch.ones_like(values), True,
+                  "no std normalisation"),
+    "group": Scale(_group_std, True, "group-std normalisation"),
+    "batch": Scale(lambda values, group_ids, eps: (values.std(unbiased=False) + eps).expand_as(
+        values), False, "batch-std normalisation"),
+}
+NORMALIZATION_NAMES: tuple[str, ...] = literal_names(
+    Normalization, NORMALIZATIONS, table_name="kl.advantage.NORMALIZATIONS",
+    literal_name="Normalization", kind="normalisations")
+
+
+# ---- advantage estimators -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AdvantageEstimatorSpec:
+    """One advantage.estimator: its baseline and what it requires (the one home of each rule).
+
+    baseline: subtracted from each sample's value (its task reward; with `normalized` its
+        return r - beta K).
+    min_group_size: the fewest samples per prompt it means anything with; `too_few` says what
+        goes wrong below it.
+    normalize: the advantage.normalize its name means (None: any).
+    """
+
+    baseline: Baseline
+    min_group_size: int = 1
+    too_few: str = ""
+    normalize: str | None = None
+
+    @property
+    def centres(self) -> bool:
+        """Whether it subtracts a baseline at all (then the KL reward gets one too)."""
+        return self.baseline is not NO_BASELINE
+
+
+_SELF_SUBTRACTED = "subtracts each sample from itself (every advantage 0)"
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimatorSpec] = {
+    "rloo": AdvantageEstimatorSpec(LEAVE_ONE_OUT, 2, "has no other sample to average"),
+    "grpo": AdvantageEstimatorSpec(GROUP_MEAN, 2, _SELF_SUBTRACTED, normalize="group"),
+    "drgrpo": AdvantageEstimatorSpec(GROUP_MEAN, 2, _SELF_SUBTRACTED, normalize="none"),
+    "reinforce": AdvantageEstimatorSpec(NO_BASELINE),
+}
+ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = literal_names(
+    AdvantageEstimator, ADVANTAGE_ESTIMATORS, table_name="kl.advantage.ADVANTAGE_ESTIMATORS",
+    literal_name="AdvantageEstimator", kind="advantage estimators")
+
+
+def advantage_estimator(name: str) -> AdvantageEstimatorSpec:
+    """The table entry of advantage estimator `name` (refused, with the supported listed)."""
+    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+
+
+def check_group_size(estimator: str, n: int, where: str) -> None:
+    """Refuse `estimator` with groups of `n` samples (`where` says where n comes from, e.g.
+    "rollout.samples_per_prompt=1"); the message lists the estimators that accept n."""
+    spec = advantage_estimator(estimator)
+    if n < spec.min_group_size:
+        ok = [name for name, s in ADVANTAGE_ESTIMATORS.items() if s.min_group_size <= n]
+        raise ValueError(f"advantage.estimator={estimator} with {where} {spec.too_few}: it needs "
+                         f"at least {spec.min_group_size} samples per group; the estimators "
+                         f"that accept {n}: {', '.join(ok)}")
+
+
+def check_normalization(estimator: str, normalize: str) -> None:
+    """Refuse a normalisation that `estimator`'s name rules out, listing those that allow it."""
+    required = advantage_estimator(estimator).normalize
+    lookup(NORMALIZATIONS, normalize, "advantage.normalize")
+    if required is not None and normalize != required:
+        ok = [name for name, s in ADVANTAGE_ESTIMATORS.items() if s.normalize in (None, normalize)]
+        raise ValueError(f"advantage.estimator={estimator} means "
+                         f"{NORMALIZATIONS[required].meaning}: use normalize={required}, or an "
+                         f"estimator that allows normalize={normalize}: {', '.join(ok)}")
+
+
+def group_baseline(values: torch.Tensor, group_ids: torch.Tensor,
+                   estimator: AdvantageEstimator) -> torch.Tensor:
+    """Per-sample baseline [B] from the values [B] of its group."""
+    spec = advantage_estimator(estimator)
+    if spec.min_group_size > 1:
+        smallest = int(torch.unique(group_ids, return_counts=True)[1].min())
+        check_group_size(estimator, smallest, f"a group of {smallest}")
+    return spec.baseline.of(values, group_ids)
+
+
+def kl_baseline(values: torch.Tensor, group_ids: torch.Tensor,
+                estimator: AdvantageEstimator) -> torch.Tensor:
     """Per-sample baseline [B] of the KL reward (`separate`): the leave-one-out mean of the other
     samples' values in the group whatever the task estimator (0 in a group of one), or no
-    baseline with `reinforce`. It never includes the sample itself, so it is independent of
-    it: its term has zero expectation on-policy and, importance-weighted, off-policy, and the
-    KL part stays exactly beta times the KL gradient with grpo and drgrpo too (a group mean
-    including the sample would scale it by (n-1)/n)."""
-    if estimator == "reinforce":
+    baseline with an estimator that subtracts none (reinforce). It never includes the sample
+    itself, so it is independent of it: its term has zero expectation on-policy and,
+    importance-weighted, off-policy, and the KL part stays exactly beta times the KL gradient
+    with grpo and drgrpo too (a group mean including the sample would scale it by (n-1)/n)."""
+    if not advantage_estimator(estimator).centres:
         return torch.zeros_like(values)
-    if estimator not in ("rloo", "grpo", "drgrpo"):
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
     sums, counts = _group_sums(values, group_ids)
     return torch.where(counts > 1, (sums - values) / (counts - 1).clamp_min(1), 0.0)
 
 
-def group_scale(values: torch.Tensor, group_ids: torch.Tensor, normalize: Normalization, eps: float) -> torch.Tensor:
+def group_scale(values: torch.Tensor, group_ids: torch.Tensor, normalize: Normalization,
+                eps: float) -> torch.Tensor:
     """Per-sample divisor [B]: 1, the group's std, or the batch std (population std, + eps)."""
-    if normalize == "none":
-        return torch.ones_like(values)
-    if normalize == "batch":
-        return (values.std(unbiased=False) + eps).expand_as(values)
-    if normalize == "group":
-        sums, counts = _group_sums(values, group_ids)
-        sq, _ = _group_sums(values * values, group_ids)
-        var = (sq / counts - (sums / counts) ** 2).clamp_min(0.0)
-        return var.sqrt() + eps
-    raise ValueError(f"unknown normalization {normalize!r}")
+    return lookup(NORMALIZATIONS, normalize, "normalize").of(values, group_ids, eps)
+
+
+# ---- the KL reward inside the advantage ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Grouping:
+    """How one batch's values become advantages: minus the estimator's baseline over each
+    group, divided by the normalisation's scale."""
+
+    group_ids: torch.Tensor
+    estimator: str
+    normalize: str
+    eps: float
+
+    def advantages(self, values: torch.Tensor) -> torch.Tensor:
+        return (values - group_baseline(values, self.group_ids, self.estimator)) / group_scale(
+            values, self.group_ids, self.normalize, self.eps)
+
+
+@dataclass(frozen=True)
+class KLInAdvantageForm:
+    """One kl.kl_in_advantage: how the per-token KL estimates enter the advantage.
+
+    advantages: (grouping, rewards [B], k [B, T] estimates with 0 on masked positions, mask
+        [B, T] bool, beta) -> per-token advantages [B, T], 0 on masked positions.
+    folds: it replaces the task advantage with one that holds the KL reward (so the KL reward
+        does not go through kl.surrogate, and the task term's off-policy handling applies).
+    """
+
+    advantages: Callable[[Grouping, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                         torch.Tensor]
+    folds: bool
+
+
+def _separate(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
+    task = g.advantages(rewards)
+    to_go = k.flip(-1).cumsum(-1).flip(-1)  # R_t
+    seq_kl = k.sum(-1)                        # K_i
+    kl_part = -beta * (to_go - kl_baseline(seq_kl, g.group_ids, g.estimator)[:, None])
+    return torch.where(m, task[:, None] + kl_part, 0.0)
+
+
+def _normalized(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
+    # One sequence-level return per sample, normalised like a task reward and given to every
+    # token (verl's form). A per-token return-to-go here would not be centred by a per-sequence
+    # baseline: identical responses would keep beta x (KL before t) and be divided by a zero std.
+    adv = g.advantages(rewards - beta * k.sum(-1))
+    return torch.where(m, adv[:, None], 0.0)
+
+
+def _centered(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
+    task = g.advantages(rewards)
+    seq_clamped = k.clamp(-KL_CLAMP, KL_CLAMP).sum(-1)  # masked positions are 0 already
+    kl_part = -beta * (seq_clamped - GROUP_MEAN.of(seq_clamped, g.group_ids))
+    return torch.where(m, (task + kl_part)[:, None], 0.0)
+
+
+KL_IN_ADVANTAGE_FORMS: dict[str, KLInAdvantageForm] = {
+    "separate": KLInAdvantageForm(_separate, folds=False),
+    "normalized": KLInAdvantageForm(_normalized, folds=True),
+    "centered": KLInAdvantageForm(_centered, folds=True),
+}
+KL_IN_ADVANTAGE: tuple[str, ...] = literal_names(
+    KLInAdvantage, KL_IN_ADVANTAGE_FORMS, table_name="kl.advantage.KL_IN_ADVANTAGE_FORMS",
+    literal_name="KLInAdvantage", kind="forms")
 
 
 def compute_advantages(
@@ -118,36 +312,15 @@ def compute_advantages(
     Returns [B] (task only) or [B, T] (with the KL reward; 0 on masked positions).
     """
     rewards = rewards.detach().to(torch.float64)
+    grouping = Grouping(group_ids, estimator, normalize, eps)
     if kl_tokens is None or beta == 0.0:
-        task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
-            rewards, group_ids, normalize, eps)
+        task = grouping.advantages(rewards)
         if kl_tokens is None:
             return task
         return task[:, None] * mask.to(task.dtype)
     if mask is None:
         raise ValueError("mask is required with kl_tokens")
+    form = lookup(KL_IN_ADVANTAGE_FORMS, kl_in_advantage, "kl_in_advantage")
     m = mask.bool()
     k = torch.where(m, kl_tokens.detach().to(torch.float64), 0.0)
-    to_go = k.flip(-1).cumsum(-1).flip(-1)  # R_t
-    seq_kl = k.sum(-1)                        # K_i
-    if kl_in_advantage == "separate":
-        task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
-            rewards, group_ids, normalize, eps)
-        kl_part = -beta * (to_go - kl_baseline(seq_kl, group_ids, estimator)[:, None])
-        return torch.where(m, task[:, None] + kl_part, 0.0)
-    if kl_in_advantage == "normalized":
-        # One sequence-level return per sample, normalised like a task reward and given to
-        # every token (verl's form). A per-token return-to-go here would not be centred by a
-        # per-sequence baseline: identical responses would keep beta x (KL before t) and be
-        # divided by a zero std.
-        seq_return = rewards - beta * seq_kl
-        adv = (seq_return - group_baseline(seq_return, group_ids, estimator)) / group_scale(
-            seq_return, group_ids, normalize, eps)
-        return torch.where(m, adv[:, None], 0.0)
-    if kl_in_advantage == "centered":
-        task = (rewards - group_baseline(rewards, group_ids, estimator)) / group_scale(
-            rewards, group_ids, normalize, eps)
-        seq_clamped = k.clamp(-KL_CLAMP, KL_CLAMP).sum(-1)  # masked positions are 0 already
-        kl_part = -beta * (seq_clamped - group_baseline(seq_clamped, group_ids, "grpo"))
-        return torch.where(m, (task + kl_part)[:, None], 0.0)
-    raise ValueError(f"kl_in_advantage must be one of {KL_IN_ADVANTAGE}, got {kl_in_advantage!r}")
+    return form.advantages(grouping, rewards, k, m, beta)

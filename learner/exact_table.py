@@ -26,11 +26,10 @@ that group normalisation promises (|A| <= n / sqrt(n-1) for rloo, sqrt(n-1) for 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kl import toy as T
+from kl.advantage import ADVANTAGE_ESTIMATORS, GROUP_MEAN
 from kl.analysis import (
     KLVariant,
     on_policy_prediction,
@@ -49,7 +48,7 @@ from learner.exact import (
     per_group_grads,
 )
 
-TOLERANCE = 1e-9  # float64 enumeration: claimed cells sit at ~1e-14
+TOLERANCE = 1e-9  # float64 enumeration: claimed cells differ by rounding only
 KL_MODES = [  # (name, kl_in_advantage, placement, estimator, truncate)
     ("separate/reward/k1", "separate", "reward", "k1", None),
     ("separate/reward/k1/C", "separate", "reward", "k1", "C"),
@@ -87,7 +86,10 @@ def documented(mode, est: str, norm: str, n: int, lag: float, beta: float, refs,
         if trunc:
             target = target + beta * truncated_bias(toy, KLVariant(k, placement, "prefix", cap))
         return target, True
-    shrink = (n - 1) / n if (kia == "centered" or est in ("grpo", "drgrpo")) else 1.0
+    # The baseline whose expected scale the folded KL part gets: centered centres by the group
+    # mean, normalized by the estimator's own baseline.
+    baseline = GROUP_MEAN if kia == "centered" else ADVANTAGE_ESTIMATORS[est].baseline
+    shrink = baseline.expected_scale(n)
     exact = lag == 0 and (kia == "centered" or norm == "none")
     return shrink * beta * refs.g_star, exact
 
@@ -96,7 +98,8 @@ def advantage_bound(est: str, norm: str, n: int) -> float | None:
     """The most |A| per-group normalisation allows (None: no bound is promised)."""
     if norm != "group" or n < 2:
         return None
-    return {"rloo": n / math.sqrt(n - 1), "grpo": math.sqrt(n - 1)}.get(est)
+    bound = ADVANTAGE_ESTIMATORS[est].baseline.group_std_bound
+    return None if bound is None else bound(n)
 
 
 def compute_trainer_rows(cfg: TrainerTableConfig) -> dict:
@@ -107,15 +110,18 @@ def compute_trainer_rows(cfg: TrainerTableConfig) -> dict:
     refs = reference_grads(toys[cfg.lags[0]])  # pi and ref are the same for every lag
     rows = []
     for n in cfg.group_sizes:
-        groups = {lag: enumerate_groups(toy, n, task_reward(toy.space)) for lag, toy in toys.items()}
+        groups = {lag: enumerate_groups(toy, n, task_reward(toy.space))
+                  for lag, toy in toys.items()}
         for est, norm in ADVANTAGES:
             adv_cfg = AdvantageConfig(estimator=est, normalize=norm)
             with_adv = {lag: g.with_task_advantages(adv_cfg) for lag, g in groups.items()}
-            base = {(lag, o): expected_grad(g, KLConfig(beta=0.0), adv_cfg, LearnerConfig(task_off_policy=o))
+            base = {(lag, o): expected_grad(g, KLConfig(beta=0.0), adv_cfg,
+                                            LearnerConfig(task_off_policy=o))
                     for lag, g in with_adv.items() for o in TASK_OFF_POLICY}
             for mode in KL_MODES:
                 rows.append(_row(cfg, mode, est, norm, n, with_adv, base, refs, adv_cfg))
-    return {"config": cfg.model_dump(), "num_sequences": int(next(iter(toys.values())).space.tokens.shape[0]),
+    num_sequences = int(next(iter(toys.values())).space.tokens.shape[0])
+    return {"config": cfg.model_dump(), "num_sequences": num_sequences,
             "tolerance": TOLERANCE, "rows": rows}
 
 
@@ -135,7 +141,8 @@ def _row(cfg, mode, est, norm, n, with_adv: dict[float, Groups], base, refs, adv
            "normalize": norm, "n": n, "cells": cells}
     bound = advantage_bound(est, norm, n)
     if mode[1] == "normalized":  # centered adds its KL part unnormalised: no bound
-        adv = folded_advantages(with_adv[cfg.lags[0]], _kl_cfg(mode, 0.0, cfg.beta, cfg.truncate), adv_cfg)
+        adv = folded_advantages(with_adv[cfg.lags[0]],
+                                _kl_cfg(mode, 0.0, cfg.beta, cfg.truncate), adv_cfg)
         row["max_abs_advantage"] = float(adv.abs().max())
         row["advantage_bound"] = bound
         within = bound is None or row["max_abs_advantage"] <= bound * (1 + 1e-12)
@@ -153,7 +160,8 @@ def kl_part_variance(seeds=(0, 1, 2, 3), group_sizes=(2, 3), beta: float = 1.0,
     centered), so that the comparison is at equal expected step."""
     torch.set_num_threads(1)  # tiny tensors: threads cost more than the math (as kl.table)
     out = []
-    adv_cfg, lcfg = AdvantageConfig(estimator="drgrpo", normalize="none"), LearnerConfig(task_off_policy="none")
+    adv_cfg = AdvantageConfig(estimator="drgrpo", normalize="none")
+    lcfg = LearnerConfig(task_off_policy="none")
     for seed in seeds:
         toy = T.ToyProblem.make(3, length, True, seed, 1.0, 0.0)
         for n in group_sizes:

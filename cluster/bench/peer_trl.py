@@ -40,6 +40,7 @@ from typing import Any
 
 from cluster.bench.peer_record import PeerRun
 from cluster.config.train_config import TrainConfig
+from kl.advantage import ADVANTAGE_ESTIMATORS, GROUP_MEAN
 
 PEER_PACKAGES = ("trl", "accelerate")
 TRL_SERIES = "1.16"  # the release the mapping below was read from (the extra pins it)
@@ -107,7 +108,7 @@ def differences(cfg: TrainConfig) -> list[str]:
         out.append(f"KL form: klrl {kl.estimator} in the {kl.placement}, TRL k3 in the loss")
     if kl.beta > 0 and kl.importance != "none":
         out.append(f"KL importance: klrl {kl.importance}, TRL none")
-    if adv.estimator not in ("grpo", "drgrpo"):
+    if ADVANTAGE_ESTIMATORS[adv.estimator].baseline is not GROUP_MEAN:
         out.append(f"advantage: klrl {adv.estimator}, TRL the group mean (grpo)")
     if adv.normalize != "none":
         out.append(f"advantage std: TRL the sample std (n-1) + 1e-4, klrl the population std "
