@@ -283,14 +283,9 @@ class TrainConfig(_Strict):
         if prompts % self.rollout.num_workers:
             raise ValueError(f"rollout.prompts_per_step ({prompts}) must be divisible by "
                              f"rollout.num_workers ({self.rollout.num_workers})")
-        est = self.advantage.estimator
-        if est == "rloo" and self.rollout.samples_per_prompt < 2:
-            raise ValueError("advantage.estimator=rloo needs rollout.samples_per_prompt >= 2")
-        if est in ("grpo", "drgrpo") and self.rollout.samples_per_prompt < 2:
-            # The group mean of one sample is the sample: every advantage would be 0.
-            raise ValueError(f"advantage.estimator={est} with rollout.samples_per_prompt=1 "
-                             "subtracts each sample from itself (every advantage 0): use "
-                             "samples_per_prompt >= 2, or estimator=reinforce")
+        # The estimator's table entry (kl.advantage) is the one home of its minimum group size.
+        self.advantage.check_group_size(self.rollout.samples_per_prompt,
+                                        "rollout.samples_per_prompt")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
         self._check_truncated_sampling()
         self.eval.check_sets(self.task)  # every evaluated task has its split
