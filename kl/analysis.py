@@ -20,7 +20,13 @@ import torch
 
 from kl import toy as T
 from kl.estimators import ESTIMATORS, estimate
-from kl.surrogate import IMPORTANCES, PLACEMENTS, surrogate
+from kl.surrogate import (
+    IMPORTANCE_CORRECTIONS,
+    IMPORTANCES,
+    PLACEMENT_FORMS,
+    PLACEMENTS,
+    surrogate,
+)
 
 
 @dataclass(frozen=True)
@@ -43,12 +49,13 @@ def all_variants(truncates: tuple[float, ...] = (2.0,)) -> list[KLVariant]:
     out = []
     for est, pl, imp in itertools.product(ESTIMATORS, PLACEMENTS, IMPORTANCES):
         out.append(KLVariant(est, pl, imp))
-        if imp != "none":
+        if IMPORTANCE_CORRECTIONS[imp].reweights:
             out += [KLVariant(est, pl, imp, c) for c in truncates]
     return out
 
 
-def per_sample_grads(toy: T.ToyProblem, v: KLVariant, baseline: float | None = None) -> torch.Tensor:
+def per_sample_grads(toy: T.ToyProblem, v: KLVariant,
+                     baseline: float | None = None) -> torch.Tensor:
     """Gradient w.r.t. the policy logits of each sequence's surrogate: [N, rows * vocab]."""
     space = toy.space
     x = toy.logits.detach().clone().requires_grad_(True)
@@ -118,9 +125,10 @@ def on_policy_prediction(v: KLVariant, r: ReferenceGrads) -> torch.Tensor:
     loss = {"k1": torch.zeros_like(r.g_star), "k2": r.token_reverse, "k3": r.token_forward}
     if v.estimator not in reward:
         return contract_prediction(r.toy, v)
-    if v.placement == "reward":
+    form = PLACEMENT_FORMS[v.placement]
+    if not form.loss:
         return reward[v.estimator]
-    if v.placement == "loss":
+    if not form.reward:
         return loss[v.estimator]
     return reward[v.estimator] + loss[v.estimator]
 
@@ -145,9 +153,10 @@ def contract_prediction(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
         return (p * k.sum(-1).detach()).sum() if score else (p.detach() * k.sum(-1)).sum()
 
     out = torch.zeros(toy.logits.numel(), dtype=toy.logits.dtype)
-    if v.placement in ("reward", "reward+loss"):
+    form = PLACEMENT_FORMS[v.placement]
+    if form.reward:
         out = out + T.grad_of(lambda x: expected_sum(x, score=True), toy.logits)
-    if v.placement in ("loss", "reward+loss"):
+    if form.loss:
         out = out + T.grad_of(lambda x: expected_sum(x, score=False), toy.logits)
     return out
 
@@ -155,12 +164,14 @@ def contract_prediction(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
 def is_exact_correction(v: KLVariant) -> bool:
     """Sequence and prefix weights (uncapped) make the off-policy expectation equal the
     on-policy one; none and token do not (state and continuation shift remain)."""
-    return v.importance in ("sequence", "prefix") and v.truncate is None
+    return IMPORTANCE_CORRECTIONS[v.importance].exact and v.truncate is None
 
 
 def unbiased_for_g_star(v: KLVariant) -> bool:
-    """The rows of the table whose expected gradient is g* (given an exact correction off-policy)."""
-    return (v.estimator, v.placement) in {("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")}
+    """The rows of the table whose expected gradient is g* (given an exact correction
+    off-policy)."""
+    return (v.estimator, v.placement) in {("k1", "reward"), ("k1", "reward+loss"),
+                                          ("k3", "reward+loss")}
 
 
 def truncated_prefix_bias(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
@@ -178,9 +189,9 @@ def truncated_prefix_bias(toy: T.ToyProblem, v: KLVariant) -> torch.Tensor:
         excess = torch.clamp(w - v.truncate, min=0.0) * sp.mask
         k = estimate(lp, lr, v.estimator) * sp.mask
         term = torch.zeros_like(lp)
-        if v.placement in ("reward", "reward+loss"):
+        if PLACEMENT_FORMS[v.placement].reward:
             term = term + k.detach() * torch.cumsum(lp, -1)
-        if v.placement in ("loss", "reward+loss"):
+        if PLACEMENT_FORMS[v.placement].loss:
             term = term + k
         mu = T.sequence_prob(toy.behaviour_logits, sp)
         return -(mu * (excess * term).sum(-1)).sum()
@@ -205,14 +216,16 @@ def truncated_bias(toy: T.ToyProblem, v: KLVariant, baseline: float = 0.0) -> to
         lp = T.token_logp(x, sp)
         lr, lm = T.token_logp(toy.ref_logits, sp), T.token_logp(toy.behaviour_logits, sp)
         log_rho = (lp.detach() - lm) * sp.mask
-        log_c = log_rho if v.importance == "token" else log_rho.sum(-1, keepdim=True).expand_as(lp)
+        # c_t written out here, not read from kl.surrogate's table, so the check is independent.
+        log_c = (log_rho if v.importance == "token"
+                 else log_rho.sum(-1, keepdim=True).expand_as(lp))
         excess = torch.clamp(torch.exp(log_c) - v.truncate, min=0.0) * sp.mask
         k = estimate(lp, lr, v.estimator) * sp.mask
         term = torch.zeros_like(lp)
-        if v.placement in ("reward", "reward+loss"):
+        if PLACEMENT_FORMS[v.placement].reward:
             to_go = k.detach().flip(-1).cumsum(-1).flip(-1)
             term = term + lp * (to_go - baseline) * sp.mask
-        if v.placement in ("loss", "reward+loss"):
+        if PLACEMENT_FORMS[v.placement].loss:
             term = term + k
         mu = T.sequence_prob(toy.behaviour_logits, sp)
         return -(mu * (excess * term).sum(-1)).sum()

@@ -26,8 +26,8 @@ import torch
 from kl.estimators import estimate
 
 
-def sequence_kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor,
-                          behaviour_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def sequence_kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                          mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-sequence estimates [B] (float64, detached) named as in the module docstring.
 
     logp / ref_logp / behaviour_logp: [B, T] log-probs of the sampled tokens under the current

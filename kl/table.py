@@ -29,8 +29,9 @@ from kl.analysis import (
 
 LAG_SWEEP_VARIANTS = [
     ("k1", "reward", "none", None), ("k3", "reward", "none", None), ("k1", "loss", "none", None),
-    ("k3", "loss", "none", None), ("k1", "reward", "token", None), ("k1", "reward", "sequence", None),
-    ("k1", "reward", "prefix", None), ("k1", "reward", "prefix", 2.0), ("k3", "reward+loss", "prefix", None),
+    ("k3", "loss", "none", None), ("k1", "reward", "token", None),
+    ("k1", "reward", "sequence", None), ("k1", "reward", "prefix", None),
+    ("k1", "reward", "prefix", 2.0), ("k3", "reward+loss", "prefix", None),
 ]
 
 
@@ -59,15 +60,20 @@ class KLTableConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, ge=0, description="Seed of the toy's policy, reference and drift direction.")
+    seed: int = Field(0, ge=0, description="Seed of the toy's policy, reference and drift "
+                      "direction.")
     vocab: int = Field(3, ge=2, le=6, description="Toy vocabulary size (token 0 is EOS when eos).")
     length: int = Field(4, ge=1, le=6, description="Maximum sequence length of the toy.")
     eos: bool = Field(True, description="Token 0 ends a sequence (variable lengths) when true.")
-    ref_scale: float = Field(1.0, gt=0, le=10, description="How far the reference logits are from the policy's.")
-    drift: float = Field(0.15, gt=0, le=5, description="Behaviour drift per unit of lag (logit scale).")
+    ref_scale: float = Field(1.0, gt=0, le=10, description="How far the reference logits are "
+                             "from the policy's.")
+    drift: float = Field(0.15, gt=0, le=5, description="Behaviour drift per unit of lag (logit "
+                         "scale).")
     off_policy_lag: float = Field(3.0, gt=0, le=100, description="Lag of the off-policy columns.")
-    lags: list[float] = Field([0, 1, 2, 3, 4, 6, 8, 10], min_length=1, description="Lags of the bias sweep.")
-    truncate: float = Field(2.0, gt=0, le=1e6, description="Cap C shown for the truncated prefix rows.")
+    lags: list[float] = Field([0, 1, 2, 3, 4, 6, 8, 10], min_length=1,
+                              description="Lags of the bias sweep.")
+    truncate: float = Field(2.0, gt=0, le=1e6,
+                            description="Cap C shown for the truncated prefix rows.")
     trainer: TrainerTableConfig = Field(default_factory=TrainerTableConfig, description="The "
                                         "trainer-level rows: the learner's whole loss over groups.")
 
@@ -78,11 +84,13 @@ def compute_table(cfg: KLTableConfig) -> dict:
     torch.set_num_threads(1)
 
     def make(lag):
-        return T.ToyProblem.make(cfg.vocab, cfg.length, cfg.eos, cfg.seed, cfg.ref_scale, lag, cfg.drift)
+        return T.ToyProblem.make(cfg.vocab, cfg.length, cfg.eos, cfg.seed, cfg.ref_scale, lag,
+                                 cfg.drift)
 
     on, off = make(0.0), make(cfg.off_policy_lag)
     refs = {"on": reference_grads(on), "off": reference_grads(off)}
-    variants = [v for v in all_variants((cfg.truncate,)) if v.truncate is None or v.importance == "prefix"]
+    variants = [v for v in all_variants((cfg.truncate,))
+                if v.truncate is None or v.importance == "prefix"]
     rows = []
     for v in variants:
         row = {"config": v.name, "estimator": v.estimator, "placement": v.placement,
@@ -99,7 +107,8 @@ def compute_table(cfg: KLTableConfig) -> dict:
                 g_on = g
         pred = on_policy_prediction(v, refs["on"])
         row["matches_design_table"] = bool(
-            (g_on - pred).norm() <= 1e-6 * max(float(pred.norm()), 1e-12) or float(g_on.abs().max()) < 1e-12)
+            (g_on - pred).norm() <= 1e-6 * max(float(pred.norm()), 1e-12)
+            or float(g_on.abs().max()) < 1e-12)
         rows.append(row)
     sweep = {}
     toys = [make(lag) for lag in cfg.lags]

@@ -70,12 +70,14 @@ def prefix_prob(logits: torch.Tensor, space: SequenceSpace) -> torch.Tensor:
     row_of = {p: i for i, p in enumerate(space.prefixes)}
     out = []
     for p in space.prefixes:
-        lp = sum((table[row_of[p[:t]], p[t]] for t in range(len(p))), torch.zeros((), dtype=table.dtype))
+        lp = sum((table[row_of[p[:t]], p[t]] for t in range(len(p))),
+                 torch.zeros((), dtype=table.dtype))
         out.append(lp.exp())
     return torch.stack(out)
 
 
-def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor, space: SequenceSpace) -> torch.Tensor:
+def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor,
+                space: SequenceSpace) -> torch.Tensor:
     """Exact KL(pi || pi_ref) over whole sequences (differentiable in `logits`)."""
     lp, ref = token_logp(logits, space), token_logp(ref_logits, space)
     return (lp.sum(-1).exp() * (lp - ref).sum(-1)).sum()
@@ -83,7 +85,8 @@ def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor, space: SequenceS
 
 def token_kl(logits, ref_logits, space, direction: str) -> torch.Tensor:
     """Token-level KL summed over states with the state distribution held fixed (sg):
-    sum_s sg(p_pi(s)) * KL(pi(.|s) || ref(.|s)) for "reverse", KL(ref(.|s) || pi(.|s)) for "forward".
+    sum_s sg(p_pi(s)) * KL(pi(.|s) || ref(.|s)) for "reverse", KL(ref(.|s) || pi(.|s)) for
+    "forward".
     Its gradient is the 'token-level' KL gradient of docs/design.md's table."""
     lp, lr = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
     if direction == "reverse":

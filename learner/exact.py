@@ -58,7 +58,8 @@ def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor) -> Groups:
     S = sp.tokens.shape[0]
     if n < 1 or S ** n > 200_000:
         raise ValueError(f"{S}^{n} groups is too many to enumerate (use a smaller toy)")
-    seqs = torch.tensor(list(itertools.product(range(S), repeat=n)), dtype=torch.long).reshape(-1, n)
+    seqs = torch.tensor(list(itertools.product(range(S), repeat=n)),
+                        dtype=torch.long).reshape(-1, n)
     mu_seq = T.sequence_prob(toy.behaviour_logits, sp)
     weight = mu_seq[seqs].prod(-1)
     rows = seqs.reshape(-1)
@@ -130,7 +131,8 @@ def per_group_grads(groups: Groups, kl_cfg, adv_cfg, learner_cfg) -> torch.Tenso
     return out.scatter_add_(1, idx, d.reshape(G, -1))
 
 
-def folded_advantages(groups: Groups, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> torch.Tensor | None:
+def folded_advantages(groups: Groups, kl_cfg: KLConfig,
+                      adv_cfg: AdvantageConfig) -> torch.Tensor | None:
     """The per-token advantages the loss uses when the KL reward is folded in, [G*n, 1+T]."""
     toy = groups.toy
     lp = _aligned(T.token_logp(toy.logits, toy.space), groups.rows)
