@@ -24,7 +24,7 @@ from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loading import ModelFiles
-from learner.loss import merge_metrics, merge_updates
+from learner.loss_metrics import merge_metrics, merge_updates
 from learner.process_group import remove_shm_buffers
 from learner.rank import LearnerRank, WeightPublisher
 
@@ -94,8 +94,8 @@ class LearnerGroup:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Train on the global batch (learner.epochs x learner.mini_batches optimizer steps);
-        returns merged metrics (learner.loss.merge_metrics over ranks, then merge_updates),
-        including `nonfinite` (1: every step refused) and `grad/norm`."""
+        returns merged metrics (learner.loss_metrics: merge_metrics over ranks, then
+        merge_updates), including `nonfinite` (1: every step refused) and `grad/norm`."""
         world, n = self.num_ranks, batch.num_sequences
         shards = [batch.shard(r, world) for r in range(world)]  # whole groups, equal sizes
         per_rank = self._get([h.train_step.remote(s, n) for h, s in zip(self.ranks, shards)],

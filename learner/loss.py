@@ -1,5 +1,5 @@
-"""The learner's loss: task policy-gradient term + beta x KL term (+ an entropy bonus), and its
-metrics.
+"""The learner's loss: task policy-gradient term + beta x KL term (+ an entropy bonus). What it
+logs, and how that merges over micro-batches, ranks and updates, is learner.loss_metrics.
 
 Pure torch + kl (no DeepSpeed), so it is unit-tested without any engine. Notation: per
 response token t of sequence i, logp_t (current policy, live), mu_t (behaviour = sampler
@@ -62,11 +62,12 @@ from dataclasses import dataclass
 import torch
 
 import kl
+from kl.advantage import ADVANTAGE_ESTIMATORS
 from kl.config import AdvantageConfig, KLConfig, check_compatible
-from kl.diagnostics import sequence_kl_estimates
-from kl.surrogate import importance_log_coef
+from kl.surrogate import PLACEMENT_FORMS
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner.loss_metrics import step_metrics
 
 
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -163,8 +164,9 @@ class GroupStats:
 def needs_group_stats(kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> bool:
     """Whether the loss depends on group statistics of the current policy's KL (so that a
     micro-batch cutting a group needs them computed over the whole group first)."""
-    reward_part = "reward" in kl_cfg.placement and kl_cfg.beta > 0
-    return kl_cfg.folds_into_advantage or (reward_part and adv_cfg.estimator != "reinforce")
+    reward_part = PLACEMENT_FORMS[kl_cfg.placement].reward and kl_cfg.beta > 0
+    return kl_cfg.folds_into_advantage or (reward_part
+                                           and ADVANTAGE_ESTIMATORS[adv_cfg.estimator].centres)
 
 
 def group_stats(logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch, kl_cfg: KLConfig,
@@ -205,18 +207,10 @@ def policy_loss(
     whole groups; None computes them from `batch` itself, which must then hold whole groups.
     `entropy` [B, L]: `token_entropy` of the same forward pass (differentiable when
     learner_cfg.entropy_coef > 0, which requires it); None: no policy/entropy metric.
-    Metrics are merged across micro-batches and ranks by `merge_metrics`."""
-    if num_sequences_global <= 0:
-        raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
-    if logp.shape != batch.input_ids.shape or ref_logp.shape != logp.shape:
-        raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must match "
-                         f"input_ids {tuple(batch.input_ids.shape)}")
-    check_compatible(kl_cfg, adv_cfg)
-    coef = learner_cfg.entropy_coef
-    if entropy is not None and entropy.shape != logp.shape:
-        raise ValueError(f"entropy {tuple(entropy.shape)} must match logp {tuple(logp.shape)}")
-    if coef > 0 and entropy is None:
-        raise ValueError("learner.entropy_coef > 0 needs the per-token entropy (token_entropy)")
+    The metrics are learner.loss_metrics.step_metrics, merged across micro-batches and ranks by
+    its `merge_metrics`."""
+    _check_loss_inputs(logp, ref_logp, batch, kl_cfg, adv_cfg, learner_cfg,
+                       num_sequences_global, entropy)
     if stats is None:
         stats = group_stats(logp, ref_logp, batch, kl_cfg, adv_cfg)
     mask = batch.response_mask
@@ -227,143 +221,51 @@ def policy_loss(
     mu = torch.where(mask, batch.behaviour_logp.to(dt), zero)
     n = float(num_sequences_global)
 
-    folded = kl_cfg.folds_into_advantage
-    if folded:
+    if kl_cfg.folds_into_advantage:
         adv = stats.token_advantages.to(dt)
     else:
         adv = batch.advantages.to(dt)[:, None].expand_as(lp)
     task_tokens, task_clipped = _task_term(lp, mu, adv, mask, learner_cfg)
     task = task_tokens.sum() / n
-
-    # What goes through kl.surrogate: the whole KL term, or nothing when the KL reward is
-    # folded into the advantage (KLConfig rejects a loss part beside a folded reward part).
-    if kl_cfg.beta > 0 and not folded:
-        per_seq = kl.surrogate(
-            lp, ref, mask, estimator=kl_cfg.estimator, placement=kl_cfg.placement,
-            importance=kl_cfg.importance,
-            behaviour_logp=mu if kl_cfg.importance != "none" else None,
-            truncate=kl_cfg.truncate, baseline=stats.kl_baseline)
-        kl_term = kl_cfg.beta * per_seq.sum() / n
-    else:
-        kl_term = torch.zeros((), dtype=task.dtype, device=task.device)
-    loss = task + kl_term
+    terms = {"task": task, "kl": _kl_term(lp, ref, mu, mask, kl_cfg, stats, n, like=task)}
+    loss = task + terms["kl"]
+    coef = learner_cfg.entropy_coef
     if coef > 0:
         edt = torch.promote_types(dt, entropy.dtype)  # fp64 entropies stay fp64 (exact tests)
-        ent_term = -coef * torch.where(mask, entropy.to(edt), 0.0).sum() / n
-        loss = loss + ent_term
+        terms["entropy"] = -coef * torch.where(mask, entropy.to(edt), 0.0).sum() / n
+        loss = loss + terms["entropy"]
+    terms["total"] = loss
 
-    with torch.no_grad():
-        log_rho = torch.where(mask, lp.double() - mu.double(), 0.0)
-        tokens = int(mask.sum())
-        if tokens:
-            ratio = torch.exp(log_rho[mask])
-            ratio_min, ratio_max = float(ratio.min()), float(ratio.max())
-            # |log pi - log mu| per response token: at max_lag 0 (update 0 of a batch) the
-            # learner/sampler numerics mismatch itself (docs/gpu.md); otherwise lag included.
-            abs_log_ratio = log_rho[mask].abs()
-            abs_lr_mean, abs_lr_max = float(abs_log_ratio.mean()), float(abs_log_ratio.max())
-        else:  # no response token at all: nothing to compare, report the neutral ratio
-            ratio_min = ratio_max = 1.0
-            abs_lr_mean = abs_lr_max = 0.0
-        estimates = sequence_kl_estimates(lp, ref, mu, mask)
-        metrics = {
-            "loss/total": float(loss.detach()),
-            "loss/task": float(task.detach()),
-            "loss/kl": float(kl_term.detach()),
-            **{f"kl/{name}": float(v.mean()) for name, v in estimates.items()},
-            "is/ratio_min": ratio_min,
-            "is/ratio_max": ratio_max,
-            "is/abs_log_ratio_token_mean": abs_lr_mean,
-            "is/abs_log_ratio_max": abs_lr_max,
-            "response/length_mean": float(mask.sum(-1).double().mean()),
-            "response/tokens": float(tokens),
-            "response/sequences": float(mask.shape[0]),
-        }
-        if entropy is not None:
-            metrics["policy/entropy"] = float(entropy[mask].sum()) / tokens if tokens else 0.0
-            if coef > 0:
-                metrics["loss/entropy"] = float(ent_term.detach())
-        if kl_cfg.truncate is not None:
-            log_c = importance_log_coef(log_rho, kl_cfg.importance)
-            metrics["is/truncated_frac"] = _frac((log_c > math.log(kl_cfg.truncate)) & mask, tokens)
-        if task_clipped is not None:
-            metrics[f"is/{learner_cfg.task_off_policy}_clipped_frac"] = _frac(task_clipped, tokens)
+    metrics = step_metrics(terms, lp=lp, ref=ref, mu=mu, mask=mask, entropy=entropy,
+                           kl_cfg=kl_cfg, task_off_policy=learner_cfg.task_off_policy,
+                           task_clipped=task_clipped)
     return loss, metrics
 
 
-def _frac(flags: torch.Tensor, tokens: int) -> float:
-    return float(flags.sum()) / tokens if tokens else 0.0
+def _check_loss_inputs(logp, ref_logp, batch, kl_cfg, adv_cfg, learner_cfg,
+                       num_sequences_global, entropy) -> None:
+    if num_sequences_global <= 0:
+        raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
+    if logp.shape != batch.input_ids.shape or ref_logp.shape != logp.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must match "
+                         f"input_ids {tuple(batch.input_ids.shape)}")
+    check_compatible(kl_cfg, adv_cfg)
+    if entropy is not None and entropy.shape != logp.shape:
+        raise ValueError(f"entropy {tuple(entropy.shape)} must match logp {tuple(logp.shape)}")
+    if learner_cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("learner.entropy_coef > 0 needs the per-token entropy (token_entropy)")
 
 
-# How per-part metrics (micro-batches of a rank, then ranks) combine into the global batch's:
-# loss/* are sums over tokens / N with the global N, so they add; counts add; *_min / *_max
-# take min / max; *_frac, *_token_mean and TOKEN_MEAN_KEYS are token-weighted means
-# (per-token averages);
-# everything else (per-sequence means such as response/length_mean, and rank-level scalars
-# such as grad/norm that are equal on every rank) is a sequence-weighted mean.
-TOKEN_MEAN_KEYS = ("policy/entropy",)
-
-
-def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    if not parts:
-        return {}
-    seqs = [p.get("response/sequences", 1.0) for p in parts]
-    toks = [p.get("response/tokens", 1.0) for p in parts]
-    out: dict[str, float] = {}
-    for key in parts[0]:
-        vals = [p[key] for p in parts]
-        if key.startswith("loss/") or key in ("response/tokens", "response/sequences"):
-            out[key] = sum(vals)
-        elif key.endswith("_min"):
-            out[key] = min(vals)
-        elif key.endswith("_max"):
-            out[key] = max(vals)
-        elif key.endswith(("_frac", "_token_mean")) or key in TOKEN_MEAN_KEYS:
-            out[key] = _weighted(vals, toks)
-        else:
-            out[key] = _weighted(vals, seqs)
-    return out
-
-
-def _weighted(vals, weights) -> float:
-    total = sum(weights)
-    if total == 0:
-        return sum(vals) / len(vals)
-    return sum(v * w for v, w in zip(vals, weights)) / total
-
-
-# Per-update metrics shown for each update when a batch takes several optimizer steps: the
-# importance ratios say how far off-policy each update's data is (update 0 at max_lag 0: 1 up
-# to the learner/sampler numerics, which update_0/is/abs_log_ratio_* then measure alone).
-PER_UPDATE_KEYS = ("is/ratio_min", "is/ratio_max", "is/abs_log_ratio_token_mean",
-                   "is/abs_log_ratio_max", "loss/total", "kl/pi_ref")
-
-
-def merge_updates(updates: list[dict[str, float]], mini_batches: int) -> dict[str, float]:
-    """One training step's metrics from its updates' (each already merged over micro-batches
-    and ranks). One update: its metrics unchanged. Several: *_min / *_max over all updates;
-    response counts over the first pass (the batch itself); `nonfinite` 1 only if every update
-    was refused, with `nonfinite/updates_refused` counting them; everything else averaged over
-    the updates; plus `update_<k>/<key>` for PER_UPDATE_KEYS."""
-    if len(updates) == 1:
-        return dict(updates[0])
-    first_pass = updates[:mini_batches]
-    out: dict[str, float] = {}
-    for key in updates[0]:
-        vals = [u[key] for u in updates]
-        if key.endswith("_min"):
-            out[key] = min(vals)
-        elif key.endswith("_max"):
-            out[key] = max(vals)
-        elif key in ("response/tokens", "response/sequences"):
-            out[key] = sum(u[key] for u in first_pass)
-        elif key in ("time/learner_step", "time/reference"):  # seconds spent: they add up
-            out[key] = sum(vals)
-        else:
-            out[key] = sum(vals) / len(vals)
-    refused = sum(u["nonfinite"] for u in updates)
-    out["nonfinite"] = float(refused == len(updates))
-    out["nonfinite/updates_refused"] = float(refused)
-    for k, u in enumerate(updates):
-        out.update({f"update_{k}/{key}": u[key] for key in PER_UPDATE_KEYS if key in u})
-    return out
+def _kl_term(lp, ref, mu, mask, kl_cfg: KLConfig, stats: GroupStats, n: float,
+             like: torch.Tensor) -> torch.Tensor:
+    """beta x the KL surrogate summed over sequences / n: the whole KL term, or a zero (like
+    `like`) when there is none or the KL reward is folded into the advantage (KLConfig rejects a
+    loss part beside a folded reward part)."""
+    if kl_cfg.beta > 0 and not kl_cfg.folds_into_advantage:
+        # behaviour_logp is read only by an importance that reweights (IMPORTANCE_CORRECTIONS).
+        per_seq = kl.surrogate(
+            lp, ref, mask, estimator=kl_cfg.estimator, placement=kl_cfg.placement,
+            importance=kl_cfg.importance, behaviour_logp=mu, truncate=kl_cfg.truncate,
+            baseline=stats.kl_baseline)
+        return kl_cfg.beta * per_seq.sum() / n
+    return torch.zeros((), dtype=like.dtype, device=like.device)

@@ -40,12 +40,12 @@ from learner.files import write_adapter_dir, write_model
 from learner.loading import ModelFiles, load_causal_lm
 from learner.loss import (
     group_stats,
-    merge_metrics,
     needs_group_stats,
     policy_loss,
     sequence_logprobs,
     token_entropy,
 )
+from learner.loss_metrics import merge_metrics
 from learner.process_group import host_store, init_process_group, remove_shm_buffers
 from learner.schedule import make_scheduler
 

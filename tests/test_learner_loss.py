@@ -9,7 +9,8 @@ import kl
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner.loss import merge_metrics, policy_loss, sequence_logprobs
+from learner.loss import policy_loss, sequence_logprobs
+from learner.loss_metrics import merge_metrics
 
 N_GLOBAL = 10.0  # a constant normaliser deliberately different from the batch size
 
@@ -454,7 +455,7 @@ def test_normalized_with_reward_and_loss_is_rejected_and_separate_scales_with_be
 
 
 def test_merge_updates_reports_each_update_and_the_step():
-    from learner.loss import merge_updates
+    from learner.loss_metrics import merge_updates
 
     def update(lo, hi, refused=0.0):
         return {"is/ratio_min": lo, "is/ratio_max": hi, "loss/total": hi - lo, "kl/pi_ref": 0.1,

@@ -18,7 +18,8 @@ import learner.loss as loss_mod
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner.loss import merge_metrics, policy_loss, sequence_logprobs, token_entropy
+from learner.loss import policy_loss, sequence_logprobs, token_entropy
+from learner.loss_metrics import merge_metrics
 from learner.schedule import lr_factor, make_scheduler
 
 # ---------------------------------------------------------------------------- LR schedule
