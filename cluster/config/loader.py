@@ -41,6 +41,23 @@ def parse_overrides(overrides: list[str]) -> dict:
         return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad override: {exc}") from None
+    except yaml.YAMLError as exc:  # a value YAML cannot read, e.g. `run_name=...`
+        bad = next((o for o in overrides if _yaml_error(o.split("=", 1)[1])), "=")
+        key, _, value = bad.partition("=")
+        raise ConfigError(f"override {bad}: the value is not YAML ({_first_line(exc)}); quote "
+                          f"it for YAML, in the shell: {key}=\"'{value}'\"") from None
+
+
+def _yaml_error(value: str) -> bool:
+    try:
+        yaml.safe_load(value)
+    except yaml.YAMLError:
+        return True
+    return False
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def merge(base: dict, overrides: list[str]) -> dict:
@@ -91,9 +108,12 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = _load_yaml(path.read_text(), str(path)) or {}
+        data = _load_yaml(path.read_text(), str(path))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:  # an empty file (or comments only) would silently mean every default
+        raise ConfigError(f"{path}: the file is empty (no key set); write the keys that differ "
+                          "from the defaults, or `{}` to mean every default")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     if "base" in data:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.config import RolloutConfig, SyncConfig
 from cluster.config.loader import ConfigError, load_config
+from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from learner.config import LearnerConfig
 from rewards.config import EvalConfig, TaskConfig
@@ -240,8 +241,10 @@ class TrainConfig(_Strict):
     """One training run. Keys used by scripts and docs: max_lag, total_steps, seed, kl.*,
     eval_every, checkpoint_every, run_name, output_dir."""
 
-    run_name: str | None = Field(None, pattern=r"^[\w.\-]+$", description="Run directory name "
-                                 "under output_dir (null: derived from the KL config and a timestamp).")
+    run_name: DirName | None = Field(None, description="Run directory name under output_dir: "
+                                     "letters, digits, '_', '-', '.', not '.' or '..' "
+                                     "(cluster/config/names.py); null: derived from the KL "
+                                     "config and a timestamp.")
     output_dir: str = Field("runs", min_length=1, description="Parent of run directories.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompts, sampling and init.")
     total_steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to take.")
@@ -428,6 +431,18 @@ class TrainConfig(_Strict):
         wait = lc.omp_wait_policy or (
             "passive" if self.max_lag >= 1 and threads > lc.num_cpus_per_rank else "default")
         return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait})
+
+    @model_validator(mode="after")
+    def _completion_fits_the_context(self) -> TrainConfig:
+        """The engine's context (rollout.max_model_len) holds prompt and completion, so the
+        completion budget must leave room for a prompt of at least one token; vLLM would
+        otherwise cut every completion at the context, not at max_new_tokens."""
+        r = self.rollout
+        if r.max_new_tokens >= r.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be below "
+                             f"rollout.max_model_len ({r.max_model_len}), the engine's context, "
+                             "which holds the prompt too: lower one or raise the other")
+        return self
 
 
 def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:

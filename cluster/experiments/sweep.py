@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cluster.config.loader import ConfigError, dump_config, load_config
+from cluster.config.names import DirName
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.report import ReportConfig
 from cluster.train.progress import format_duration
@@ -47,8 +48,9 @@ class SweepConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(..., pattern=r"^[\w.\-]+$", max_length=100, description="Sweep name: "
-                      "its runs go under output_dir/<name>/ and share it as their wandb group.")
+    name: DirName = Field(..., max_length=100, description="Sweep name: its runs go under "
+                          "output_dir/<name>/ and share it as their wandb group; a run name's "
+                          "rule (letters, digits, '_', '-', '.', not '.' or '..').")
     train_config: str = Field(..., min_length=1, description="Base TrainConfig YAML, relative "
                               "to the sweep file (or absolute). On a cluster (--address) a file "
                               "outside this repository travels with each job, as with "

@@ -83,18 +83,18 @@ def write_checkpoint(run_dir: str | Path, state: ControllerState,
     if (final / MARKER).is_file():
         return final  # this step is already saved (e.g. a stop right after a periodic save)
     for stale in root.glob(".partial-*"):  # left by a process killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale, run_dir, ignore_errors=True)
     partial = root / f".partial-{final.name}"
     partial.mkdir()
     save_learner(partial, LEARNER_TAG)
     _write_durably(partial / "controller.json", json.dumps(asdict(state), indent=1))
     _write_durably(partial / MARKER, f"{state.step}\n")
     if final.exists():  # a directory without MARKER cannot be from this module; never trust it
-        shutil.rmtree(final)
+        remove_tree(final, run_dir)
     os.rename(partial, final)
     _fsync_dir(root)
     for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, run_dir, ignore_errors=True)
     return final
 
 
@@ -122,13 +122,13 @@ def write_hf_export(run_dir: str | Path, step: int, save_hf: Callable[[Path], ob
     if final.is_dir():  # already exported: a refused (NaN) step left the weights as they were
         return final
     for stale in root.glob(".partial-*"):  # left by a process killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale, run_dir, ignore_errors=True)
     partial = root / f".partial-{final.name}"
     save_hf(partial)
     os.rename(partial, final)
     if keep is not None:
         for old in hf_exports(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old, run_dir, ignore_errors=True)
     return final
 
 
@@ -137,7 +137,21 @@ def drop_hf_exports_after(run_dir: str | Path, step: int) -> None:
     redoes those steps (at max_lag > 0 with other batches), and exports them again."""
     for export in hf_exports(run_dir):
         if int(_NAME.match(export.name).group(1)) > step:
-            shutil.rmtree(export)
+            remove_tree(export, run_dir)
+
+
+def remove_tree(path: Path, run_dir: str | Path, ignore_errors: bool = False) -> None:
+    """Delete the directory `path`, which must lie strictly inside the run directory `run_dir`
+    and not be a symbolic link. Every deletion of this module goes through here: the
+    invariant is that klrl deletes nothing outside a run's own directory. A run directory is
+    `output_dir/<run_name>` with a plain name (cluster/config/names.py), so a violation is a
+    bug, raised as AssertionError before anything is deleted."""
+    run, target = Path(os.path.abspath(run_dir)), Path(os.path.abspath(path))
+    inside = Path(run_dir).name not in ("", ".", "..") and target.is_relative_to(run)
+    if not inside or target == run or Path(path).is_symlink():  # not `assert`: never optimised away
+        raise AssertionError(f"refusing to delete {path}: not a directory inside the run "
+                             f"directory {run_dir}")
+    shutil.rmtree(target, ignore_errors=ignore_errors)
 
 
 def read_checkpoint(path: str | Path) -> ControllerState:
@@ -152,6 +166,9 @@ def read_checkpoint(path: str | Path) -> ControllerState:
 # says where the stream ends).
 OBJECTIVE_SECTIONS = ("model", "seed", "task", "kl", "advantage", "learner", "data.shuffle",
                       "data.max_prompt_length")
+# Keys inside those sections that may change all the same: they decide what is refused at the
+# start, not what is trained.
+MAY_CHANGE = ("task.max_malformed_fraction",)
 _ABSENT = object()
 
 
@@ -167,7 +184,7 @@ def objective_changes(saved: dict, current: dict) -> list[str]:
         if old is _ABSENT:
             old = _at(defaults, key)
         changes += _changes(old, new, key, _at(defaults, key))
-    return changes
+    return [c for c in changes if c.split(":")[0] not in MAY_CHANGE]
 
 
 def _at(config: dict, dotted: str):
