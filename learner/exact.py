@@ -64,7 +64,10 @@ def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor) -> Groups:
     weight = mu_seq[seqs].prod(-1)
     rows = seqs.reshape(-1)
     B = rows.shape[0]
-    pad = lambda x, v: torch.cat([torch.full((B, 1), v, dtype=x.dtype), x], dim=1)
+
+    def pad(x, v):  # the one-token prompt in front
+        return torch.cat([torch.full((B, 1), v, dtype=x.dtype), x], dim=1)
+
     mask = pad(sp.mask[rows], False)
     batch = TrainBatch(
         input_ids=pad(sp.tokens[rows], 0),

@@ -66,14 +66,16 @@ class GotPastChecks(AssertionError):
 
 @pytest.fixture
 def guarded(monkeypatch, tmp_path):
-    """`klrl train` / `klrl eval` in-process that cannot start anything (as tests/test_failfast.py)."""
+    """`klrl train` / `klrl eval` in-process that cannot start anything (as
+    tests/test_failfast.py)."""
     from cluster.cli import cmd_model
     from cluster.train import run
 
     def refuse(*_args, **_kw):
         raise GotPastChecks("got past the checks")
 
-    for target, name in ((run, "resolve_model"), (run, "start_ray"), (cmd_model, "init_default_model")):
+    for target, name in ((run, "resolve_model"), (run, "start_ray"),
+                         (cmd_model, "init_default_model")):
         monkeypatch.setattr(target, name, refuse)
     for var in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(var, raising=False)
@@ -107,9 +109,11 @@ def test_the_example_task_trains_evaluates_and_scores(importable, guarded, tmp_p
     assert train_problems == get_task(SPEC, max_len=6).problems("train", 200, seed=3)
     assert train_problems != task.problems("train", 200, seed=4)
     from mytasks.reverse import held_out
-    in_domain, ood = task.problems("in_domain", 50, seed=0), task.problems("out_of_domain", 50, seed=0)
+    in_domain = task.problems("in_domain", 50, seed=0)
+    ood = task.problems("out_of_domain", 50, seed=0)
     words = {split: [p.prompt[len("reverse "):-1] for p in ps]
-             for split, ps in (("train", train_problems), ("in_domain", in_domain), ("out_of_domain", ood))}
+             for split, ps in (("train", train_problems), ("in_domain", in_domain),
+                               ("out_of_domain", ood))}
     assert all(2 <= len(w) <= 6 and not held_out(w) for w in words["train"])
     assert all(2 <= len(w) <= 6 and held_out(w) for w in words["in_domain"])
     assert all(len(w) == 9 for w in words["out_of_domain"])
@@ -119,19 +123,22 @@ def test_the_example_task_trains_evaluates_and_scores(importable, guarded, tmp_p
     completions = [problems[0].answer, problems[1].answer + "\nmore text", problems[2].prompt, ""]
     with ScoringPool(workers=1, timeout_s=30.0) as pool:  # real worker processes import the task
         results = pool.score(task.scorer, problems, completions)
-    assert [(r.reward, r.failure) for r in results] == [(1.0, None), (1.0, None), (0.0, None), (0.0, None)]
+    assert [(r.reward, r.failure) for r in results] == [(1.0, None), (1.0, None), (0.0, None),
+                                                        (0.0, None)]
 
 
 TYPO_CASES = [
     (["task.name=reverse"], ("task.name: unknown task 'reverse'; known tasks: arithmetic, "
-                             "countdown, math, mmlu, or a plug-in task 'package.module:TaskClass'")),
+                             "countdown, math, mmlu, or a plug-in task "
+                             "'package.module:TaskClass'")),
     (["task.name=mytasks.reverse:ReversTask"],
      ("task.name: task 'mytasks.reverse:ReversTask': module 'mytasks.reverse' has no attribute "
       "'ReversTask' (did you mean 'ReverseTask'?)")),
     (["task.name=mytasks.reverse:score_reverse"], "is a function, not a rewards.Task subclass"),
     (["task.name=klrl_not_installed.tasks:Task"],
      ("cannot import module 'klrl_not_installed.tasks': ModuleNotFoundError: No module named "
-      "'klrl_not_installed' (install its package, or put the directory that holds it on PYTHONPATH)")),
+      "'klrl_not_installed' (install its package, or put the directory that holds it on "
+      "PYTHONPATH)")),
     ([f"task.name={SPEC}", "task.options.max_lenn=3"],
      ("task.options: task 'mytasks.reverse:ReverseTask' has no option 'max_lenn' (did you mean "
       "'max_len'?)")),
@@ -146,7 +153,8 @@ TYPO_CASES = [
 ]
 
 
-def test_a_mistake_in_a_plugin_task_fails_before_anything_starts(importable, guarded, capsys, tmp_path):
+def test_a_mistake_in_a_plugin_task_fails_before_anything_starts(importable, guarded, capsys,
+                                                                  tmp_path):
     """Every way of naming the example task wrongly: `klrl train` exits 2 in a second with one
     message naming the field, no run directory; `klrl eval` and `klrl sweep` alike."""
     out = tmp_path / "runs"
@@ -169,10 +177,12 @@ def test_a_mistake_in_a_plugin_task_fails_before_anything_starts(importable, gua
         assert capsys.readouterr().err.strip() == message
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(f"name: s\ntrain_config: {DEMO_CONFIG}\noutput_dir: {out}\n"
-                     "overrides: {task.name: 'mytasks.reverse:ReverseTask', task.train_split: trian}\n"
+                     "overrides: {task.name: 'mytasks.reverse:ReverseTask', "
+                     "task.train_split: trian}\n"
                      "grid: {seed: [0, 1]}\n")
     assert main(["sweep", str(sweep), "--dry-run"]) == 2
-    assert "every run: task.train_split: task 'reverse' has no split 'trian'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "every run: task.train_split: task 'reverse' has no split 'trian'" in err
 
 
 @pytest.mark.slow
@@ -216,7 +226,8 @@ def test_the_example_scorer_loads_and_scores(importable):
     completions = [str(answers[0]), f"{answers[1] + 1}\n", f"{answers[2] - 2}", "twelve"]
     with ScoringPool(workers=1, timeout_s=30.0) as pool:
         results = pool.score(scorer, problems, completions)
-    assert [(r.reward, r.failure) for r in results] == [(1.0, None), (0.5, None), (0.0, None), (0.0, None)]
+    assert [(r.reward, r.failure) for r in results] == [(1.0, None), (0.5, None), (0.0, None),
+                                                        (0.0, None)]
     cfg = load_train_config(DEMO_CONFIG, ["task.reward=myscorers:near_miss"])
     from cluster.train.preflight import check_environment
 
@@ -308,7 +319,8 @@ def test_the_readme_steps_applied_to_kl_estimators(k_abs):
             assert line.replace(', "abs": k_abs', "").replace(', "abs"', "") == old[0]
             text = text.replace(old[0], line)
         if formula:
-            text = text.replace("\nFormula = ", "\n" + readme_example("kl-estimator") + "\n\nFormula = ")
+            text = text.replace("\nFormula = ",
+                                "\n" + readme_example("kl-estimator") + "\n\nFormula = ")
         return text
 
     module: dict = {"__name__": "estimators_with_abs"}

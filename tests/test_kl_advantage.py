@@ -12,7 +12,8 @@ def test_baselines_match_their_definitions():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 5.0], dtype=torch.float64)
     gid = torch.tensor([0, 0, 0, 0, 7, 7])
     rloo = kl.group_baseline(r, gid, "rloo")
-    assert torch.allclose(rloo, torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0], dtype=torch.float64))
+    assert torch.allclose(rloo, torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0],
+                                             dtype=torch.float64))
     mean = kl.group_baseline(r, gid, "grpo")
     assert torch.allclose(mean, torch.tensor([0.5] * 4 + [4.0] * 2, dtype=torch.float64))
     assert torch.equal(kl.group_baseline(r, gid, "drgrpo"), mean)
@@ -36,14 +37,16 @@ def test_normalisation_scopes():
 def _kl_batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     k = torch.rand(4, 5, generator=g, dtype=torch.float64)
-    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0], [1] * 2 + [0] * 3], dtype=torch.bool)
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0], [1] * 2 + [0] * 3],
+                        dtype=torch.bool)
     return k, mask
 
 
 def test_separate_kl_part_scales_linearly_with_beta_when_task_reward_is_constant():
     k, mask = _kl_batch()
     r, gid = torch.full((4,), 0.7), torch.tensor([0, 0, 0, 0])
-    adv = {beta: {mode: kl.compute_advantages(r, gid, kl_tokens=k, mask=mask, beta=beta, kl_in_advantage=mode)
+    adv = {beta: {mode: kl.compute_advantages(r, gid, kl_tokens=k, mask=mask, beta=beta,
+                                              kl_in_advantage=mode)
                   for mode in ("separate", "normalized")} for beta in (0.1, 0.2)}
     assert torch.allclose(adv[0.2]["separate"], 2 * adv[0.1]["separate"])
     assert adv[0.1]["separate"].abs().max() > 0
@@ -67,7 +70,8 @@ def test_separate_kl_advantage_equals_kl_surrogate_with_loo_baseline():
     _, mask = _kl_batch()
     gid, beta = torch.tensor([0, 0, 1, 1]), 0.25
     k = kl.estimate(logp, ref, "k3")
-    adv = kl.compute_advantages(torch.zeros(4), gid, normalize="none", kl_tokens=k, mask=mask, beta=beta)
+    adv = kl.compute_advantages(torch.zeros(4), gid, normalize="none", kl_tokens=k, mask=mask,
+                                beta=beta)
     x = logp.clone().requires_grad_(True)
     (g_adv,) = torch.autograd.grad((x * adv * mask).sum(), x)
     seq_kl = (k * mask).sum(-1)
@@ -89,7 +93,8 @@ def test_group_baselines_expected_gradient_exactly(estimator, scale):
     seq_lp = T.token_logp(x, sp).sum(-1)
     p = seq_lp.detach().exp()
     pairs = torch.tensor(list(itertools.product(range(len(p)), repeat=2)))
-    adv = kl.compute_advantages(reward[pairs].flatten(), torch.arange(len(pairs)).repeat_interleave(2),
+    group_ids = torch.arange(len(pairs)).repeat_interleave(2)
+    adv = kl.compute_advantages(reward[pairs].flatten(), group_ids,
                                 estimator=estimator, normalize="none").reshape(-1, 2)
     weight = p[pairs].prod(-1)
     surrogate = (weight[:, None] * adv * seq_lp[pairs]).sum()

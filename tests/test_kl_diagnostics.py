@@ -45,7 +45,10 @@ def test_masked_positions_do_not_matter():
     lp, ref = token_logp(toy.logits, space), token_logp(toy.ref_logits, space)
     mu = token_logp(toy.behaviour_logits, space)
     a = sequence_kl_estimates(lp, ref, mu, space.mask)
-    junk = lambda x: torch.where(space.mask, x, float("nan"))
+
+    def junk(x):
+        return torch.where(space.mask, x, float("nan"))
+
     b = sequence_kl_estimates(junk(lp), junk(ref), junk(mu), space.mask)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)

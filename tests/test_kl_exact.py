@@ -33,7 +33,8 @@ def test_toy_spaces_are_complete_distributions():
     assert ON.space.tokens.shape == (31, 4) and OFF_NO_EOS.space.tokens.shape == (81, 4)
     for toy in (ON, OFF_NO_EOS):
         for logits in (toy.logits, toy.ref_logits, toy.behaviour_logits):
-            assert torch.isclose(T.sequence_prob(logits, toy.space).sum(), torch.tensor(1.0, dtype=torch.float64))
+            assert torch.isclose(T.sequence_prob(logits, toy.space).sum(),
+                                 torch.tensor(1.0, dtype=torch.float64))
     # variable lengths really occur in the EOS toy
     assert set(ON.space.mask.sum(-1).tolist()) == {1, 2, 3, 4}
 
@@ -46,7 +47,10 @@ def test_g_star_matches_finite_differences(toy):
     for i in range(x0.numel()):
         e = torch.zeros_like(x0)
         e[i] = eps
-        f = lambda x: float(T.sequence_kl(x.reshape(toy.logits.shape), toy.ref_logits, toy.space))
+
+        def f(x):
+            return float(T.sequence_kl(x.reshape(toy.logits.shape), toy.ref_logits, toy.space))
+
         fd[i] = (f(x0 + e) - f(x0 - e)) / (2 * eps)
     assert relative_error(r.g_star, fd) < 1e-7
 
@@ -111,7 +115,8 @@ def test_uncorrected_k1_loss_pushes_away_from_behaviour():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("cap", [0.5, 2.0, 1e9])
 def test_truncated_prefix_bias_matches_closed_form(estimator, placement, cap):
-    v, exact = KLVariant(estimator, placement, "prefix", cap), KLVariant(estimator, placement, "prefix")
+    v = KLVariant(estimator, placement, "prefix", cap)
+    exact = KLVariant(estimator, placement, "prefix")
     bias = expected_grad(OFF, v) - expected_grad(OFF, exact)
     closed = truncated_prefix_bias(OFF, v)
     if cap > 1e8:  # no prefix weight reaches C: exactly unbiased
@@ -128,7 +133,8 @@ def test_truncated_bias_with_a_baseline_matches_its_closed_form(importance, plac
     """The trainer passes a baseline (the leave-one-out mean of the other samples' KL). Capped
     prefix weights keep it zero-mean (their bias is the README's closed form whatever b is);
     capped token and sequence coefficients add +b E_mu[sum_t (c_t - C)_+ grad logp_t]."""
-    v, exact, b = KLVariant("k1", placement, importance, cap), KLVariant("k1", placement, importance), 0.8
+    v, exact, b = (KLVariant("k1", placement, importance, cap),
+                   KLVariant("k1", placement, importance), 0.8)
     capped = expected_grad(OFF, v, baseline=b)
     closed = truncated_bias(OFF, v, baseline=b)
     assert closed.norm() > 1e-3  # the cap bites on this toy
@@ -144,7 +150,8 @@ def test_constant_baseline_leaves_expectation_unchanged(toy, v):
     weighted; with importance=none off-policy it is not (E_mu[grad log pi] != 0)."""
     g0 = expected_grad(toy, v)
     g1 = expected_grad(toy, v, baseline=0.8)
-    changed = relative_error(g1, g0) > 1e-9 and not (g0.abs().max() < 1e-12 and g1.abs().max() < 1e-12)
+    both_zero = g0.abs().max() < 1e-12 and g1.abs().max() < 1e-12
+    changed = relative_error(g1, g0) > 1e-9 and not both_zero
     biased_by_baseline = toy is OFF and v.importance == "none" and v.placement != "loss"
     assert changed == biased_by_baseline
 
@@ -158,5 +165,6 @@ def test_dividing_by_sequence_length_is_caught(monkeypatch):
     v = KLVariant("k1", "reward")
     g_star = REFS[id(ON)].g_star
     assert relative_error(expected_grad(ON, v), g_star) < 1e-6
-    monkeypatch.setattr(A, "surrogate", lambda lp, ref, mask, **kw: original(lp, ref, mask, **kw) / mask.sum(-1))
+    monkeypatch.setattr(A, "surrogate",
+                        lambda lp, ref, mask, **kw: original(lp, ref, mask, **kw) / mask.sum(-1))
     assert relative_error(expected_grad(ON, v), g_star) > 0.05

@@ -44,8 +44,8 @@ def test_unbiased_configurations_pass_the_z_test(v):
     assert z.abs().max() < Z_MAX, z
 
 
-@pytest.mark.parametrize("v", [KLVariant("k1", "reward+loss", "none"), KLVariant("k3", "reward", "prefix")],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize("v", [KLVariant("k1", "reward+loss", "none"),
+                               KLVariant("k3", "reward", "prefix")], ids=lambda v: v.name)
 def test_biased_configurations_fail_the_same_z_test(v):
     z = _sampled_z_scores(v, seed=1)
     assert z.abs().max() > Z_MAX, z

@@ -31,9 +31,12 @@ def test_padding_and_garbage_in_masked_positions_change_nothing(v):
     logp, ref, mu, mask = _batch()
     extra = 5  # pad every sequence with 5 more positions full of NaN/inf/huge values
     junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30], dtype=logp.dtype)
-    pad = lambda x: torch.cat([x, junk.expand(x.shape[0], extra)], dim=1)
-    # garbage also inside the original padding region
-    dirty = lambda x: torch.where(mask, x, torch.tensor(float("nan"), dtype=x.dtype))
+
+    def pad(x):
+        return torch.cat([x, junk.expand(x.shape[0], extra)], dim=1)
+
+    def dirty(x):  # garbage also inside the original padding region
+        return torch.where(mask, x, torch.tensor(float("nan"), dtype=x.dtype))
 
     a = logp.clone().requires_grad_(True)
     out_a = _call(v, a, ref, mu, mask)
@@ -61,7 +64,8 @@ def test_mask_accepts_bool_and_float_and_sums_without_length_normalisation():
 def test_dtypes_float64_kept_and_low_precision_promoted():
     logp, ref, mu, mask = _batch()
     assert kl.surrogate(logp, ref, mask).dtype == torch.float64
-    out = kl.surrogate(logp.bfloat16(), ref.bfloat16(), mask, importance="prefix", behaviour_logp=mu.bfloat16())
+    out = kl.surrogate(logp.bfloat16(), ref.bfloat16(), mask, importance="prefix",
+                       behaviour_logp=mu.bfloat16())
     assert out.dtype == torch.float32
 
 
@@ -102,7 +106,8 @@ def test_capped_prefix_weight_is_finite_even_when_the_weight_overflows():
     logp = torch.zeros(1, 40, requires_grad=True)
     mu = torch.full((1, 40), -50.0)
     out = kl.surrogate(logp, torch.zeros(1, 40), torch.ones(1, 40), estimator="k3",
-                       placement="reward+loss", importance="prefix", behaviour_logp=mu, truncate=5.0)
+                       placement="reward+loss", importance="prefix", behaviour_logp=mu,
+                       truncate=5.0)
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(logp.grad).all()
 

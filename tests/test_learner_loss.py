@@ -61,7 +61,8 @@ KL_CASES = [
     KLConfig(estimator=e, placement=p, importance=i, truncate=t, beta=0.3)
     for e in ("k1", "k2", "k3")
     for p in ("reward", "loss", "reward+loss")
-    for i, t in (("none", None), ("token", None), ("sequence", 1.5), ("prefix", None), ("prefix", 1.2))
+    for i, t in (("none", None), ("token", None), ("sequence", 1.5), ("prefix", None),
+                 ("prefix", 1.2))
 ]
 
 
@@ -84,7 +85,8 @@ def test_kl_gradient_is_beta_times_surrogate_gradient(kl_cfg, off_policy):
                      truncate=kl_cfg.truncate, baseline=baseline)
     (kl_cfg.beta * s.sum() / N_GLOBAL).backward()
     torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-14)
-    assert m["loss/kl"] == pytest.approx(float(kl_cfg.beta * s.detach().sum() / N_GLOBAL), rel=1e-12)
+    assert m["loss/kl"] == pytest.approx(float(kl_cfg.beta * s.detach().sum() / N_GLOBAL),
+                                         rel=1e-12)
 
 
 def test_k1_in_reward_gradient_matches_the_rloo_formula():
@@ -136,8 +138,13 @@ def test_padding_and_garbage_do_not_change_loss_or_gradients(off_policy, kl_cfg)
     lcfg = LearnerConfig(task_off_policy=off_policy)
     loss_a, grad_a, m_a = _grad(batch, logp, ref, kl_cfg, lcfg=lcfg)
     extra, B = 4, batch.num_sequences
-    nan = lambda x: torch.where(batch.response_mask, x, float("nan"))  # garbage off-response
-    pad = lambda x, v: torch.cat([x, torch.full((B, extra), v, dtype=x.dtype)], dim=1)
+
+    def nan(x):  # garbage off-response
+        return torch.where(batch.response_mask, x, float("nan"))
+
+    def pad(x, v):
+        return torch.cat([x, torch.full((B, extra), v, dtype=x.dtype)], dim=1)
+
     padded = _with(batch, input_ids=pad(batch.input_ids, 0),
                    attention_mask=pad(batch.attention_mask, 0),
                    response_mask=pad(batch.response_mask, False),
@@ -180,7 +187,8 @@ def test_ppo_clip_objective_and_gradient():
     clipped = ((A > 0) & (rho > 1 + eps)) | ((A < 0) & (rho < 1 - eps))
     expected = torch.where(mask & ~clipped, -A * rho / N_GLOBAL, 0.0)
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
-    assert m["is/ppo_clip_clipped_frac"] == pytest.approx(float((clipped & mask).sum() / mask.sum()))
+    clipped_frac = float((clipped & mask).sum() / mask.sum())
+    assert m["is/ppo_clip_clipped_frac"] == pytest.approx(clipped_frac)
     assert 0 < float((clipped & mask).sum()) < float(mask.sum())
 
 
@@ -213,8 +221,9 @@ def test_normalized_folds_the_kl_reward_into_the_task_advantage():
     _, grad, m = _grad(batch, logp, ref, cfg, adv_cfg=adv_cfg)
     mask = batch.response_mask
     k = torch.where(mask, kl.estimate(logp, ref, "k3"), 0.0)
-    a_tok = kl.compute_advantages(batch.rewards, batch.group_ids, estimator="rloo", normalize="group",
-                                  kl_tokens=k, mask=mask, beta=beta, kl_in_advantage="normalized")
+    a_tok = kl.compute_advantages(batch.rewards, batch.group_ids, estimator="rloo",
+                                  normalize="group", kl_tokens=k, mask=mask, beta=beta,
+                                  kl_in_advantage="normalized")
     expected = torch.where(mask, -a_tok / N_GLOBAL, 0.0)  # batch.advantages is NOT used
     assert m["loss/kl"] == 0.0
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
@@ -231,7 +240,8 @@ def test_separate_keeps_the_controller_advantage_and_an_unnormalised_kl_reward()
     mask = batch.response_mask
     a_tok = kl.compute_advantages(batch.rewards, batch.group_ids, kl_tokens=logp - ref, mask=mask,
                                   beta=beta, kl_in_advantage="separate")
-    torch.testing.assert_close(grad, torch.where(mask, -a_tok / N_GLOBAL, 0.0), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, torch.where(mask, -a_tok / N_GLOBAL, 0.0), rtol=1e-12,
+                               atol=1e-14)
 
 
 def test_normalized_with_ignored_options_is_rejected():
@@ -242,14 +252,16 @@ def test_normalized_with_ignored_options_is_rejected():
         KLConfig(placement="reward", importance="token", kl_in_advantage="normalized")
     cfg = KLConfig(placement="reward", kl_in_advantage="normalized")
     with pytest.raises(ValueError, match="normalize=batch"):
-        policy_loss(logp, ref, batch, cfg, AdvantageConfig(normalize="batch"), LearnerConfig(), N_GLOBAL)
+        policy_loss(logp, ref, batch, cfg, AdvantageConfig(normalize="batch"), LearnerConfig(),
+                    N_GLOBAL)
 
 
 def test_split_batch_losses_gradients_and_metrics_add_up():
     """What shards and micro-batches rely on: with the same N, the parts' losses and gradients
     sum to the whole batch's, and merge_metrics reproduces the whole batch's metrics."""
     batch, logp, ref = _batch(groups=(2, 2, 3, 3))
-    cfg = KLConfig(estimator="k3", placement="reward+loss", importance="prefix", truncate=1.5, beta=0.3)
+    cfg = KLConfig(estimator="k3", placement="reward+loss", importance="prefix", truncate=1.5,
+                   beta=0.3)
     lcfg = LearnerConfig(task_off_policy="tis", tis_cap=1.2)
     loss, grad, m = _grad(batch, logp, ref, cfg, lcfg=lcfg)
     parts, total, g_sum = [], 0.0, torch.zeros_like(grad)
@@ -360,8 +372,9 @@ def test_learner_config_bounds():
     from pydantic import ValidationError
 
     LearnerConfig(zero_stage=3, num_ranks=2, task_off_policy="ppo_clip")
-    for bad in ({"zero_stage": 4}, {"lr": 0}, {"num_ranks": 0}, {"tis_cap": 0}, {"ppo_clip_eps": 1.0},
-                {"unknown": 1}, {"dtype": "bfloat16"}, {"task_off_policy": "clip"}):
+    for bad in ({"zero_stage": 4}, {"lr": 0}, {"num_ranks": 0}, {"tis_cap": 0},
+                {"ppo_clip_eps": 1.0}, {"unknown": 1}, {"dtype": "bfloat16"},
+                {"task_off_policy": "clip"}):
         with pytest.raises(ValidationError):
             LearnerConfig(**bad)
     LearnerConfig(dtype="bfloat16", num_gpus_per_rank=1)
