@@ -1,14 +1,19 @@
 """`klrl report`'s findings: each claim's verdict follows from the runs, on synthetic run
 directories built so that the evidence is clear one way or the other, and a claim whose
-configurations did not run says so instead of guessing."""
+configurations did not run says so instead of guessing. With 3 seeds a break count cannot
+decide a claim any more (3/3 against 0/3: Fisher p = 0.05 before Holm's correction), so the
+clear-evidence directories have 8 seeds, as the pre-registered confirmation does."""
 from __future__ import annotations
 
 from test_report import write_run
 
-from cluster.experiments.findings import Stat, ahead, findings, findings_markdown
-from cluster.experiments.report import ReportConfig, find_runs, instability_flags, write_report
+from cluster.experiments.findings import findings_markdown
+from cluster.experiments.report import find_runs, group_runs, write_report
+from cluster.experiments.report_findings import directory_findings
+from cluster.experiments.stats import welch
 
 CONFIGS = (("k1", "reward"), ("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
+EIGHT = tuple(range(8))
 
 
 def COLLAPSE(step):  # accuracy that falls to 0.02 and stays there: a broken run
@@ -39,18 +44,18 @@ def _set_importance(run_dir, importance):
 
 def verdicts(root) -> dict[tuple[str, str], str]:
     runs = find_runs(root)
-    flags = [f for r in runs for f in instability_flags(r, ReportConfig())]
-    return {(f.claim, f.setting): f.verdict for f in findings(runs, flags)}
+    _, _, found, _ = directory_findings(runs, group_runs(runs), None, root.name)
+    return {(f.claim, f.setting): f.verdict for f in found}
 
 
-def test_ahead_needs_the_difference_beyond_two_standard_errors():
-    assert ahead(Stat((0.60, 0.61, 0.62)), Stat((0.50, 0.51, 0.52)))
-    assert not ahead(Stat((0.60, 0.40, 0.80)), Stat((0.50, 0.51, 0.52)))  # too noisy
-    assert not ahead(Stat((0.9,)), Stat((0.1,)))  # one seed has no standard error
+def test_welch_needs_a_difference_beyond_its_noise():
+    assert welch((0.60, 0.61, 0.62), (0.50, 0.51, 0.52)).p < 0.001
+    assert welch((0.60, 0.40, 0.80), (0.50, 0.51, 0.52)).p > 0.2  # too noisy
+    assert welch((0.9,), (0.1,)).testable is False  # one seed has no standard error
 
 
 def test_clear_evidence_reproduces_the_papers_claims(tmp_path):
-    grid(tmp_path, accuracy={("k1", "reward"): 0.7}, broken={("k1", "loss")})
+    grid(tmp_path, accuracy={("k1", "reward"): 0.7}, broken={("k1", "loss")}, seeds=EIGHT)
     v = verdicts(tmp_path)
     assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 0")] == "reproduced"
     assert v[("K1 in the loss is unstable off-policy", "beta 0.05, max_lag 4")] == "reproduced"
@@ -61,21 +66,33 @@ def test_clear_evidence_reproduces_the_papers_claims(tmp_path):
         == "not run here"
 
 
+def test_three_seeds_cannot_decide_a_break_count(tmp_path):
+    """3/3 broken against 0/3 was 'reproduced' under the earlier rule; Fisher's p is 0.05
+    before the correction for the claims tested beside it."""
+    grid(tmp_path, accuracy={("k1", "reward"): 0.7}, broken={("k1", "loss")})
+    v = verdicts(tmp_path)
+    assert v[("K1 in the loss is unstable off-policy", "beta 0.05, max_lag 4")] == "inconclusive"
+    # 0/3 against 0/3 and 0 of 3 (binomial p = 0.125): no outcome of 3 seeds could decide it.
+    assert v[("K3 in the reward breaks off-policy", "beta 0.05, max_lag 4")] == "not testable here"
+    # The accuracy differences are far beyond their noise: 3 seeds decide those.
+    assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 0")] == "reproduced"
+
+
 def test_opposite_evidence_contradicts_and_noise_is_inconclusive(tmp_path):
-    grid(tmp_path / "worse", accuracy={("k3", "loss"): 0.7})
+    grid(tmp_path / "worse", accuracy={("k3", "loss"): 0.7}, seeds=EIGHT)
     v = verdicts(tmp_path / "worse")
     assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 4")] == "contradicted"
     assert v[("K3 in the loss is stable but worse out-of-domain", "beta 0.05, max_lag 4")] == "contradicted"
     assert v[("K1 in the loss is unstable off-policy", "beta 0.05, max_lag 4")] == "contradicted"
-    grid(tmp_path / "alike")  # every configuration ends at the same accuracy
+    grid(tmp_path / "alike")  # every configuration ends at the same accuracy, 3 seeds
     v = verdicts(tmp_path / "alike")
     assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 4")] == "inconclusive"
 
 
 def test_controls_decide_the_stabilisation_and_repair_claims(tmp_path):
-    grid(tmp_path, broken={("k3", "reward")})
-    grid(tmp_path, importance="prefix", beta=0.05)  # the corrected runs: nothing breaks
-    for seed in (0, 1, 2):  # the no-KL control collapses at the lag
+    grid(tmp_path, broken={("k3", "reward")}, seeds=EIGHT)
+    grid(tmp_path, importance="prefix", beta=0.05, seeds=EIGHT)  # corrected runs: none breaks
+    for seed in EIGHT:  # the no-KL control collapses at the lag
         write_run(tmp_path / f"nokl-lag4-s{seed}", "k1", "reward", 4, seed, acc=COLLAPSE, beta=0.0)
     v = verdicts(tmp_path)
     assert v[("KL regularisation stabilises async training", "beta 0.05 against beta 0, max_lag 4")] \
@@ -85,15 +102,28 @@ def test_controls_decide_the_stabilisation_and_repair_claims(tmp_path):
         == "reproduced"
 
 
+def test_a_control_that_never_breaks_leaves_stabilisation_untestable(tmp_path):
+    """Nothing broke without the KL penalty: there was nothing to stabilise, which neither
+    confirms nor contradicts the claim."""
+    grid(tmp_path, seeds=EIGHT)
+    for seed in EIGHT:
+        write_run(tmp_path / f"nokl-lag4-s{seed}", "k1", "reward", 4, seed, beta=0.0)
+    v = verdicts(tmp_path)
+    assert v[("KL regularisation stabilises async training", "beta 0.05 against beta 0, max_lag 4")] \
+        == "not testable here"
+
+
 def test_report_writes_the_findings_with_their_evidence(tmp_path):
     grid(tmp_path, accuracy={("k1", "reward"): 0.7})
     text = write_report(tmp_path).read_text()
     assert "## Findings" in text and "| K1 in the reward is best in- and out-of-domain | paper |" in text
-    assert "K1 in reward 0.710 ± 0.006 (n=3) > K1 in loss 0.510 ± 0.006 (n=3)" in text
+    assert ("K1 in reward 0.710 ± 0.006 (n=3) vs K1 in loss 0.510 ± 0.006 (n=3), difference "
+            "+0.200, d = 20; ahead: t = 24.49, df = 4.0, p = 8.") in text
+    assert "**Exploratory**" in text and "### Threshold sensitivity" in text
 
 
 def test_a_directory_without_a_kl_penalty_says_there_is_nothing_to_test(tmp_path):
     write_run(tmp_path / "nokl-s0", beta=0.0)
     runs = find_runs(tmp_path)
-    assert findings(runs, []) == []
+    assert directory_findings(runs, group_runs(runs), None, "x")[2] == []
     assert "No finished run with a KL penalty" in findings_markdown([])[0]

@@ -1,293 +1,349 @@
-"""Findings: the paper's claims and klrl's own, each tested on a directory of runs.
+"""Findings: the paper's claims and klrl's own, each tested on a directory's runs by a test of
+known error rate (stats.py), with Holm's correction across the claims of a sweep.
 
-`klrl report` calls `findings(runs, flags)` and writes the verdicts into report.md, so the
-results pages are generated from run directories, never typed. A claim names the
-configurations it compares (KL estimator, placement, `kl.importance`, beta, `max_lag`); where a
-directory lacks one, the claim is "not run here". Only finished runs count.
+`klrl report` measures every finished run (measures.py) and writes the verdicts into
+report.md. A claim compares *configurations* (KL estimator, placement, `kl.importance`, beta,
+async lag), each a set of runs that differ in their seed; a configuration's measures are the
+final greedy accuracy in-domain and out-of-domain, and how many of its runs broke (one failure
+definition for every claim: prereg.FailureRule).
 
-Per run, three measures: final greedy accuracy in-domain and out-of-domain (the last
-evaluation), and the KL to the reference at the end (mean `kl/pi_ref` over the last
-TAIL_STEPS training steps). Over a configuration's runs (its seeds) a measure is a mean with a
-standard error (sample sd / sqrt(n)). Two configurations differ on a measure when the
-difference of their means exceeds Z standard errors of that difference (Welch:
-sqrt(se_a^2 + se_b^2)); with 3 seeds per configuration this is a rough test (about a 90%
-two-sided level), which the report says.
+Each claim gives two p-values (`Outcome`): one for the evidence it predicts (`reproduce`), one
+for the opposite beyond an equivalence bound (`contradict`: an accuracy lead shown to be smaller
+than `Rules.accuracy_margin`, or a break rate shown on the wrong side of `Rules.break_rate`).
+A claim made of several comparisons is reproduced only when each is (intersection-union: its
+p-value is the largest), and contradicted when any one is (Bonferroni within the claim). Holm's
+correction then runs across the claims, separately for the two, at `Rules.alpha`:
 
-A run is *broken* when the report flags an accuracy collapse or a non-finite step, and
-*drifting* when it flags a KL blow-up (the policy leaving the reference; without a KL penalty
-that is what it does, so drifting alone is not a collapse).
+- *reproduced*: the Holm-adjusted reproduction p-value is at most alpha;
+- *contradicted*: otherwise, the Holm-adjusted contradiction p-value is at most alpha;
+- *inconclusive*: neither;
+- *not testable here*: no outcome of this design could decide it (a break comparison whose
+  break counts leave no table extreme enough, e.g. a control that never broke: Tarone's rule);
+- *not run here*: its configurations are not in the directory.
 
-Verdicts: *reproduced* (the evidence the claim predicts, beyond the noise), *contradicted* (the
-opposite, beyond the noise), *inconclusive* (neither), *not run here*. The rules of each claim
-are in its function's docstring and in docs/sweeps.md.
+The rules of each claim are in its function's docstring and in docs/sweeps.md.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-Z = 2.0            # standard errors of a difference that count as a difference
-TAIL_STEPS = 10    # training steps averaged for the KL at the end
-IN_DOMAIN, OUT_OF_DOMAIN, KL = "eval/in_domain/accuracy", "eval/out_of_domain/accuracy", "kl/pi_ref"
+from cluster.experiments import stats
+from cluster.experiments.measures import PRIMARY, Measures
+from cluster.experiments.prereg import Preregistration, Rules
 
-
-@dataclass(frozen=True)
-class Stat:
-    """One measure over one configuration's runs."""
-
-    values: tuple[float, ...]
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.values)
-
-    @property
-    def se(self) -> float:
-        n = len(self.values)
-        return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else math.inf
-
-    def __str__(self) -> str:
-        se = f" ± {self.se:.3f}" if math.isfinite(self.se) else ""
-        return f"{self.mean:.3f}{se} (n={len(self.values)})"
-
-
-def ahead(a: Stat, b: Stat) -> bool:
-    """a's mean exceeds b's by more than Z standard errors of the difference."""
-    se = math.sqrt(a.se ** 2 + b.se ** 2)
-    return math.isfinite(se) and a.mean - b.mean > Z * se
+IN, OUT = "in_domain", "out_of_domain"
+ArmKey = tuple  # (estimator, placement, importance, beta, max_lag); no KL: (None, None, ...)
 
 
 @dataclass(frozen=True)
-class Finding:
-    claim: str
-    source: str        # "paper" or "klrl"
-    setting: str       # e.g. "beta 0.3, max_lag 8"
-    verdict: str       # reproduced | contradicted | inconclusive | not run here
-    evidence: str
-
-
-@dataclass(frozen=True)
-class Config:
-    """The runs of one KL configuration at one beta and lag (its seeds)."""
+class Arm:
+    """One configuration's finished runs: their final accuracies and how many broke."""
 
     name: str
-    runs: tuple  # RunData of finished runs
+    accuracy: dict[str, tuple[float, ...]]
     broken: int
-    drifting: int
+    n: int
+    kl_end: tuple[float, ...] = ()  # KL to the reference at the end, per run
 
-    def stat(self, key: str) -> Stat:
-        values = (_measure(run, key) for run in self.runs)
-        return Stat(tuple(v for v in values if math.isfinite(v)))
+    def text(self, key: str) -> str:
+        values = self.accuracy.get(key, ())
+        if not values:
+            return f"{self.name} -"
+        se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+        return f"{self.name} {statistics.fmean(values):.3f}" + (
+            f" ± {se:.3f}" if math.isfinite(se) else "") + f" (n={len(values)})"
 
-    @property
-    def broken_share(self) -> float:
-        return self.broken / len(self.runs)
-
-    def unwell_share(self, study: Study) -> float:
-        """The share of runs that broke or drifted."""
-        return len({r.name for r in self.runs} & (study.broken | study.drifting)) / len(self.runs)
-
-    def flags_text(self) -> str:
-        n = len(self.runs)
-        return f"broken {self.broken}/{n}, drifting {self.drifting}/{n}"
+    def flags(self) -> str:
+        kl = [v for v in self.kl_end if math.isfinite(v)]
+        at_end = f", KL at the end {statistics.median(kl):.3g} (median)" if kl else ""
+        return f"{self.name}: {self.broken}/{self.n} broken{at_end}"
 
 
-def _measure(run, key: str) -> float:
-    """A run's final value of `key` (an accuracy's last evaluation), or for the KL the mean of
-    its last TAIL_STEPS training steps; NaN when never logged."""
-    steps, values = run.series(key)
-    if key == KL:
-        tail = [v for s, v in zip(steps, values) if s > 0][-TAIL_STEPS:]
-        return statistics.fmean(tail) if tail else math.nan
-    return values[-1] if values else math.nan
+def arm_name(key: ArmKey) -> str:
+    estimator, placement, importance, _, _ = key
+    if estimator is None:
+        return "no KL"
+    return f"{estimator.upper()} in {placement}" + (
+        f" + importance {importance}" if importance != "none" else "")
 
 
 class Study:
-    """The finished runs of a directory, selectable by KL configuration, beta and lag."""
+    """The configurations of a directory (or simulated ones), by ArmKey."""
 
-    def __init__(self, runs: Sequence, flags: Sequence):
-        self.runs = [r for r in runs if r.finished]
-        self.broken = {f.run for f in flags if f.kind.startswith(("accuracy collapse", "non-finite"))}
-        self.drifting = {f.run for f in flags if f.kind == "KL blow-up"}
+    def __init__(self, arms: dict[ArmKey, Arm]):
+        self.arms = arms
 
-    def config(self, estimator: str | None, placement: str | None, beta: float, lag: int,
-               importance: str = "none") -> Config | None:
-        """The configuration's runs (beta 0: the no-KL control, any estimator), or None."""
-        def matches(c: dict) -> bool:
-            if c.get("max_lag") != lag or not math.isclose(float(c.get("kl.beta", -1)), beta):
-                return False
-            if beta == 0:
-                return True
-            return (c.get("kl.estimator"), c.get("kl.placement"), c.get("kl.importance", "none")) \
-                == (estimator, placement, importance)
-        runs = tuple(r for r in self.runs if matches(r.config))
-        if not runs:
-            return None
-        name = "no KL" if beta == 0 else f"{estimator.upper()} in {placement}" + (
-            f" + importance {importance}" if importance != "none" else "")
-        return Config(name, runs, sum(r.name in self.broken for r in runs),
-                      sum(r.name in self.drifting for r in runs))
+    @classmethod
+    def of(cls, measures: Sequence[Measures], variant: str = PRIMARY) -> Study:
+        """The finished runs' arms, a run broken as the failure definition (or `variant`)
+        says."""
+        runs: dict[ArmKey, list[Measures]] = {}
+        for m in measures:
+            if m.finished:
+                runs.setdefault(_key(m.config), []).append(m)
+        return cls({key: Arm(arm_name(key), {s: tuple(v for m in ms if math.isfinite(
+            v := m.accuracy.get(s, math.nan))) for s in (IN, OUT)},
+            sum(bool(m.broken[variant]) for m in ms), len(ms), tuple(m.kl_end for m in ms))
+            for key, ms in runs.items()})
+
+    def arm(self, estimator: str | None, placement: str | None, beta: float, lag: int,
+            importance: str = "none") -> Arm | None:
+        if beta == 0:
+            return self.arms.get((None, None, "none", 0.0, lag))
+        return self.arms.get((estimator, placement, importance, float(beta), lag))
 
     def settings(self) -> list[tuple[float, int]]:
-        """(beta, async lag) pairs to test: each positive beta at the largest lag it ran at."""
-        betas = sorted({float(r.config.get("kl.beta", 0)) for r in self.runs} - {0.0})
-        out = []
-        for beta in betas:
-            lags = [r.config.get("max_lag", 0) for r in self.runs
-                    if math.isclose(float(r.config.get("kl.beta", 0)), beta)]
-            out.append((beta, max(lags)))
-        return out
+        """(beta, lag) pairs of an exploratory report: each positive beta at its largest lag."""
+        lags: dict[float, int] = {}
+        for _, _, _, beta, lag in self.arms:
+            if beta > 0:
+                lags[beta] = max(lag, lags.get(beta, lag))
+        return sorted(lags.items())
 
 
-def _verdict(reproduced: bool, contradicted: bool) -> str:
-    return "reproduced" if reproduced else "contradicted" if contradicted else "inconclusive"
+def _key(config: dict) -> ArmKey:
+    beta, lag = float(config.get("kl.beta", 0) or 0), config.get("max_lag", 0)
+    if beta == 0:
+        return (None, None, "none", 0.0, lag)
+    return (config.get("kl.estimator"), config.get("kl.placement"),
+            config.get("kl.importance", "none"), beta, lag)
 
 
-def _compare(a: Config, b: Config, key: str) -> str:
-    sa, sb = a.stat(key), b.stat(key)
-    sign = ">" if ahead(sa, sb) else "<" if ahead(sb, sa) else "~"
-    return f"{a.name} {sa} {sign} {b.name} {sb}"
+@dataclass(frozen=True)
+class Outcome:
+    """One claim at one setting, before Holm's correction."""
+
+    claim: str
+    source: str              # "paper" or "klrl"
+    setting: str
+    reproduce: float         # p-value of the claim's evidence (NaN: cannot be tested)
+    contradict: float        # p-value of the opposite beyond the equivalence bound
+    evidence: str
+    status: str = "tested"   # or "not testable here", "not run here"
+    verdict: str = ""        # set by `decide`
+    fragile: bool = False    # the verdict differs under a threshold variant (`robust`)
+    adjusted: tuple[float, float] = (math.nan, math.nan)  # Holm-adjusted (reproduce, contradict)
 
 
-def k1_reward_best(study: Study, beta: float, lag: int) -> Finding:
-    """Paper: K1 in the reward gives the best in- and out-of-domain accuracy. Reproduced when
-    it is ahead of each other KL configuration on both; contradicted when another is ahead of
-    it on either; else inconclusive."""
-    claim = "K1 in the reward is best in- and out-of-domain"
-    best = study.config("k1", "reward", beta, lag)
-    others = [c for e, p in (("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
-              if (c := study.config(e, p, beta, lag))]
-    setting = f"beta {beta:g}, max_lag {lag}"
+def _not_run(claim: str, source: str, setting: str, needs: str) -> Outcome:
+    return Outcome(claim, source, setting, math.nan, math.nan, needs, "not run here")
+
+
+def _outcome(claim, source, setting, rep: Sequence[stats.Test], con: Sequence[stats.Test],
+             alpha: float, evidence: list[str]) -> Outcome:
+    """Intersection-union over `rep` (every test must pass: the largest p), Bonferroni over
+    `con` (any one suffices). A side none of whose tests can reach alpha is not testable."""
+    rep_ok = bool(rep) and all(t.testable and stats.reaches(t.min_p, alpha) for t in rep)
+    con = [t for t in con if t.testable and stats.reaches(t.min_p, alpha / max(1, len(con)))]
+    p_rep = max(t.p for t in rep) if rep_ok else math.nan
+    p_con = min(1.0, len(con) * min(t.p for t in con)) if con else math.nan
+    status = "tested" if rep_ok or con else "not testable here"
+    return Outcome(claim, source, setting, p_rep, p_con, "; ".join(evidence), status)
+
+
+def _welch_lines(a: Arm, b: Arm, key: str, label: str, margin: float) -> tuple:
+    """(a ahead of b, a's lead below the margin, the evidence line with both tests)."""
+    ahead, short = stats.welch(a.accuracy[key], b.accuracy[key], "greater"), \
+        stats.welch(a.accuracy[key], b.accuracy[key], "less", margin)
+    return ahead, short, (f"{label}: {a.text(key)} vs {b.text(key)}, {ahead.effect}; "
+                          f"ahead: {ahead.text}; lead below {margin:g}: {short.text}")
+
+
+def k1_reward_best(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
+    """Paper: K1 in the reward gives the best in- and out-of-domain accuracy. Reproduced: it
+    is ahead of each of the three other KL configurations on both sets (six one-sided Welch
+    tests, intersection-union). Contradicted: its lead over one of them on one set is shown
+    to be below the margin (non-superiority Welch, Bonferroni over the six)."""
+    claim, setting = "K1 in the reward is best in- and out-of-domain", f"beta {beta:g}, max_lag {lag}"
+    best = study.arm("k1", "reward", beta, lag)
+    others = [a for e, p in (("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
+              if (a := study.arm(e, p, beta, lag))]
     if best is None or len(others) < 3:
-        return Finding(claim, "paper", setting, "not run here", "needs the four KL configurations")
-    lines, wins, losses = [], 0, 0
-    for key, label in ((IN_DOMAIN, "in-domain"), (OUT_OF_DOMAIN, "out-of-domain")):
+        return _not_run(claim, "paper", setting, "needs the four KL configurations")
+    rep, con, lines = [], [], []
+    for key, label in ((IN, "in-domain"), (OUT, "out-of-domain")):
         for other in others:
-            wins += ahead(best.stat(key), other.stat(key))
-            losses += ahead(other.stat(key), best.stat(key))
-        lines.append(f"{label}: " + "; ".join(_compare(best, o, key) for o in others))
-    verdict = "contradicted" if losses else "reproduced" if wins == 6 else "inconclusive"
-    return Finding(claim, "paper", setting, verdict, " / ".join(lines))
+            ahead, short, line = _welch_lines(best, other, key, label, rules.accuracy_margin)
+            rep.append(ahead)
+            con.append(short)
+            lines.append(line)
+    return _outcome(claim, "paper", setting, rep, con, rules.alpha, lines)
 
 
-def k1_loss_unstable(study: Study, beta: float, lag: int) -> Finding:
-    """Paper: K1 in the loss is unstable off-policy. Reproduced when at least half its runs
-    break and more of them than of K1 in the reward; contradicted when none breaks or drifts
-    and its in-domain accuracy is not below K1 in the reward's; else inconclusive."""
-    claim = "K1 in the loss is unstable off-policy"
-    k1l, k1r = study.config("k1", "loss", beta, lag), study.config("k1", "reward", beta, lag)
-    setting = f"beta {beta:g}, max_lag {lag}"
+def _breaks_more(claim: str, source: str, setting: str, a: Arm, b: Arm, rules: Rules) -> Outcome:
+    """a breaks in more of its runs than b (Fisher); contradicted when a's break rate is
+    shown below rules.break_rate (exact binomial)."""
+    more = stats.fisher(a.broken, a.n, b.broken, b.n)
+    stable = stats.binomial(a.broken, a.n, rules.break_rate, "less")
+    return _outcome(claim, source, setting, [more], [stable], rules.alpha,
+                    [f"{a.flags()}, {b.flags()}: {more.text}, {more.effect}",
+                     f"{a.name}: {stable.text}"])
+
+
+def k1_loss_unstable(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
+    """Paper: K1 in the loss is unstable off-policy. Reproduced: it breaks in more of its runs
+    than K1 in the reward (Fisher, one-sided). Contradicted: its break rate is shown below
+    rules.break_rate (exact binomial)."""
+    claim, setting = "K1 in the loss is unstable off-policy", f"beta {beta:g}, max_lag {lag}"
+    k1l, k1r = study.arm("k1", "loss", beta, lag), study.arm("k1", "reward", beta, lag)
     if k1l is None or k1r is None or lag == 0:
-        return Finding(claim, "paper", setting, "not run here", "needs K1 in loss and in reward at a lag")
-    verdict = _verdict(
-        reproduced=k1l.broken_share >= 0.5 and k1l.broken_share > k1r.broken_share,
-        contradicted=k1l.broken == k1l.drifting == 0
-        and not ahead(k1r.stat(IN_DOMAIN), k1l.stat(IN_DOMAIN)))
-    return Finding(claim, "paper", setting, verdict,
-                   f"K1 in loss: {k1l.flags_text()}; K1 in reward: {k1r.flags_text()}; KL at the "
-                   f"end: {_compare(k1l, k1r, KL)}; in-domain: {_compare(k1l, k1r, IN_DOMAIN)}")
+        return _not_run(claim, "paper", setting, "needs K1 in loss and in reward at a lag")
+    return _breaks_more(claim, "paper", setting, k1l, k1r, rules)
 
 
-def k3_loss_stable_worse_ood(study: Study, beta: float, lag: int) -> Finding:
-    """Paper: K3 in the loss is stable but generalises worse than K1 in the reward. Reproduced
-    when none of its runs breaks and K1 in the reward is ahead of it out-of-domain;
-    contradicted when half its runs break or it is ahead of K1 in the reward out-of-domain;
-    else inconclusive."""
-    claim = "K3 in the loss is stable but worse out-of-domain"
-    k3l, k1r = study.config("k3", "loss", beta, lag), study.config("k1", "reward", beta, lag)
-    setting = f"beta {beta:g}, max_lag {lag}"
-    if k3l is None or k1r is None:
-        return Finding(claim, "paper", setting, "not run here", "needs K3 in loss and K1 in reward")
-    ood_k1r, ood_k3l = k1r.stat(OUT_OF_DOMAIN), k3l.stat(OUT_OF_DOMAIN)
-    verdict = _verdict(reproduced=k3l.broken == 0 and ahead(ood_k1r, ood_k3l),
-                       contradicted=k3l.broken_share >= 0.5 or ahead(ood_k3l, ood_k1r))
-    return Finding(claim, "paper", setting, verdict,
-                   f"K3 in loss: {k3l.flags_text()}; out-of-domain: "
-                   f"{_compare(k3l, k1r, OUT_OF_DOMAIN)}")
-
-
-def kl_stabilises_async(study: Study, beta: float, lag: int) -> Finding:
-    """Paper: KL regularisation stabilises asynchronous training. Needs the no-KL control at
-    the same lag. Reproduced when at least half the no-KL runs break and K1 in the reward breaks
-    less often; contradicted when no no-KL run breaks and K1 in the reward is not ahead of it
-    in-domain (there was nothing to stabilise); else inconclusive."""
-    claim = "KL regularisation stabilises async training"
-    nokl, k1r = study.config(None, None, 0.0, lag), study.config("k1", "reward", beta, lag)
-    setting = f"beta {beta:g} against beta 0, max_lag {lag}"
-    if nokl is None or k1r is None or lag == 0:
-        return Finding(claim, "paper", setting, "not run here",
-                       "needs the no-KL control (kl.beta 0) and K1 in reward at a lag")
-    verdict = _verdict(
-        reproduced=nokl.broken_share >= 0.5 and k1r.broken_share < nokl.broken_share,
-        contradicted=nokl.broken == 0 and not ahead(k1r.stat(IN_DOMAIN), nokl.stat(IN_DOMAIN)))
-    return Finding(claim, "paper", setting, verdict,
-                   f"no KL: {nokl.flags_text()}; K1 in reward: {k1r.flags_text()}; in-domain: "
-                   f"{_compare(k1r, nokl, IN_DOMAIN)}; KL at the end: {_compare(k1r, nokl, KL)}")
-
-
-def k3_reward_breaks(study: Study, beta: float, lag: int) -> Finding:
+def k3_reward_breaks(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
     """klrl: K3 in the reward breaks off-policy (its exp(-delta) turns tokens the reference
-    finds unlikely into huge costs). Reproduced when at least half its runs break or drift and
-    more than K1 in the reward's; contradicted when none does; else inconclusive."""
-    claim = "K3 in the reward breaks off-policy"
-    k3r, k1r = study.config("k3", "reward", beta, lag), study.config("k1", "reward", beta, lag)
-    setting = f"beta {beta:g}, max_lag {lag}"
+    finds unlikely into huge costs). Reproduced: it breaks in more runs than K1 in the reward
+    (Fisher). Contradicted: its break rate is shown below rules.break_rate (binomial)."""
+    claim, setting = "K3 in the reward breaks off-policy", f"beta {beta:g}, max_lag {lag}"
+    k3r, k1r = study.arm("k3", "reward", beta, lag), study.arm("k1", "reward", beta, lag)
     if k3r is None or k1r is None or lag == 0:
-        return Finding(claim, "klrl", setting, "not run here", "needs K3 and K1 in reward at a lag")
-    bad, bad_k1r = k3r.unwell_share(study), k1r.unwell_share(study)
-    verdict = _verdict(reproduced=bad >= 0.5 and bad > bad_k1r, contradicted=bad == 0)
-    return Finding(claim, "klrl", setting, verdict,
-                   f"K3 in reward: {k3r.flags_text()}; K1 in reward: {k1r.flags_text()}; KL at "
-                   f"the end: {_compare(k3r, k1r, KL)}")
+        return _not_run(claim, "klrl", setting, "needs K3 and K1 in reward at a lag")
+    return _breaks_more(claim, "klrl", setting, k3r, k1r, rules)
 
 
-def prefix_repairs(study: Study, beta: float, lag: int) -> Finding:
+def k3_loss_stable_worse_ood(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
+    """Paper: K3 in the loss is stable but generalises worse than K1 in the reward.
+    Reproduced: its break rate is shown below rules.break_rate (binomial) and K1 in the
+    reward is ahead of it out-of-domain (Welch), both. Contradicted: its break rate is shown
+    above rules.break_rate, or K1 in the reward's out-of-domain lead is shown below the margin
+    (Bonferroni over the two)."""
+    claim, setting = "K3 in the loss is stable but worse out-of-domain", f"beta {beta:g}, max_lag {lag}"
+    k3l, k1r = study.arm("k3", "loss", beta, lag), study.arm("k1", "reward", beta, lag)
+    if k3l is None or k1r is None:
+        return _not_run(claim, "paper", setting, "needs K3 in loss and K1 in reward")
+    stable = stats.binomial(k3l.broken, k3l.n, rules.break_rate, "less")
+    unstable = stats.binomial(k3l.broken, k3l.n, rules.break_rate, "greater")
+    ahead, short, line = _welch_lines(k1r, k3l, OUT, "out-of-domain", rules.accuracy_margin)
+    return _outcome(claim, "paper", setting, [stable, ahead], [unstable, short], rules.alpha,
+                    [f"{k3l.name}: {stable.text}", line])
+
+
+def kl_stabilises_async(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
+    """Paper: KL regularisation stabilises asynchronous training. Reproduced: the no-KL
+    control (beta 0, same lag) breaks in more runs than K1 in the reward (Fisher).
+    Contradicted (only where there was something to stabilise, i.e. the Fisher test is
+    testable): K1 in the reward's own break rate is shown above rules.break_rate. Not testable
+    here when the control's breaks cannot make the Fisher test reach alpha (it never breaks)."""
+    claim, setting = ("KL regularisation stabilises async training",
+                      f"beta {beta:g} against beta 0, max_lag {lag}")
+    nokl, k1r = study.arm(None, None, 0.0, lag), study.arm("k1", "reward", beta, lag)
+    if nokl is None or k1r is None or lag == 0:
+        return _not_run(claim, "paper", setting,
+                        "needs the no-KL control (kl.beta 0) and K1 in reward at a lag")
+    more = stats.fisher(nokl.broken, nokl.n, k1r.broken, k1r.n)
+    breaks = stats.binomial(k1r.broken, k1r.n, rules.break_rate, "greater")
+    evidence = [(f"{nokl.flags()}, {k1r.flags()}: {more.text}, {more.effect} (smallest reachable p "
+                f"{more.min_p:.2g}; 95% upper bound on no KL's break rate "
+                f"{stats.rate_bound(nokl.broken, nokl.n):.2f})"), f"{k1r.name}: {breaks.text}"]
+    return _outcome(claim, "paper", setting, [more],
+                    [breaks] if stats.reaches(more.min_p, rules.alpha) else [], rules.alpha,
+                    evidence)
+
+
+def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
+                   repaired: Sequence[str] = ("k1-loss", "k3-reward")) -> Outcome:
     """klrl: per-decision importance weights (kl.importance prefix) repair the configurations
-    that break off-policy. For each configuration that breaks or drifts in at least half its
-    runs without them: reproduced when every such one breaks and drifts in fewer runs with
-    them and none of the corrected runs breaks; contradicted when a corrected one breaks as
-    often or more; inconclusive when nothing broke (nothing to repair) or in between."""
-    claim = "Per-decision importance weights repair what breaks off-policy"
-    setting = f"beta {beta:g}, max_lag {lag}"
-    pairs = [(plain, fixed) for e, p in (("k1", "loss"), ("k3", "reward"), ("k1", "reward"),
-                                         ("k3", "loss"))
-             if (plain := study.config(e, p, beta, lag)) and (fixed := study.config(e, p, beta, lag, "prefix"))]
+    that break off-policy (`repaired`, named before the runs). For each whose Fisher test can
+    decide (it broke): reproduced when it breaks in more runs without the weights than with
+    them, for each (intersection-union); contradicted when one's corrected runs are shown to
+    break above rules.break_rate (Bonferroni)."""
+    claim, setting = ("Per-decision importance weights repair what breaks off-policy",
+                      f"beta {beta:g}, max_lag {lag}")
+    pairs = [(plain, fixed) for name in repaired
+             if (plain := study.arm(*name.split("-"), beta, lag))
+             and (fixed := study.arm(*name.split("-"), beta, lag, "prefix"))]
     if not pairs or lag == 0:
-        return Finding(claim, "klrl", setting, "not run here",
-                       "needs configurations with and without kl.importance prefix at a lag")
-    bad = [(a, b) for a, b in pairs if 2 * (a.broken + a.drifting) >= len(a.runs) and a.broken + a.drifting]
-    evidence = "; ".join(f"{a.name}: {a.flags_text()} -> with prefix {b.flags_text()}" for a, b in pairs)
-    if not bad:
-        return Finding(claim, "klrl", setting, "inconclusive", "nothing broke without them: " + evidence)
-    contradicted = any(b.broken + b.drifting >= a.broken + a.drifting for a, b in bad)
-    verdict = _verdict(reproduced=not contradicted and all(b.broken == 0 for _, b in bad),
-                       contradicted=contradicted)
-    return Finding(claim, "klrl", setting, verdict, evidence)
+        return _not_run(claim, "klrl", setting,
+                        "needs configurations with and without kl.importance prefix at a lag")
+    rep, con, lines = [], [], []
+    for plain, fixed in pairs:
+        more = stats.fisher(plain.broken, plain.n, fixed.broken, fixed.n)
+        lines.append(f"{plain.flags()} -> {fixed.flags()}: {more.text}, {more.effect}")
+        if stats.reaches(more.min_p, rules.alpha):
+            rep.append(more)
+            con.append(stats.binomial(fixed.broken, fixed.n, rules.break_rate, "greater"))
+            lines.append(f"{fixed.name}: {con[-1].text}")
+    return _outcome(claim, "klrl", setting, rep, con, rules.alpha, lines)
 
 
-CLAIMS: tuple[Callable[[Study, float, int], Finding], ...] = (
+CLAIMS: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,
-    k3_reward_breaks, prefix_repairs)
+    k3_reward_breaks, prefix_repairs)}
 
 
-def findings(runs: Sequence, flags: Sequence) -> list[Finding]:
-    """Every claim at every (beta, async lag) of the directory; K1-in-reward-best also
-    on-policy when max_lag 0 ran."""
-    study = Study(runs, flags)
+def decide(outcomes: Sequence[Outcome], alpha: float) -> list[Outcome]:
+    """Verdicts after Holm's correction across `outcomes` (the family; claims not run or not
+    testable count in it with p = 1)."""
+    rep = stats.holm([o.reproduce for o in outcomes])
+    con = stats.holm([o.contradict for o in outcomes])
+    out = []
+    for o, r, c in zip(outcomes, rep, con):
+        verdict = o.status if o.status != "tested" else "reproduced" if stats.reaches(r, alpha) \
+            else "contradicted" if stats.reaches(c, alpha) else "inconclusive"
+        out.append(replace(o, verdict=verdict, adjusted=(r, c)))
+    return out
+
+
+def plan(study: Study, prereg: Preregistration | None, sweep: str) -> list[tuple]:
+    """(claim function, beta, lag, extra arguments) to test: the pre-registration's claims for
+    `sweep`, else (exploratory) every claim at each beta's largest lag, K1-in-reward-best also
+    on-policy."""
+    if prereg is not None:
+        sweep_plan = prereg.sweeps[sweep]
+        return [(CLAIMS[c.claim], prereg.beta, c.max_lag,
+                 {"repaired": sweep_plan.repaired} if c.claim == "prefix_repairs" else {})
+                for c in sweep_plan.claims]
     out = []
     for beta, lag in study.settings():
-        if lag > 0 and study.config("k1", "reward", beta, 0):
-            out.append(k1_reward_best(study, beta, 0))
-        out += [claim(study, beta, lag) for claim in CLAIMS]
-    return [f for f in out if f.verdict != "not run here"] + [f for f in out if f.verdict == "not run here"]
+        if lag > 0 and study.arm("k1", "reward", beta, 0):
+            out.append((k1_reward_best, beta, 0, {}))
+        out += [(claim, beta, lag, {}) for claim in CLAIMS.values()]
+    return out
 
 
-def findings_markdown(found: Sequence[Finding]) -> list[str]:
+def findings(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
+             variant: str = PRIMARY, family_of_all: bool = False) -> list[Outcome]:
+    """Every planned claim, decided. `family_of_all`: claims not run here stay in the Holm
+    family (a pre-registration's); otherwise they are listed after it, outside."""
+    study = Study.of(measures, variant)
+    outcomes = [claim(study, beta, lag, rules, **extra) for claim, beta, lag, extra in todo]
+    if family_of_all:
+        return decide(outcomes, rules.alpha)
+    run = [o for o in outcomes if o.status != "not run here"]
+    return decide(run, rules.alpha) + [replace(o, verdict=o.status) for o in outcomes
+                                       if o.status == "not run here"]
+
+
+def robust(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
+           family_of_all: bool = False) -> tuple[list[Outcome], list[str]]:
+    """The findings under the failure definition, each marked fragile where a threshold
+    variant (rules.sensitivity) changes its verdict, and the sensitivity table (markdown)."""
+    primary = findings(measures, rules, todo, PRIMARY, family_of_all)
+    variants = {v.name: findings(measures, rules, todo, v.name, family_of_all)
+                for v in rules.sensitivity}
+    marked = [replace(f, fragile=any(v[i].verdict != f.verdict for v in variants.values()))
+              for i, f in enumerate(primary)]
+    lines = ["| claim | setting | " + " | ".join([PRIMARY, *variants]) + " | fragile |",
+             "|---|---|" + "---|" * (len(variants) + 2)]
+    lines += [f"| {f.claim} | {f.setting} | " + " | ".join(
+        [f.verdict, *(v[i].verdict for v in variants.values())])
+        + f" | {'**yes**' if f.fragile else 'no'} |" for i, f in enumerate(marked)]
+    return marked, lines
+
+
+def findings_markdown(found: Sequence[Outcome]) -> list[str]:
     if not found:
         return ["No finished run with a KL penalty: no claim to test."]
-    lines = ["| claim | from | setting | verdict | evidence (mean ± standard error over seeds) |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {f.claim} | {f.source} | {f.setting} | **{f.verdict}** | {f.evidence} |" for f in found]
+    lines = [("| claim | from | setting | verdict | Holm-adjusted p (reproduce / contradict) | "
+             "evidence (mean ± standard error over seeds; each test's statistics) |"),
+             "|---|---|---|---|---|---|"]
+    for f in found:
+        adj = " / ".join("-" if not math.isfinite(p) else f"{p:.2g}" for p in f.adjusted)
+        verdict = f"**{f.verdict}**" + (" (fragile)" if f.fragile else "")
+        lines.append(f"| {f.claim} | {f.source} | {f.setting} | {verdict} | {adj} | "
+                     f"{f.evidence} |")
     return lines

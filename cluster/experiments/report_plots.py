@@ -76,6 +76,58 @@ FIGURES = (
 )
 
 
+# Not a per-step figure: one point per run (report.py draws it with plot_accuracy_against_kl).
+ACCURACY_AGAINST_KL = Figure(
+    "accuracy_vs_kl.png", "Accuracy against the distance to the reference",
+    "Each run's final greedy accuracy (the final checkpoint's evaluation where there is one) "
+    "against its KL(pi || pi_ref) at the end (mean over the last steps, log scale): a "
+    "configuration that scores higher out-of-domain only because it moved further from the "
+    "reference lies to the right of the others, one that generalises lies above them at the "
+    "same distance.", ())
+
+
+def plot_accuracy_against_kl(measures, groups: dict, out_dir: Path) -> str | None:
+    """One point per finished run: final accuracy (in-domain, out-of-domain) against the KL to
+    the reference at the end; the colours and markers of the other figures' configurations.
+    None when no run has both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = [(name, SET_LABELS[name]) for name in ("in_domain", "out_of_domain")]
+    points = [m for m in measures if m.finished and math.isfinite(m.kl_end) and m.kl_end > 0
+              and any(math.isfinite(m.accuracy.get(n, math.nan)) for n, _ in sets)]
+    if not points:
+        return None
+    styles = _styles(groups, plt)
+    fig, axes = plt.subplots(1, 2, figsize=(13.4, 4.4), squeeze=False)
+    markers = {"-": "o", "--": "s", ":": "^", "-.": "D"}
+    for ax, (name, label) in zip(axes.flat, sets):
+        for config in groups:
+            ms = [m for m in points if m.configuration == config
+                  and math.isfinite(m.accuracy.get(name, math.nan))]
+            if ms:
+                color, linestyle = styles[config]
+                ax.scatter([m.kl_end for m in ms], [m.accuracy[name] for m in ms], s=28,
+                           color=color, marker=markers.get(linestyle, "o"), label=config,
+                           alpha=0.85)
+        ax.set_xscale("log")
+        ax.set_xlabel("KL(pi || ref) at the end (nats per sequence, log scale)")
+        ax.set_ylabel("final greedy accuracy")
+        ax.set_title(f"{label.capitalize()}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5),
+               fontsize=8, title="configuration", title_fontsize=9, frameon=False)
+    right = 1 - 2.5 / fig.get_figwidth()
+    fig.suptitle(ACCURACY_AGAINST_KL.title + " (one point per run)", fontsize=12, x=right / 2)
+    fig.tight_layout(rect=(0, 0, right, 0.95))
+    fig.savefig(out_dir / ACCURACY_AGAINST_KL.file, dpi=110)
+    plt.close(fig)
+    return ACCURACY_AGAINST_KL.file
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     """Centred moving average ignoring non-finite values (NaN where a window has none)."""
     if window <= 1:

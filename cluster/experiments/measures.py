@@ -1,0 +1,129 @@
+"""Per-run measures the findings compare, and the CSV every report directory keeps of them.
+
+Per run: the final greedy accuracy of each evaluation set (the final checkpoint's evaluation,
+final_eval.json, when it has the pre-registered problems and seed; else the last evaluation
+during training, which the report says), the last evaluation during training, the area under
+the accuracy curve (mean accuracy over the run: trapezoids between evaluations over the steps
+they span), the KL to the reference at the end (mean `kl/pi_ref` over the last TAIL_STEPS
+steps), and whether the run broke under the failure definition (prereg.FailureRule) and
+under each threshold variant of the sensitivity table.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.experiments.prereg import Rules
+from cluster.experiments.runs import (
+    RunData,
+    accuracy_collapse,
+    kl_blowup,
+    nonfinite_steps,
+)
+from rewards.config import EVAL_SETS
+
+TAIL_STEPS = 10    # training steps averaged for the KL at the end
+KL = "kl/pi_ref"
+PRIMARY = "as registered"  # the failure definition itself, beside its variants
+
+
+@dataclass(frozen=True)
+class Measures:
+    """What the findings and the CSV know of one run."""
+
+    run: str
+    configuration: str
+    seed: int | None
+    finished: bool
+    config: dict
+    commit: str
+    accuracy: dict[str, float]     # set -> final greedy accuracy (see source)
+    source: str                    # where `accuracy` comes from
+    last_eval: dict[str, float]    # set -> last greedy evaluation during training
+    auc: dict[str, float]          # set -> area under the greedy accuracy curve / steps
+    kl_end: float
+    broken: dict[str, str]         # PRIMARY or variant name -> why it broke ("": it did not)
+
+
+def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
+    """(set -> accuracy, source): the final checkpoint's evaluation when it has
+    rules.final_problems problems and rules.final_eval_seed, else the last evaluation."""
+    final = run.final_eval
+    if final and final.get("problems") == rules.final_problems \
+            and final.get("seed") == rules.final_eval_seed:
+        return ({name: s["accuracy"] for name, s in final["sets"].items()},
+                f"final checkpoint, {rules.final_problems} problems")
+    last = {name: values[-1] for name in EVAL_SETS
+            if (values := run.series(f"eval/{name}/accuracy")[1])}
+    problems = run.config.get("eval.num_problems", "?")
+    return last, f"last evaluation, {problems} problems"
+
+
+def area_under_curve(steps: Sequence[float], values: Sequence[float]) -> float:
+    """Mean of the piecewise-linear curve through (step, value) over the steps it spans."""
+    pts = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    if len(pts) < 2:
+        return pts[0][1] if pts else math.nan
+    area = sum((s1 - s0) * (v0 + v1) / 2 for (s0, v0), (s1, v1) in itertools.pairwise(pts))
+    return area / (pts[-1][0] - pts[0][0])
+
+
+def kl_at_end(run: RunData) -> float:
+    steps, values = run.series(KL)
+    tail = [v for s, v in zip(steps, values) if s > 0][-TAIL_STEPS:]
+    return statistics.fmean(tail) if tail else math.nan
+
+
+def why_broken(run: RunData, rules: Rules, changes: dict | None = None) -> str:
+    """Why the run broke under the failure definition (with a variant's `changes` to its
+    thresholds), or "" when it did not."""
+    cfg = rules.failure.thresholds.model_copy(update=changes or {})
+    for name in rules.failure.sets:
+        if hit := accuracy_collapse(*run.series(f"eval/{name}/accuracy"), cfg):
+            return f"{name} accuracy collapse at step {hit[0]}"
+    if hit := kl_blowup(*run.series(cfg.kl_metric), cfg):
+        return f"KL blow-up at step {hit[0]}"
+    if hit := nonfinite_steps(run):
+        return f"non-finite at step {hit[0]}"
+    return ""
+
+
+def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Measures:
+    accuracy, source = final_accuracy(run, rules)
+    last = {name: values[-1] for name in EVAL_SETS
+            if (values := run.series(f"eval/{name}/accuracy")[1])}
+    auc = {name: area_under_curve(*run.series(f"eval/{name}/accuracy")) for name in last}
+    broken = {PRIMARY: why_broken(run, rules)}
+    broken |= {v.name: why_broken(run, rules, v.changes) for v in rules.sensitivity}
+    seed = run.config.get("seed")
+    return Measures(run.name, configuration, seed if isinstance(seed, int) else None,
+                    run.finished, run.config, commit, accuracy, source, last, auc,
+                    kl_at_end(run), broken)
+
+
+def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str]) -> Path:
+    """One row per run: its finals, curve summaries and breaks (CSV, for rechecking)."""
+    sets = [name for name in EVAL_SETS if any(name in m.last_eval for m in measures)]
+    head = ["run", "configuration", "seed", "finished", "commit", "accuracy_source",
+            *(f"final_{s}" for s in sets), *(f"last_eval_{s}" for s in sets),
+            *(f"auc_{s}" for s in sets), "kl_end", "broken",
+            *(f"broken_{v.replace(' ', '_').replace('/', 'over_')}" for v in variants)]
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(head)
+        for m in measures:
+            out.writerow([m.run, m.configuration, m.seed, m.finished, m.commit, m.source,
+                          *(_num(m.accuracy.get(s)) for s in sets),
+                          *(_num(m.last_eval.get(s)) for s in sets),
+                          *(_num(m.auc.get(s)) for s in sets), _num(m.kl_end),
+                          m.broken[PRIMARY], *(m.broken[v] for v in variants)])
+    return path
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None or not math.isfinite(value) else f"{value:.6g}"

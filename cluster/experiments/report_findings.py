@@ -1,0 +1,203 @@
+"""The findings part of `klrl report`: the pre-registration it follows (or the exploratory
+label), the verdicts with their statistics, the threshold-sensitivity table, the measures per
+configuration, runs.csv (every run's finals and curve summaries, to recheck without rerunning)
+and the code the runs came from."""
+from __future__ import annotations
+
+import math
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from cluster.config.loader import ConfigError
+from cluster.experiments import findings as fnd
+from cluster.experiments.measures import PRIMARY, Measures, measure, write_csv
+from cluster.experiments.prereg import (
+    Preregistration,
+    Rules,
+    file_commit,
+    load_preregistration,
+    resolve,
+)
+from cluster.experiments.runs import RunData
+from cluster.train.run_log import read_provenance
+
+CSV_FILE = "runs.csv"
+
+
+def _commits(rows: list[dict]) -> set[str]:
+    return {(r.get("git_commit") or "unknown")[:12] + ("+modified" if r.get("git_dirty") else "")
+            for r in rows}
+
+
+def run_commit(run: RunData) -> str:
+    """The commit(s) that ran this run (several when it was resumed under other code)."""
+    return " ".join(sorted(_commits(read_provenance(run.dir)))) or "not recorded"
+
+
+def sweep_name(path: Path) -> str:
+    """The sweep's name (its sweep.yaml), else the directory's."""
+    sweep = path / "sweep.yaml"
+    if sweep.is_file():
+        return (yaml.safe_load(sweep.read_text()) or {}).get("name") or path.resolve().name
+    return path.resolve().name
+
+
+def provenance_lines(runs: list[RunData]) -> list[str]:
+    """Which code, machine and dates produced the runs (their provenance.jsonl); a warning
+    when the runs come from more than one commit."""
+    starts = [row for r in runs for row in read_provenance(r.dir)]
+    if not starts:
+        return []
+    commits = sorted(_commits(starts))
+    machines = sorted({row.get("machine", "not recorded") for row in starts})
+    dates = sorted(row["started_at"][:10] for row in starts if row.get("started_at"))
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    lines = [(f"Runs started {when}; klrl commit(s) {', '.join(commits)}; machine(s): "
+              f"{'; '.join(machines)}.")]
+    if len(commits) > 1:
+        per = {c: sum(c in _commits(read_provenance(r.dir)) for r in runs) for c in commits}
+        lines += ["", f"**These runs come from {len(commits)} different klrl commits** ("
+                  + ", ".join(f"{c}: {n} run(s)" for c, n in per.items()) + "): a difference "
+                  f"between configurations may partly be one of code. {CSV_FILE} names each "
+                  "run's commit."]
+    return lines
+
+
+def _started(runs: list[RunData]) -> datetime | None:
+    times = []
+    for r in runs:
+        for row in read_provenance(r.dir):
+            try:
+                times.append(datetime.strptime(row["started_at"], "%Y-%m-%dT%H:%M:%S%z"))
+            except (KeyError, ValueError):
+                continue
+    return min(times, default=None)
+
+
+def _prereg_head(cfg, prereg: Preregistration, sweep: str, runs: list[RunData]) -> list[str]:
+    info = file_commit(cfg.preregistration)
+    first = _started(runs)
+    when = ""
+    if info["date"] and first:
+        changed = datetime.fromisoformat(info["date"])
+        when = (" It was last changed before the first run started (" + first.strftime(
+            "%Y-%m-%d %H:%M") + "): pre-registered." if changed <= first else
+            f" **It was changed after the first run started ({first:%Y-%m-%d %H:%M}): these "
+            "findings are not pre-registered.**")
+    modified = " **The file has uncommitted changes: the rules below are not the committed " \
+        "ones.**" if info["modified"] else ""
+    commit = f"commit {info['commit'][:12]} ({info['date']})" if info["commit"] else \
+        "no commit (not in git)"
+    return [(f"**Confirmatory**: the claims, rules and seeds are those of the pre-registration "
+            f"`{cfg.preregistration}` ({prereg.title}), sweep `{sweep}`, last changed at "
+            f"{commit}.{when}{modified} It is quoted at the end of this report.")]
+
+
+def directory_findings(runs: list[RunData], groups: dict, prereg: Preregistration | None,
+                       sweep: str) -> tuple[list[Measures], list[Measures], list, list[str]]:
+    """(every run's measures, those the findings use, the findings, the sensitivity table):
+    the pre-registration's claims and seeds, or (None) exploratory ones with Rules()."""
+    rules = prereg.rules if prereg else Rules()
+    label = {r.name: lab for lab, g in groups.items() for r in g}
+    measures = [measure(r, label[r.name], run_commit(r), rules) for r in runs]
+    used = [m for m in measures if prereg is None or m.seed in prereg.seeds]
+    todo = fnd.plan(fnd.Study.of(used), prereg, sweep)
+    found, sensitivity = fnd.robust(used, rules, todo, family_of_all=prereg is not None)
+    return measures, used, found, sensitivity
+
+
+def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Path
+                     ) -> tuple[list[str], list[Measures], list[str]]:
+    """(markdown of the findings section, every run's measures, the pre-registration quote)."""
+    prereg = load_preregistration(cfg.preregistration) if cfg.preregistration else None
+    rules = prereg.rules if prereg else Rules()
+    sweep = sweep_name(path)
+    if prereg and sweep not in prereg.sweeps:
+        raise ConfigError(f"report.preregistration: {cfg.preregistration} has no claims for "
+                          f"sweep {sweep!r} (it lists {', '.join(prereg.sweeps)})")
+    measures, used, found, sensitivity = directory_findings(runs, groups, prereg, sweep)
+    write_csv(measures, out / CSV_FILE, [v.name for v in rules.sensitivity])
+    md = ["## Findings", ""]
+    md += _prereg_head(cfg, prereg, sweep, runs) if prereg else [
+        ("**Exploratory**: no pre-registration (`report.preregistration`); the rules are the "
+        "pre-registered ones, but they were fixed after data like these were seen, so the "
+        "p-values describe, they do not confirm (docs/sweeps.md).")]
+    md += ["", *_deviations(measures, used, prereg, rules), *_rules_text(rules, found), "",
+           *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
+           ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
+           "factor; collapse: evaluations below the level needed); a verdict that changes under "
+           "one is *fragile*."), "", *(sensitivity if found else ["No claim to test."]), "",
+           "### Measures per configuration", "", *_measures_table(used, groups), "",
+           (f"Every run's values (final accuracies, last evaluation, area under the accuracy "
+           f"curve, KL at the end, broken and why, under each variant): [{CSV_FILE}]({CSV_FILE})."),
+           ""]
+    quote = []
+    if prereg:
+        quote = ["## Pre-registration", "", f"`{cfg.preregistration}`, as read for this report:",
+                 "", "```yaml", resolve(cfg.preregistration).read_text().rstrip(), "```", ""]
+    return md, measures, quote
+
+
+def _deviations(measures, used, prereg, rules) -> list[str]:
+    lines = []
+    finished = [m for m in used if m.finished]
+    fallback = [m for m in finished if not m.source.startswith("final checkpoint")]
+    if fallback:
+        lines.append(f"- {len(fallback)} of {len(finished)} finished runs have no evaluation of "
+                     f"their final checkpoint on {rules.final_problems} problems (seed "
+                     f"{rules.final_eval_seed}): their accuracy is that of their last evaluation "
+                     "during training (`make results` evaluates them; docs/sweeps.md).")
+    if unfinished := len(used) - len(finished):
+        lines.append(f"- {unfinished} run(s) unfinished: left out of the findings.")
+    if prereg and (other := len(measures) - len(used)):
+        lines.append(f"- {other} run(s) with seeds outside the pre-registered "
+                     f"{', '.join(map(str, prereg.seeds))}: left out of the findings.")
+    return [*lines, ""] if lines else []
+
+
+def _rules_text(rules: Rules, found) -> list[str]:
+    m = sum(f.verdict != "not run here" for f in found) if found else 0
+    return [(f"Rules (docs/sweeps.md, Findings): accuracy differences by one-sided Welch t-tests "
+            f"(Welch-Satterthwaite df), break counts by Fisher's exact test, a break rate "
+            f"against {rules.break_rate:g} by the exact binomial test; Holm's correction across "
+            f"the {m} claims of the family at alpha = {rules.alpha:g}, for 'reproduced' and for "
+            f"'contradicted' each; 'contradicted' needs an accuracy lead shown below "
+            f"{rules.accuracy_margin:g} or a break rate shown on the wrong side of "
+            f"{rules.break_rate:g}. A run is broken when its "
+            f"{', '.join(rules.failure.sets)} greedy accuracy collapses (below "
+            f"{rules.failure.thresholds.collapse_fraction:g} x its best earlier value, over at "
+            f"least {rules.failure.thresholds.collapse_min_evals} evaluation(s), the last one "
+            f"counting), its KL blows up (above {rules.failure.thresholds.kl_growth:g} x its "
+            "early level) or a step is non-finite.")]
+
+
+def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
+    head = ["configuration", "runs", "accuracy from", "final in-domain", "final out-of-domain",
+            "AUC in-domain", "AUC out-of-domain", "KL at the end", f"broken ({PRIMARY})"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in groups:
+        ms = [m for m in measures if m.configuration == label and m.finished]
+        if not ms:
+            continue
+        cells = [_mean_sd([m.accuracy.get(k, math.nan) for m in ms]) for k in ("in_domain",
+                                                                              "out_of_domain")]
+        cells += [_mean_sd([m.auc.get(k, math.nan) for m in ms]) for k in ("in_domain",
+                                                                         "out_of_domain")]
+        sources = sorted({m.source for m in ms})
+        lines.append("| " + " | ".join([f"`{label}`", str(len(ms)), "; ".join(sources), *cells,
+                                        _mean_sd([m.kl_end for m in ms]),
+                                        f"{sum(bool(m.broken[PRIMARY]) for m in ms)}/{len(ms)}"])
+                     + " |")
+    return lines
+
+
+def _mean_sd(values: list[float]) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
