@@ -13,10 +13,12 @@ plug-in scorer (rewards/plugin.py says why).
 """
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rewards.dataset_rows import counting_rows
 from rewards.records import Task
 from rewards.registry import (
     PLUGIN_FORM,
@@ -54,6 +56,13 @@ class TaskConfig(_Strict):
                                     "a scorer that exceeds it scores 0 and is counted.")
     scorer_workers: int = Field(1, ge=1, le=64, description="Processes in each worker's scoring pool.")
     train_split: str = Field("train", min_length=1, description="Split the training prompts come from.")
+    max_malformed_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of a local dataset file's rows that may be "
+        "malformed (not JSON, a column missing, a value of the wrong type) before the run is "
+        "refused at the start; each file the run reads (training split and evaluation sets) "
+        "is checked. 0: none may be; 1: any, so long as one row is usable. Malformed rows "
+        "within it are skipped, and the count is said on the terminal. Hub datasets are read "
+        "by the run itself: their malformed rows are skipped and counted in train.log.")
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="auto: the prompt is a user message rendered with the tokenizer's "
         "chat template when it has one (Instruct models), else raw text; none: always raw text.")
@@ -213,28 +222,58 @@ def check_plugins(task: TaskConfig, evaluation: EvalConfig) -> None:
     evaluation.check_sets(task, plugins=True)
 
 
-def check_local_datasets(task: TaskConfig, evaluation: EvalConfig) -> None:
+def check_local_datasets(task: TaskConfig, evaluation: EvalConfig) -> list[str]:
     """Read every local dataset file the run will use (the training split and each evaluation
-    set's) as the run will, so that a missing file, an empty one or one whose rows all lack a
-    column the task needs is a ValueError naming the field before anything starts. Hub datasets
-    are left to the run (reading them means downloading them); plug-in tasks too (their
-    sources are their own)."""
+    set's) as the run will, so that a missing file, an empty one, one whose rows all lack a
+    column the task needs, or one with more malformed rows than task.max_malformed_fraction
+    allows is a ValueError naming the field before anything starts. Returns one line per file
+    with malformed rows under that share (skipped: the caller says so on the terminal). Hub
+    datasets are left to the run (reading them means downloading them); plug-in tasks too
+    (their sources are their own)."""
     uses = [("task.options", task.name, task.options, task.train_split)]
     uses += [(f"eval.{name}.options", s.task, s.options, s.split)
              for name, s in evaluation.sets(task).items()]
+    notes = []
     for field, name, options, split in uses:
         if is_plugin(name):
             continue
-        built = build_named(field.replace("options", "task"), name, field, options)
+        notes += check_task_datasets(field, build_named(field.replace("options", "task"), name,
+                                                        field, options),
+                                     [split], task.max_malformed_fraction)
+    return notes
+
+
+def check_task_datasets(field: str, built: Task, splits: list[str],
+                        max_malformed_fraction: float) -> list[str]:
+    """The local dataset files a built task reads for `splits`: there, not empty, rows in the
+    schema, malformed rows within `max_malformed_fraction` (ValueError naming `field` and the
+    fix otherwise). Returns a line for each file with malformed rows it accepts. The one rule
+    for `klrl train` (check_local_datasets) and `klrl eval`."""
+    notes = []
+    for split in splits:
         if not any(source.is_local for source in _sources(built, split)):
             continue
-        try:
-            built.problems(split, n=1)
-        except FileNotFoundError as e:
-            raise ValueError(f"{field} (split {split}): {e}; give an existing .jsonl, .json or "
-                             ".parquet file") from None
-        except (ValueError, OSError) as e:  # MalformedRows: empty, or no row in the schema
-            raise ValueError(f"{field} (split {split}): {e}") from None
+        with counting_rows() as counts:
+            try:
+                built.problems(split, n=1)
+            except FileNotFoundError as e:
+                raise ValueError(f"{field} (split {split}): {e}; give an existing .jsonl, .json "
+                                 "or .parquet file") from None
+            except (ValueError, OSError) as e:  # MalformedRows: empty, or no row in the schema
+                raise ValueError(f"{field} (split {split}): {e}") from None
+        for count in counts:
+            if not count.malformed:
+                continue
+            said = (f"{field} (split {split}): {count.label}: {count.malformed} of {count.rows} "
+                    f"rows malformed (first: {count.first_error})")
+            if count.fraction > max_malformed_fraction:
+                enough = math.ceil(count.fraction * 100) / 100
+                raise ValueError(f"{said}; fix them, or let the run skip them: "
+                                 f"task.max_malformed_fraction={enough:g} (now "
+                                 f"{max_malformed_fraction:g})")
+            notes.append(f"{said}: skipped (task.max_malformed_fraction="
+                         f"{max_malformed_fraction:g})")
+    return notes
 
 
 def _sources(task: Task, split: str) -> list:

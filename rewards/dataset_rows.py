@@ -16,6 +16,9 @@ import json
 import logging
 import random
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,54 @@ class MalformedRows(ValueError):
     """Not one usable row in a dataset."""
 
 
+@dataclass(frozen=True)
+class RowCount:
+    """What reading one dataset found: its rows, the malformed ones skipped, the first error."""
+
+    label: str
+    rows: int
+    malformed: int
+    first_error: str | None
+
+    @property
+    def fraction(self) -> float:
+        return self.malformed / self.rows if self.rows else 0.0
+
+
+_counts: ContextVar[list[RowCount] | None] = ContextVar("klrl_row_counts", default=None)
+
+
+@contextmanager
+def counting_rows() -> Iterator[list[RowCount]]:
+    """A list that receives the RowCount of every dataset `load_problems` reads inside the
+    block (the pre-start check reads a run's local files through its tasks, then judges the
+    counts against task.max_malformed_fraction)."""
+    token = _counts.set([])
+    try:
+        yield _counts.get()
+    finally:
+        _counts.reset(token)
+
+
+def resolve_local_paths(value: Any, base: Path) -> Any:
+    """`value` (task options: nested dicts, lists, strings) with every relative local dataset
+    path made absolute against `base`, so that it names the same file in every process of a
+    run whatever its working directory. A string is such a path when it ends in one of
+    LOCAL_SUFFIXES, or holds a separator and names a file under `base` (the rule of
+    `DatasetSource.is_local`, without the bare names that mean something else, such as
+    "fixture"); `~` is expanded. Anything else is returned as it is."""
+    if isinstance(value, dict):
+        return {k: resolve_local_paths(v, base) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_local_paths(v, base) for v in value]
+    if not isinstance(value, str) or not value.strip():
+        return value
+    path = Path(value).expanduser()
+    if not (value.endswith(LOCAL_SUFFIXES) or ("/" in value and (base / path).is_file())):
+        return value
+    return str(path if path.is_absolute() else base / path)
+
+
 def rename_columns(row: Any, columns: dict[str, str]) -> Any:
     """`row` with its columns renamed by `columns` (source -> target); a renamed column
     replaces a column already called `target`, and the others are kept. Not a mapping: the
@@ -117,6 +168,8 @@ def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Pr
     if skipped and problems:  # with none usable, the error below says it all
         logger.warning("%s: skipped %d malformed row(s) of %d; first: %s",
                        source.label(), skipped, total, first_error)
+    if (counts := _counts.get()) is not None:
+        counts.append(RowCount(source.label(), total, skipped, first_error))
     if not total:
         raise MalformedRows(f"{source.label()}: the dataset holds no rows")
     if not problems:

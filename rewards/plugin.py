@@ -72,5 +72,25 @@ def load_scorer(spec: str) -> Scorer:
         # ValueError, like every mistake in a config: callers report it as one
         kind = type(target).__name__
         raise ValueError(f"scorer {spec!r} is a {kind}, not a callable")  # noqa: TRY004
+    check_signature(target, f"scorer {spec!r}", ("completion", "problem"))
     check_sendable(target, f"scorer {spec!r}")
     return target
+
+
+def check_signature(function: object, what: str, arguments: tuple[str, ...]) -> None:
+    """ValueError unless `function` can be called with len(arguments) positional arguments (as
+    `function(completion, problem)` for a scorer), naming what it takes instead. A callable
+    whose signature Python cannot read (some builtins) passes: it is called as it comes."""
+    import inspect
+
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError as e:
+        called = ", ".join(arguments)
+        raise ValueError(f"{what} takes {signature} but is called with ({called}): {e}; "
+                         f"define it as `def {getattr(function, '__name__', 'f')}({called})`"
+                         ) from None

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from cluster.cli.main import main
 from cluster.config.loader import DEMO_CONFIG, dump_config
@@ -158,6 +160,7 @@ def test_a_model_directory_without_a_tokenizer_fails_before_anything_starts(
                                f"model.path={model}")
     _assert_refused(code, err, seconds, out, "model.path", "no tokenizer", "save_pretrained")
     (model / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, model / "model.safetensors")  # weights: tests/test_door.py
     with pytest.raises(GotPastPreflight):
         main(["train", str(DEMO_CONFIG), f"output_dir={out}", f"model.path={model}"])
 
@@ -204,6 +207,12 @@ def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
 # ---- resume -----------------------------------------------------------------------------------
 
 
+def _learner_state(directory: Path, tag: str) -> None:
+    """A stand-in for the learner's DeepSpeed state: one torch archive, as its files are."""
+    (directory / tag).mkdir()
+    torch.save({"version": 0}, directory / tag / "mp_rank_00_model_states.pt")
+
+
 def _fake_run(tmp_path: Path, steps: int = 2, finished: bool = True, checkpoint: bool = False) -> Path:
     """A run directory as a run of `steps` steps leaves it (no weights: nothing loads them)."""
     cfg = load_train_config(DEMO_CONFIG, [f"output_dir={tmp_path}", "run_name=r",
@@ -215,7 +224,7 @@ def _fake_run(tmp_path: Path, steps: int = 2, finished: bool = True, checkpoint:
     if checkpoint:
         state = ckpt.ControllerState(step=steps, prompt_position=64 * steps,
                                      config=cfg.model_dump(mode="json"))
-        ckpt.write_checkpoint(run, state, lambda d, tag: (d / tag).mkdir(), keep=2)
+        ckpt.write_checkpoint(run, state, _learner_state, keep=2)
     if finished:
         (run / "final").mkdir()
         (run / "final" / "config.json").write_text("{}")

@@ -60,6 +60,10 @@ def register(subparsers) -> None:
     p.add_argument("--system-prompt", default=None, help="system message (needs a chat template)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
+    p.add_argument("--max-malformed-fraction", type=_share, default=0.0, metavar="SHARE",
+                   help="share of a local dataset file's rows that may be malformed (skipped, "
+                   "and said) before the evaluation is refused, as task.max_malformed_fraction "
+                   "(default 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     p.set_defaults(func=_eval)
 
@@ -68,6 +72,13 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
 
 
@@ -137,27 +148,40 @@ def _print_metadata(console, path, meta: dict) -> None:
     console.print(table)
 
 
+def _eval_door(args: argparse.Namespace):
+    """`klrl eval`'s door (cluster/train/door/), before vLLM or the model: the task takes its
+    options and has the splits, the model directory is one (weights, config, tokenizer; not
+    a run directory), and the local dataset files of those splits read within
+    --max-malformed-fraction. Returns (task, splits); ValueError (ConfigError) otherwise."""
+    from cluster.train.door.commands import check_eval_model
+    from rewards.config import check_task_datasets
+
+    task, splits = _check_task(args)
+    if args.model_dir != "default":
+        check_eval_model(args.model_dir)
+    for note in check_task_datasets("--option", task, splits, args.max_malformed_fraction):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    return task, splits
+
+
 def _eval(args: argparse.Namespace) -> int:
     # vLLM logs at INFO by default; keep the table readable unless asked otherwise.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from rich.console import Console
-    from rich.table import Table
-
-    from actors.evaluate import evaluate
-    from actors.prompting import PromptRenderer
-
-    console = Console()
     try:
-        task, splits = _check_task(args)
+        task, splits = _eval_door(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from rich.console import Console
+    from rich.table import Table
+
+    from actors.evaluate import evaluate  # vLLM: only once the door has let the model in
+    from actors.prompting import PromptRenderer
+
+    console = Console()
     model = args.model_dir
     if model == "default":
         model = init_default_model()
-    elif not os.path.isdir(model):
-        console.print(f"[red]not a directory:[/red] {model}")
-        return 2
     renderer = PromptRenderer.from_pretrained(
         model, chat_template=args.chat_template, system_prompt=args.system_prompt, stop=args.stop)
     result = evaluate(

@@ -31,7 +31,12 @@ def _run_sweep(args) -> int:
             raise ConfigError(f"output_dir={cfg.output_dir!r}: with --address the runs are "
                               "written on the cluster; give an absolute path on storage shared "
                               "with this machine (e.g. output_dir=/shared/runs)")
-        if not args.address:
+        if args.address:  # each job checks its paths where it runs; its plug-ins here
+            from cluster.train.door.commands import check_submission
+
+            for config in configs.values():
+                check_submission(config, {})
+        else:
             preflight_runs(cfg, runs, configs)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -80,8 +85,11 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
 
 
 def _run_report(args) -> int:
+    from cluster.train.door.commands import check_report_dir
+
     path = Path(args.dir)
     try:
+        check_report_dir(path, args.out)  # the door: runs with metrics, --out not a file
         base = {}
         if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
             base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()

@@ -29,6 +29,7 @@ def _config_for(args):
     whose own config.yaml is then read (overrides still apply, e.g. a larger total_steps)."""
     # torch (kl's configs) and Ray: loaded when a command runs, not at `klrl --help`.
     from cluster.config.train_config import load_train_config
+    from cluster.train.door.resume import check_resume_target
 
     given = [a for a in (args.config, *args.overrides) if a is not None]
     overrides = [a for a in given if "=" in a]
@@ -39,11 +40,11 @@ def _config_for(args):
     if not paths:
         raise ConfigError("klrl train needs a config file (or --resume RUN_DIR)")
     path = Path(paths[0])
+    if args.resume and (path.is_dir() or not path.exists()):
+        check_resume_target(path)  # a run directory that exists (or no such file at all)
     if path.is_dir():
         if not args.resume:
             raise ConfigError(f"{path} is a directory: to continue the run in it, add --resume")
-        if not config_path(path).is_file():
-            raise ConfigError(f"--resume {path}: no config.yaml there (not a run directory)")
         overrides += [f"output_dir={path.parent}", f"run_name={path.name}"]
         return load_train_config(config_path(path), overrides)
     cfg = load_train_config(path, overrides)
@@ -96,12 +97,18 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
     # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
     from ray.exceptions import RayError
 
+    from cluster.train.preflight import preflight
     from cluster.train.run import train
     from cluster.train.run_log import default_run_name
     from cluster.train.run_output import quiet_output
 
     if cfg.run_name is None:  # named now, so that the log's final place is known
         cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
+    try:  # the door, here on the terminal, before the run is named (train() checks again)
+        preflight(cfg, resume)
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(cfg.output_dir) / cfg.run_name
     fd, tmp_log = tempfile.mkstemp(prefix=f"klrl-{cfg.run_name}-", suffix=".log")
     os.close(fd)
@@ -149,13 +156,16 @@ def _run_submit(args) -> int:
     """Validate the config and build the job here (no cluster needed for any refusal), then
     submit it; exit 2 for what cannot be submitted, 1 for a job that ends failed."""
     from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
+    from cluster.train.door.commands import check_submission
 
     try:
         cfg = load_train_config(args.config, args.overrides)  # reject bad configs before submitting
         source = f"--runtime-env {args.runtime_env}"
+        env = parse_env(args.env)
         spec = job_spec(args.config, args.overrides, plugins=plugin_specs(cfg), python=args.python,
-                        env=parse_env(args.env), job_name=args.job_name, runtime_env_source=source,
+                        env=env, job_name=args.job_name, runtime_env_source=source,
                         runtime_env=read_runtime_env(args.runtime_env) if args.runtime_env else None)
+        check_submission(cfg, spec.runtime_env.get("env_vars", {}))  # the door, on this side
         if args.dry_run:
             print(spec.describe())
             return 0

@@ -33,8 +33,17 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line, as every refusal of klrl is (exit 2, the fix
+    named), rather than the usage block, which `--help` shows. Sub-command parsers are of
+    this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="klrl",
         description="Distributed asynchronous RL for LLMs with exact, tested KL regularisation.",
     )

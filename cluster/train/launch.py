@@ -38,10 +38,12 @@ def start_ray(cfg: TrainConfig) -> bool:
 
 
 def resolve_model(cfg: TrainConfig) -> Path:
-    """The policy's model directory: the configured one, or the embedded tiny model."""
+    """The policy's model directory: the configured one (absolute once the driver has resolved
+    the config's paths, or a hub name), or the embedded tiny model's, made absolute (KLRL_HOME
+    may be relative) so that every actor finds it."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    return Path(init_default_model())
+    return Path(init_default_model()).absolute()
 
 
 def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | None = None,

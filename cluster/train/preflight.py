@@ -1,51 +1,87 @@
-"""Pre-flight: every check a training run can make before it starts anything (the tiny model
-build, Ray, DeepSpeed, vLLM) or writes anything, so that a mistake costs a second and one
-message, not a traceback from an actor and a run directory that then blocks the name.
+"""Pre-flight: the door of a training run (`klrl train`, `klrl demo`, each run of a local
+`klrl sweep`). Every check it can make before it starts anything (the tiny model build, Ray,
+DeepSpeed, vLLM) or writes anything, so that a mistake costs a second and one message, not a
+traceback from an actor and a run directory that then blocks the name.
 
-`train()` (cluster/train/run.py) calls `preflight` first; a local `klrl sweep` calls it for
-every unfinished run before it starts the first (cluster/experiments/sweep.py, preflight_runs). Each rule lives with what it
-checks; this module only calls them:
-- the config itself (fields, task options and splits): pydantic, at load time (train_config.py,
-  rewards/config.py);
-- model.path and model.ref_path: `train_config.check_model_path`;
-- task.reward: `rewards.load_scorer` (imports it as the rollout workers will);
-- plug-in tasks (task.name, eval.<set>.task "package.module:TaskClass"): `rewards.config.
-  check_plugins` (imports them, then checks their options and splits as validation does for
-  the tasks of rewards/);
-- rollout.engine_kwargs: each key an argument of the installed vLLM (`check_engine_kwargs`);
-- local dataset files (there, not empty, rows in the task's schema): `rewards.config.
-  check_local_datasets`;
-- an online wandb run's API key: `run_log.check_wandb`;
-- a Ray address that nothing answers on, and an output directory where no run directory can
-  be made: here;
-- the run directory and resume: here, with `checkpoint.objective_changes`.
-Raises ConfigError (or FileExistsError for a name already taken); `klrl train` exits 2.
+`train()` (cluster/train/run.py) calls `preflight` first, and `klrl train` once more before it
+names the run on the terminal; a local `klrl sweep` calls it for every unfinished run before
+it starts the first (cluster/experiments/sweep.py, preflight_runs). Each rule lives with what
+it checks (cluster/train/door/ lists them all); this module calls them in order, on the
+config with its paths made absolute (`door.paths.resolve_paths`). Raises ConfigError (or
+FileExistsError for a name already taken); `klrl train` exits 2. Lines worth saying that are
+no refusal (malformed dataset rows within the allowed share) go to stderr as warnings.
 
-One check needs Ray up and so runs after it starts, before any actor (`check_cluster_resources`).
+One check needs Ray up and so runs after it starts, before any actor (`check_cluster_resources`,
+with a ray.address: the nodes of a cluster are known once joined).
 """
 from __future__ import annotations
 
 import os
 import socket
-import tempfile
+import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig, check_model_path
 from cluster.train import checkpoint as ckpt
+from cluster.train.door.models import check_context, check_hub_name, check_model_dir
+from cluster.train.door.paths import check_output_dir, check_shm_dir, resolve_paths
+from cluster.train.door.resources import check_cluster_resources, check_local_resources
+from cluster.train.door.resume import check_checkpoint, check_run_exists
 from cluster.train.run_log import check_wandb, default_run_name, has_metrics, is_finished
+
+__all__ = ["check_cluster_resources", "check_environment", "check_lora", "check_output_dir",
+           "check_ray_address", "preflight", "resolve_paths"]
 
 
 def check_environment(cfg: TrainConfig) -> None:
-    """What the config needs from this machine: its model, its plug-in scorer and tasks, a
-    wandb key."""
-    check_model_path(cfg.model.path)
-    check_model_path(cfg.model.ref_path, "model.ref_path")
-    from rewards import load_scorer
-    from rewards.config import check_local_datasets, check_plugins
+    """What the config needs from this machine: its models, its plug-in scorer and tasks, its
+    dataset files, a valid WANDB_MODE and a wandb key, a Ray address that answers, the
+    resources and the shm directory it asks for. `cfg`'s paths must be absolute
+    (`resolve_paths`)."""
+    check_models(cfg)
+    check_plugins_of(cfg)
+    from rewards.config import check_local_datasets
 
-    # Plug-ins are imported here, as the rollout workers will; a failed import's message says
-    # how to make it importable (rewards/plugin.py).
+    try:
+        notes = check_local_datasets(cfg.task, cfg.eval)  # there, not empty, in schema
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    check_engine_kwargs(cfg.rollout.engine_kwargs)
+    check_wandb(cfg)
+    address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
+    check_ray_address(address)
+    if not address:
+        check_local_resources(cfg)
+    check_shm_dir(cfg)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+
+
+def check_models(cfg: TrainConfig) -> None:
+    """model.path and model.ref_path: a model directory here (`door.models.check_model_dir`)
+    or a hub name that is cached or that the hub serves; either's context must hold
+    rollout.max_model_len. null (the embedded tiny model) passes."""
+    for field, path, tokenizer in (("model.path", cfg.model.path, True),
+                                   ("model.ref_path", cfg.model.ref_path, False)):
+        check_model_path(path, field)  # the shape rule: a directory here, or hub-name-like
+        if path is None:
+            continue
+        if Path(path).expanduser().exists():
+            config = check_model_dir(Path(path).expanduser(), field, tokenizer)
+        else:
+            config = check_hub_name(path, field, cfg.model.revision)
+        if config is not None:
+            check_context(config, field, cfg.rollout.max_model_len)
+
+
+def check_plugins_of(cfg: TrainConfig) -> None:
+    """The config's plug-ins, imported as the rollout workers will: task.reward (callable as a
+    scorer) and plug-in tasks (their options and splits). A failed import's message says how
+    to make it importable (rewards/plugin.py)."""
+    from rewards import load_scorer
+    from rewards.config import check_plugins
+
     if cfg.task.reward:
         try:
             load_scorer(cfg.task.reward)
@@ -54,12 +90,8 @@ def check_environment(cfg: TrainConfig) -> None:
     try:
         check_plugins(cfg.task, cfg.eval)  # plug-in tasks; each message names its field
         cfg.data.check_task(cfg.task)  # a plug-in's epochs/order: not checked at load time
-        check_local_datasets(cfg.task, cfg.eval)  # a local file: there, not empty, in schema
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    check_engine_kwargs(cfg.rollout.engine_kwargs)
-    check_wandb(cfg)
-    check_ray_address(os.environ.get("RAY_ADDRESS") or cfg.ray.address)
 
 
 def check_ray_address(address: str | None) -> None:
@@ -78,22 +110,6 @@ def check_ray_address(address: str | None) -> None:
         raise ConfigError(f"ray.address={address}: nothing answers there ({exc.strerror or exc}); "
                           "start the cluster with `ray start --head` (its GCS port, 6379 by "
                           "default) or fix the address") from None
-
-
-def check_output_dir(run_dir: Path, field: str = "output_dir") -> None:
-    """The run directory must be creatable: its nearest existing ancestor a directory in which
-    a directory can be made (tried with a temporary one, removed at once; root passes
-    permission checks, so asking `os.access` is not enough, and /proc refuses anyway)."""
-    parent = run_dir.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    try:
-        if not parent.is_dir():
-            raise NotADirectoryError(f"{parent} is not a directory")
-        os.rmdir(tempfile.mkdtemp(prefix=".klrl-preflight-", dir=parent))
-    except OSError as exc:
-        raise ConfigError(f"{field}={run_dir.parent}: cannot create the run directory there "
-                          f"({exc.strerror or exc}); choose a writable output_dir") from None
 
 
 def check_engine_kwargs(engine_kwargs: dict) -> None:
@@ -146,14 +162,17 @@ def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
 
 def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None]:
     """Check everything that can be checked before the run starts, touching nothing.
-    Returns (run directory, checkpoint to resume from or None)."""
+    Returns (run directory, checkpoint to resume from or None), both absolute."""
+    cfg = resolve_paths(cfg)
     check_environment(cfg)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
     if not run_dir.is_dir():
         check_output_dir(run_dir)
+    if resume:
+        check_run_exists(run_dir)
     resume_from = ckpt.latest_checkpoint(run_dir) if resume else None
     if resume_from is not None:
-        _check_resumable(cfg, run_dir, resume_from)
+        _check_resumable(cfg, run_dir, resume_from, check_checkpoint(resume_from))
     elif has_metrics(run_dir) and not resume:
         raise FileExistsError(f"{run_dir} already holds a run; choose another run_name, or "
                               f"continue it with `klrl train --resume {run_dir}`")
@@ -167,36 +186,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None
     return run_dir, resume_from
 
 
-def check_cluster_resources(cfg: TrainConfig) -> None:
-    """Once connected to Ray, before any actor is created: enough of the cluster's alive nodes
-    carry the custom resources of ray.worker_resources / ray.learner_resources for every rollout
-    worker / learner rank. Ray would otherwise keep such an actor pending forever, and the run
-    would hang without a word. A necessary condition only (workers and ranks asking for the
-    same resource are counted apart), read from the nodes up now: an autoscaling cluster must
-    have a node with the resource running when the run starts."""
-    import ray  # the caller has connected
-
-    if not (cfg.ray.worker_resources or cfg.ray.learner_resources):
-        return
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    for field, wanted, count, what in (
-            ("ray.worker_resources", cfg.ray.worker_resources, cfg.rollout.num_workers, "rollout worker"),
-            ("ray.learner_resources", cfg.ray.learner_resources, cfg.learner.num_ranks, "learner rank")):
-        for name, amount in wanted.items():
-            # how many such actors fit, node by node (the epsilon absorbs 0.1 + 0.2 arithmetic)
-            fits = sum(int(n["Resources"].get(name, 0) / amount + 1e-9) for n in nodes)
-            if fits < count:
-                have = ", ".join(f"{n['NodeManagerAddress']} {n['Resources'].get(name, 0):g}"
-                                 for n in nodes)
-                raise ConfigError(
-                    f"{field}: {count} {what}(s) each request {name}={amount:g}, but the Ray "
-                    f"cluster's nodes hold room for {fits} ({name} per node: {have}); start the "
-                    f"nodes with `ray start ... --resources='{{\"{name}\": N}}'`, or change "
-                    f"{field} (a local cluster, without ray.address, has no custom resources)")
-
-
-def _check_resumable(cfg: TrainConfig, run_dir: Path, resume_from: Path) -> None:
-    state = ckpt.read_checkpoint(resume_from)
+def _check_resumable(cfg: TrainConfig, run_dir: Path, resume_from: Path,
+                     state: ckpt.ControllerState) -> None:
     if changes := ckpt.objective_changes(state.config, cfg.model_dump(mode="json")):
         raise ConfigError(
             f"cannot resume {run_dir} from {resume_from.name}: the config changed "

@@ -9,7 +9,7 @@ import ray
 from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.preflight import check_cluster_resources, check_lora, preflight
+from cluster.train.preflight import check_cluster_resources, check_lora, preflight, resolve_paths
 from cluster.train.run_log import abandon_metrics, has_metrics
 from cluster.train.stopping import GracefulStop
 
@@ -18,11 +18,18 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
     """Run one training job in this process (the Ray driver). Returns (run_dir, last metrics).
 
     resume=False: the run directory must not hold a run yet. resume=True: continue it from its
-    newest complete checkpoint; with none (or no directory) start it afresh, keeping an earlier
-    metrics log as metrics.jsonl.abandoned-N (a finished run without one is refused). Every
+    newest complete checkpoint; with none start it afresh, keeping an earlier metrics log as
+    metrics.jsonl.abandoned-N (a finished run without one, or a run that never started, is
+    refused). Every
     check that needs no process runs first (cluster/train/preflight.py: ConfigError or
     FileExistsError, nothing started or written). Raises RunStopped (with .checkpoint set) when
-    the run stops early: a signal, worker restarts used up, too many non-finite steps."""
+    the run stops early: a signal, worker restarts used up, too many non-finite steps.
+
+    Relative paths in `cfg` are relative to this process's working directory: they are made
+    absolute here, once, so that every actor reads the same files whatever its own. The
+    run_dir returned is as the config names it (under output_dir as given)."""
+    given = Path(cfg.output_dir)
+    cfg = resolve_paths(cfg)
     run_dir, resume_from = preflight(cfg, resume)
     if resume and resume_from is None and has_metrics(run_dir):
         abandon_metrics(run_dir)
@@ -35,7 +42,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
         with GracefulStop() as stop_requested:
             controller = Controller(cfg, run_dir, model_dir, resume_from=resume_from,
                                     stop_requested=stop_requested)
-            return run_dir, controller.run()
+            return given / run_dir.name, controller.run()
     finally:
         if started:
             ray.shutdown()

@@ -1,0 +1,80 @@
+"""Paths a run reads and writes: relative ones made absolute once, in the driver, and the
+directories a run writes into checked before it starts.
+
+Invariant: after `resolve_paths`, every local path of a TrainConfig (model.path,
+model.ref_path, output_dir, sync.shm_dir, the dataset files of task.options and of each
+evaluation set) is absolute, so that it names the same file in every process of the run: a
+Ray actor's working directory is the one its node started in, not the driver's. A relative
+path means relative to the directory klrl is started from (the driver's working directory).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from cluster.config.loader import ConfigError
+from cluster.config.train_config import TrainConfig
+from rewards.dataset_rows import resolve_local_paths
+
+
+def resolve_paths(cfg: TrainConfig, base: Path | None = None) -> TrainConfig:
+    """`cfg` with its local paths absolute against `base` (default: this process's working
+    directory). A model path that is not there is left as it is: it may be a hub name, and
+    the model check says what it is. Idempotent."""
+    base = Path.cwd() if base is None else Path(base)
+
+    def local(path: str | None) -> str | None:
+        if path is None:
+            return None
+        full = base / Path(path).expanduser()
+        return str(full) if full.exists() else path
+
+    model = cfg.model.model_copy(update={"path": local(cfg.model.path),
+                                         "ref_path": local(cfg.model.ref_path)})
+    task = cfg.task.model_copy(update={"options": resolve_local_paths(cfg.task.options, base)})
+    sets = {name: s.model_copy(update={"options": resolve_local_paths(s.options, base)})
+            for name in type(cfg.eval).model_fields
+            if hasattr(s := getattr(cfg.eval, name), "options")}
+    update = {"model": model, "task": task, "eval": cfg.eval.model_copy(update=sets),
+              "output_dir": str(base / Path(cfg.output_dir).expanduser())}
+    if (shm_dir := getattr(cfg.sync, "shm_dir", None)) is not None:
+        update["sync"] = cfg.sync.model_copy(update={"shm_dir": str(base / Path(shm_dir))})
+    return cfg.model_copy(update=update)
+
+
+def can_create_in(directory: Path) -> OSError | None:
+    """None when a directory can be made in `directory` (tried with a temporary one, removed
+    at once: root passes permission checks, so asking `os.access` is not enough, and /proc
+    refuses anyway), else the error."""
+    try:
+        if not directory.is_dir():
+            raise NotADirectoryError(f"{directory} is not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".klrl-preflight-", dir=directory))
+    except OSError as exc:
+        return exc
+    return None
+
+
+def check_output_dir(run_dir: Path, field: str = "output_dir") -> None:
+    """The run directory must be creatable: its nearest existing ancestor a directory in which
+    a directory can be made."""
+    parent = run_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if exc := can_create_in(parent):
+        raise ConfigError(f"{field}={run_dir.parent}: cannot create the run directory there "
+                          f"({exc.strerror or exc}); choose a writable output_dir")
+
+
+def check_shm_dir(cfg: TrainConfig) -> None:
+    """sync.shm_dir, where the shm transport writes the weights, must be a directory in which
+    the learner can make the run's own (`klrl-<run_id>/`); else the first weight publish
+    fails once every actor has started."""
+    shm_dir = getattr(cfg.sync, "shm_dir", None)
+    if cfg.sync.transport != "shm" or shm_dir is None:
+        return
+    if exc := can_create_in(Path(shm_dir)):
+        raise ConfigError(f"sync.shm_dir={shm_dir}: the shm transport cannot write there "
+                          f"({exc.strerror or exc}); give an existing, writable directory on a "
+                          "tmpfs (/dev/shm on Linux), or use sync.transport=object_store")
