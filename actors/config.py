@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from actors.weight_sync.registry import TransportName, describe
+
 # vLLM 0.32's default max_num_seqs of an offline engine (`LLM`): 256 on CPU and on most GPUs,
 # 1024 on GPUs with 70 GiB or more (H100, H200, B200), which the config cannot know. vLLM
 # refuses max_num_batched_tokens below max_num_seqs, so a max_num_batched_tokens below the
@@ -89,7 +91,8 @@ class RolloutConfig(BaseModel):
                                     "(sets VLLM_CPU_KVCACHE_SPACE in the worker); ignored on GPU.")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Share of the GPU's "
                                           "memory the engine may take (weights + KV cache); "
-                                          "ignored on CPU. Leave room for a learner on the same GPU.")
+                                          "ignored on CPU. Leave room for a learner on the same "
+                                          "GPU.")
     num_cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved "
                                        "per worker.")
     threads_per_worker: int | None = Field(None, ge=1, le=1024, description="torch/OpenMP "
@@ -103,7 +106,8 @@ class RolloutConfig(BaseModel):
                                        "GPU with the learner (not with sync.transport nccl; "
                                        "required by cuda_ipc).")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs / torch.compile. "
-                                       "null: True on CPU (no compile start-up cost), False on GPU.")
+                                       "null: True on CPU (no compile start-up cost), False on "
+                                       "GPU.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Weight and compute dtype of the vLLM engine (vLLM's `dtype`): float32, "
         "bfloat16 or float16. null: learner.dtype, so that sampler and learner compute in the same "
@@ -197,17 +201,14 @@ class RolloutConfig(BaseModel):
 
 
 class SyncConfig(BaseModel):
-    """Weight sync from learner rank 0 to the rollout workers (see actors/weight_sync.py)."""
+    """Weight sync from learner rank 0 to the rollout workers: which transport
+    (actors/weight_sync/, whose registry gives the names and their descriptions) and its
+    settings. The rules that span other sections (GPUs, learner ranks, LoRA) are each
+    transport's `check`, which TrainConfig calls."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transport: Literal["shm", "object_store", "nccl", "cuda_ipc"] = Field(
-        "shm", description="shm: a safetensors file in shm_dir (learner and workers on one node). "
-        "object_store: the safetensors bytes in Ray's object store (any nodes, CPU or GPU). "
-        "nccl: GPU only, a broadcast through vLLM's NCCL weight-transfer engine; learner rank 0 "
-        "and every worker need a GPU of their own. cuda_ipc: GPU only, not yet run on one: CUDA "
-        "IPC handles through vLLM's IPC weight-transfer engine, device to device; one learner "
-        "rank and every worker on ONE GPU (fractional GPU requests that fit in one GPU).")
+    transport: TransportName = Field("shm", description=describe())
     timeout_s: float = Field(300.0, gt=0.0, le=86_400.0, description="A worker's weight load "
                              "(fetch + reload) that takes longer raises TimeoutError; so does a "
                              "controller waiting on it, counted from when the load could start. "

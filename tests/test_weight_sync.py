@@ -230,7 +230,7 @@ def test_nccl_records_match_vllm_types():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from actors.nccl_transfer import NCCL_PACKING_FIELDS, NcclWeightSender, trainer_init_kwargs
+    from actors.weight_sync.nccl import NCCL_PACKING_FIELDS, NcclWeightSender, trainer_init_kwargs
 
     sender = NcclWeightSender("10.0.0.1", 29555, num_workers=3, packed=True)
     info = NCCLWeightTransferInitInfo(**sender.worker_init_info(2))
@@ -252,10 +252,11 @@ def test_nccl_records_match_vllm_types():
 def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
     """The transport cluster/ injects into the learner (learner/ may not import actors/): it
     pickles (Ray sends a copy to every rank), refuses nccl before the group is opened, and
-    routes nccl_open / nccl_connect / publish to this module (a fake sender: no GPU here)."""
+    routes open / connect / publish to the nccl transport (a fake sender: no GPU here)."""
     import pickle
 
-    from actors import nccl_transfer, weight_sync
+    from actors import weight_sync
+    from actors.weight_sync import nccl
 
     calls = []
 
@@ -271,15 +272,16 @@ def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
 
         def send_async(self, items):
             calls.append(("send", [n for n, _ in items]))
-            return nccl_transfer.nccl_update_info(items)
+            return nccl.nccl_update_info(items)
 
-    monkeypatch.setattr(weight_sync, "NcclWeightSender", FakeSender)
+    monkeypatch.setattr(nccl, "NcclWeightSender", FakeSender)
     pub = pickle.loads(pickle.dumps(weight_sync.WeightPublisher()))
     state = {"a.weight": torch.zeros(2), "lm_head.weight": torch.ones(3)}
-    with pytest.raises(RuntimeError, match="connect_nccl"):
+    with pytest.raises(RuntimeError, match="NcclTransport.connect"):
         pub.publish(state, 1, "nccl", run_id=RUN_ID)
-    assert pub.nccl_open("10.0.0.1", 29555, 2) == [{"rank_offset": 1}, {"rank_offset": 2}]
-    pub.nccl_connect()
+    assert pub.open("nccl", 2, host="10.0.0.1", port=29555) == [{"rank_offset": 1},
+                                                                {"rank_offset": 2}]
+    pub.connect("nccl")
     update = pub.publish(state, 1, "nccl", run_id=RUN_ID)
     assert update.transport == "nccl" and update.update_info["names"] == list(state)
     assert calls == [("init", "10.0.0.1", 29555, 2, 1), ("connect",), ("send", list(state))]
@@ -295,7 +297,7 @@ def test_nccl_sync_gpu(tiny_model_dir):
     through vLLM's NCCL weight-transfer group to a worker's engine on another GPU."""
     import socket
 
-    from actors.nccl_transfer import NcclWeightSender
+    from actors.weight_sync.nccl import NcclWeightSender
 
     @ray.remote(num_gpus=1)
     class Learner:  # only names importable in the actor: it is pickled by value
@@ -315,7 +317,7 @@ def test_nccl_sync_gpu(tiny_model_dir):
 
         def publish(self, version):
             return publish(self.model.state_dict(), version, "nccl", run_id="gpu-test",
-                           nccl_sender=self.sender)
+                           sender=self.sender)
 
         def wait(self):
             self.sender.wait(timeout=60)
@@ -334,7 +336,7 @@ def test_nccl_sync_gpu(tiny_model_dir):
     w = ray.remote(RolloutWorker).options(num_gpus=1).remote(
         str(tiny_model_dir), cfg, SyncConfig(transport="nccl", timeout_s=120), TASK)
     try:
-        joined = w.init_nccl.remote(ray.get(learner.worker_init_info.remote()))
+        joined = w.init_weight_transfer.remote(ray.get(learner.worker_init_info.remote()))
         ray.get([learner.connect.remote(), joined])
         update = ray.get(learner.publish.remote(1))
         assert ray.get(w.load_weights.remote(update)) == 1
@@ -357,7 +359,7 @@ def test_nccl_start_up_refuses_a_gpu_shared_with_the_learner_gpu(tiny_model_dir)
     """GPU only, not run on CPU machines: on a one-GPU machine a rollout worker's engine
     reports the UUID of the only GPU, which is the learner's too, and the start-up check of
     the nccl transport refuses the pair before NCCL would ("Duplicate GPU detected")."""
-    from actors.nccl_transfer import check_nccl_devices
+    from actors.weight_sync.nccl import check_nccl_devices
 
     if torch.cuda.device_count() != 1:
         pytest.skip("checks the one-GPU case")

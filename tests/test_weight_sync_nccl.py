@@ -7,7 +7,7 @@ tests/test_weight_sync.py checks the records against the installed vLLM's types.
 import pytest
 import torch
 
-from actors.nccl_transfer import (
+from actors.weight_sync.nccl import (
     NCCL_PACKING_FIELDS,
     check_nccl_devices,
     nccl_packing_split,

@@ -7,10 +7,11 @@ accounting (as the H100 runs of docs/gpu.md did). The worker's engine may take
 `ENGINE_MEMORY` of the GPU's memory (`rollout.gpu_memory_utilization`): that leaves room for
 the learner and for the raw-vLLM baseline, which starts a second engine with the same settings
 in a subprocess while the worker sits idle (cluster/bench/engines.py). A weight sync goes
-through the transports that work on one shared GPU (`SHARED_GPU_TRANSPORTS`, those that
-actors.weight_sync has); nccl needs a GPU per member of its group.
+through the transports that work on one shared GPU (`sync_transports`: those of
+actors.weight_sync's registry that say so; nccl needs a GPU per member of its group).
 
-Nothing here starts Ray, vLLM or DeepSpeed; torch is imported inside the functions that need it.
+Nothing here starts Ray, vLLM or DeepSpeed; torch is imported inside the functions that need
+it (actors.weight_sync imports it).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import typing
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ from cluster.config.loader import REPO_ROOT
 
 GPU_SHARE = 0.5        # Ray GPUs of the learner rank and of the rollout worker: one GPU shared
 ENGINE_MEMORY = 0.3    # rollout.gpu_memory_utilization: worker + raw baseline + learner fit
-SHARED_GPU_TRANSPORTS = ("shm", "object_store", "cuda_ipc")
 GPU_LAGS = (0, 2)      # end to end: on-policy, and the pipeline two versions deep
 COPY_PROBE_BYTES = 256 * 2**20  # the headline device-to-device copy speed
 GPU_TESTS_TIMEOUT_S = 540       # `--only tests` fits a 10-minute call with start-up around it
@@ -44,27 +43,34 @@ def cuda_missing() -> str | None:
             "run it where one is, with the gpu extra (docs/gpu.md)")
 
 
-def sync_transports() -> tuple[str, ...]:
-    """The transports that work on one shared GPU here: those of `SHARED_GPU_TRANSPORTS` that
-    the installed actors.weight_sync implements and `sync.transport` takes (cuda_ipc only
-    where it exists)."""
-    from actors.config import SyncConfig
-    from actors.weight_sync import TRANSPORTS
+def _transports() -> dict:
+    import actors.weight_sync  # the registry (actors/weight_sync/registry.py); imports torch
 
-    accepted = typing.get_args(SyncConfig.model_fields["transport"].annotation)
-    return tuple(t for t in SHARED_GPU_TRANSPORTS if t in TRANSPORTS and t in accepted)
+    return actors.weight_sync.TRANSPORTS
+
+
+def sync_transports() -> tuple[str, ...]:
+    """The transports that work on one GPU shared by learner rank 0 and the worker, as the
+    installed actors.weight_sync's registry has them (shm, object_store, cuda_ipc)."""
+    return tuple(name for name, t in _transports().items() if t.shares_a_gpu)
 
 
 def run_transport() -> str:
     """The default `sync.transport` of the workloads (their engines are built for it, the
-    end-to-end runs sync with it): cuda_ipc where it exists, else shm (one node)."""
-    return "cuda_ipc" if "cuda_ipc" in sync_transports() else "shm"
+    end-to-end runs sync with it): the first shared-GPU transport that stays on the GPU
+    (cuda_ipc) where there is one, else the first of them (shm, one node)."""
+    shared = sync_transports()
+    transports = _transports()
+    return next((name for name in shared if transports[name].on_learner_device), shared[0])
 
 
 def measured_transports(transport: str) -> tuple[str, ...]:
-    """The transports the sync part measures when the workloads run `transport`: shm and
-    object_store always, cuda_ipc when the engines are built for it (vLLM's IPC backend)."""
-    return tuple(t for t in sync_transports() if t != "cuda_ipc" or transport == "cuda_ipc")
+    """The transports the sync part measures when the workloads run `transport`: those any
+    engine can load (shm, object_store), and one through a vLLM weight-transfer backend only
+    when it is `transport`, whose backend the engines are built for (cuda_ipc)."""
+    transports = _transports()
+    return tuple(name for name in sync_transports()
+                 if name == transport or transports[name].vllm_backend is None)
 
 
 def gpu_overrides(dtype: str = "float32", transport: str | None = None) -> tuple[str, ...]:

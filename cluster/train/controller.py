@@ -1,4 +1,5 @@
-"""The central controller: schedules generation under max_lag, trains, syncs weights.
+"""The central controller: schedules generation under max_lag, trains, syncs weights (the
+sync's books, deadlines and transport: cluster/train/weight_sync_state.py).
 
 Async invariant (enforced in `_take_batch`, asserted before training): a rollout sampled
 with weights of version v is trained by the learner at version s only if s - v <= max_lag.
@@ -7,14 +8,6 @@ updates and generation requests in the order they were sent (Ray runs an actor's
 serially), so a batch requested right after the update to version s is generated with
 version s and trained at step s + max_lag at the latest. max_lag = 0 is synchronous
 on-policy RL: generate, train, sync, repeat.
-
-Sync deadlines: a weight load is queued behind the generate calls already sent to the worker,
-so it cannot start before the newest of them has finished. Each load therefore gets its own
-`sync.timeout_s`, counted from the moment that batch was generated (`PendingSync.ready_since`),
-never from when the load was queued (at max_lag k it waits behind up to k generate calls).
-Invariant (enforced in `_sync_weights`): before version v is published, every load of a
-version below v - 1 has finished, so a worker never has to load a version whose shm file
-was already replaced.
 """
 from __future__ import annotations
 
@@ -25,18 +18,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError
-
 from actors.records import POOL_ERROR, Rollout
 from actors.seeds import generate_seed
-from actors.weight_sync import remove_published
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
-from cluster.train.deadlines import Deadline, Hung, LearnerDeadlines
-from cluster.train.launch import connect_cuda_ipc, connect_nccl, start_learner
+from cluster.train.deadlines import LearnerDeadlines
+from cluster.train.launch import start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
 from cluster.train.run_log import (
@@ -47,6 +36,7 @@ from cluster.train.run_log import (
     sample_rows,
 )
 from cluster.train.stopping import RunStopped
+from cluster.train.weight_sync_state import WeightSyncState
 from cluster.train.worker_pool import WorkerCall, WorkerPool
 
 
@@ -60,20 +50,12 @@ class InFlight:
     requested_at: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
-class PendingSync:
-    """A queued weight load, and when it could start (see the module docstring)."""
-
-    call: WorkerCall
-    after: InFlight | None       # the newest batch queued before it on that worker
-    ready_since: float | None    # time.monotonic() once `after` was generated; None before
-
-    @property
-    def version(self) -> int:
-        return self.call.args[0].version
-
-
 class Controller:
+    """One run from start to end: owns the schedule (the batches in flight under max_lag, the
+    prompt stream's position), the step count and the non-finite streak, and the run's parts
+    (the worker pool, the learner group, the metrics log, the weight sync's books in
+    `weights`), which it starts, checkpoints with the run and stops."""
+
     def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path,
                  resume_from: Path | None = None, stop_requested=lambda: None):
         self.cfg, self.run_dir, self.model_dir = cfg, Path(run_dir), Path(model_dir)
@@ -81,9 +63,8 @@ class Controller:
         self.stop_requested = stop_requested  # -> a RunStopped to raise at the next step, or None
         self.step = 0                # optimizer steps taken == learner policy version
         self.pending: deque[InFlight] = deque()
-        self.syncs: list[PendingSync] = []  # weight loads not yet confirmed
+        self.weights = WeightSyncState(cfg.sync, self.run_dir.name)
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
-        self.published_version = 0   # version of the weights the workers were last sent
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
@@ -105,7 +86,7 @@ class Controller:
                     batch, gen_metrics = self._take_batch()
                     trained_by = self.step  # the learner version that trains this batch
                     metrics = self._train(batch) | gen_metrics
-                    metrics |= self._sync_weights()
+                    metrics |= self.weights.publish(self.pending)
                     metrics |= self._maybe_evaluate()
                     self._maybe_checkpoint()
                     self._maybe_export_hf()
@@ -134,27 +115,23 @@ class Controller:
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
         # The workers' engines and the learner's ranks start side by side (each start is
         # mostly imports and model loading, in processes of their own).
-        self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self._resync)
+        self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self.weights.resync)
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
                                      steps=self._planned_steps(),
                                      wait=LearnerDeadlines(self.cfg.faults))
         self.pool.wait_started()
-        if self.cfg.sync.transport == "nccl":  # GPU only: one NCCL group, learner rank 0 -> workers
-            connect_nccl(self.learner, self.pool.workers)
-        if self.cfg.sync.transport == "cuda_ipc":  # GPU only: the workers on learner rank 0's GPU
-            connect_cuda_ipc(self.learner, self.pool.workers)
+        self.weights.connect(self.learner, self.pool)
         if state is None:
             first = self._evaluate(self.step)
             self.log.log({"step": 0, "policy_version": 0, **first})
             return first
         self.step = self.learner.load_checkpoint(self.resume_from, ckpt.LEARNER_TAG)
-        assert self.step == state.step, f"learner restored step {self.step}, controller {state.step}"
+        assert self.step == state.step, \
+            f"learner restored step {self.step}, controller {state.step}"
         self.prompts.position = state.prompt_position
         self.nonfinite_total, self.nonfinite_run = state.nonfinite_total, state.nonfinite_run
         self.dropped_stale, self.pool.restarts = state.dropped_stale, state.worker_restarts
-        for w in self.pool.workers:
-            self._resync(w)
-        self.published_version = self.step
+        self.weights.resume()
         print(f"resumed {self.run_dir} at step {self.step} from {self.resume_from.name}")
         return {}
 
@@ -211,10 +188,8 @@ class Controller:
         batches = [self.pool.result(call) for call in inflight.calls]
         self.pending.popleft()
         wait_s = time.perf_counter() - t0
-        for sync in self.syncs:  # loads queued right behind this batch can run from now
-            if sync.after is inflight and sync.ready_since is None:
-                sync.ready_since = time.monotonic()
-        self._check_syncs()
+        self.weights.batch_generated(inflight)
+        self.weights.check()
         rollouts: list[Rollout] = []
         for b in batches:
             if self.step - b.policy_version > self.cfg.max_lag:
@@ -233,7 +208,8 @@ class Controller:
         pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
         rewards = [r.reward for r in rollouts]
         return rollouts, {
-            "lag/max": max(lags), "lag/mean": sum(lags) / len(lags), "lag/dropped_total": self.dropped_stale,
+            "lag/max": max(lags), "lag/mean": sum(lags) / len(lags),
+            "lag/dropped_total": self.dropped_stale,
             # In optimizer steps: update k of this batch trains on data lag * updates + k steps
             # older than its weights (equal to lag/max with one update per batch).
             "lag/max_optimizer_steps": max(lags) * updates + updates - 1,
@@ -250,7 +226,8 @@ class Controller:
         metrics = self.learner.train_step(batch)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
-        return metrics | {"time/train": time.perf_counter() - t0, "nonfinite/total": self.nonfinite_total}
+        return metrics | {"time/train": time.perf_counter() - t0,
+                          "nonfinite/total": self.nonfinite_total}
 
     def _count_nonfinite(self, refused: bool) -> None:
         """A refused step leaves the weights (and version) unchanged; too many in a row stop
@@ -262,84 +239,6 @@ class Controller:
                 f"{self.nonfinite_run} consecutive non-finite (NaN/inf) learner steps; the last "
                 f"was the attempt at step {self.step + 1}. Weights are those of step {self.step}.")
 
-    def _sync_weights(self) -> dict:
-        """Publish the new weights and queue their load on every worker (not awaited here:
-        each worker applies it before its next generate call; failures surface in _check_syncs)."""
-        if self.step == self.published_version:
-            return {}  # a refused step changed nothing: the workers already hold these weights
-        t0 = time.perf_counter()
-        # Every load of a version older than the last one published must be done before the
-        # next is published: the shm transport keeps only the newest two files, cuda_ipc the
-        # newest two GPU snapshots, and nccl broadcasts one version at a time. So at most one
-        # version's loads are in flight per worker; confirming the older ones can wait behind
-        # generate calls sent before them.
-        self._check_syncs(settle_through=self.published_version - 1)
-        self.published_version = self.step
-        update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
-        after = self.pending[-1] if self.pending else None
-        self.syncs += [PendingSync(self.pool.call(i, "load_weights", update), after,
-                                   None if after else time.monotonic())
-                       for i in range(len(self.pool))]
-        return {"time/weight_publish": time.perf_counter() - t0}
-
-    def _check_syncs(self, settle_through: int | None = None) -> None:
-        """Every weight load that could start must finish within sync.timeout_s of that moment
-        (module docstring), else the run fails loudly. Loads still queued behind a batch in
-        flight are checked later, except those of versions <= `settle_through`, whose batch is
-        waited for first. A worker that died meanwhile is replaced (and re-synced)."""
-        timeout, waiting = self.cfg.sync.timeout_s, []
-        for sync in self.syncs:
-            if not self.pool.is_current(sync.call):
-                continue  # its worker was replaced and re-synced to the current weights
-            if (sync.ready_since is None and settle_through is not None
-                    and sync.version <= settle_through):
-                self._wait_for_generation(sync)
-                if not self.pool.is_current(sync.call):
-                    continue
-            if sync.ready_since is None:
-                waiting.append(sync)
-                continue
-            try:
-                remaining = sync.ready_since + timeout - time.monotonic()
-                ray.get(sync.call.ref, timeout=max(0.0, remaining))
-            except RayActorError:
-                self.pool.restart(sync.call.worker, "died while loading weights")
-            except GetTimeoutError:
-                self._on_late_load(sync, timeout)
-        self.syncs = waiting
-
-    def _on_late_load(self, sync: PendingSync, timeout: float) -> None:
-        """A load past its sync.timeout_s: a worker that no longer answers (frozen, as a hang
-        in the load itself or just before it leaves it) is hung and replaced like one that
-        hangs in generate (one restart; the replacement is re-synced); a live worker whose
-        load is that slow is a broken sync, which a restart would not mend: the run fails."""
-        i, version = sync.call.worker, sync.call.args[0].version
-        why = self.pool.unresponsive(i)
-        if why is None:
-            raise TimeoutError(f"rollout worker {i} did not load weights version {version} "
-                               f"within sync.timeout_s={timeout:g} of being able to start")
-        deadline = Deadline(timeout, timeout, f"sync.timeout_s={timeout:g}")
-        self.pool.restart(i, Hung(f"rollout worker {i}", f"its load of weights version {version}",
-                                  timeout, why, deadline).detail)
-
-    def _wait_for_generation(self, sync: PendingSync) -> None:
-        """Wait until the worker of `sync` has generated the batch queued before its load (a
-        worker that dies meanwhile has answered; one that hangs is replaced); from then on the
-        load can run, and its sync.timeout_s counts."""
-        self.pool.wait_done([c for c in sync.after.calls if c.worker == sync.call.worker])
-        sync.ready_since = time.monotonic()
-
-    def _resync(self, worker) -> None:
-        """Give a fresh worker the current weights and check it holds them (by version)."""
-        if self.cfg.sync.transport == "cuda_ipc":  # a replacement may land on another GPU
-            connect_cuda_ipc(self.learner, [worker])
-        if self.step > 0:
-            update = self.learner.export_weights(self.cfg.sync.transport, self.cfg.sync.shm_dir)
-            ray.get(worker.load_weights.remote(update), timeout=self.cfg.sync.timeout_s)
-        version = ray.get(worker.version.remote(), timeout=self.cfg.sync.timeout_s)
-        if version != self.step:
-            raise RuntimeError(f"re-synced worker holds version {version}, the learner {self.step}")
-
     def _maybe_evaluate(self) -> dict:
         every = self.cfg.eval_every
         if not self._another_step() or (every and self.step % every == 0):  # and at the end
@@ -350,7 +249,7 @@ class Controller:
         """Evaluation with worker 0's current weights (version `step`): eval/<set>/accuracy
         (greedy pass@1), sampled_accuracy, truncated and mean_response_tokens per set
         (actors.evaluate.EvalReport.metrics)."""
-        self._check_syncs()
+        self.weights.check()
         report = self.pool.result(self.pool.call(0, "evaluate", self.cfg.eval))
         return report.metrics()
 
@@ -387,7 +286,8 @@ class Controller:
         on by a step <= self.step, and none after it (batches in flight are replayed)."""
         state = ckpt.ControllerState(
             step=self.step, prompt_position=self._trained_position,
-            nonfinite_total=self.nonfinite_total, nonfinite_run=self.nonfinite_run, dropped_stale=self.dropped_stale,
+            nonfinite_total=self.nonfinite_total, nonfinite_run=self.nonfinite_run,
+            dropped_stale=self.dropped_stale,
             worker_restarts=self.pool.restarts if self.pool else 0, wandb_id=self.log.wandb_id,
             reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
         return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
@@ -418,8 +318,7 @@ class Controller:
         parts = [(name, getattr(part, method)) for name, part, method in (
             ("metrics log", self.log, "close"), ("rollout workers", self.pool, "kill_all"),
             ("learner", self.learner, "shutdown")) if part is not None]
-        parts.append(("published weights", lambda: remove_published(  # /dev/shm is RAM
-            self.run_dir.name, self.cfg.sync.shm_dir)))
+        parts.append(("published weights", self.weights.cleanup))  # shm: /dev/shm is RAM
         errors = []
         for name, stop in parts:
             try:

@@ -73,36 +73,3 @@ def learner_model_files(cfg: TrainConfig, model_dir: Path):
 
     return ModelFiles(policy=str(model_dir), reference=cfg.model.ref_path,
                       revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-
-
-def connect_nccl(learner, workers: list) -> None:
-    """GPU with sync.transport=nccl, once before the first export: join learner rank 0 and
-    every rollout worker (`RolloutWorker.init_nccl`) in vLLM's NCCL weight-transfer group.
-    First it compares their CUDA device UUIDs and refuses a GPU shared by two of them, which
-    NCCL would refuse ("Duplicate GPU detected"); TrainConfig already refuses GPU requests
-    that let Ray share one. Here rather than in learner/ because it drives the rollout
-    workers. Written against vLLM's API; not exercised by the CPU test-suite."""
-    from actors.nccl_transfer import check_nccl_devices
-    from learner.group import get_all
-
-    check_nccl_devices(learner.cuda_device_uuid(),
-                       get_all([w.cuda_device_uuids.remote() for w in workers]))
-    infos = learner.nccl_sender_init(len(workers))
-    joins = [w.init_nccl.remote(info) for w, info in zip(workers, infos)]
-    get_all(joins + [learner.nccl_sender_connect()])
-
-
-def connect_cuda_ipc(learner, workers: list) -> None:
-    """GPU with sync.transport=cuda_ipc, before the first export (and for a replaced worker
-    before its re-sync): refuse a worker whose engine is not on learner rank 0's GPU, where
-    the IPC handles could not be opened (`check_cuda_ipc_devices`; TrainConfig already
-    refuses GPU requests that cannot put them on one GPU), then ready each worker's IPC
-    weight transfer (`RolloutWorker.init_cuda_ipc`). Here rather than in learner/ because it
-    drives the rollout workers. Written against vLLM's API; not exercised by the CPU
-    test-suite."""
-    from actors.ipc_transfer import check_cuda_ipc_devices
-    from learner.group import get_all
-
-    check_cuda_ipc_devices(learner.cuda_device_uuid(),
-                           get_all([w.cuda_device_uuids.remote() for w in workers]))
-    get_all([w.init_cuda_ipc.remote() for w in workers])

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.records import RolloutBatch
+from actors.weight_sync import transport
 from cluster.config.train_config import TrainConfig
 from cluster.train.deadlines import PROBE_S, Deadline, HangPolicy, Hung, WaitTimes, wait_all
 from cluster.train.stopping import RunStopped
@@ -35,7 +36,8 @@ START = "worker start-up"  # the kind of wait of a worker's start (deadlines.py)
 
 
 class WorkerRestartsExhausted(RunStopped):
-    pass
+    """A worker failed and cannot be replaced: the restarts are used up, the replacement hung
+    in its start, or the sync transport cannot take a new worker."""
 
 
 @dataclass
@@ -73,6 +75,10 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int, worker_class: ty
 
 
 class WorkerPool:
+    """Owns the rollout worker actors: starts them, sends their calls and takes the results
+    under each kind of call's deadline, and replaces a worker that dies or hangs (module
+    docstring), within `faults.max_worker_restarts` and what the sync transport allows."""
+
     def __init__(self, cfg: TrainConfig, model_dir: Path, on_restart: Callable[[object], None]):
         self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
         self.restarts = 0
@@ -187,17 +193,15 @@ class WorkerPool:
             raise WorkerRestartsExhausted(
                 f"rollout worker {i} {reason}; all faults.max_worker_restarts={limit} restarts "
                 "are used up, so the run stops here")
-        if self.cfg.sync.transport == "nccl":  # the NCCL group is fixed at start-up
-            raise WorkerRestartsExhausted(
-                f"rollout worker {i} {reason}; with sync.transport=nccl a replaced worker "
-                "cannot join the existing NCCL group, so the run stops here")
+        if why := transport(self.cfg.sync.transport).why_no_replacement():
+            raise WorkerRestartsExhausted(f"rollout worker {i} {reason}; {why}")
         self.restarts += 1
         t0 = time.perf_counter()
         ray.kill(self.workers[i], no_restart=True)
         self.workers[i] = start_worker(self.cfg, self.model_dir, i)
         self.incarnation[i] += 1
         # Wait for the engine to be up first: the owner's re-sync has sync.timeout_s for the
-        # load alone, which an engine start (20 s on 2 CPU cores) must not eat into. A
+        # load alone, which an engine start (the slow part on CPU) must not eat into. A
         # replacement that hangs in its start stops the run (no restart of a restart).
         try:
             self._wait(i, self.workers[i].version.remote(), START, "its start")

