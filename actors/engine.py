@@ -4,11 +4,10 @@ SamplingParams klrl uses: this is the one module that builds SamplingParams, for
 rollout worker actor and `actors.evaluate` both call `make_llm`.
 
 The engine core runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the
-environment sets it): on the 2-core CPU machine an engine then starts in about 6 s instead of
-about 20 s, as the spawned engine-core process would import torch and vLLM again. vLLM then
-keeps the engine's parallel state in process globals, so a process holds one engine at a
-time (shutting a second one down would break the first); a rollout worker, `klrl eval` and
-`klrl bench`'s raw baseline each build one. With the
+environment sets it): an engine then starts far sooner, as the spawned engine-core process
+would import torch and vLLM again. vLLM then keeps the engine's parallel state in process
+globals, so a process holds one engine at a time (shutting a second one down would break the
+first); a rollout worker, `klrl eval` and `klrl bench`'s raw baseline each build one. With the
 variable set to 1, vLLM spawns that process, and a script that calls `make_llm` at import
 time needs the `if __name__ == "__main__":` guard.
 """

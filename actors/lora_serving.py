@@ -48,9 +48,10 @@ class AdapterSlot:
                                           dir=parent))
         self.request = None
 
-    def load(self, llm, version: int, source: str | bytes, config: Mapping[str, Any]) -> dict[str, float]:
+    def load(self, llm, version: int, source: str | bytes,
+             config: Mapping[str, Any]) -> dict[str, float]:
         """Serve the adapter of policy `version` (source: the shm file or the safetensors
-        bytes, as `weight_sync.fetch` gives them); returns the seconds spent writing it
+        bytes, as the transport's fetch gives them); returns the seconds spent writing it
         ("read") and loading it into the engine ("reload")."""
         from vllm.lora.request import LoRARequest
 

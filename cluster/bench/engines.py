@@ -32,9 +32,9 @@ from typing import Any
 
 WORKER_INDEX = 0  # cluster.train.worker_pool starts worker 0 first; its seeds are the ones replayed
 # Untimed repetitions before the timed ones, in the baselines and through klrl alike. A fresh
-# process's first steps are slower (allocator and page-cache warm-up: a bare DeepSpeed step
-# took 2.0-2.2 s for its first two repetitions and 1.6-1.8 s after); with one warm-up the
-# bare baseline looked 25% slower than the warmed-up learner actor on the demo model.
+# process's first steps are slower (allocator and page-cache warm-up: a bare DeepSpeed step's
+# first two repetitions), and a baseline still in them would make klrl look faster than its
+# own baseline (docs/bench.md, "Fair baselines").
 WARMUP_REPS = 2
 
 
