@@ -23,10 +23,10 @@ import ray
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner.export import WeightPublisher
 from learner.loading import ModelFiles
 from learner.loss_metrics import merge_metrics, merge_updates
 from learner.process_group import remove_shm_buffers
-from learner.export import WeightPublisher
 from learner.rank import LearnerRank
 
 

@@ -30,7 +30,8 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert _finite_positive(result[key]), (key, result[key])
     syncs = result["weight_sync_seconds"]
     assert set(syncs) == {"shm", "object_store"}
-    assert all(_finite_positive(s) for per_model in syncs.values() for s in per_model.values()), syncs
+    assert all(_finite_positive(s) for per_model in syncs.values()
+               for s in per_model.values()), syncs
     # Where each sync's time went: every part measured, and the parts add up to the whole
     # (calls is the remainder: Ray calls and queueing, which cannot be negative).
     head = result["workloads"][result["headline_workload"]]
@@ -63,12 +64,14 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     assert outside["outside_engine_ms"] == result["rollout_outside_engine_ms_256x64"]
     # Without scoring: klrl's own part, less than the whole by the scoring it leaves out.
     assert 0 < outside["outside_engine_unscored_ms"] < outside["outside_engine_ms"]
-    assert outside["outside_engine_unscored_ms"] == result["rollout_outside_engine_unscored_ms_256x64"]
+    unscored = result["rollout_outside_engine_unscored_ms_256x64"]
+    assert outside["outside_engine_unscored_ms"] == unscored
     assert result["device"] == "cpu" and set(result["parts"]) == {"engines", "sync", "e2e"}
     # Learner memory, full fine-tuning against LoRA on the same model: Adam's two fp32 moments
     # (and a step count per tensor) for exactly the trained weights; no reference copy with
     # LoRA, whose base is the reference; the process holds at least its weights.
-    full, adapters = (result["workloads"][n]["learner_memory"] for n in ("tiny-random", "tiny-random-lora8"))
+    full, adapters = (result["workloads"][n]["learner_memory"]
+                      for n in ("tiny-random", "tiny-random-lora8"))
     for mem in (full, adapters):
         assert 2 * mem["trainable"] <= mem["optimizer_state"] <= 2 * mem["trainable"] + 4096, mem
         assert mem["peak_rss"] > mem["weights"] + mem["reference"], mem

@@ -44,9 +44,11 @@ def test_bench_options_that_cannot_run_are_refused_before_anything_starts(capsys
     assert "--peer" in _refused(capsys, ["bench", "--peer", "trl", "--only", "sync"])
     earlier = tmp_path / "gpu-check.json"
     earlier.write_text(json.dumps({"device": "cuda", "workloads": {}}))
-    assert "holds a cuda bench" in _refused(capsys, ["bench", "--only", "sync", "--json", str(earlier)])
+    assert "holds a cuda bench" in _refused(capsys, ["bench", "--only", "sync",
+                                                     "--json", str(earlier)])
     earlier.write_text("not json")
-    assert "not a bench JSON" in _refused(capsys, ["bench", "--only", "e2e", "--json", str(earlier)])
+    assert "not a bench JSON" in _refused(capsys, ["bench", "--only", "e2e",
+                                                   "--json", str(earlier)])
     page = tmp_path / "page.md"
     page.write_text("no block here\n")
     assert "bench:figures" in _refused(capsys, ["bench", "--docs", str(page)])
@@ -131,7 +133,8 @@ def _gpu_parts() -> list[dict]:
     tests = {"command": "python -m pytest -q -m gpu -rs", "returncode": 0, "timed_out": False,
              "seconds": 95.0, "passed": 5, "failed": 0, "errors": 0, "skipped": 1,
              "skip_reasons": [{"test": "tests.test_weight_sync::test_nccl_sync_gpu",
-                               "reason": "nccl weight sync needs two CUDA GPUs (learner + worker)"}],
+                               "reason": "nccl weight sync needs two CUDA GPUs "
+                                         "(learner + worker)"}],
              "failures": []}
     return [part("engines", only("parameters", "trainable_parameters", "rollout", "learner",
                                  "learner_memory"), outside_engine=outside),
@@ -157,14 +160,16 @@ def test_parts_merge_into_one_json_and_the_check_follows_the_parts():
     assert check_result(merged) == []
     # a part measured again replaces its sections and nothing else
     again = copy.deepcopy(sync)
-    again["workloads"]["random-25M"]["weight_sync"] = again["workloads"]["random-25M"]["weight_sync"][:1]
+    syncs = again["workloads"]["random-25M"]["weight_sync"]
+    again["workloads"]["random-25M"]["weight_sync"] = syncs[:1]
     remerged = merge(merged, summary(again["workloads"], "random-25M", None) | again)
     assert set(remerged["weight_sync_seconds"]) == {"shm", "object_store"}  # other workloads kept
     assert len(remerged["workloads"]["random-25M"]["weight_sync"]) == 1
     assert remerged["workloads"]["random-25M"]["pipeline"] == head["pipeline"]
     with pytest.raises(ValueError, match="cpu"):
         merge(json.loads(BENCH_JSON.read_text()), sync)
-    failed = merge(merged, tests | {"gpu_tests": tests["gpu_tests"] | {"returncode": 1, "failed": 2}})
+    failed = merge(merged, tests | {"gpu_tests": tests["gpu_tests"]
+                                    | {"returncode": 1, "failed": 2}})
     assert check_result(failed) == ["gpu_tests (2 failed, 0 errors)"]
     assert check_result({k: v for k, v in merged.items() if k != OUTSIDE_KEY}) == [OUTSIDE_KEY]
 
@@ -199,18 +204,20 @@ def test_a_gpu_json_renders_its_own_tables_into_its_own_block(tmp_path):
     engines, sync, e2e, tests = _gpu_parts()
     result = merge(merge(merge(engines, sync), e2e), tests)
     text = report.markdown(result)
-    for expected in (("`klrl bench --device cuda` on NVIDIA H100 80GB HBM3 (driver 580.65.06, "
-                      "CUDA 13.0)"), "vLLM 0.26.0", "device-to-device copy 1480 GB/s",
-                     "| device-to-device copy bound s |", "**The rollout's cost outside the engine**",
-                     "| demo-1M | 16384 | 180 | 165 | **15.0** | **11.0** | 1.5 | 4.0 | 6.0 | 3.5 |",
-                     "on one GPU)", "Reference (the max_lag 0 run, learner and worker sharing the GPU)",
-                     "**GPU tests** (`python -m pytest -q -m gpu -rs`): 5 passed, 1 skipped, 0 failed",
-                     "- skipped: tests.test_weight_sync::test_nccl_sync_gpu: nccl weight sync needs"):
+    for expected in (
+            ("`klrl bench --device cuda` on NVIDIA H100 80GB HBM3 (driver 580.65.06, "
+             "CUDA 13.0)"), "vLLM 0.26.0", "device-to-device copy 1480 GB/s",
+            "| device-to-device copy bound s |", "**The rollout's cost outside the engine**",
+            "| demo-1M | 16384 | 180 | 165 | **15.0** | **11.0** | 1.5 | 4.0 | 6.0 | 3.5 |",
+            "on one GPU)", "Reference (the max_lag 0 run, learner and worker sharing the GPU)",
+            "**GPU tests** (`python -m pytest -q -m gpu -rs`): 5 passed, 1 skipped, 0 failed",
+            "- skipped: tests.test_weight_sync::test_nccl_sync_gpu: nccl weight sync needs"):
         assert expected in text, expected
     assert "One-core reference" not in text and "| random-25M | 1 |" not in text
     # one part alone renders what it has
     alone = report.markdown(sync)
-    assert "**Weight sync**" in alone and "End to end" not in alone and "Engine overheads" not in alone
+    assert "**Weight sync**" in alone
+    assert "End to end" not in alone and "Engine overheads" not in alone
     page = tmp_path / "gpu.md"
     page.write_text("<!-- bench:figures -->\nCPU\n<!-- /bench:figures -->\n"
                     "<!-- bench:gpu -->\nold\n<!-- /bench:gpu -->\n")
@@ -226,7 +233,8 @@ def test_the_outside_engine_table_adds_to_the_cpu_rendering_and_changes_nothing_
     text = report.markdown(cpu | {"outside_engine": outside})
     table = "\n".join(report._outside_table(outside))
     assert table in text and text.replace(table + "\n", "", 1) == report.markdown(cpu)
-    assert text.index("Engine overheads") < text.index("outside the engine**") < text.index("Weight sync")
+    assert (text.index("Engine overheads") < text.index("outside the engine**")
+            < text.index("Weight sync"))
 
 
 @pytest.mark.gpu

@@ -66,7 +66,8 @@ def test_grpo_config_of_the_demo_and_its_defaults(tmp_path):
     """The demo as the comparison runs it: one optimizer step per batch of 32 x 8, top_k off
     in both (-1 in klrl, 0 in TRL), constant LR after warm-up."""
     kw = grpo_config_kwargs(load_train_config(DEMO_CONFIG, list(PLAIN_GRPO)), 300, tmp_path)
-    assert (kw["generation_batch_size"], kw["per_device_train_batch_size"], kw["max_steps"]) == (256, 256, 300)
+    assert (kw["generation_batch_size"], kw["per_device_train_batch_size"],
+            kw["max_steps"]) == (256, 256, 300)
     assert (kw["top_k"], kw["top_p"], kw["lr_scheduler_type"]) == (0, 1.0, "constant_with_warmup")
     assert kw["max_grad_norm"] == 1.0 / 6 and kw["beta"] == 0.05 and kw["learning_rate"] == 1e-4
 
@@ -77,7 +78,8 @@ def test_grpo_config_kwargs_are_trl_fields(tmp_path):
     trl = pytest.importorskip("trl")
     cfg = load_train_config(DEMO_CONFIG, [s for s in SHARED if "trust_remote_code" not in s])
     args = trl.GRPOConfig(**grpo_config_kwargs(cfg, 10, tmp_path))
-    assert (args.steps_per_generation, args.generation_batch_size, args.num_generations) == (4, 64, 4)
+    assert (args.steps_per_generation, args.generation_batch_size,
+            args.num_generations) == (4, 64, 4)
 
 
 def test_differences_name_what_trl_cannot_follow():
@@ -95,7 +97,8 @@ def test_peer_config_runs_the_chosen_objective_at_max_lag_0(tmp_path):
 
     demo = PEERS_FULL[0]
     same = peer_config(demo, tmp_path, "same", tmp_path / "runs")
-    assert (same.kl.estimator, same.kl.placement, same.advantage.estimator) == ("k3", "loss", "grpo")
+    assert (same.kl.estimator, same.kl.placement,
+            same.advantage.estimator) == ("k3", "loss", "grpo")
     assert (same.max_lag, same.total_steps, same.model.path) == (0, demo.steps, str(tmp_path))
     own = peer_config(demo, tmp_path, "klrl", tmp_path / "runs")
     assert (own.kl.estimator, own.kl.placement, own.advantage.estimator) == ("k1", "reward", "rloo")
@@ -104,7 +107,8 @@ def test_peer_config_runs_the_chosen_objective_at_max_lag_0(tmp_path):
 
 def test_peer_run_figures_leave_out_warm_up_and_the_last_step():
     run = PeerRun("trl", "w", samples_per_step=10, warmup=2,
-                  step_seconds=[9.0, 5.0, 1.0, 2.0, 1.0, 7.0], rewards=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
+                  step_seconds=[9.0, 5.0, 1.0, 2.0, 1.0, 7.0],
+                  rewards=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
                   wall_seconds=30.0)
     assert run.measured_steps == 3 and run.samples_per_s == pytest.approx(30 / 4.0)
     # The docs' definition: last 10% minus first 10% (one step each here) per 1k samples.
@@ -113,7 +117,8 @@ def test_peer_run_figures_leave_out_warm_up_and_the_last_step():
     d = run.to_dict()
     assert (d["reward_before"], d["reward_after"]) == (0.1, 0.6)
     random = PeerRun("klrl", "w", 10, 2, [1.0] * 4, [0.0] * 4, 4.0, learns=False)
-    assert random.reward_gain_per_1k is None and random.to_dict()["reward_gain_per_1k_samples"] is None
+    assert random.reward_gain_per_1k is None
+    assert random.to_dict()["reward_gain_per_1k_samples"] is None
     with pytest.raises(ValueError, match="none to measure"):
         PeerRun("klrl", "w", 10, 2, [1.0] * 3, [0.0] * 3, 3.0)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.weight_sync import WeightPublisher, WeightUpdate, publish
 from actors.weight_sync.cuda_ipc import (
     IpcWeightSender,
     check_cuda_ipc_devices,
@@ -27,7 +28,6 @@ from actors.weight_sync.cuda_ipc import (
     ipc_record_fields,
     worker_init_info,
 )
-from actors.weight_sync import WeightPublisher, WeightUpdate, publish
 from cluster.config.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +209,8 @@ def test_worker_engine_is_built_with_vllms_ipc_backend():
     from actors.engine import unknown_engine_args
     from actors.rollout_worker import engine_options
 
-    options = engine_options(RolloutConfig(num_gpus_per_worker=0.5), SyncConfig(transport="cuda_ipc"), 0)
+    options = engine_options(RolloutConfig(num_gpus_per_worker=0.5),
+                             SyncConfig(transport="cuda_ipc"), 0)
     assert options["weight_transfer_config"] == {"backend": "ipc"}
     assert WeightTransferConfig(**options["weight_transfer_config"]).backend == "ipc"
     assert unknown_engine_args(["weight_transfer_config"]) == {}
@@ -240,7 +241,8 @@ def test_config_accepts_one_learner_rank_and_workers_on_one_gpu(overrides):
     (["sync.transport=cuda_ipc"], r"learner.num_gpus_per_rank > 0", ("shm", "object_store")),
     ([*ONE_GPU, "learner.num_ranks=2", "learner.num_gpus_per_rank=0.25"],
      r"learner.num_ranks=2", ("nccl", "shm", "object_store")),
-    ([*ONE_GPU, "learner.num_gpus_per_rank=1"], "holds whole GPUs", ("nccl", "shm", "object_store")),
+    ([*ONE_GPU, "learner.num_gpus_per_rank=1"], "holds whole GPUs",
+     ("nccl", "shm", "object_store")),
     ([*ONE_GPU, "rollout.num_gpus_per_worker=1"], "whole GPUs of its own",
      ("nccl", "shm", "object_store")),
     ([*ONE_GPU, "rollout.num_gpus_per_worker=0"], "no share of the GPU",
@@ -319,7 +321,8 @@ def test_cuda_ipc_sync_gpu(tiny_model_dir):
     w = ray.remote(RolloutWorker).options(num_gpus=0.5).remote(
         str(tiny_model_dir), cfg, SyncConfig(transport="cuda_ipc", timeout_s=120), TASK)
     try:
-        check_cuda_ipc_devices(ray.get(learner.uuid.remote()), [ray.get(w.cuda_device_uuids.remote())])
+        check_cuda_ipc_devices(ray.get(learner.uuid.remote()),
+                               [ray.get(w.cuda_device_uuids.remote())])
         ray.get(w.init_weight_transfer.remote())
         update = ray.get(learner.publish.remote(1))
         ray.get(learner.step.remote())  # after the publish, before the load

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.slow
 RTOL, ATOL = 1e-6, 2e-7
 REL_UPDATE = 1e-5
 GROUPS, SAMPLES = 4, 2  # 8 sequences: 4 per rank with 2 ranks, 2 per micro-batch
-KL_CFG = KLConfig(estimator="k3", placement="reward+loss", importance="prefix", truncate=2.0, beta=0.1)
+KL_CFG = KLConfig(estimator="k3", placement="reward+loss", importance="prefix", truncate=2.0,
+                  beta=0.1)
 ADV_CFG = AdvantageConfig(estimator="rloo", normalize="group")
 
 
@@ -137,13 +138,15 @@ def _assert_same_update(p0, a, b):
         num += float((da - db).square().sum())
         den += float(da.square().sum())
     assert den > 0, "the weights did not change"
-    assert math.sqrt(num / den) <= REL_UPDATE, f"relative update difference {math.sqrt(num / den):.3g}"
+    difference = math.sqrt(num / den)
+    assert difference <= REL_UPDATE, f"relative update difference {difference:.3g}"
 
 
 def _assert_same_metrics(ms1, ms2):
     for m1, m2 in zip(ms1, ms2, strict=True):
         assert m2["grad/norm"] == pytest.approx(m1["grad/norm"], rel=1e-5)
-        for key in ("loss/total", "loss/kl", "kl/pi_ref", "kl/mu_ref", "is/ratio_min", "is/ratio_max"):
+        for key in ("loss/total", "loss/kl", "kl/pi_ref", "kl/mu_ref", "is/ratio_min",
+                    "is/ratio_max"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
         for key in ("response/tokens", "response/sequences", "lr", "is/truncated_frac"):
             assert m2[key] == m1[key], key

@@ -235,11 +235,13 @@ def test_nccl_records_match_vllm_types():
     sender = NcclWeightSender("10.0.0.1", 29555, num_workers=3, packed=True)
     info = NCCLWeightTransferInitInfo(**sender.worker_init_info(2))
     assert (info.rank_offset, info.world_size) == (3, 4)
-    items = [("a.weight", torch.zeros(2, 3)), ("lm_head.weight", torch.ones(4, dtype=torch.bfloat16))]
+    items = [("a.weight", torch.zeros(2, 3)),
+             ("lm_head.weight", torch.ones(4, dtype=torch.bfloat16))]
     update = NCCLWeightTransferUpdateInfo(**sender.update_info(items))
     assert [getattr(torch, d) for d in update.dtype_names] == [torch.float32, torch.bfloat16]
     assert update.shapes == [[2, 3], [4]]
-    on_init = {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)} >= set(NCCL_PACKING_FIELDS)
+    init_fields = {f.name for f in dataclasses.fields(NCCLWeightTransferInitInfo)}
+    on_init = init_fields >= set(NCCL_PACKING_FIELDS)
     carrier = info if on_init else update
     assert (carrier.packed, carrier.packed_buffer_size_bytes, carrier.packed_num_buffers) == (
         True, sender.buffer_size_bytes, sender.num_buffers)

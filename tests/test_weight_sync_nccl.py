@@ -26,7 +26,8 @@ VLLM_032 = (RENDEZVOUS + ("nccl_unique_id_b64",) + NCCL_PACKING_FIELDS, RECORD)
 def test_packing_settings_go_on_the_update_info_for_vllm_026():
     init_extra, update_extra = nccl_packing_split(PACKING, *VLLM_026)
     assert init_extra == {} and update_extra == PACKING
-    items = [("a.weight", torch.zeros(2, 3)), ("lm_head.weight", torch.ones(4, dtype=torch.bfloat16))]
+    items = [("a.weight", torch.zeros(2, 3)),
+             ("lm_head.weight", torch.ones(4, dtype=torch.bfloat16))]
     info = nccl_update_info(items, update_extra)
     assert set(info) == set(VLLM_026[1])  # exactly the 0.26 dataclass's fields
     assert info["dtype_names"] == ["float32", "bfloat16"] and info["shapes"] == [[2, 3], [4]]

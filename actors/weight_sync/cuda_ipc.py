@@ -237,6 +237,8 @@ def worker_init_info() -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Snapshot:
+    """One version's copies on the GPU and the update info whose handles point into them."""
+
     names: tuple[str, ...]
     info: dict                       # the update info whose handles point into `tensors`
     tensors: tuple[torch.Tensor, ...]  # held: the handles do not keep them alive

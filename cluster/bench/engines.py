@@ -152,8 +152,10 @@ def measure_learner(group, cfg, batch, reps: int) -> Overhead:
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
         path = Path(tmp) / "batch.pt"
         torch.save({f: getattr(batch, f) for f in batch.__dataclass_fields__}, path)
-        spec = {"model_dir": str(cfg.model.path), "learner": cfg.rank_learner.model_dump(mode="json"),
-                "kl": cfg.kl.model_dump(mode="json"), "advantage": cfg.advantage.model_dump(mode="json"),
+        spec = {"model_dir": str(cfg.model.path),
+                "learner": cfg.rank_learner.model_dump(mode="json"),
+                "kl": cfg.kl.model_dump(mode="json"),
+                "advantage": cfg.advantage.model_dump(mode="json"),
                 "seed": cfg.seed, "batch": str(path), "reps": reps}
         raw = _run_baseline("bare-deepspeed", spec)
     klrl_s, engine_s = [], []
@@ -200,8 +202,9 @@ def _bare_deepspeed(spec: dict) -> dict:
     policy = load_causal_lm(files.policy, files, cfg).train()  # as LearnerRank loads both
     ref = load_causal_lm(files.reference_path, files, cfg).to(device)
     ref.eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay)
     batch = TrainBatch(**torch.load(spec["batch"]))
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                       config=cfg.deepspeed_config(batch.num_sequences, 1))
@@ -211,13 +214,15 @@ def _bare_deepspeed(spec: dict) -> dict:
             t0 = time.perf_counter()
             b = batch if not cuda else TrainBatch(**{f: getattr(batch, f).to(device)
                                                      for f in batch.__dataclass_fields__})
-            inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "use_cache": False}
+            inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask,
+                      "use_cache": False}
             logp = sequence_logprobs(engine(**inputs).logits, b.input_ids)
             with torch.no_grad():
                 ref_logp = sequence_logprobs(ref(**inputs).logits, b.input_ids)
             loss, _ = policy_loss(logp, ref_logp, b, kl_cfg, adv_cfg, cfg, b.num_sequences)
             engine.backward(loss)
-            if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:  # as LearnerRank's optimizer does
+            # as LearnerRank's optimizer does
+            if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
             engine.step()
             if cuda:
@@ -242,7 +247,8 @@ def _run_baseline(kind: str, spec: dict) -> dict:
                                str(out_path)], check=False, capture_output=True, text=True,
                               timeout=1800)
         if proc.returncode != 0:
-            raise RuntimeError(f"baseline {kind} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"baseline {kind} failed ({proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
         return json.loads(out_path.read_text())
 
 

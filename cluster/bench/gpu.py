@@ -140,14 +140,16 @@ def driver_version() -> str | None:
 # --------------------------------------------------------------------------- gpu tests
 
 
-def run_gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S, python: str = sys.executable) -> dict[str, Any]:
+def run_gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S,
+                  python: str = sys.executable) -> dict[str, Any]:
     """`pytest -m gpu -rs` of the checkout klrl runs from, in a subprocess (the interpreter
     running the bench); its counts, skip reasons and failures, read from its JUnit report."""
     command = [python, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
     shown = "python -m pytest -q -m gpu -rs"
     if not (REPO_ROOT / "tests").is_dir():
         return {"command": shown, "returncode": None, "timed_out": False,
-                "error": f"no tests/ directory in {REPO_ROOT} (klrl installed without its checkout)"}
+                "error": f"no tests/ directory in {REPO_ROOT} (klrl installed without its "
+                         "checkout)"}
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
         xml = Path(tmp) / "gpu-tests.xml"
         t0 = time.perf_counter()

@@ -94,7 +94,8 @@ def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]
     import ray
 
     r = cfg.worker_rollout  # dtype and threads resolved, as the worker gets them
-    worker = start_worker(cfg, cfg.model.path, 0, worker_class=TimedRolloutWorker)  # as a run starts it
+    # as a run starts it
+    worker = start_worker(cfg, cfg.model.path, 0, worker_class=TimedRolloutWorker)
     samples = len(problems) * r.samples_per_prompt
     rows = []
     try:

@@ -46,7 +46,8 @@ class PeerRun:
                              f"times but {len(self.rewards)} rewards")
         if len(self.step_seconds) < self.warmup + 2:
             raise ValueError(f"{self.trainer}/{self.workload}: {len(self.step_seconds)} steps "
-                             f"leave none to measure after {self.warmup} warm-up steps and the last")
+                             f"leave none to measure after {self.warmup} warm-up steps and "
+                             "the last")
 
     @property
     def steps(self) -> int:

@@ -73,7 +73,8 @@ def peer_config(w: PeerWorkload, model_dir: Path, objective: str, runs_dir: Path
         "eval_every=0", "eval.num_problems=8", "eval.samples=0", "eval.out_of_domain=null"])
 
 
-def run_peers(workloads: tuple[PeerWorkload, ...], objective: str, work_dir: Path) -> dict[str, Any]:
+def run_peers(workloads: tuple[PeerWorkload, ...], objective: str,
+              work_dir: Path) -> dict[str, Any]:
     """Both trainers on every workload; the JSON-ready result (under "peers")."""
     work_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()

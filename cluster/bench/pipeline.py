@@ -45,6 +45,8 @@ ONE_THREAD = ("rollout.threads_per_worker=1", "learner.threads_per_rank=1")
 
 @dataclass
 class LagRun:
+    """One end-to-end run's measured means at one max_lag (its steps after the warm-up)."""
+
     max_lag: int
     steps: int                 # measured steps
     step_seconds: float        # mean time/step over them
@@ -60,8 +62,12 @@ class LagRun:
 
 @dataclass
 class PipelineResult:
+    """A workload's end-to-end runs: the reference run and one per max_lag, from which the
+    ideal overlap, the efficiency and the bound follow."""
+
     workload: str
-    one_core: LagRun           # the reference run: max_lag 0, one thread per part (GPU: the max_lag 0 run)
+    # the reference run: max_lag 0, one thread per part (GPU: the max_lag 0 run)
+    one_core: LagRun
     cores: int                 # CPU cores the run has (GPU: 1, the one GPU)
     runs: list[LagRun] = field(default_factory=list)
     reference: str = "one-core"  # "one-core", or "max_lag 0" (one shared GPU)
@@ -119,11 +125,13 @@ def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measure
     plus `overrides`; Ray must already be running (the runs share it). one_core=False (one
     shared GPU): no reference run, the max_lag 0 run (which `lags` must hold) is the reference."""
     if one_core:
-        reference = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0, "-1core")
+        reference = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0,
+                             "-1core")
         cores = load_train_config(DEMO_CONFIG, overrides).reserved_cpus  # the cores the run has
         result = PipelineResult(workload, reference, cores=int(cores))
     elif 0 not in lags:
-        raise ValueError(f"without the one-core run the max_lag 0 run is the reference: lags {lags}")
+        raise ValueError("without the one-core run the max_lag 0 run is the reference: "
+                         f"lags {lags}")
     runs = [_measure(workload, overrides, out_dir, measured_steps, lag, "") for lag in lags]
     if not one_core:
         result = PipelineResult(workload, runs[lags.index(0)], cores=1, reference="max_lag 0")

@@ -105,7 +105,8 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
     for name, w in result["workloads"].items():
         trained = w.get("trainable_parameters") or w["parameters"]
         if trained != w["parameters"]:  # LoRA: the optimizer holds the adapters only
-            name = f"{name} (trains {trained / 1e6:.2f}M of {w['parameters'] / 1e6:.0f}M parameters)"
+            name = (f"{name} (trains {trained / 1e6:.2f}M of {w['parameters'] / 1e6:.0f}M "
+                    "parameters)")
         for s in w.get("weight_sync") or []:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items())
             rows.append(f"| {name} | {s['transport']} | {s['num_bytes'] / 1e6:.1f} "
@@ -129,7 +130,8 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
                          f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
                          f"| **{mem['peak_rss'] / 1e6:.0f}** |")
-    pipelines = {name: w["pipeline"] for name, w in result["workloads"].items() if w.get("pipeline")}
+    pipelines = {name: w["pipeline"] for name, w in result["workloads"].items()
+                 if w.get("pipeline")}
     if not pipelines:
         return lines
     gpu = any(p.get("reference") == "max_lag 0" for p in pipelines.values())
@@ -137,7 +139,8 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
              "batch x cores / the one-core T_gen + T_train")
     lines += ["", f"**End to end** (efficiency = measured / ideal; bound = {bound})", "",
               ("| end to end | max_lag | samples/s | ideal | efficiency | bound | of bound "
-              "| wait for rollouts s | train + publish s |"), "|---|---|---|---|---|---|---|---|---|"]
+              "| wait for rollouts s | train + publish s |"),
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, p in pipelines.items():
         for r in p["runs"]:
             lines.append(f"| {name} | {r['max_lag']} | **{r['samples_per_s']:.1f}** "

@@ -127,7 +127,8 @@ def write_json(result: dict[str, Any], path: str | Path) -> None:
 
 def machine() -> dict[str, Any]:
     model = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
             break

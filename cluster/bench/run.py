@@ -72,6 +72,9 @@ class Workload:
 
 @dataclass(frozen=True)
 class BenchPlan:
+    """What one `klrl bench` measures: its workloads, repetitions, device, overrides, the
+    weight-sync transports and the end-to-end max_lags."""
+
     workloads: tuple[Workload, ...]
     headline: str              # the workload whose figures are the top-level JSON keys
     engine_reps: int           # timed repetitions per engine measurement (after a warm-up)
@@ -101,7 +104,8 @@ FULL = BenchPlan(
         RANDOM_25M,
         Workload("random-100M", SIZE_100M, ("rollout.max_new_tokens=32",), engines=False),
         Workload("random-25M-lora8", SIZE_25M, (*RANDOM_25M.overrides, LORA), engines=False),
-        Workload("random-100M-lora8", SIZE_100M, ("rollout.max_new_tokens=32", LORA), engines=False),
+        Workload("random-100M-lora8", SIZE_100M, ("rollout.max_new_tokens=32", LORA),
+                 engines=False),
     ),
     headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6,
     outside=Workload("demo-1M", "demo", SHAPE), outside_reps=3)
@@ -130,6 +134,8 @@ def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = No
 
 @dataclass
 class WorkloadResult:
+    """Everything measured on one workload: overheads, pipeline, syncs and memory."""
+
     name: str
     parameters: int
     trainable_parameters: int = 0   # those the optimizer holds: fewer with LoRA
@@ -137,7 +143,8 @@ class WorkloadResult:
     learner: Overhead | None = None
     pipeline: PipelineResult | None = None
     syncs: list[SyncLatency] = field(default_factory=list)
-    memory: dict[str, int] | None = None  # rank 0's bytes after an optimizer step (LearnerRank.memory)
+    # rank 0's bytes after an optimizer step (LearnerRank.memory)
+    memory: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"parameters": self.parameters, "trainable_parameters": self.trainable_parameters,
@@ -150,7 +157,8 @@ class WorkloadResult:
 # --------------------------------------------------------------------------- running
 
 
-def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = None) -> dict[str, Any]:
+def run_bench(plan: BenchPlan, work_dir: Path,
+              parts: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the measurements of `plan` in `parts` (default: every part of its device,
     results.default_parts); returns the JSON-ready result."""
     parts = tuple(parts or default_parts(plan.device))
@@ -251,7 +259,8 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
             problems = _problems(cfg)
             result.rollout, rollouts = measure_rollout(worker, cfg, problems, plan.engine_reps)
-            result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts), plan.engine_reps)
+            result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts),
+                                             plan.engine_reps)
         if bound is not None:
             print(f"[bench] {w.name}: weight sync", flush=True)
             result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps,

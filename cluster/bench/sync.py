@@ -28,6 +28,8 @@ CPU_TRANSPORTS = tuple(name for name, t in TRANSPORTS.items() if not t.needs_gpu
 
 @dataclass
 class SyncLatency:
+    """One transport's sync latency on one workload, its parts and its copy bound."""
+
     model: str
     transport: str
     num_bytes: int
