@@ -26,8 +26,8 @@ def grid(root, lag=4, accuracy=None, broken=(), seeds=(0, 1, 2), beta=0.05, impo
     accuracy = accuracy or {}
     for est, place in CONFIGS:
         for lg in (0, lag):
-            for seed in seeds:
-                final = accuracy.get((est, place), 0.5) + 0.01 * seed
+            for i, seed in enumerate(seeds):
+                final = accuracy.get((est, place), 0.5) + 0.01 * i
                 acc = COLLAPSE if lg and (est, place) in broken else (lambda s, f=final: f if s >= 30 else 0.3)
                 name = f"{est}-{place}-lag{lg}-s{seed}" + (f"-{importance}" if importance else "")
                 run = write_run(root / name, est, place, lg, seed, acc=acc, beta=beta)
@@ -127,3 +127,36 @@ def test_a_directory_without_a_kl_penalty_says_there_is_nothing_to_test(tmp_path
     runs = find_runs(tmp_path)
     assert directory_findings(runs, group_runs(runs), None, "x")[2] == []
     assert "No finished run with a KL penalty" in findings_markdown([])[0]
+
+
+def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(tmp_path):
+    """The sweep's pre-registration decides which claims are tested on which seeds, and the
+    final checkpoints' evaluation (final_eval.json) is the accuracy they compare."""
+    import json
+
+    from cluster.experiments.prereg import load_preregistration
+    from cluster.experiments.report import ReportConfig
+
+    prereg_path = "docs/sweeps/preregistration.yaml"
+    seeds = load_preregistration(prereg_path).seeds
+    root = tmp_path / "offpolicy_tiny_confirm"
+    grid(root, lag=8, beta=0.3, seeds=seeds, accuracy={("k1", "reward"): 0.7})
+    grid(tmp_path / "seed0", lag=8, beta=0.3, seeds=(0,))  # an exploratory seed: CSV only
+    for run in (tmp_path / "seed0").iterdir():
+        run.rename(root / run.name)
+    for run in root.iterdir():  # the final checkpoints score 0.1 above the last evaluation
+        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+        (run / "final_eval.json").write_text(json.dumps({"problems": 1000, "seed": 1, "sets": {
+            s: {"accuracy": last[f"eval/{s}/accuracy"] + 0.1} for s in ("in_domain", "out_of_domain")}}))
+    md = write_report(root, ReportConfig(preregistration=prereg_path)).read_text()
+    assert "**Confirmatory**" in md and f"pre-registration `{prereg_path}`" in md
+    assert "## Pre-registration" in md and "final_eval_seed: 1" in md  # quoted
+    assert "8 run(s) with seeds outside the pre-registered 101" in md
+    assert "final checkpoint, 1000 problems" in md and "have no evaluation of their final" not in md
+    assert "K1 in reward 0.835 ± 0.009 (n=8) vs K1 in loss 0.635 ± 0.009 (n=8)" in md
+    rows = [line for line in md.splitlines() if line.startswith("| ") and " | paper |" in line
+            or " | klrl |" in line]
+    assert len(rows) == 7  # the sweep's pre-registered family, the claims not run included
+    assert md.count("**not run here**") == 2  # no control, no prefix runs
+    csv = (root / "report" / "runs.csv").read_text().splitlines()
+    assert len(csv) == 1 + len(list(root.glob("*-s*"))) and "final checkpoint, 1000 problems" in csv[1]
