@@ -13,6 +13,13 @@ from cluster.experiments.report_findings import directory_findings
 from cluster.experiments.stats import welch
 
 CONFIGS = (("k1", "reward"), ("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
+BEST = "K1 in the reward is best in- and out-of-domain"
+K1L = "K1 in the loss is unstable off-policy"
+K3L, K3R = "K3 in the loss is stable but worse out-of-domain", "K3 in the reward breaks off-policy"
+STABLE = "KL regularisation stabilises async training"
+PREFIX = "Per-decision importance weights repair what breaks off-policy"
+LAG0, LAG4 = "beta 0.05, max_lag 0", "beta 0.05, max_lag 4"
+CONTROL = "beta 0.05 against beta 0, max_lag 4"
 EIGHT = tuple(range(8))
 
 
@@ -28,7 +35,8 @@ def grid(root, lag=4, accuracy=None, broken=(), seeds=(0, 1, 2), beta=0.05, impo
         for lg in (0, lag):
             for i, seed in enumerate(seeds):
                 final = accuracy.get((est, place), 0.5) + 0.01 * i
-                acc = COLLAPSE if lg and (est, place) in broken else (lambda s, f=final: f if s >= 30 else 0.3)
+                acc = COLLAPSE if lg and (est, place) in broken else (
+                    lambda s, f=final: f if s >= 30 else 0.3)
                 name = f"{est}-{place}-lag{lg}-s{seed}" + (f"-{importance}" if importance else "")
                 run = write_run(root / name, est, place, lg, seed, acc=acc, beta=beta)
                 if importance:
@@ -57,13 +65,12 @@ def test_welch_needs_a_difference_beyond_its_noise():
 def test_clear_evidence_reproduces_the_papers_claims(tmp_path):
     grid(tmp_path, accuracy={("k1", "reward"): 0.7}, broken={("k1", "loss")}, seeds=EIGHT)
     v = verdicts(tmp_path)
-    assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 0")] == "reproduced"
-    assert v[("K1 in the loss is unstable off-policy", "beta 0.05, max_lag 4")] == "reproduced"
-    assert v[("K3 in the loss is stable but worse out-of-domain", "beta 0.05, max_lag 4")] == "reproduced"
-    assert v[("K3 in the reward breaks off-policy", "beta 0.05, max_lag 4")] == "contradicted"
+    assert v[(BEST, LAG0)] == "reproduced"
+    assert v[(K1L, LAG4)] == "reproduced"
+    assert v[(K3L, LAG4)] == "reproduced"
+    assert v[(K3R, LAG4)] == "contradicted"
     # No control, no prefix runs: said, not guessed.
-    assert v[("KL regularisation stabilises async training", "beta 0.05 against beta 0, max_lag 4")] \
-        == "not run here"
+    assert v[(STABLE, CONTROL)] == "not run here"
 
 
 def test_three_seeds_cannot_decide_a_break_count(tmp_path):
@@ -71,22 +78,22 @@ def test_three_seeds_cannot_decide_a_break_count(tmp_path):
     before the correction for the claims tested beside it."""
     grid(tmp_path, accuracy={("k1", "reward"): 0.7}, broken={("k1", "loss")})
     v = verdicts(tmp_path)
-    assert v[("K1 in the loss is unstable off-policy", "beta 0.05, max_lag 4")] == "inconclusive"
+    assert v[(K1L, LAG4)] == "inconclusive"
     # 0/3 against 0/3 and 0 of 3 (binomial p = 0.125): no outcome of 3 seeds could decide it.
-    assert v[("K3 in the reward breaks off-policy", "beta 0.05, max_lag 4")] == "not testable here"
+    assert v[(K3R, LAG4)] == "not testable here"
     # The accuracy differences are far beyond their noise: 3 seeds decide those.
-    assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 0")] == "reproduced"
+    assert v[(BEST, LAG0)] == "reproduced"
 
 
 def test_opposite_evidence_contradicts_and_noise_is_inconclusive(tmp_path):
     grid(tmp_path / "worse", accuracy={("k3", "loss"): 0.7}, seeds=EIGHT)
     v = verdicts(tmp_path / "worse")
-    assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 4")] == "contradicted"
-    assert v[("K3 in the loss is stable but worse out-of-domain", "beta 0.05, max_lag 4")] == "contradicted"
-    assert v[("K1 in the loss is unstable off-policy", "beta 0.05, max_lag 4")] == "contradicted"
+    assert v[(BEST, LAG4)] == "contradicted"
+    assert v[(K3L, LAG4)] == "contradicted"
+    assert v[(K1L, LAG4)] == "contradicted"
     grid(tmp_path / "alike")  # every configuration ends at the same accuracy, 3 seeds
     v = verdicts(tmp_path / "alike")
-    assert v[("K1 in the reward is best in- and out-of-domain", "beta 0.05, max_lag 4")] == "inconclusive"
+    assert v[(BEST, LAG4)] == "inconclusive"
 
 
 def test_controls_decide_the_stabilisation_and_repair_claims(tmp_path):
@@ -95,11 +102,9 @@ def test_controls_decide_the_stabilisation_and_repair_claims(tmp_path):
     for seed in EIGHT:  # the no-KL control collapses at the lag
         write_run(tmp_path / f"nokl-lag4-s{seed}", "k1", "reward", 4, seed, acc=COLLAPSE, beta=0.0)
     v = verdicts(tmp_path)
-    assert v[("KL regularisation stabilises async training", "beta 0.05 against beta 0, max_lag 4")] \
-        == "reproduced"
-    assert v[("K3 in the reward breaks off-policy", "beta 0.05, max_lag 4")] == "reproduced"
-    assert v[("Per-decision importance weights repair what breaks off-policy", "beta 0.05, max_lag 4")] \
-        == "reproduced"
+    assert v[(STABLE, CONTROL)] == "reproduced"
+    assert v[(K3R, LAG4)] == "reproduced"
+    assert v[(PREFIX, LAG4)] == "reproduced"
 
 
 def test_a_control_that_never_breaks_leaves_stabilisation_untestable(tmp_path):
@@ -109,14 +114,13 @@ def test_a_control_that_never_breaks_leaves_stabilisation_untestable(tmp_path):
     for seed in EIGHT:
         write_run(tmp_path / f"nokl-lag4-s{seed}", "k1", "reward", 4, seed, beta=0.0)
     v = verdicts(tmp_path)
-    assert v[("KL regularisation stabilises async training", "beta 0.05 against beta 0, max_lag 4")] \
-        == "not testable here"
+    assert v[(STABLE, CONTROL)] == "not testable here"
 
 
 def test_report_writes_the_findings_with_their_evidence(tmp_path):
     grid(tmp_path, accuracy={("k1", "reward"): 0.7})
     text = write_report(tmp_path).read_text()
-    assert "## Findings" in text and "| K1 in the reward is best in- and out-of-domain | paper |" in text
+    assert "## Findings" in text and f"| {BEST} | paper |" in text
     assert ("K1 in reward 0.710 ± 0.006 (n=3) vs K1 in loss 0.510 ± 0.006 (n=3), difference "
             "+0.200, d = 20; ahead: t = 24.49, df = 4.0, p = 8.") in text
     assert "**Exploratory**" in text and "### Threshold sensitivity" in text
@@ -146,8 +150,10 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
         run.rename(root / run.name)
     for run in root.iterdir():  # the final checkpoints score 0.1 above the last evaluation
         last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-        (run / "final_eval.json").write_text(json.dumps({"problems": 1000, "seed": 1, "sets": {
-            s: {"accuracy": last[f"eval/{s}/accuracy"] + 0.1} for s in ("in_domain", "out_of_domain")}}))
+        sets = {s: {"accuracy": last[f"eval/{s}/accuracy"] + 0.1}
+                for s in ("in_domain", "out_of_domain")}
+        (run / "final_eval.json").write_text(json.dumps({"problems": 1000, "seed": 1,
+                                                         "sets": sets}))
     md = write_report(root, ReportConfig(preregistration=prereg_path)).read_text()
     assert "**Confirmatory**" in md and f"pre-registration `{prereg_path}`" in md
     assert "## Pre-registration" in md and "final_eval_seed: 1" in md  # quoted
@@ -159,4 +165,5 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     assert len(rows) == 7  # the sweep's pre-registered family, the claims not run included
     assert md.count("**not run here**") == 2  # no control, no prefix runs
     csv = (root / "report" / "runs.csv").read_text().splitlines()
-    assert len(csv) == 1 + len(list(root.glob("*-s*"))) and "final checkpoint, 1000 problems" in csv[1]
+    assert len(csv) == 1 + len(list(root.glob("*-s*")))
+    assert "final checkpoint, 1000 problems" in csv[1]

@@ -157,7 +157,8 @@ def k1_reward_best(study: Study, beta: float, lag: int, rules: Rules) -> Outcome
     is ahead of each of the three other KL configurations on both sets (six one-sided Welch
     tests, intersection-union). Contradicted: its lead over one of them on one set is shown
     to be below the margin (non-superiority Welch, Bonferroni over the six)."""
-    claim, setting = "K1 in the reward is best in- and out-of-domain", f"beta {beta:g}, max_lag {lag}"
+    claim = "K1 in the reward is best in- and out-of-domain"
+    setting = f"beta {beta:g}, max_lag {lag}"
     best = study.arm("k1", "reward", beta, lag)
     others = [a for e, p in (("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
               if (a := study.arm(e, p, beta, lag))]
@@ -211,7 +212,8 @@ def k3_loss_stable_worse_ood(study: Study, beta: float, lag: int, rules: Rules) 
     reward is ahead of it out-of-domain (Welch), both. Contradicted: its break rate is shown
     above rules.break_rate, or K1 in the reward's out-of-domain lead is shown below the margin
     (Bonferroni over the two)."""
-    claim, setting = "K3 in the loss is stable but worse out-of-domain", f"beta {beta:g}, max_lag {lag}"
+    claim = "K3 in the loss is stable but worse out-of-domain"
+    setting = f"beta {beta:g}, max_lag {lag}"
     k3l, k1r = study.arm("k3", "loss", beta, lag), study.arm("k1", "reward", beta, lag)
     if k3l is None or k1r is None:
         return _not_run(claim, "paper", setting, "needs K3 in loss and K1 in reward")

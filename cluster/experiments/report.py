@@ -118,7 +118,8 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
     path = Path(path)
     runs = find_runs(path)
     if not runs:
-        raise FileNotFoundError(f"{path}: no run directory (with metrics.jsonl) here or directly inside")
+        raise FileNotFoundError(f"{path}: no run directory (with metrics.jsonl) here or "
+                                "directly inside")
     check_kl_metric(runs, cfg)
     groups = group_runs(runs)
     flags = [f for r in runs for f in instability_flags(r, cfg)]
@@ -132,16 +133,20 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
     seeds = sorted({str(r.config.get("seed")) for r in runs})
     md = [f"# Report: {path.resolve().name}", "",
           f"{len(runs)} run(s), {sum(r.finished for r in runs)} finished, in {len(groups)} "
-          f"configuration(s)" + (f" labelled by {', '.join(f'`{k}`' for k in keys)}" if keys else "")
-          + f"; seeds {', '.join(seeds)}. Written {time.strftime('%Y-%m-%d %H:%M')} by `klrl report`.",
+          f"configuration(s)"
+          + (f" labelled by {', '.join(f'`{k}`' for k in keys)}" if keys else "")
+          + f"; seeds {', '.join(seeds)}. Written {time.strftime('%Y-%m-%d %H:%M')} by "
+          "`klrl report`.",
           "", *provenance_lines(runs), "", *findings_md, "## Final accuracy", "",
           ("Accuracy at each run's last evaluation during training (greedy pass@1; *sampled*: "
            "temperature 1), mean ± sample std over the configuration's runs (seeds)."), "",
           *accuracy_table(groups, flags), ""]
-    start = [(label, _mean_std([v for r in runs if (v := (r.series(k)[1] or [None])[0]) is not None]))
+    start = [(label, _mean_std([v for r in runs
+                                if (v := (r.series(k)[1] or [None])[0]) is not None]))
              for k, label in ACCURACY_KEYS if any(k in r.rows.get(0, {}) for r in runs)]
     if start:
-        md += ["Before training (step 0): " + ", ".join(f"{label} {v}" for label, v in start) + ".", ""]
+        md += ["Before training (step 0): "
+               + ", ".join(f"{label} {v}" for label, v in start) + ".", ""]
     md += ["## Instability flags", ""]
     if flags:
         md += ["| run | flag | step | detail |", "|---|---|---|---|"]
@@ -150,11 +155,14 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
         md += [f"No run was flagged ({len(runs)} checked)."]
     md += ["", _flag_definitions(cfg), "", "## Plots", "",
            "Lines: mean over a configuration's runs (seeds); shaded: min to max over them. "
-           + (f"Per-step curves are moving averages over {cfg.smooth} steps." if cfg.smooth > 1 else ""), ""]
+           + (f"Per-step curves are moving averages over {cfg.smooth} steps."
+              if cfg.smooth > 1 else ""), ""]
     md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n" for fig, name in figures]
-    md += ["## Runs", "", "| run | configuration | seed | last step | status |", "|---|---|---|---|---|"]
+    md += ["## Runs", "", "| run | configuration | seed | last step | status |",
+           "|---|---|---|---|---|"]
     md += [f"| `{r.name}` | `{label}` | {r.config.get('seed', '-')} | {r.last_step} | "
-           f"{'finished' if r.finished else 'unfinished'} |" for label, g in groups.items() for r in g]
+           f"{'finished' if r.finished else 'unfinished'} |"
+           for label, g in groups.items() for r in g]
     md += ["", *quote]
     report = out / "report.md"
     report.write_text("\n".join(md).rstrip("\n") + "\n")
@@ -165,7 +173,8 @@ def _flag_definitions(cfg: ReportConfig) -> str:
     kl_max = f", or above kl_max = {cfg.kl_max:g}" if cfg.kl_max is not None else ""
     return (f"Flags: *accuracy collapse*: an eval accuracy falls below {cfg.collapse_fraction:g} x "
             f"its best earlier value (when that best is at least {cfg.collapse_min_peak:g}) and "
-            f"stays below until the end, over at least {cfg.collapse_min_evals} evaluation(s); *KL blow-up*: the median of `{cfg.kl_metric}` over "
+            f"stays below until the end, over at least {cfg.collapse_min_evals} evaluation(s); "
+            f"*KL blow-up*: the median of `{cfg.kl_metric}` over "
             f"{cfg.smooth} steps exceeds {cfg.kl_growth:g} x its early level (median of the "
             f"first {cfg.kl_early_fraction:.0%} of steps, at least {cfg.kl_floor:g}){kl_max}; "
             "*non-finite*: a step the learner refused (NaN/inf gradient) or a logged NaN/inf.")

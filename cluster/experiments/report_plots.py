@@ -118,8 +118,9 @@ def plot_accuracy_against_kl(measures, groups: dict, out_dir: Path) -> str | Non
         ax.set_title(f"{label.capitalize()}", fontsize=10)
         ax.grid(True, alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5),
-               fontsize=8, title="configuration", title_fontsize=9, frameon=False)
+    fig.legend(handles, labels, loc="center left",
+               bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5), fontsize=8,
+               title="configuration", title_fontsize=9, frameon=False)
     right = 1 - 2.5 / fig.get_figwidth()
     fig.suptitle(ACCURACY_AGAINST_KL.title + " (one point per run)", fontsize=12, x=right / 2)
     fig.tight_layout(rect=(0, 0, right, 0.95))

@@ -155,7 +155,8 @@ def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
 # ---- instability flags ----------------------------------------------------------------------
 
 
-def accuracy_collapse(steps: list[int], values: list[float], cfg: InstabilityRule) -> tuple[int, str] | None:
+def accuracy_collapse(steps: list[int], values: list[float],
+                      cfg: InstabilityRule) -> tuple[int, str] | None:
     """First eval step j with acc_j < fraction x max(acc_<j) (max >= min_peak) such that every
     later eval stays below that level too and at least `collapse_min_evals` evals (j
     included) are below it; (step, explanation) or None."""
@@ -165,15 +166,17 @@ def accuracy_collapse(steps: list[int], values: list[float], cfg: InstabilityRul
             continue
         best = max(earlier)
         level = cfg.collapse_fraction * best
-        if best >= cfg.collapse_min_peak and all(v < level for v in values[j:] if math.isfinite(v)) \
-                and math.isfinite(values[j]):
+        if best >= cfg.collapse_min_peak and math.isfinite(values[j]) \
+                and all(v < level for v in values[j:] if math.isfinite(v)):
             best_step = steps[values.index(best)]
             return steps[j], (f"{values[j]:.3f} < {cfg.collapse_fraction:g} x best {best:.3f} "
-                              f"(step {best_step}), below at every later evaluation (last {values[-1]:.3f})")
+                              f"(step {best_step}), below at every later evaluation "
+                              f"(last {values[-1]:.3f})")
     return None
 
 
-def kl_blowup(steps: list[int], values: list[float], cfg: InstabilityRule) -> tuple[int, str] | None:
+def kl_blowup(steps: list[int], values: list[float],
+              cfg: InstabilityRule) -> tuple[int, str] | None:
     """First step where the trailing median KL exceeds kl_growth x the early level (or kl_max)."""
     finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v) and s > 0]
     if not finite:
