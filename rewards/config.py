@@ -237,18 +237,19 @@ def check_local_datasets(task: TaskConfig, evaluation: EvalConfig) -> list[str]:
     for field, name, options, split in uses:
         if is_plugin(name):
             continue
-        notes += check_task_datasets(field, build_named(field.replace("options", "task"), name,
-                                                        field, options),
-                                     [split], task.max_malformed_fraction)
+        built = build_named(field.replace("options", "task"), name, field, options)
+        notes += check_task_datasets(field, built, [split], task.max_malformed_fraction)
     return notes
 
 
 def check_task_datasets(field: str, built: Task, splits: list[str],
-                        max_malformed_fraction: float) -> list[str]:
+                        max_malformed_fraction: float,
+                        knob: str = "task.max_malformed_fraction") -> list[str]:
     """The local dataset files a built task reads for `splits`: there, not empty, rows in the
     schema, malformed rows within `max_malformed_fraction` (ValueError naming `field` and the
-    fix otherwise). Returns a line for each file with malformed rows it accepts. The one rule
-    for `klrl train` (check_local_datasets) and `klrl eval`."""
+    fix otherwise; `knob` is the setting that raises the share). Returns a line for each file
+    with malformed rows it accepts. The one rule for `klrl train` (check_local_datasets) and
+    `klrl eval`."""
     notes = []
     for split in splits:
         if not any(source.is_local for source in _sources(built, split)):
@@ -268,11 +269,9 @@ def check_task_datasets(field: str, built: Task, splits: list[str],
                     f"rows malformed (first: {count.first_error})")
             if count.fraction > max_malformed_fraction:
                 enough = math.ceil(count.fraction * 100) / 100
-                raise ValueError(f"{said}; fix them, or let the run skip them: "
-                                 f"task.max_malformed_fraction={enough:g} (now "
-                                 f"{max_malformed_fraction:g})")
-            notes.append(f"{said}: skipped (task.max_malformed_fraction="
-                         f"{max_malformed_fraction:g})")
+                raise ValueError(f"{said}; fix them, or let them be skipped: {knob}={enough:g} "
+                                 f"(now {max_malformed_fraction:g})")
+            notes.append(f"{said}: skipped ({knob}={max_malformed_fraction:g})")
     return notes
 
 

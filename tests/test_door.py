@@ -328,7 +328,7 @@ CASES = [
                                        "--splits", "in_domain"), ("does not exist",)),
     Case("eval-dataset-malformed", lambda w: [
         "eval", "default", "--task", "math", "--option", f"path={math_rows(w, 9, broken=1)}",
-        "--splits", "in_domain"], ("1 of 10 rows malformed",)),
+        "--splits", "in_domain"], ("1 of 10 rows malformed", "--max-malformed-fraction=0.1")),
     # -- report --
     Case("report-garbage-metrics", lambda w: ["report", str(
         (w / "g", (w / "g").mkdir(), (w / "g" / "metrics.jsonl").write_text("garbage\n[1]\n"))[0])],

@@ -159,7 +159,8 @@ def _eval_door(args: argparse.Namespace):
     task, splits = _check_task(args)
     if args.model_dir != "default":
         check_eval_model(args.model_dir)
-    for note in check_task_datasets("--option", task, splits, args.max_malformed_fraction):
+    for note in check_task_datasets("--option", task, splits, args.max_malformed_fraction,
+                                    "--max-malformed-fraction"):
         print(f"warning: {note}", file=sys.stderr, flush=True)
     return task, splits
 
