@@ -194,6 +194,11 @@ CASES = [
     # -- tests/test_failfast.py's cases --
     Case("model-path-missing", train("model.path=/nonexistent/klrl-model"),
          ("model.path", "no such directory")),
+    Case("model-path-dot-relative", train("model.path=./qwen"), ("model.path=./qwen",
+                                                                 "no such directory")),
+    Case("model-path-under-a-local-directory", train_with(
+        lambda w: ((w / "models").mkdir(), ["model.path=models/qwen"])[1]),
+         ("model.path=models/qwen", "no such directory")),
     Case("reward-module-missing", train("task.reward=no_such_module:score"),
          ("task.reward", "cannot import module 'no_such_module'")),
     Case("task-option-unknown", train("task.options.foo=1"), ("task.options", "no option 'foo'")),
@@ -240,6 +245,9 @@ CASES = [
     Case("sweep-run-reward-missing", lambda w: [
         "sweep", sweep_file(w, overrides={"task.reward": "no_such_module:score"})],
          ("runs that would fail before they start", "every run: task.reward")),
+    Case("sweep-dry-run-reward-missing", lambda w: [
+        "sweep", sweep_file(w, overrides={"task.reward": "no_such_module:score"}), "--dry-run"],
+         ("runs that would fail before they start", "every run: task.reward")),
     Case("sweep-run-model-missing", lambda w: [
         "sweep", sweep_file(w, grid={"model.path": [None, "/nonexistent/m"]})],
          ("runs that would fail before they start", "no such directory")),
@@ -251,7 +259,15 @@ CASES = [
     Case("eval-option-typo", eval_("--task", "math", "--option", "pth=fixture"),
          ("--option", "did you mean 'path'")),
     Case("eval-option-form", eval_("--option", "path"), ("not of the form key.sub=value",)),
+    Case("eval-task-typo-with-option", eval_("--task", "mth", "--option", "path=fixture"),
+         ("--task: unknown task 'mth'",)),
+    Case("eval-split-of-a-dataset-task", eval_("--task", "math", "--option", "path=fixture",
+                                               "--splits", "out_of_domain"),
+         ("--splits: task 'math' has no split 'out_of_domain'",)),
+    Case("eval-task-before-a-missing-model", eval_("--task", "nosuch", model="/nonexistent/m"),
+         ("--task: unknown task 'nosuch'",)),
     Case("eval-n-zero", eval_("--n", "0"), ("argument --n: must be at least 1",)),
+    Case("eval-n-negative", eval_("--n", "-3"), ("argument --n: must be at least 1",)),
     Case("eval-samples-negative", eval_("--samples", "-1"), ("argument --samples",)),
     # -- issue #33: names and paths --
     Case("run-name-dotdot", train("run_name=.."), ("run_name", "not a name of its own")),
