@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick test-durations test-gpu gpu-check venv kl-table figures docs clean-venv
+.PHONY: demo test test-quick test-durations test-gpu gpu-check venv kl-table figures results docs clean-venv
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
@@ -63,6 +63,16 @@ kl-table: $(STAMP)
 # rewrites the docs' model, demo and learning figures with what this machine measured.
 figures: $(STAMP)
 	$(BIN)/klrl figures $(ARGS)
+
+# A sweep's results, from scratch or from where they stopped: the runs that are missing
+# (`klrl sweep`, resumable), each finished run's final checkpoint evaluated on the problems its
+# pre-registration names, and its report rewritten into docs/sweeps/<sweep name>/, e.g.
+#   make results SWEEP=configs/sweeps/offpolicy_tiny_confirm.yaml ARGS="output_dir=/root/klrl-confirm"
+# ARGS: the sweep file's overrides, and --out DIR for the report. docs/sweeps.md, "Results".
+SWEEP ?=
+results: $(STAMP)
+	@test -n "$(SWEEP)" || { echo "usage: make results SWEEP=configs/sweeps/NAME.yaml [ARGS=...]"; exit 2; }
+	$(BIN)/python -m cluster.experiments.results $(SWEEP) $(ARGS)
 
 venv: $(STAMP)
 

@@ -333,8 +333,9 @@ def robust(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
              "|---|---|" + "---|" * (len(variants) + 2)]
     lines += [f"| {f.claim} | {f.setting} | " + " | ".join(
         [f.verdict, *(v[i].verdict for v in variants.values())])
-        + f" | {'**yes**' if f.fragile else 'no'} |" for i, f in enumerate(marked)]
-    return marked, lines
+        + f" | {'**yes**' if f.fragile else 'no'} |" for i, f in enumerate(marked)
+        if f.verdict != "not run here"]
+    return marked, lines if len(lines) > 2 else []
 
 
 def findings_markdown(found: Sequence[Outcome]) -> list[str]:

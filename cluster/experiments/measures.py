@@ -54,8 +54,8 @@ def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
     """(set -> accuracy, source): the final checkpoint's evaluation when it has
     rules.final_problems problems and rules.final_eval_seed, else the last evaluation."""
     final = run.final_eval
-    if final and final.get("problems") == rules.final_problems \
-            and final.get("seed") == rules.final_eval_seed:
+    if final and (final.get("problems"), final.get("seed")) \
+            == (rules.final_problems, rules.final_eval_seed):
         return ({name: s["accuracy"] for name, s in final["sets"].items()},
                 f"final checkpoint, {rules.final_problems} problems")
     last = {name: values[-1] for name in EVAL_SETS

@@ -85,6 +85,10 @@ class Rules(_Strict):
     final_eval_seed: int = Field(1, ge=0, le=2**31 - 1, description="Fixes those problems: "
                                  "the same in every run, so configurations are compared on "
                                  "the same problems.")
+    final_sets: list[Literal["in_domain", "out_of_domain", "far_out_of_domain"]] = Field(
+        default_factory=lambda: ["in_domain", "out_of_domain"], min_length=1,
+        description="The evaluation sets of the final checkpoint's evaluation (those the "
+        "claims compare; a set the runs do not evaluate is left out).")
     failure: FailureRule = Field(default_factory=FailureRule, description="The failure "
                                  "definition of every claim.")
     sensitivity: list[Variant] = Field(default_factory=_default_variants, max_length=10,

@@ -122,14 +122,16 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     write_csv(measures, out / CSV_FILE, [v.name for v in rules.sensitivity])
     md = ["## Findings", ""]
     md += _prereg_head(cfg, prereg, sweep, runs) if prereg else [
-        ("**Exploratory**: no pre-registration (`report.preregistration`); the rules are the "
-        "pre-registered ones, but they were fixed after data like these were seen, so the "
-        "p-values describe, they do not confirm (docs/sweeps.md).")]
-    md += ["", *_deviations(measures, used, prereg, rules), *_rules_text(rules, found), "",
-           *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
+        ("**Exploratory**: no pre-registration (`report.preregistration`), so the claims "
+         "tested are those this directory could run, and the p-values describe these runs "
+         "rather than confirm claims fixed before them (docs/sweeps.md, Pre-registration).")]
+    family = len(found) if prereg else sum(f.verdict != "not run here" for f in found)
+    md += ["", *_deviations(measures, used, prereg, rules),
+           *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
+           "", *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
-           "one is *fragile*."), "", *(sensitivity if found else ["No claim to test."]), "",
+           "one is *fragile*."), "", *(sensitivity or ["No claim to test."]), "",
            "### Measures per configuration", "", *_measures_table(used, groups), "",
            (f"Every run's values (final accuracies, last evaluation, area under the accuracy "
            f"curve, KL at the end, broken and why, under each variant): [{CSV_FILE}]({CSV_FILE})."),
@@ -158,8 +160,7 @@ def _deviations(measures, used, prereg, rules) -> list[str]:
     return [*lines, ""] if lines else []
 
 
-def _rules_text(rules: Rules, found) -> list[str]:
-    m = sum(f.verdict != "not run here" for f in found) if found else 0
+def _rules_text(rules: Rules, m: int) -> list[str]:
     return [(f"Rules (docs/sweeps.md, Findings): accuracy differences by one-sided Welch t-tests "
             f"(Welch-Satterthwaite df), break counts by Fisher's exact test, a break rate "
             f"against {rules.break_rate:g} by the exact binomial test; Holm's correction across "

@@ -1,0 +1,93 @@
+"""`make results SWEEP=FILE [ARGS="key=value ..."]`: a sweep's results, from scratch or from
+where they stopped. Three steps, each skipping what is done:
+
+1. `klrl sweep FILE ARGS --no-report`: the runs that are missing (finished runs are skipped,
+   interrupted ones resume from their last checkpoint);
+2. every finished run's final checkpoint evaluated on the pre-registered number of problems
+   (final_eval.py, one process per run; runs evaluated before are skipped);
+3. the report rewritten into docs/sweeps/<sweep name>/ (or --out), where it is committed.
+
+Each step runs as a child process in a session of its own; a signal to this one (Ctrl-C,
+SIGTERM) is passed on once, so the sweep checkpoints its runs and stops, and nothing after it
+starts. Exit status: the sweep's when it failed or was stopped, 1 when a run or an evaluation
+failed, else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from cluster.config.loader import REPO_ROOT, ConfigError
+from cluster.experiments.final_eval import needs_evaluation
+from cluster.experiments.prereg import Rules, load_preregistration
+from cluster.experiments.report import write_report
+from cluster.experiments.sweep import load_sweep, sweep_dir
+
+
+class _Child:
+    """Run one child process at a time, passing this process's SIGINT/SIGTERM on to it."""
+
+    def __init__(self):
+        self.signalled: int | None = None
+        self._proc: subprocess.Popen | None = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._forward)
+
+    def _forward(self, signum, _frame) -> None:
+        self.signalled = signum
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signum)
+
+    def run(self, *args: str) -> int:
+        self._proc = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True)
+        return self._proc.wait()  # a signal runs _forward and the wait goes on (PEP 475)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="make results SWEEP=FILE",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", metavar="SWEEP_FILE")
+    p.add_argument("overrides", nargs="*", help="sweep file overrides, as for `klrl sweep` "
+                   "(e.g. output_dir=/root/klrl-confirm)")
+    p.add_argument("--out", default=None, help="where the report goes (default "
+                   "docs/sweeps/<sweep name>)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_sweep(args.sweep, args.overrides)
+        rules = load_preregistration(cfg.report.preregistration).rules \
+            if cfg.report.preregistration else Rules()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    child = _Child()
+    status = child.run("cluster.cli", "sweep", args.sweep, *args.overrides, "--no-report")
+    if status not in (0, 1) or child.signalled:
+        return status or 128 + child.signalled
+    root = sweep_dir(cfg)
+    todo = [d for d in sorted(root.iterdir()) if d.is_dir()
+            and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
+    for i, run_dir in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}: "
+              f"{rules.final_problems} problems per set", flush=True)
+        code = child.run("cluster.experiments.final_eval", str(run_dir), "--problems",
+                         str(rules.final_problems), "--seed", str(rules.final_eval_seed),
+                         "--sets", ",".join(rules.final_sets))
+        if child.signalled:
+            return 128 + child.signalled
+        if code:
+            print(f"FAILED the final evaluation of {run_dir.name} (exit {code})", file=sys.stderr)
+            status = 1
+    out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
+    try:
+        print(f"report: {write_report(root, cfg.report, out=out)}")
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"report not written: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`make results`'s parts: the final checkpoint's evaluation (a real vLLM engine on the tiny
+model, in a process of its own, as results.py runs it) pairs the runs on the same problems, is
+skipped once done, and is the accuracy the findings then compare."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cluster.config.loader import DEMO_CONFIG, dump_config
+from cluster.experiments.final_eval import needs_evaluation
+from cluster.experiments.runs import FINAL_EVAL_FILE
+
+XDIST_GROUP = "own-processes"  # its engines run in subprocesses of their own (conftest)
+
+
+def finished_run(run_dir, model_dir, seed):
+    """A finished run directory as the controller leaves it, its final/ model the tiny one."""
+    from cluster.config.train_config import load_train_config
+
+    run_dir.mkdir(parents=True)
+    cfg = load_train_config(DEMO_CONFIG, [
+        f"model.path={model_dir}", f"seed={seed}", "eval.out_of_domain={split: zero_padded}",
+        "eval.far_out_of_domain={split: out_of_domain}", "eval.num_problems=5"])
+    dump_config(cfg, run_dir / "config.yaml")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    shutil.copytree(model_dir, run_dir / "final")
+    return run_dir
+
+
+@pytest.mark.slow
+def test_final_checkpoints_are_evaluated_on_the_same_problems(tiny_model_dir, tmp_path):
+    runs = [finished_run(tmp_path / f"s{seed}", tiny_model_dir, seed) for seed in (0, 1)]
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    sets = ["in_domain", "out_of_domain"]
+    assert [needs_evaluation(r, 40, 1, sets) for r in (*runs, unfinished)] == [True, True, False]
+    cmd = [sys.executable, "-m", "cluster.experiments.final_eval", *map(str, runs),
+           "--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = [json.loads((r / FINAL_EVAL_FILE).read_text()) for r in runs]
+    for record in records:
+        assert (record["problems"], record["seed"]) == (40, 1)
+        assert set(record["sets"]) == {"in_domain", "out_of_domain"}  # not the far one
+        assert all(s["problems"] == 40 and 0 <= s["accuracy"] <= 1 for s in record["sets"].values())
+    # paired: the same problems in both runs, whatever their training seed
+    assert records[0]["sets"]["out_of_domain"]["problem_ids_sha256"] \
+        == records[1]["sets"]["out_of_domain"]["problem_ids_sha256"]
+    assert not needs_evaluation(runs[0], 40, 1, sets) and needs_evaluation(runs[0], 1000, 1, sets)
+    assert needs_evaluation(runs[0], 40, 1, ["in_domain"])  # other sets: evaluated again
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0 and again.stdout == ""  # nothing left to evaluate
