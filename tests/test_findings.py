@@ -27,10 +27,12 @@ def COLLAPSE(step):  # accuracy that falls to 0.02 and stays there: a broken run
     return 0.4 if step < 20 else 0.02
 
 
-def grid(root, lag=4, accuracy=None, broken=(), seeds=(0, 1, 2), beta=0.05, importance=None):
+def grid(root, lag=4, accuracy=None, broken=(), seeds=(0, 1, 2), beta=0.05, importance=None,
+         kl=None):
     """Runs of the four KL configurations at max_lag 0 and `lag`; `accuracy[(est, place)]` is
-    a run's final accuracy (plus a little per seed), `broken` the configurations that collapse."""
-    accuracy = accuracy or {}
+    a run's final accuracy (plus a little per seed), `broken` the configurations that collapse,
+    `kl[(est, place)]` the KL to the reference of one at the lag (step -> nats)."""
+    accuracy, kl = accuracy or {}, kl or {}
     for est, place in CONFIGS:
         for lg in (0, lag):
             for i, seed in enumerate(seeds):
@@ -38,7 +40,9 @@ def grid(root, lag=4, accuracy=None, broken=(), seeds=(0, 1, 2), beta=0.05, impo
                 acc = COLLAPSE if lg and (est, place) in broken else (
                     lambda s, f=final: f if s >= 30 else 0.3)
                 name = f"{est}-{place}-lag{lg}-s{seed}" + (f"-{importance}" if importance else "")
-                run = write_run(root / name, est, place, lg, seed, acc=acc, beta=beta)
+                drift = kl.get((est, place)) if lg else None
+                run = write_run(root / name, est, place, lg, seed, acc=acc, beta=beta,
+                                **({"kl": drift} if drift else {}))
                 if importance:
                     _set_importance(run, importance)
 
@@ -167,3 +171,60 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     csv = (root / "report" / "runs.csv").read_text().splitlines()
     assert len(csv) == 1 + len(list(root.glob("*-s*")))
     assert "final checkpoint, 1000 problems" in csv[1]
+
+
+def test_the_report_says_whether_the_pre_registration_predates_the_runs(tmp_path):
+    """Its head compares the commit that last changed the pre-registration with the first
+    run's start (provenance.jsonl): rules changed after the runs began are not pre-registered."""
+    import json
+
+    import pytest
+
+    from cluster.experiments.prereg import file_commit
+    from cluster.experiments.report import ReportConfig
+
+    prereg_path = "docs/sweeps/preregistration.yaml"
+    info = file_commit(prereg_path)
+    if info["commit"] is None or info["modified"]:
+        pytest.skip("the pre-registration is not committed as it is in this checkout")
+    cfg = ReportConfig(preregistration=prereg_path)
+    for started, said in (("2000-01-01T00:00:00+0000", "**It was changed after the first run"),
+                          ("2100-01-01T00:00:00+0000", "before the first run started")):
+        root = tmp_path / started[:4] / "offpolicy_tiny_confirm"
+        run = write_run(root / "s101", seed=101, beta=0.3, lag=8)
+        (run / "provenance.jsonl").write_text(json.dumps(
+            {"started_at": started, "git_commit": "a" * 40, "git_dirty": False}) + "\n")
+        md = write_report(root, cfg).read_text()
+        assert said in md and f"commit {info['commit'][:12]}" in md
+
+
+def test_a_verdict_that_a_threshold_variant_changes_is_fragile(tmp_path):
+    """K3 in the reward's KL climbs to 15 x its early level: no drift at the registered 20 x,
+    drift at half that. 'K3 in the reward breaks' is then contradicted (0 of 8 broken) under
+    the registered threshold and reproduced (8 of 8) under half of it: fragile."""
+    grid(tmp_path, seeds=EIGHT, kl={("k3", "reward"): lambda s: 0.05 if s < 10 else 0.75})
+    runs = find_runs(tmp_path)
+    _, _, found, table = directory_findings(runs, group_runs(runs), None, "x")
+    k3r = next(f for f in found if f.claim == K3R)
+    assert k3r.verdict == "contradicted" and k3r.fragile
+    assert f"| {K3R} | {LAG4} | contradicted | contradicted | reproduced | contradicted | " \
+        "**yes** |" in table
+    # Holm's steps tie a family together: with one contradiction fewer below alpha, the
+    # accuracy claims' contradictions (adjusted p 0.034) need more, and no longer pass.
+    assert next(f for f in found if f.claim == BEST and f.setting == LAG4).fragile
+    assert not next(f for f in found if f.claim == K1L).fragile
+    assert "(fragile)" in "\n".join(findings_markdown(found))
+
+
+def test_runs_from_several_commits_are_named_in_the_head(tmp_path):
+    import json
+
+    for seed, commit in ((0, "a" * 40), (1, "b" * 40), (2, "b" * 40)):
+        run = write_run(tmp_path / f"s{seed}", seed=seed)
+        (run / "provenance.jsonl").write_text(json.dumps(
+            {"started_at": "2026-01-01T00:00:00+0000", "git_commit": commit,
+             "git_dirty": False}) + "\n")
+    md = write_report(tmp_path).read_text()
+    assert f"**These runs come from 2 different klrl commits** ({'a' * 12}: 1 run(s), " \
+        f"{'b' * 12}: 2 run(s))" in md
+    assert f",{'b' * 12}," in (tmp_path / "report" / "runs.csv").read_text()
