@@ -203,14 +203,20 @@ def sample_params(
 
 
 def request_params(cfg: RolloutConfig, seed: int, worker_index: int, num_prompts: int,
-                   stop: Sequence[str] = ()) -> list:
+                   stop: Sequence[str] = (), *, detokenize: bool = True,
+                   with_logprobs: bool = True) -> list:
     """One SamplingParams per prompt of a rollout worker's generate call:
-    `samples_per_prompt` samples with the configured sampler, the sampled token's log-prob,
-    the task's stop strings, and a seed per prompt (`actors.seeds.request_seed`)."""
+    `samples_per_prompt` samples with the configured sampler, the sampled token's log-prob
+    (`logprobs=0`, kept in vLLM's flat lists: `flat_logprobs=True`), the task's stop strings,
+    and a seed per prompt (`actors.seeds.request_seed`). detokenize=False: vLLM makes no text
+    (the worker decodes it; `actors.outputs`). with_logprobs=False: the same requests without
+    the log-probs, and with vLLM's text (`klrl bench`'s floor: raw vLLM without log-probs)."""
     n = cfg.samples_per_prompt
+    extra = (dict(logprobs=0, flat_logprobs=True, detokenize=detokenize) if with_logprobs
+             else dict(logprobs=None))
     return [sample_params(cfg.max_new_tokens, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.vllm_top_k, seed=request_seed(seed, worker_index, i, n),
-                          logprobs=0, stop=stop)
+                          stop=stop, **extra)
             for i in range(num_prompts)]
 
 

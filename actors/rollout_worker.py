@@ -32,6 +32,11 @@ Design choices:
   log-probs of the distribution it actually sampled from; at temperature 1 without top-k/top-p
   these equal the model's own log_softmax (tested against HF transformers in fp32 to 1e-4).
   The default "raw_logprobs" would silently return the untempered model's log-probs.
+- vLLM's output path: requests keep the log-probs in vLLM's flat lists and, where the task
+  has no stop strings and the tokenizer is a fast one, ask vLLM for no text; the worker then
+  decodes every completion's text in one batch, equal to vLLM's (actors/outputs.py: vLLM's
+  default path builds a dict and decodes a token string per sampled token, which costs more
+  than a small model's decode step).
 - Threads: torch/OpenMP use `RolloutConfig.threads` (the run's thread rule,
   `TrainConfig.worker_rollout`), set before the engine starts; vLLM's CPU thread pinning is
   off ("nobind", set by `make_llm`) because Ray does not pin actors to cores, and pinning
@@ -60,6 +65,7 @@ from actors.config import RolloutConfig, SyncConfig
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
 from actors.lora_serving import AdapterSlot
+from actors.outputs import completion_texts, decodes_texts_itself, sampled_logprobs
 from actors.prompting import PromptRenderer
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
 from actors.weight_sync import WeightUpdate, transport
@@ -130,6 +136,8 @@ class RolloutWorker:
         self.llm = self._on_engine(lambda: make_llm(model_dir, **options, **lora))
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
+        # vLLM makes no text where the worker can decode it itself (actors/outputs.py).
+        self.decodes_texts = decodes_texts_itself(self.renderer.tokenizer, self.renderer.stop)
         self._on_engine(self._warm_up)
 
     # ------------------------------------------------------------------ generation
@@ -146,23 +154,28 @@ class RolloutWorker:
         self._check_usable()
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
-        params = request_params(self.cfg, seed, self.worker_index, len(problems),
-                                stop=self.renderer.stop)
+        params = self._request_params(seed, len(problems))
         prompts = self.renderer.prompts(problems)
         t0 = time.perf_counter()
         outputs = self._on_engine(
             lambda: self._serving().generate(prompts, params, use_tqdm=False))
         gen_s = time.perf_counter() - t0
 
-        samples = [(p, g, out, c) for p, g, out in zip(problems, group_ids, outputs)
-                   for c in out.outputs]
-        scores = self._score([p for p, *_ in samples], [c.text for *_, c in samples])
+        # One prompt-ids list per prompt, shared by its samples' records (and by their pickle).
+        samples = [(p, g, ids, c) for p, g, out in zip(problems, group_ids, outputs)
+                   for ids in [list(out.prompt_token_ids)] for c in out.outputs]
+        if self.decodes_texts:
+            texts = completion_texts(self.renderer.tokenizer, [ids for *_, ids, _ in samples],
+                                     [c for *_, c in samples])
+        else:
+            texts = [c.text for *_, c in samples]
+        scores = self._score([p for p, *_ in samples], texts)
         rollouts = [
-            Rollout(problem=p, group_id=g, prompt_ids=list(out.prompt_token_ids),
-                    response_ids=list(c.token_ids), behaviour_logprobs=_sampled_logprobs(c),
-                    policy_version=self._version, finish_reason=str(c.finish_reason),
-                    reward=s.reward, score_failure=s.failure, worker=self.worker_index)
-            for (p, g, out, c), s in zip(samples, scores)]
+            Rollout(problem=p, group_id=g, prompt_ids=ids, response_ids=list(c.token_ids),
+                    behaviour_logprobs=sampled_logprobs(c), policy_version=self._version,
+                    finish_reason=str(c.finish_reason), reward=s.reward,
+                    score_failure=s.failure, worker=self.worker_index)
+            for (p, g, ids, c), s in zip(samples, scores)]
 
         return RolloutBatch(rollouts=rollouts, policy_version=self._version,
                             worker=self.worker_index, gen_seconds=gen_s,
@@ -313,10 +326,19 @@ class RolloutWorker:
             raise RuntimeError(f"worker {self.worker_index}: {self._broken}; load_weights "
                                "must succeed before the engine is used again")
 
+    def _request_params(self, seed: int, num_prompts: int) -> list:
+        """The SamplingParams of a generate call (`actors.engine.request_params`): vLLM makes
+        the text only where the worker does not decode it itself."""
+        return request_params(self.cfg, seed, self.worker_index, num_prompts,
+                              stop=self.renderer.stop, detokenize=not self.decodes_texts)
+
     def _warm_up(self) -> None:
-        """One tiny sampled request with log-probs: the first one compiles vLLM's log-prob
-        kernels (several seconds), which would otherwise land in the first step's timing."""
-        self.llm.generate(["1"], sample_params(2, seed=0, logprobs=0), use_tqdm=False)
+        """One tiny request with generate's log-prob and text settings: the first one compiles
+        vLLM's log-prob kernels (several seconds), which would otherwise land in the first
+        step's timing."""
+        params = sample_params(2, seed=0, logprobs=0, flat_logprobs=True,
+                               detokenize=not self.decodes_texts, stop=self.renderer.stop)
+        self.llm.generate(["1"], params, use_tqdm=False)
 
 
 def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
@@ -336,14 +358,6 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
                 enable_prefix_caching=cfg.enable_prefix_caching, revision=revision,
                 trust_remote_code=trust_remote_code, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
                 logprobs_mode=LOGPROBS_MODE, **extra, **cfg.engine_kwargs)
-
-
-def _sampled_logprobs(completion) -> list[float]:
-    """The log-prob of each sampled token (requests ask for logprobs=0: only that token)."""
-    if completion.logprobs is None:
-        raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
-    return [float(step[tok].logprob)
-            for step, tok in zip(completion.logprobs, completion.token_ids)]
 
 
 def configure_engine_process(cfg: RolloutConfig) -> None:

@@ -228,6 +228,32 @@ def test_behaviour_logprobs_equal_hf_log_softmax_at_temperature_1(worker, proble
     assert worst < TOL, worst
 
 
+def test_behaviour_logprobs_and_rewards_are_those_of_vllms_default_logprobs_path(
+        worker, problems, tiny_llm):
+    """The worker asks vLLM for flat log-probs and no text (actors/outputs.py): its tokens and
+    behaviour log-probs are those vLLM's default `logprobs=0` requests give (a dict per
+    position, vLLM's own text) with the same seeds, and each reward is the scorer on vLLM's
+    text."""
+    import rewards
+    from actors.engine import sample_params
+    from actors.seeds import request_seed
+
+    batch = ray.get(worker.generate.remote(problems, list(range(len(problems))), 21))
+    prompts = [{"prompt_token_ids": batch.rollouts[N * i].prompt_ids}
+               for i in range(len(problems))]
+    params = [sample_params(MAX_NEW, n=N, seed=request_seed(21, 3, i, N), logprobs=0)
+              for i in range(len(problems))]
+    default = [c for out in tiny_llm.generate(prompts, params, use_tqdm=False)
+               for c in out.outputs]
+    scorer = rewards.get_task("arithmetic").scorer
+    assert len(default) == len(batch.rollouts)
+    for r, c in zip(batch.rollouts, default):
+        assert r.response_ids == list(c.token_ids)
+        expected = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(r.behaviour_logprobs, expected)) <= 1e-6
+        assert r.reward == float(scorer(c.text, r.problem))
+
+
 def test_behaviour_logprobs_are_those_of_the_processed_distribution(
         tempered_worker, problems, hf_model):
     """temperature 0.5, top-k 8, top-p 0.7: the returned log-probs are those of the tempered,
