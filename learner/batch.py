@@ -39,17 +39,19 @@ class TrainBatch:
     def __post_init__(self):
         B, L = self.input_ids.shape
         for f in ("attention_mask", "response_mask", "behaviour_logp"):
-            if getattr(self, f).shape != (B, L):
-                raise ValueError(f"TrainBatch.{f} shape {tuple(getattr(self, f).shape)} != {(B, L)}")
+            if (shape := tuple(getattr(self, f).shape)) != (B, L):
+                raise ValueError(f"TrainBatch.{f} shape {shape} != {(B, L)}")
         for f in ("rewards", "advantages", "group_ids", "policy_versions"):
-            if getattr(self, f).shape != (B,):
-                raise ValueError(f"TrainBatch.{f} shape {tuple(getattr(self, f).shape)} != {(B,)}")
+            if (shape := tuple(getattr(self, f).shape)) != (B,):
+                raise ValueError(f"TrainBatch.{f} shape {shape} != {(B,)}")
         if self.response_mask.dtype != torch.bool:
             raise ValueError("TrainBatch.response_mask must be bool")
         if B and bool(self.response_mask[:, 0].any()):
-            raise ValueError("response_mask[:, 0] must be False: every sequence needs a prompt token")
+            raise ValueError("response_mask[:, 0] must be False: every sequence needs a prompt "
+                             "token")
         if bool((self.response_mask & (self.attention_mask == 0)).any()):
-            raise ValueError("response tokens must be attended (response_mask implies attention_mask)")
+            raise ValueError("response tokens must be attended (response_mask implies "
+                             "attention_mask)")
 
     @property
     def num_sequences(self) -> int:

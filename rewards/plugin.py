@@ -12,7 +12,8 @@ import re
 
 from rewards.records import Scorer
 
-_SPEC = re.compile(r"(?P<module>[A-Za-z_]\w*(\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)")
+_DOTTED = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+_SPEC = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
 IMPORT_HINT = "install its package, or put the directory that holds it on PYTHONPATH"
 
 

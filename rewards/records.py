@@ -95,8 +95,9 @@ class Task(ABC):
     def check_split(self, split: str) -> None:
         """Raise ValueError, naming the splits there are, when `split` is not one of them."""
         if split not in self.splits:
+            # A typo, not another split (in_domain and out_of_domain are close in spelling).
             close = [c for c in difflib.get_close_matches(split, self.splits, n=1, cutoff=0.8)
-                     if abs(len(c) - len(split)) <= 2]  # a typo, not another split (in/out_of_domain)
+                     if abs(len(c) - len(split)) <= 2]
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"task {self.name!r} has no split {split!r}{hint}; "
                              f"its splits are {', '.join(self.splits)}")

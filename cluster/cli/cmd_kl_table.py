@@ -23,8 +23,9 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     cfg = result["config"]
-    table = Table(title=f"KL gradient estimators on a {cfg['vocab']}-token, length-{cfg['length']} toy "
-                        f"({result['num_sequences']} sequences, exact). rel.err = |E g - g*| / |g*|")
+    table = Table(title=f"KL gradient estimators on a {cfg['vocab']}-token, "
+                        f"length-{cfg['length']} toy ({result['num_sequences']} sequences, "
+                        "exact). rel.err = |E g - g*| / |g*|")
     lag = f"lag {cfg['off_policy_lag']:g}"
     for col in ("config", "design table", "on: cos", "on: err", "on: var",
                 f"{lag}: cos", f"{lag}: err", f"{lag}: var", "exact off-policy"):
@@ -32,8 +33,9 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         zero = r["on_norm_ratio"] < 1e-9  # exactly zero in expectation: a cosine means nothing
         table.add_row(r["config"], "ok" if r["matches_design_table"] else "MISMATCH",
-                      "(zero)" if zero else f"{r['on_cosine']:.3f}", f"{r['on_rel_error']:.3f}", f"{r['on_variance']:.3f}",
-                      f"{r['off_cosine']:.3f}", f"{r['off_rel_error']:.3f}", f"{r['off_variance']:.3f}",
+                      "(zero)" if zero else f"{r['on_cosine']:.3f}", f"{r['on_rel_error']:.3f}",
+                      f"{r['on_variance']:.3f}", f"{r['off_cosine']:.3f}",
+                      f"{r['off_rel_error']:.3f}", f"{r['off_variance']:.3f}",
                       "yes" if r["unbiased_off_policy"] else "")
     console = Console(width=None if Console().is_terminal else 140)
     console.print(table)
@@ -55,9 +57,10 @@ def print_trainer_table(trainer: dict) -> None:
     from rich.table import Table
 
     cfg = trainer["config"]
-    table = Table(title=f"The trainer's loss, exactly over every group of n of {trainer['num_sequences']} "
-                        f"toy sequences (beta {cfg['beta']:g}): rel.err of the KL's share of E\\[update] "
-                        "against the documented form; (x): no exact claim, distance from the on-policy form")
+    table = Table(title="The trainer's loss, exactly over every group of n of "
+                        f"{trainer['num_sequences']} toy sequences (beta {cfg['beta']:g}): "
+                        "rel.err of the KL's share of E\\[update] against the documented form; "
+                        "(x): no exact claim, distance from the on-policy form")
     table.add_column("kl / estimator / normalize / n", no_wrap=True)
     table.add_column("max|A| (bound)", justify="right")
     lags = cfg["lags"]
@@ -115,8 +118,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 5.5))
     for name, errs in sweep["rel_error"].items():
         exact = ("prefix" in name or "sequence" in name) and "C=" not in name
-        ax.plot(sweep["lags"], errs, "-" if exact else "--", marker="o", ms=3, lw=2 if exact else 1.3,
-                label=name + ("  (exact correction)" if exact else ""))
+        ax.plot(sweep["lags"], errs, "-" if exact else "--", marker="o", ms=3,
+                lw=2 if exact else 1.3, label=name + ("  (exact correction)" if exact else ""))
     ax.set_xlabel("lag of the behaviour policy mu (drift units; 0 = on-policy)")
     ax.set_ylabel("relative error |E[g] - g*| / |g*|")
     ax.set_title("Bias of the KL gradient against off-policy lag (exact enumeration, toy policy)")
@@ -155,9 +158,11 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("kl-table", help="exact bias/variance of every KL configuration on a toy",
+    p = subparsers.add_parser("kl-table",
+                              help="exact bias/variance of every KL configuration on a toy",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=None, help="YAML with toy settings (default: built-in defaults)")
+    p.add_argument("--config", default=None,
+                   help="YAML with toy settings (default: built-in defaults)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of bias against lag here")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seed=3 off_policy_lag=5")

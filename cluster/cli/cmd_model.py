@@ -17,8 +17,8 @@ def register(subparsers) -> None:
         "validation set reaches a target (2-3 minutes on 2 cores). Cached with its "
         "figures: a second call prints them without rebuilding, unless --force.",
     )
-    p.add_argument("--out", default=None,
-                   help="output directory (default: $KLRL_HOME/models/tiny-arith-v<recipe>-seed<N>)")
+    p.add_argument("--out", default=None, help="output directory "
+                   "(default: $KLRL_HOME/models/tiny-arith-v<recipe>-seed<N>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the build (default 0)")
     p.add_argument("--target", type=_fraction, default=None, metavar="FRACTION",
                    help="greedy validation accuracy at which the warm start stops (default "
@@ -140,8 +140,8 @@ def _print_metadata(console, path, meta: dict) -> None:
         f"stopped at {100 * meta.get('validation_accuracy', 0):.1f}% greedy validation "
         f"({meta.get('validation_problems')} problems; target {100 * target:.0f}%"
         + ("" if meta.get("reached_target", True) else ", NOT reached: step bound") + ")")
-    table.add_row("warm-start", f"{meta.get('sft_steps')} SFT steps x {meta.get('sft_batch_size')}, "
-                  + goal)
+    table.add_row("warm-start",
+                  f"{meta.get('sft_steps')} SFT steps x {meta.get('sft_batch_size')}, " + goal)
     for split, acc in meta.get("greedy_accuracy_hf", {}).items():
         table.add_row(f"greedy {split}", f"{100 * acc:.1f}% (HF, "
                       f"{meta.get('eval_problems_per_split')} problems)")

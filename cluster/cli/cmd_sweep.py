@@ -51,8 +51,10 @@ def _run_sweep(args) -> int:
     need = max(c.reserved_cpus for c in configs.values())
     if not args.address and cfg.parallel * need > (cores := _cores()):
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
-              f"machine has {cores}: they will share cores and each will run slower", file=sys.stderr)
-    launcher = RayJobLauncher(args.address, args.python) if args.address else LocalLauncher(root / "logs")
+              f"machine has {cores}: they will share cores and each will run slower",
+              file=sys.stderr)
+    launcher = (RayJobLauncher(args.address, args.python) if args.address
+                else LocalLauncher(root / "logs"))
     outcomes, signum = run_sweep(cfg, runs, configs, launcher)
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
 
@@ -64,7 +66,8 @@ def _cores() -> int:
 def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
     """Print what happened, write the report, and choose the exit status: 128 + signal when
     stopped, 1 when a run failed, else 0."""
-    count = {s: sum(o.status == s for o in outcomes) for s in ("finished", "skipped", "failed", "stopped")}
+    count = {s: sum(o.status == s for o in outcomes)
+             for s in ("finished", "skipped", "failed", "stopped")}
     print(f"sweep {cfg.name}: {count['finished']} finished, {count['skipped']} skipped (finished "
           f"before), {count['failed']} failed, {count['stopped']} stopped, "
           f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")

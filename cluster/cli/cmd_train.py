@@ -58,7 +58,8 @@ def _report_stop(stop) -> int:
     """Say why the run stopped and how to continue it; returns the exit code."""
     msg = f"run stopped: {stop}"
     if stop.checkpoint is not None:
-        msg += f"\ncheckpoint: {stop.checkpoint}\ncontinue with: klrl train --resume {stop.checkpoint.parent.parent}"
+        msg += (f"\ncheckpoint: {stop.checkpoint}"
+                f"\ncontinue with: klrl train --resume {stop.checkpoint.parent.parent}")
     elif stop.run_dir is not None:  # e.g. a learner that hung before the first checkpoint
         msg += (f"\nno checkpoint yet: klrl train --resume {stop.run_dir} starts the run afresh "
                 "(checkpoint_every > 0 keeps one)")
@@ -148,7 +149,8 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
     if code is not None:
         return code
     print_summary(run_dir, title)
-    print(f"run directory: {run_dir}" + ("" if verbose else f" (full log: {run_dir / 'train.log'})"))
+    full_log = "" if verbose else f" (full log: {run_dir / 'train.log'})"
+    print(f"run directory: {run_dir}{full_log}")
     return 0
 
 
@@ -162,9 +164,10 @@ def _run_submit(args) -> int:
         cfg = load_train_config(args.config, args.overrides)  # reject bad configs before submitting
         source = f"--runtime-env {args.runtime_env}"
         env = parse_env(args.env)
+        runtime_env = read_runtime_env(args.runtime_env) if args.runtime_env else None
         spec = job_spec(args.config, args.overrides, plugins=plugin_specs(cfg), python=args.python,
                         env=env, job_name=args.job_name, runtime_env_source=source,
-                        runtime_env=read_runtime_env(args.runtime_env) if args.runtime_env else None)
+                        runtime_env=runtime_env)
         check_submission(cfg, spec.runtime_env.get("env_vars", {}))  # the door, on this side
         if args.dry_run:
             print(spec.describe())
@@ -199,7 +202,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a policy (local Ray, or RAY_ADDRESS)")
     p.add_argument("config", nargs="?", metavar="CONFIG|RUN_DIR", help="YAML config, e.g. "
                    "configs/tiny_cpu.yaml; with --resume, a run directory instead")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. kl.estimator=k3 max_lag=2")
+    p.add_argument("overrides", nargs="*",
+                   help="key.sub=value overrides, e.g. kl.estimator=k3 max_lag=2")
     p.add_argument("--resume", action="store_true",
                    help="continue a run from its newest complete checkpoint: the RUN_DIR given, "
                    "or the run the config's run_name names; starts an unfinished run afresh if "
@@ -215,13 +219,15 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
     p.add_argument("config", help="YAML config; one outside this repository is sent with the job")
-    p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
+    p.add_argument("--address", required=True,
+                   help="Ray dashboard address, e.g. http://127.0.0.1:8265")
     p.add_argument("--no-wait", action="store_true", help="return after submission")
     p.add_argument("--python", default="python", help="Python on the cluster that runs the job "
                    "driver (needs klrl's dependencies)")
     p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
                    help="environment variable of the job (repeatable), e.g. --env WANDB_API_KEY "
-                   "(KEY alone: its value in this shell, which must set it); values are never printed")
+                   "(KEY alone: its value in this shell, which must set it); values are never "
+                   "printed")
     p.add_argument("--runtime-env", metavar="FILE", help="YAML or JSON Ray runtime_env merged "
                    "with klrl's (pip, py_modules, env_vars, ...; not working_dir, which is this "
                    "repository); a key that would replace one of klrl's is an error")

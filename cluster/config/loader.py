@@ -62,7 +62,8 @@ def _first_line(exc: Exception) -> str:
 
 def merge(base: dict, overrides: list[str]) -> dict:
     try:
-        merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(parse_overrides(overrides)))
+        merged = OmegaConf.merge(OmegaConf.create(base),
+                                 OmegaConf.create(parse_overrides(overrides)))
         return OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot apply overrides {overrides}: {exc}") from None
@@ -121,7 +122,8 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         if base_path in _seen:
             raise ConfigError(f"{path}: circular base: {base_path}")
         base = read_yaml(base_path, _seen + (base_path,))
-        data = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(data)))
+        data = OmegaConf.to_container(
+            OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(data)))
     return data
 
 
@@ -137,9 +139,11 @@ def validate(model: type[M], data: dict, source: str = "config", overrides: list
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            shown = "input" in err and not isinstance(err["input"], dict) and err["type"] != "value_error"
+            shown = ("input" in err and not isinstance(err["input"], dict)
+                     and err["type"] != "value_error")
             got = f" (got {err['input']!r})" if shown else ""  # a ValueError's message names it
-            line = f"  {msg}" if field and msg.startswith(field) or not field else f"  {field}: {msg}{got}"
+            names_itself = not field or msg.startswith(field)
+            line = f"  {msg}" if names_itself else f"  {field}: {msg}{got}"
             if hint := _did_you_mean(model, err):
                 line += f"; did you mean {hint!r}?"
             if culprits := _overrides_behind(field, msg, overrides):
@@ -171,7 +175,8 @@ def _did_you_mean(model: type[BaseModel], err: dict) -> str | None:
         *parent, key = err["loc"]
         return _closest(str(key), _known_keys(model, parent))
     if err["type"] == "literal_error" and isinstance(err.get("input"), str):
-        return _closest(err["input"], re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected"))))
+        expected = str(err.get("ctx", {}).get("expected"))
+        return _closest(err["input"], re.findall(r"'([^']*)'", expected))
     return None
 
 

@@ -17,7 +17,8 @@ from rewards.config import EVAL_SETS
 WHOLE_VALUES = EVAL_SETS
 
 
-def option_rows(model: type[BaseModel] = TrainConfig, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+def option_rows(model: type[BaseModel] = TrainConfig,
+                prefix: str = "") -> Iterator[tuple[str, str, str]]:
     """(dotted key, default, description) of every option, sub-configs flattened in order."""
     for name, field in model.model_fields.items():
         nested = [a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
@@ -28,8 +29,8 @@ def option_rows(model: type[BaseModel] = TrainConfig, prefix: str = "") -> Itera
         default = field.get_default(call_default_factory=True)
         if isinstance(default, BaseModel):
             default = default.model_dump()
-        yield prefix + name, repr(default) if isinstance(default, str) and not default else str(default), (
-            field.description or "")
+        shown = repr(default) if isinstance(default, str) and not default else str(default)
+        yield prefix + name, shown, field.description or ""
 
 
 def options_markdown() -> str:

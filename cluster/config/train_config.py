@@ -135,7 +135,8 @@ class LoggingConfig(_Strict):
     """wandb and the local run directory."""
 
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="null: the WANDB_MODE environment variable, else offline (no account needed).")
+        None, description="null: the WANDB_MODE environment variable, else offline (no account "
+        "needed).")
     wandb_project: str = Field("klrl", min_length=1, description="wandb project.")
     wandb_entity: str | None = Field(None, pattern=r"^[\w\-]+$", max_length=128,
                                      description="wandb team or user the run is logged under; "
@@ -155,13 +156,13 @@ class LoggingConfig(_Strict):
 
 
 class FaultConfig(_Strict):
-    """How the controller rides out faults of rollout workers and learner ranks (see docs/checkpoints.md,
-    "what survives what"). Every wait on a part has a deadline derived from the run's own
-    measured times (cluster/train/deadlines.py): `hang_multiple` x the median of the recent
-    waits of its kind, at least `hang_floor_s` (`hang_startup_s` for the first
-    `hang_startup_waits`), at most the part's ceiling. When it passes, a part that does not
-    answer (or, in a train step, has made no progress within the deadline) is hung; a live
-    one is waited on up to the ceiling."""
+    """How the controller rides out faults of rollout workers and learner ranks (see
+    docs/checkpoints.md, "what survives what"). Every wait on a part has a deadline derived
+    from the run's own measured times (cluster/train/deadlines.py): `hang_multiple` x the
+    median of the recent waits of its kind, at least `hang_floor_s` (`hang_startup_s` for the
+    first `hang_startup_waits`), at most the part's ceiling. When it passes, a part that does
+    not answer (or, in a train step, has made no progress within the deadline) is hung; a
+    live one is waited on up to the ceiling."""
 
     max_worker_restarts: int = Field(3, ge=0, le=10_000, description="Rollout-worker restarts "
                                      "allowed over the whole run (a worker that dies or hangs is "
@@ -254,8 +255,9 @@ class TrainConfig(_Strict):
     eval_every: int = Field(20, ge=0, le=10_000_000, description="Evaluate every k steps (and at "
                             "the start and end); 0: only at the start and end.")
     checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Checkpoint (for "
-                                  "`klrl train --resume`) every k steps, and at the end; 0: only when the run "
-                                  "is stopped early (signal, worker restarts used up, NaN limit).")
+                                  "`klrl train --resume`) every k steps, and at the end; 0: only "
+                                  "when the run is stopped early (signal, worker restarts used "
+                                  "up, NaN limit).")
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept "
                                   "under RUN_DIR/checkpoints (older ones are deleted).")
     hf_every: int = Field(0, ge=0, le=10_000_000, description="Export the policy in Hugging "
@@ -269,7 +271,8 @@ class TrainConfig(_Strict):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Training task.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompt stream.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty.")
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Task advantage.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig,
+                                       description="Task advantage.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner ranks.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
@@ -283,7 +286,8 @@ class TrainConfig(_Strict):
         prompts, ranks = self.rollout.prompts_per_step, self.learner.num_ranks
         if prompts % ranks:
             raise ValueError(f"rollout.prompts_per_step ({prompts}) must be divisible by "
-                             f"learner.num_ranks ({ranks}): each rank trains on whole prompt groups")
+                             f"learner.num_ranks ({ranks}): each rank trains on whole prompt "
+                             "groups")
         if prompts % self.rollout.num_workers:
             raise ValueError(f"rollout.prompts_per_step ({prompts}) must be divisible by "
                              f"rollout.num_workers ({self.rollout.num_workers})")

@@ -199,8 +199,9 @@ def _changes(old, new, key: str, default) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = [*old, *(k for k in new if k not in old)]
         sub = default if isinstance(default, dict) else {}
-        return [c for k in keys for c in _changes(
-            old.get(k, sub.get(k, _ABSENT)), new.get(k, _ABSENT), f"{key}.{k}", sub.get(k, _ABSENT))]
+        return [c for k in keys for c in _changes(old.get(k, sub.get(k, _ABSENT)),
+                                                  new.get(k, _ABSENT), f"{key}.{k}",
+                                                  sub.get(k, _ABSENT))]
     if old == new:
         return []
     shown = ["(absent)" if v is _ABSENT else repr(v) for v in (old, new)]

@@ -7,8 +7,9 @@ What the run needs beyond the repository travels in the job's runtime_env (`job_
 - a config file outside the repository: its YAML (with `base:` resolved) in the environment
   variable CONFIG_ENV, which `python -m cluster.cli.job_entry` writes back to a file;
 - a plug-in scorer or task (`task.reward`, `task.name`, `eval.<set>.task`; `plugin_specs`)
-  found outside the repository: its package directory in `py_modules` (a single-file module `name.py` goes as a package `name/` of which it is the
-  `__init__.py`: Ray's job client uploads only directories, and the import name is the same);
+  found outside the repository: its package directory in `py_modules` (a single-file module
+  `name.py` goes as a package `name/` of which it is the `__init__.py`: Ray's job client
+  uploads only directories, and the import name is the same);
 - `--env KEY[=VALUE]` and a user's `--runtime-env FILE`, merged with klrl's own entries
   (a conflict is an error naming the key, never a silent overwrite).
 Secret values never reach the output: `JobSpec.describe` shows env values as ***.
@@ -176,8 +177,9 @@ def plugin_specs(cfg) -> dict[str, str]:
     from rewards.registry import is_plugin
 
     specs = {"task.reward": cfg.task.reward} if cfg.task.reward else {}
-    named = {"task.name": cfg.task.name} | {f"eval.{name}.task": s.task for name in EVAL_SETS
-                                            if (s := getattr(cfg.eval, name)) is not None and s.task}
+    named = {"task.name": cfg.task.name} | {
+        f"eval.{name}.task": s.task for name in EVAL_SETS
+        if (s := getattr(cfg.eval, name)) is not None and s.task}
     return specs | {field: name for field, name in named.items() if is_plugin(name)}
 
 

@@ -32,8 +32,8 @@ def start_ray(cfg: TrainConfig) -> bool:
     num_cpus = cfg.ray.num_cpus or max(int(cfg.reserved_cpus + 0.999), os.cpu_count() or 1)
     # address="local": a new cluster even if another one runs on this machine (ray.init's
     # default would join it, against `ray.address: null` meaning "start a local cluster").
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=True)
     return True
 
 
@@ -59,9 +59,10 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | N
     from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
-    return LearnerGroup(learner_model_files(cfg, model_dir), cfg.rank_learner, cfg.kl, cfg.advantage,
-                        seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
-                        total_optimizer_steps=(steps or cfg.total_steps) * cfg.learner.updates_per_batch,
+    optimizer_steps = (steps or cfg.total_steps) * cfg.learner.updates_per_batch
+    return LearnerGroup(learner_model_files(cfg, model_dir), cfg.rank_learner, cfg.kl,
+                        cfg.advantage, seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
+                        total_optimizer_steps=optimizer_steps,
                         resources=cfg.ray.learner_resources, wait=wait,
                         collective_timeout_s=cfg.faults.learner_timeout_s)
 

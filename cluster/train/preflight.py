@@ -150,7 +150,8 @@ def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
     if spec.target_modules == "all-linear":
         return
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=cfg.model.trust_remote_code)
     linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     missing = [t for t in spec.target_modules
                if not any(n == t or n.endswith("." + t) for n in linear)]

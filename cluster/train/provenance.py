@@ -42,8 +42,8 @@ def machine() -> str:
         info = Path("/proc/cpuinfo").read_text()
         cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines()
                    if line.startswith("model name"))
-        mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                      if line.startswith("MemTotal"))
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        mem_kb = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal"))
         memory = f", {mem_kb / 2**20:.0f} GiB"
     except (OSError, StopIteration, ValueError):
         memory = ""

@@ -77,7 +77,8 @@ def default_run_name(cfg) -> str:
     k = cfg.kl
     trunc = f"-C{k.truncate:g}" if k.truncate is not None else ""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{k.estimator}-{k.placement.replace('+', '_')}-{k.importance}{trunc}-b{k.beta:g}-lag{cfg.max_lag}-s{cfg.seed}-{stamp}"
+    return (f"{k.estimator}-{k.placement.replace('+', '_')}-{k.importance}{trunc}-b{k.beta:g}"
+            f"-lag{cfg.max_lag}-s{cfg.seed}-{stamp}")
 
 
 def wandb_mode(cfg) -> str:
@@ -167,10 +168,12 @@ class RunLog:
         self.wandb_id = self._wandb.id
 
     def log(self, metrics: dict) -> None:
-        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                 for k, v in metrics.items()}
         self._metrics.write(json.dumps(clean) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"},
+                            step=int(metrics["step"]))
 
     def log_samples(self, rows: list[dict]) -> None:
         """Append one step's sample rows (`sample_rows`) to samples.jsonl, and log them to

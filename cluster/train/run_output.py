@@ -93,7 +93,8 @@ def quiet_output(log_path: Path, heartbeat_s: float = 15.0):
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    (shown_out, own_out), (shown_err, own_err) = _shown_stream(sys.stdout, 1), _shown_stream(sys.stderr, 2)
+    shown_out, own_out = _shown_stream(sys.stdout, 1)
+    shown_err, own_err = _shown_stream(sys.stderr, 2)
     log = open(log_path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
     old_streams = sys.stdout, sys.stderr
     os.dup2(log.fileno(), 1)

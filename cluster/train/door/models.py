@@ -133,7 +133,8 @@ def check_context(config: dict, field: str, max_model_len: int) -> None:
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set: the hub is never asked."""
-    flags = (os.environ.get(v, "").strip().upper() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    flags = (os.environ.get(v, "").strip().upper()
+             for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     return any(f in ("1", "ON", "YES", "TRUE") for f in flags)
 
 
