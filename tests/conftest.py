@@ -44,7 +44,8 @@ LD_PRELOAD_AT_START = os.environ.get("LD_PRELOAD")
 # Ray workers and scoring processes import the plug-in scorers of tests/scorers.py and
 # tests/scorer_faults.py: a local cluster hands its workers the driver's PYTHONPATH when it
 # starts, and `klrl` subprocesses inherit it, so tests/ goes on it before anything starts.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
 
 
 def start_local_ray() -> None:

@@ -64,9 +64,10 @@ def render(report: dict, machine: str, commit: str) -> str:
     per_file: dict[str, float] = defaultdict(float)
     for name, seconds in report["tests"].items():
         per_file[name.split("::")[0]] += seconds
+    when = report["timestamp"][:16].replace("T", " ")
     lines = [
-        f"Measured by `make test` at commit `{commit}` ({report['timestamp'][:16].replace('T', ' ')}"
-        f" UTC) on {machine}: **{report['seconds'] / 60:.1f} minutes** of pytest time, "
+        f"Measured by `make test` at commit `{commit}` ({when} UTC) on {machine}: "
+        f"**{report['seconds'] / 60:.1f} minutes** of pytest time, "
         f"{passed} passed, {c['failures']} failed, {c['errors']} errors, {c['skipped']} skipped.",
         "",
         "| test file | seconds | share |",
@@ -77,7 +78,8 @@ def render(report: dict, machine: str, commit: str) -> str:
     lines += [f"| `{f}` | {s:.0f} | {s / total:.0%} |" for f, s in shown]
     rest = len(per_file) - len(shown)
     if rest:
-        lines.append(f"| {rest} other files, under 1 s each | {total - sum(s for _, s in shown):.0f} | |")
+        others = total - sum(s for _, s in shown)
+        lines.append(f"| {rest} other files, under 1 s each | {others:.0f} | |")
     lines += ["", f"The {SLOWEST} slowest tests (setup + call + teardown):", "",
               "| test | seconds |", "|---|---:|"]
     slowest = sorted(report["tests"].items(), key=lambda kv: -kv[1])[:SLOWEST]

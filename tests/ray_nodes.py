@@ -75,8 +75,8 @@ class RayNode:
     def pids_left(self) -> list[str]:
         """Processes still alive in this node's session, or still using its temp dir (a
         raylet, GCS or worker that left the session); the tests assert none."""
-        out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], check=False, capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], check=False,
+                             capture_output=True, text=True).stdout
         return [line.strip() for line in out.splitlines()
                 if (line.split()[1] == str(self.proc.pid) or str(self.temp_dir) in line)
                 and not line.split()[2].startswith("Z")]
@@ -126,11 +126,13 @@ def _start_head(temp_dir: Path, num_cpus: int, resources: dict | None, dashboard
     url = None
     if dashboard:
         dash = free_port()
-        args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
+        args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                 f"--dashboard-port={dash}"]
         url = f"http://127.0.0.1:{dash}"
     else:
         args.append("--include-dashboard=false")
-    node = RayNode(args, temp_dir, temp_dir / "head.log", address=f"127.0.0.1:{port}", dashboard=url)
+    node = RayNode(args, temp_dir, temp_dir / "head.log", address=f"127.0.0.1:{port}",
+                   dashboard=url)
     node.wait_started()
     return node
 

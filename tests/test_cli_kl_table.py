@@ -19,7 +19,8 @@ def test_kl_table_command_writes_json_and_plot(tmp_path, capsys):
     assert rows["k3/reward+loss/none"]["on_rel_error"] < 1e-6
     assert rows["k3/loss/none"]["on_rel_error"] > 0.05
     assert rows["k1/reward/none"]["off_rel_error"] > 0.05
-    assert rows["k1/reward/prefix"]["off_rel_error"] < 1e-6 and rows["k1/reward/prefix"]["unbiased_off_policy"]
+    prefix = rows["k1/reward/prefix"]
+    assert prefix["off_rel_error"] < 1e-6 and prefix["unbiased_off_policy"]
     # K3 in reward+loss has the lowest variance of the unbiased on-policy rows
     unbiased = [r for r in rows.values() if r["on_rel_error"] < 1e-6 and r["importance"] == "none"]
     assert min(unbiased, key=lambda r: r["on_variance"])["config"] == "k3/reward+loss/none"

@@ -73,7 +73,8 @@ def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
     from cluster.config.train_config import TrainConfig
 
     for text, key, lines in [("seed: 1\nkl:\n  beta: 0.1\nseed: 2\n", "'seed'", (4, 1)),
-                             ("kl:\n  beta: 0.1\nmax_lag: 1\nkl:\n  estimator: k3\n", "'kl'", (4, 1)),
+                             ("kl:\n  beta: 0.1\nmax_lag: 1\nkl:\n  estimator: k3\n", "'kl'",
+                              (4, 1)),
                              ("kl:\n  beta: 0.1\n  beta: 0.2\n", "'beta'", (3, 2))]:
         (tmp_path / "dup.yaml").write_text(text)
         with pytest.raises(ConfigError) as exc:
@@ -96,11 +97,13 @@ def test_errors_name_the_override_and_suggest_the_key():
         load_config(TrainConfig, tiny, ["kl.betta=3", "max_lag=-1", "task.name=arith", "seed=1"])
     text = str(exc.value)
     assert "tiny_cpu.yaml with overrides: invalid configuration" in text
-    assert "kl.betta: unknown key (got 3); did you mean 'beta'? (from the override kl.betta=3)" in text
+    assert ("kl.betta: unknown key (got 3); did you mean 'beta'? "
+            "(from the override kl.betta=3)") in text
     assert "max_lag: " in text and "(from the override max_lag=-1)" in text
     assert "did you mean 'arithmetic'?" in text and "seed=1" not in text
     # an error about several fields names the overrides it is about
-    with pytest.raises(ConfigError, match=r"learner\.num_ranks \(3\).*override learner\.num_ranks=3"):
+    with pytest.raises(ConfigError,
+                       match=r"learner\.num_ranks \(3\).*override learner\.num_ranks=3"):
         load_config(TrainConfig, tiny, ["learner.num_ranks=3", "seed=1"])
 
 def test_an_error_in_the_file_blames_no_override(tmp_path):
@@ -131,30 +134,33 @@ def test_paper_variants_differ_only_in_kl(family):
     nokl = paper / f"{family}_nokl.yaml"
     if family != "llama-3.1-8b-instruct_math":
         cfg = load_config(TrainConfig, nokl)
-        assert cfg.kl.beta == 0 and cfg.model_dump(exclude={"kl"}) == base.model_dump(exclude={"kl"})
+        assert cfg.kl.beta == 0
+        assert cfg.model_dump(exclude={"kl"}) == base.model_dump(exclude={"kl"})
 
 
 def test_cross_field_constraints_are_rejected_before_anything_starts():
     from cluster.config.train_config import TrainConfig
 
     tiny = ROOT / "configs" / "tiny_cpu.yaml"
-    for overrides, field in [(["max_lag=-1"], "max_lag"),
-                             (["learner.num_ranks=3"], "num_ranks"),
-                             (["rollout.samples_per_prompt=1"], "samples_per_prompt"),
-                             (["sync.transport=nccl"], "nccl"),
-                             (["kl.truncate=2"], "truncate"),
-                             (["eval.max_new_tokens=512"], "max_model_len"),
-                             (["task.chat_template=none", "task.system_prompt=hi"],
-                              "system_prompt"),
-                             # the task's own rules (rewards.registry), not a worker's crash
-                             (["task.options.foo=1"], "task.options: task 'arithmetic' has no option 'foo'"),
-                             (["task.train_split=trian"], "task.train_split: .*did you mean 'train'"),
-                             (["task.name=mmlu"], "task.train_split: task 'mmlu' has no split 'train'"),
-                             (["eval.in_domain.split=test"], "eval.in_domain.split: .*no split 'test'"),
-                             (["task.name=math", "task.options.path=fixture"],
-                              "eval.out_of_domain.split: .*or none \\(eval.out_of_domain=null\\)"),
-                             (["eval.out_of_domain.task=mmlu", "eval.out_of_domain.options.subject=[x]"],
-                              "eval.out_of_domain.options: .*did you mean 'subjects'")]:
+    cases = [
+        (["max_lag=-1"], "max_lag"),
+        (["learner.num_ranks=3"], "num_ranks"),
+        (["rollout.samples_per_prompt=1"], "samples_per_prompt"),
+        (["sync.transport=nccl"], "nccl"),
+        (["kl.truncate=2"], "truncate"),
+        (["eval.max_new_tokens=512"], "max_model_len"),
+        (["task.chat_template=none", "task.system_prompt=hi"], "system_prompt"),
+        # the task's own rules (rewards.registry), not a worker's crash
+        (["task.options.foo=1"], "task.options: task 'arithmetic' has no option 'foo'"),
+        (["task.train_split=trian"], "task.train_split: .*did you mean 'train'"),
+        (["task.name=mmlu"], "task.train_split: task 'mmlu' has no split 'train'"),
+        (["eval.in_domain.split=test"], "eval.in_domain.split: .*no split 'test'"),
+        (["task.name=math", "task.options.path=fixture"],
+         "eval.out_of_domain.split: .*or none \\(eval.out_of_domain=null\\)"),
+        (["eval.out_of_domain.task=mmlu", "eval.out_of_domain.options.subject=[x]"],
+         "eval.out_of_domain.options: .*did you mean 'subjects'"),
+    ]
+    for overrides, field in cases:
         with pytest.raises(ConfigError, match=field):
             load_config(TrainConfig, tiny, overrides)
 
@@ -332,6 +338,7 @@ def test_docs_paper_table_matches_the_configs():
             actual = dump
             for part in key.split("."):
                 actual = actual[part]
-            assert actual == expected, f"docs/paper.md says {key} = {expected}, the config has {actual}"
+            assert actual == expected, (
+                f"docs/paper.md says {key} = {expected}, the config has {actual}")
         checked += 1
     assert checked >= 20

@@ -45,7 +45,8 @@ def test_readme_is_a_landing_page_that_reaches_every_page():
     config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
     pages = {f"docs/{page}" for page in _nav_pages(config["nav"])}
     hand_written = {p for p in pages if not p.startswith("docs/sweeps/") and p != "docs/index.md"}
-    assert hand_written <= linked, f"pages the README does not link: {sorted(hand_written - linked)}"
+    assert hand_written <= linked, (
+        f"pages the README does not link: {sorted(hand_written - linked)}")
 
 
 def test_docs_name_no_file_outside_the_repository():

@@ -16,7 +16,8 @@ REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testcase classname="tests.test_e2e_train" name="test_lag0@stack" time="30.5"/>
 <testcase classname="tests.test_e2e_train" name="test_lag2" time="20.25"/>
 <testcase classname="tests.test_kl_exact" name="test_exact[k1]" time="0.2"/>
-<testcase classname="tests.test_kl_exact" name="test_exact[k3]" time="0.1"><failure message="x"/></testcase>
+<testcase classname="tests.test_kl_exact" name="test_exact[k3]" time="0.1">
+<failure message="x"/></testcase>
 <testcase classname="tests.test_gpu" name="test_nccl" time="0.0"><skipped/></testcase>
 </testsuite></testsuites>"""
 
@@ -30,7 +31,8 @@ def test_the_block_is_rewritten_from_the_report(tmp_path):
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     text = doc.read_text()
-    assert "old figures" not in text and text.startswith("# Dev\n\nbefore\n") and text.endswith("after\n")
+    assert "old figures" not in text
+    assert text.startswith("# Dev\n\nbefore\n") and text.endswith("after\n")
     assert "**10.9 minutes** of pytest time, 2 passed, 1 failed, 0 errors, 2 skipped" in text
     # per file: the two e2e tests summed; the files under a second summed in one row
     assert "| `tests/test_e2e_train.py` | 51 | 99% |" in text
@@ -48,7 +50,8 @@ def test_a_missing_report_or_block_is_refused(tmp_path):
     no_block = subprocess.run([sys.executable, str(ROOT / "tests" / "durations.py"),
                                str(tmp_path / "junit.xml"), str(tmp_path / "dev.md")],
                               capture_output=True, text=True, check=False)
-    assert no_block.returncode != 0 and "no <!-- durations --> ... <!-- /durations --> block" in no_block.stderr
+    assert no_block.returncode != 0
+    assert "no <!-- durations --> ... <!-- /durations --> block" in no_block.stderr
 
 
 def test_the_development_docs_hold_the_block():

@@ -103,8 +103,10 @@ def test_samples_table_in_samples_jsonl_and_wandb(lag0):
     # samples_every=2 over 3 steps: step 2 only, trained by version 1 from its own samples
     assert {(r["step"], r["policy_version"], r["lag"]) for r in rows} == {(2, 1, 0)}
     # the first rollouts of the batch: a whole group of 4 samples of one prompt, then the next
-    assert len({(r["prompt"], r["answer"]) for r in rows[:4]}) == 1 and rows[4]["prompt"] != rows[0]["prompt"]
-    assert any(r["response"] for r in rows) and {r["finish_reason"] for r in rows} <= {"stop", "length"}
+    assert len({(r["prompt"], r["answer"]) for r in rows[:4]}) == 1
+    assert rows[4]["prompt"] != rows[0]["prompt"]
+    assert any(r["response"] for r in rows)
+    assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
     # the response text is the one scored: the run's scorer gives each row its reward
     assert [r["reward"] for r in rows] == [short_answers(r["response"], None) for r in rows]
     tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json"))
@@ -170,4 +172,5 @@ def test_lag2_is_asynchronous_and_bounded(lag2):
     assert all(m["lag/dropped_total"] == 0 for m in steps)
     # off-policy data: the learner's policy has moved away from the sampler's
     stale = [m for m in steps if m["lag/max"] > 0]
-    assert any(abs(m["is/ratio_max"] - 1) > 1e-3 or abs(m["is/ratio_min"] - 1) > 1e-3 for m in stale)
+    assert any(abs(m["is/ratio_max"] - 1) > 1e-3 or abs(m["is/ratio_min"] - 1) > 1e-3
+               for m in stale)

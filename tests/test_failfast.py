@@ -68,7 +68,8 @@ def _assert_refused(code, err, seconds, out_dir: Path, *names):
 
 @pytest.mark.parametrize("overrides, names", [
     (["model.path=/nonexistent/klrl-model"], ["model.path", "no such directory"]),
-    (["task.reward=no_such_module:score"], ["task.reward", "cannot import module 'no_such_module'"]),
+    (["task.reward=no_such_module:score"],
+     ["task.reward", "cannot import module 'no_such_module'"]),
     (["task.options.foo=1"], ["task.options", "no option 'foo'"]),
     (["task.train_split=trian"], ["task.train_split", "did you mean 'train'"]),
     (["eval.in_domain.split=test"], ["eval.in_domain.split", "its splits are train, in_domain"]),
@@ -100,10 +101,12 @@ def test_a_wandb_key_from_the_environment_or_netrc_is_enough(guarded, monkeypatc
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     check_wandb(cfg)
     monkeypatch.delenv("WANDB_API_KEY")
-    (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "x" * 40 + "\n")
+    (tmp_path / "no-netrc").write_text(
+        "machine api.wandb.ai login user password " + "x" * 40 + "\n")
     check_wandb(cfg)
     with pytest.raises(GotPastPreflight):  # and the run goes on to start
-        main(["train", str(DEMO_CONFIG), f"output_dir={tmp_path / 'runs'}", "logging.wandb_mode=online"])
+        main(["train", str(DEMO_CONFIG), f"output_dir={tmp_path / 'runs'}",
+              "logging.wandb_mode=online"])
 
 
 def test_a_hub_name_passes_and_a_local_looking_path_does_not(tmp_path, monkeypatch):
@@ -200,7 +203,8 @@ def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: {DEMO_CONFIG} with overrides: invalid configuration",
         ("  task.train_split: task 'arithmetic' has no split 'trian' (did you mean 'train'?); its "
-         "splits are train, in_domain, zero_padded, out_of_domain (from the override task.train_split=trian)")]
+         "splits are train, in_domain, zero_padded, out_of_domain "
+         "(from the override task.train_split=trian)")]
     assert not out.exists() and time.monotonic() - t0 < 60
 
 
@@ -213,14 +217,16 @@ def _learner_state(directory: Path, tag: str) -> None:
     torch.save({"version": 0}, directory / tag / "mp_rank_00_model_states.pt")
 
 
-def _fake_run(tmp_path: Path, steps: int = 2, finished: bool = True, checkpoint: bool = False) -> Path:
+def _fake_run(tmp_path: Path, steps: int = 2, finished: bool = True,
+              checkpoint: bool = False) -> Path:
     """A run directory as a run of `steps` steps leaves it (no weights: nothing loads them)."""
     cfg = load_train_config(DEMO_CONFIG, [f"output_dir={tmp_path}", "run_name=r",
                                           f"total_steps={steps}"])
     run = tmp_path / "r"
     run.mkdir()
     dump_config(cfg, run / "config.yaml")
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(steps + 1)))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i}) + "\n" for i in range(steps + 1)))
     if checkpoint:
         state = ckpt.ControllerState(step=steps, prompt_position=64 * steps,
                                      config=cfg.model_dump(mode="json"))
@@ -315,7 +321,8 @@ def eval_guarded(monkeypatch):
     (["--task", "nosuch"], "error: --task: unknown task 'nosuch'; known tasks: arithmetic"),
     (["--task", "countdown", "--splits", "in_domian,train"],
      "error: --splits: task 'countdown' has no split 'in_domian' (did you mean 'in_domain'?)"),
-    (["--task", "mmlu"], "error: --splits: task 'mmlu' has no split 'in_domain'; its splits are out_of_domain"),
+    (["--task", "mmlu"],
+     "error: --splits: task 'mmlu' has no split 'in_domain'; its splits are out_of_domain"),
     (["--splits", " , "], "error: --splits: no split given"),
     (["--task", "math", "--option", "pth=fixture"],
      "error: --option: task 'math' has no option 'pth' (did you mean 'path'?)"),

@@ -1,8 +1,9 @@
 """`klrl figures`: the docs' demo and model figures are generated, never typed.
 
-The docs blocks (docs/demo.md, docs/model.md) between `<!-- figures:NAME -->` markers must equal what
-cluster/experiments/figures.py renders from docs/figures/NAME.json (what `make figures` last
-measured), and the figures of a run are read from its run directory as the trainer wrote it.
+The docs blocks (docs/demo.md, docs/model.md) between `<!-- figures:NAME -->` markers must equal
+what cluster/experiments/figures.py renders from docs/figures/NAME.json (what `make figures`
+last measured), and the figures of a run are read from its run directory as the trainer wrote
+it.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_demo_runs_meet_the_learning_targets_the_readme_promises():
 def _write_run(run_dir: Path, rewards: list[float], evals: dict[int, tuple[float, float]]):
     run_dir.mkdir(parents=True)
     config_path(run_dir).write_text(yaml.safe_dump(
-        {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 2}, "learner": {"grad_clip": 1.0}}))
+        {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 2},
+         "learner": {"grad_clip": 1.0}}))
     rows = []
     for step in range(len(rewards) + 1):
         row: dict = {"step": step}

@@ -120,7 +120,8 @@ def test_a_failure_after_the_start_is_one_line_naming_the_log(tmp_path, monkeypa
     captured = capsys.readouterr()
     log = out / "r" / "train.log"
     assert captured.err.strip().splitlines() == [
-        f"error: the run failed: FileNotFoundError: rows.jsonl: gone while reading (full log: {log})"]
+        "error: the run failed: FileNotFoundError: rows.jsonl: gone while reading "
+        f"(full log: {log})"]
     assert "banner" not in captured.out
     assert "Traceback" in log.read_text() and "a library's banner" in log.read_text()
     assert main(argv) == 1  # the name is not blocked: the same run starts again

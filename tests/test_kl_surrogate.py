@@ -113,12 +113,12 @@ def test_capped_prefix_weight_is_finite_even_when_the_weight_overflows():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(placement="kl"), "placement"),
-    (dict(importance="tokens"), "importance"),
-    (dict(estimator="k4"), "estimator"),
-    (dict(importance="prefix"), "behaviour_logp"),
-    (dict(importance="none", truncate=2.0), "truncate"),
-    (dict(importance="token", truncate=0.0), "truncate"),
+    ({"placement": "kl"}, "placement"),
+    ({"importance": "tokens"}, "importance"),
+    ({"estimator": "k4"}, "estimator"),
+    ({"importance": "prefix"}, "behaviour_logp"),
+    ({"importance": "none", "truncate": 2.0}, "truncate"),
+    ({"importance": "token", "truncate": 0.0}, "truncate"),
 ])
 def test_bad_arguments_are_rejected_with_the_argument_named(kwargs, message):
     logp, ref, mu, mask = _batch()

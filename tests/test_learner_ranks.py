@@ -405,7 +405,10 @@ def test_zero_offload_and_flash_attention_gpu(ray_local, tiny_model_dir, batches
     attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     base = {"num_ranks": 1, "zero_stage": 3, "dtype": "bfloat16", "num_gpus_per_rank": 1,
             "attn_implementation": attn, "gradient_checkpointing": True}
-    info = lambda group: group.rank_info
+
+    def info(group):
+        return group.rank_info
+
     plain = _run(tiny_model_dir, _cfg(**base), _Steps(batches, ["good"], extra=info))
     offload = _run(tiny_model_dir, _cfg(**base, offload_optimizer=True, offload_param=True),
                    _Steps(batches, ["good"], extra=info))

@@ -21,7 +21,8 @@ def test_a_new_slot_removes_the_directories_of_gone_workers_only(tmp_path):
     slot = AdapterSlot(2, parent=tmp_path)
     try:
         assert not orphan.exists() and live.exists() and other.exists()
-        assert slot.root.parent == tmp_path and slot.root.name.startswith(f"klrl-lora-w2-p{os.getpid()}-")
+        assert slot.root.parent == tmp_path
+        assert slot.root.name.startswith(f"klrl-lora-w2-p{os.getpid()}-")
     finally:
         slot.close()
     assert not slot.root.exists()

@@ -129,10 +129,12 @@ def test_worker_on_node2_learner_on_head_exact_sync(cluster, submitted):
     for a in actors:
         if a["class_name"] in ("RolloutWorker", "LearnerRank"):
             placed.setdefault(a["class_name"], set()).add(a["node_id"])
-    assert len(placed.get("RolloutWorker", ())) == 1 and len(placed.get("LearnerRank", ())) == 1, actors
+    assert len(placed.get("RolloutWorker", ())) == 1, actors
+    assert len(placed.get("LearnerRank", ())) == 1, actors
     (worker_node,), (learner_node,) = placed["RolloutWorker"], placed["LearnerRank"]
-    assert not node_of[worker_node]["is_head_node"] and "node2" in node_of[worker_node]["resources_total"]
-    assert node_of[learner_node]["is_head_node"] and "head" in node_of[learner_node]["resources_total"]
+    worker, learner = node_of[worker_node], node_of[learner_node]
+    assert not worker["is_head_node"] and "node2" in worker["resources_total"]
+    assert learner["is_head_node"] and "head" in learner["resources_total"]
     # The lag bound, and weights that crossed object stores exactly: at max_lag 0 the
     # learner's probabilities equal the sampler's (step 2 samples with step 1's weights,
     # sent from the head's object store to node 2's).
@@ -157,7 +159,8 @@ def test_a_failed_job_exits_1_with_its_error(cluster, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1, err
     last = err.strip().splitlines()[-1]
-    assert "ended FAILED" in last and "model.path=" in last and "ray job logs raysubmit_" in last, err
+    assert "ended FAILED" in last and "model.path=" in last, err
+    assert "ray job logs raysubmit_" in last, err
 
 
 def test_a_resource_no_node_has_is_refused_before_the_run(cluster, tiny_model_dir, tmp_path):

@@ -174,7 +174,8 @@ def test_sources_default_to_the_hub_set_and_never_overlap():
     task = get_task("countdown", train=True)  # named, not loaded: no hub access needed
     assert HUB_DATASET == "Jiayi-Pan/Countdown-Tasks-3to4"
     assert task.sources["train"].label() == f"{HUB_DATASET}:train"
-    split = get_task("countdown", train={"split": "train[:99%]"}, in_domain={"split": "train[99%:]"})
+    split = get_task("countdown", train={"split": "train[:99%]"},
+                     in_domain={"split": "train[99%:]"})
     assert split.sources["in_domain"].label() == f"{HUB_DATASET}:train[99%:]"
     assert get_task("countdown", train=False).finite_splits == ()
     with pytest.raises(ValueError, match="train and in_domain read the same rows"):

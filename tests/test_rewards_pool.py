@@ -57,7 +57,8 @@ def test_every_fault_in_one_batch_is_isolated_and_counted(pool):
         if completion == "ok":
             assert (result.reward, result.failure) == (1.0, None)
         else:
-            assert (result.reward, result.failure) == (0.0, faults[completion]), (completion, result)
+            assert (result.reward, result.failure) == (0.0, faults[completion]), (
+                completion, result)
     assert "ZeroDivisionError" in results[1].detail
     # 2 hangs at 2 s each on 2 workers plus restarts; far from 12 items x timeout in series.
     assert elapsed < 4 * TIMEOUT_S + 10

@@ -36,7 +36,8 @@ def test_every_task_meets_the_contract(name):
 def test_unknown_task_and_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="unknown task 'gsm8k'; known tasks: arithmetic"):
         get_task("gsm8k")
-    with pytest.raises(ValueError, match="task 'arithmetic' has no option 'digits'; it takes no options"):
+    with pytest.raises(ValueError,
+                       match="task 'arithmetic' has no option 'digits'; it takes no options"):
         get_task("arithmetic", digits=3)
     with pytest.raises(ValueError, match="has no option 'pth' \\(did you mean 'path'\\?\\); its "
                        "options are train, in_domain, out_of_domain, path, columns"):
@@ -74,7 +75,8 @@ def test_load_scorer():
     ("scorer_faults_broken_import:score", "RuntimeError: broken on import"),
 ])
 def test_load_scorer_errors_name_the_spec(spec, message, tmp_path, monkeypatch):
-    (tmp_path / "scorer_faults_broken_import.py").write_text("raise RuntimeError('broken on import')")
+    (tmp_path / "scorer_faults_broken_import.py").write_text(
+        "raise RuntimeError('broken on import')")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=message) as error:
         load_scorer(spec)
@@ -104,7 +106,8 @@ def test_task_names_come_from_the_registry():
         "unknown task 'arith' (did you mean 'arithmetic'?); known tasks: arithmetic, countdown, "
         "math, mmlu, or a plug-in task 'package.module:TaskClass' (a rewards.Task subclass in "
         "your own package)")
-    with pytest.raises(ValueError, match="task spec 'a.b:C:D' is not of the form 'package.module:TaskClass'"):
+    with pytest.raises(ValueError, match="task spec 'a.b:C:D' is not of the form "
+                                         "'package.module:TaskClass'"):
         check_task_name("a.b:C:D")
     with pytest.raises(ValidationError, match="unknown task 'mmlu2' \\(did you mean 'mmlu'\\?\\)"):
         EvalSet(task="mmlu2", split="out_of_domain")
@@ -164,11 +167,14 @@ class NotATask:
 '''
 
 
+CONTRACT = "breaks the rewards.Task contract: "
+
+
 @pytest.mark.parametrize("cls, message", [
-    ("SplitsList", "breaks the rewards.Task contract: `splits` must be a non-empty tuple"),
-    ("LambdaScorer", "breaks the rewards.Task contract: its scorer cannot be sent to scoring workers"),
-    ("NoBudget", "breaks the rewards.Task contract: `max_new_tokens` must be a positive int, got 0"),
-    ("NoName", "breaks the rewards.Task contract: `name` must be a non-empty string"),
+    ("SplitsList", CONTRACT + "`splits` must be a non-empty tuple"),
+    ("LambdaScorer", CONTRACT + "its scorer cannot be sent to scoring workers"),
+    ("NoBudget", CONTRACT + "`max_new_tokens` must be a positive int, got 0"),
+    ("NoName", CONTRACT + "`name` must be a non-empty string"),
     ("NoDraw", "does not implement _draw"),
     ("NotATask", "is a class, not a rewards.Task subclass"),
     ("score", "is a function, not a rewards.Task subclass"),
@@ -197,12 +203,16 @@ def test_a_plugin_task_is_checked_where_the_run_runs(tmp_path, monkeypatch):
     assert get_task(good, size=2).problems("train") == get_task(good).problems("train", 2)
     check_plugins(TaskConfig(name=good, options={"size": 2}), only_train)
     for task, evaluation, message in [
-        (TaskConfig(name="klrl_broken_tasks:Goood"), only_train, "task.name: .*did you mean 'Good'"),
+        (TaskConfig(name="klrl_broken_tasks:Goood"), only_train,
+         "task.name: .*did you mean 'Good'"),
         (TaskConfig(name=good, options={"sise": 2}), only_train,
          "task.options: .*no option 'sise' \\(did you mean 'size'\\?\\)"),
-        (TaskConfig(name=good, train_split="trian"), only_train, "task.train_split: .*did you mean 'train'"),
-        (TaskConfig(name=good), EvalConfig(), "eval.in_domain.split: task 'good' has no split 'in_domain'"),
-        (TaskConfig(), EvalConfig(out_of_domain=EvalSet(task="klrl_broken_tasks:NoDraw", split="x")),
+        (TaskConfig(name=good, train_split="trian"), only_train,
+         "task.train_split: .*did you mean 'train'"),
+        (TaskConfig(name=good), EvalConfig(),
+         "eval.in_domain.split: task 'good' has no split 'in_domain'"),
+        (TaskConfig(),
+         EvalConfig(out_of_domain=EvalSet(task="klrl_broken_tasks:NoDraw", split="x")),
          "eval.out_of_domain.task: .*does not implement _draw"),
     ]:
         with pytest.raises(ValueError, match=message):

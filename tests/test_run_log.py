@@ -153,7 +153,8 @@ def test_a_sweep_names_each_wandb_run_by_its_grid_point(tmp_path):
     from cluster.experiments.sweep import load_sweep
 
     (tmp_path / "s.yaml").write_text(f"name: s\ntrain_config: {DEMO_CONFIG}\n"
-                                     "overrides: {logging.wandb_name: same}\ngrid: {seed: [0, 1]}\n")
+                                     "overrides: {logging.wandb_name: same}\n"
+                                     "grid: {seed: [0, 1]}\n")
     with pytest.raises(ConfigError, match="logging.wandb_name.*set by the sweep"):
         load_sweep(tmp_path / "s.yaml")
 

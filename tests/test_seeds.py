@@ -17,7 +17,8 @@ def test_the_seeds_of_a_run_are_distinct_and_fit_vllm():
     calls = [(generate_seed(11, end, w), w) for end in range(per_step, 51 * per_step, per_step)
              for w in range(workers)]
     assert len({seed for seed, _ in calls}) == len(calls)
-    requests = [request_seed(seed, w, i, n) for seed, w in calls for i in range(per_step // workers)]
+    requests = [request_seed(seed, w, i, n)
+                for seed, w in calls for i in range(per_step // workers)]
     assert len(set(requests)) == len(requests)
     assert all(0 <= s and s + n - 1 < MAX_SEED for s in requests)  # vLLM adds j < n
     assert len({stream_seed(s, i) for s in range(3) for i in range(1000)}) == 3000

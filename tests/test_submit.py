@@ -44,12 +44,14 @@ def _one_error_line(err: str) -> str:
 
 
 def test_submit_rejects_a_bad_config_before_submitting(capsys):
-    assert main(["submit", "configs/tiny_cpu.yaml", "--address", "http://127.0.0.1:1", "max_lag=-1"]) == 2
+    assert main(["submit", "configs/tiny_cpu.yaml", "--address", "http://127.0.0.1:1",
+                 "max_lag=-1"]) == 2
     assert "max_lag" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("args", "runtime_env", "expected"), [
-    (["--env", "KLRL_SURELY_UNSET_VAR"], None, "--env KLRL_SURELY_UNSET_VAR: KLRL_SURELY_UNSET_VAR is not set"),
+    (["--env", "KLRL_SURELY_UNSET_VAR"], None,
+     "--env KLRL_SURELY_UNSET_VAR: KLRL_SURELY_UNSET_VAR is not set"),
     (["--env", "1BAD=x"], None, "--env 1BAD: not a variable name"),
     ([], "working_dir: /elsewhere\n", "working_dir: klrl submit uploads this repository"),
     (["--env", "TOKEN=a"], 'env_vars: {TOKEN: "b"}\n', "env_vars.TOKEN is also given by --env"),
@@ -111,8 +113,10 @@ def test_dry_run_shows_the_job_and_never_a_secret(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     for secret in ("wandb-secret-1", "inline-secret", "hf_b"):
         assert secret not in out
-    spec = jobs.job_spec(outside / "mine.yaml", ["total_steps=3"], plugins={"task.reward": "klrl_dry_scorer:score"},
-                         env={"WANDB_API_KEY": "x", "OTHER": "y"}, runtime_env=jobs.read_runtime_env(outside / "env.yaml"),
+    spec = jobs.job_spec(outside / "mine.yaml", ["total_steps=3"],
+                         plugins={"task.reward": "klrl_dry_scorer:score"},
+                         env={"WANDB_API_KEY": "x", "OTHER": "y"},
+                         runtime_env=jobs.read_runtime_env(outside / "env.yaml"),
                          job_name="mine-1")
     assert spec.describe() in out
     assert spec.entrypoint == "python -m cluster.cli.job_entry mine.yaml total_steps=3"
@@ -132,10 +136,12 @@ def test_what_the_working_dir_carries_is_not_uploaded_again(monkeypatch):
     from the working_dir; tests/scorers.py is in the repository but not on the job's path, so
     it is uploaded."""
     monkeypatch.syspath_prepend(str(TESTS))
-    spec = jobs.job_spec("configs/tiny_cpu.yaml", ["max_lag=1"], plugins={"task.reward": "rewards.arithmetic:score"})
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", ["max_lag=1"],
+                         plugins={"task.reward": "rewards.arithmetic:score"})
     assert spec.entrypoint == "python -m cluster.cli train configs/tiny_cpu.yaml max_lag=1"
     assert "py_modules" not in spec.runtime_env and "env_vars" not in spec.runtime_env
-    spec = jobs.job_spec("configs/tiny_cpu.yaml", [], plugins={"task.reward": "scorers:short_answers"})
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", [],
+                         plugins={"task.reward": "scorers:short_answers"})
     assert [m.rsplit("/", 1)[1] for m in spec.runtime_env["py_modules"]] == ["scorers"]
 
 

@@ -41,9 +41,11 @@ def _sweep(tmp_path, **fields) -> SweepConfig:
 def test_grid_expands_in_order_with_names_from_values(tmp_path):
     runs = expand(_sweep(tmp_path))
     assert len(runs) == 16 and [r.index for r in runs] == list(range(1, 17))
-    assert [r.name for r in runs[:3]] == ["k1-reward-lag0-s0", "k1-reward-lag0-s1", "k1-reward-lag2-s0"]
+    assert [r.name for r in runs[:3]] == ["k1-reward-lag0-s0", "k1-reward-lag0-s1",
+                                          "k1-reward-lag2-s0"]
     assert runs[-1].name == "k3-loss-lag2-s1"
-    assert runs[-1].values == {"kl.estimator": "k3", "kl.placement": "loss", "max_lag": 2, "seed": 1}
+    assert runs[-1].values == {"kl.estimator": "k3", "kl.placement": "loss", "max_lag": 2,
+                               "seed": 1}
     assert len({r.name for r in runs}) == 16
 
 
@@ -54,7 +56,8 @@ def test_controls_vary_the_grid_and_join_its_runs(tmp_path):
                            {"max_lag": [2]}])                                # all in the grid
     runs = expand(cfg)
     names = [r.name for r in runs]
-    assert len(runs) == 8 + 4 + 4 and len(set(names)) == 16 and [r.index for r in runs] == list(range(1, 17))
+    assert len(runs) == 8 + 4 + 4 and len(set(names)) == 16
+    assert [r.index for r in runs] == list(range(1, 17))
     assert names[8:12] == ["k1-lag0-s0-b0", "k1-lag0-s1-b0", "k1-lag2-s0-b0", "k1-lag2-s1-b0"]
     assert names[12:] == ["k1-lag2-s0-is_prefix", "k1-lag2-s1-is_prefix", "k3-lag2-s0-is_prefix",
                           "k3-lag2-s1-is_prefix"]
@@ -78,7 +81,8 @@ def test_value_tokens():
 
 def test_each_run_validates_with_its_values_group_and_tags(tmp_path):
     cfg = _sweep(tmp_path, overrides={"total_steps": 7, "eval": {"num_problems": 9}},
-                 grid={"kl.beta": [0.05, 0.5], "kl.truncate": [None, 2.0], "kl.importance": ["prefix"]})
+                 grid={"kl.beta": [0.05, 0.5], "kl.truncate": [None, 2.0],
+                       "kl.importance": ["prefix"]})
     runs = expand(cfg)
     configs = validate_runs(cfg, runs)
     assert [r.name for r in runs] == ["b0.05-CNone-is_prefix", "b0.05-C2-is_prefix",
@@ -220,11 +224,12 @@ def test_dry_run_lists_runs_and_states(tmp_path, capsys):
     from cluster.cli.main import main
 
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({"name": "dry", "train_config": str(TINY), "output_dir": str(tmp_path),
-                                    "grid": {"max_lag": [0, 4]}}))
+    path.write_text(yaml.safe_dump({"name": "dry", "train_config": str(TINY),
+                                    "output_dir": str(tmp_path), "grid": {"max_lag": [0, 4]}}))
     assert main(["sweep", str(path), "--dry-run", "overrides.total_steps=3"]) == 0
     out = capsys.readouterr().out
-    assert "[1/2] lag0 (new): klrl train" in out and "[2/2] lag4 (new)" in out and "total_steps=3" in out
+    assert "[1/2] lag0 (new): klrl train" in out and "[2/2] lag4 (new)" in out
+    assert "total_steps=3" in out
     # each command pastes into a shell: the tags' quotes and spaces survive
     runs = expand(load_sweep(path, ["overrides.total_steps=3"]))
     for line, run in zip(out.strip().splitlines(), runs, strict=True):
@@ -244,8 +249,8 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
 
     path = tmp_path / "tiny_sweep.yaml"
     path.write_text(yaml.safe_dump({
-        "name": "e2e", "train_config": str(TINY), "output_dir": str(tmp_path / "runs"), "poll_s": 0.5,
-        "parallel": 2,
+        "name": "e2e", "train_config": str(TINY), "output_dir": str(tmp_path / "runs"),
+        "poll_s": 0.5, "parallel": 2,
         "overrides": {"model.path": str(tiny_model_dir), "total_steps": 3, "eval_every": 0,
                       "ray.address": ray.get_runtime_context().gcs_address,
                       "max_lag": 1, "eval.num_problems": 8, "eval.samples": 0,
@@ -263,7 +268,8 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     root = tmp_path / "runs" / "e2e"
     for name in ("k1-loss", "k3-loss"):
         assert run_state(root / name) == "finished"
-        rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        lines = (root / name / "metrics.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
         assert rows[-1]["step"] == 3
         assert (root / "logs" / f"{name}.log").is_file()
     assert (root / "report" / "report.md").is_file()  # the sweep reports when it ends

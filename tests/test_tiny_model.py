@@ -108,7 +108,9 @@ def test_init_default_model_deterministic_and_atomic(tmp_path, monkeypatch):
     umask = os.umask(0)
     os.umask(umask)
     assert a.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
-    assert not _same_weights(a, init_default_model(tmp_path / "c", seed=4, target=None, max_steps=3, progress=False))
+    other_seed = init_default_model(tmp_path / "c", seed=4, target=None, max_steps=3,
+                                    progress=False)
+    assert not _same_weights(a, other_seed)
 
     # cached: a second call reuses the model without rebuilding it
     stamp = (a / "model.safetensors").stat().st_mtime_ns
@@ -154,7 +156,8 @@ def test_warm_start_check_is_greedy_pass_at_1():
     own = []
     for p, ids in zip(problems, out[:, enc["input_ids"].shape[1]:].tolist()):
         if tok.eos_token_id in ids[1:]:  # a non-empty completion that ends
-            own.append(p.model_copy(update={"answer": tok.decode(ids[: ids.index(tok.eos_token_id)])}))
+            answer = tok.decode(ids[: ids.index(tok.eos_token_id)])
+            own.append(p.model_copy(update={"answer": answer}))
     assert len(own) >= 16, "the 60-step model should end most completions"
     check = tiny_model.exact_greedy_accuracy
     assert check(model, tok, tiny_model._encode_examples(tok, own)) == 1.0
@@ -169,6 +172,6 @@ def test_warm_start_stops_at_the_first_check_that_reaches_the_target():
     done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=50, progress=False)
     assert done == tiny_model.WarmStart(tiny_model.CHECK_EVERY, done.validation_accuracy, True)
     model, tok = tiny_model._new_model(0)
-    done = tiny_model.warm_start(model, tok, seed=0, target=0.99, max_steps=2 * tiny_model.CHECK_EVERY,
-                                 progress=False)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.99,
+                                 max_steps=2 * tiny_model.CHECK_EVERY, progress=False)
     assert done.steps == 2 * tiny_model.CHECK_EVERY and not done.reached_target

@@ -13,10 +13,11 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-from actors.config import RolloutConfig, SyncConfig
-from actors.rollout_worker import RolloutWorker, StaleWeightsError
-from actors.weight_sync import WeightUpdate, publish, remove_published, run_dir
-from rewards.config import TaskConfig
+# After the skips: actors.rollout_worker imports vLLM.
+from actors.config import RolloutConfig, SyncConfig  # noqa: E402
+from actors.rollout_worker import RolloutWorker, StaleWeightsError  # noqa: E402
+from actors.weight_sync import WeightUpdate, publish, remove_published, run_dir  # noqa: E402
+from rewards.config import TaskConfig  # noqa: E402
 
 TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 TIMEOUT_S = 5.0
