@@ -2,7 +2,7 @@
 the file modes they get.
 
 safetensors writes its file 0600 (readable by its owner only) whatever the umask, so a trained
-model shared on a cluster filesystem was unreadable by colleagues; `mkdtemp` makes 0700
+model shared on a cluster filesystem would be unreadable by colleagues; `mkdtemp` makes 0700
 directories. Files and directories written for others get the modes the umask allows, as any
 other file would (0644 / 0755 under the usual umask 022).
 """

@@ -17,8 +17,8 @@ import torch
 
 
 def _timeout(collective_timeout_s: float | None) -> timedelta:
-    """None: DeepSpeed's default (10 minutes, or DEEPSPEED_TIMEOUT), as before klrl made the
-    store itself."""
+    """None: DeepSpeed's default (10 minutes, or DEEPSPEED_TIMEOUT), the timeout DeepSpeed
+    gives a process group it makes itself."""
     if collective_timeout_s is None:
         from deepspeed.constants import default_pg_timeout
 

@@ -12,11 +12,13 @@ Splits, mirroring the paper's in/out-of-domain evaluation:
   ("07+54=", "36-05=", "03+08="), drawn without replacement. Out of distribution in format
   only: the numbers are those of training, but no training prompt (nor any of the embedded
   model's supervised warm-up) has a leading zero, so the model must carry what RL taught it to
-  a spelling it never saw. The embedded model starts at ~10-20% greedy here (in-domain ~55%),
-  where a generalisation gap can show; the tiny config evaluates it as `eval.out_of_domain`.
+  a spelling it never saw. The embedded model starts well below its in-domain accuracy here
+  (docs/tasks.md has the figures), where a generalisation gap can show; the tiny config
+  evaluates it as `eval.out_of_domain`.
 - "out_of_domain": a, b uniform in [100, 999] (longer numbers), op in {+, -}, drawn without
   replacement; disjoint from the others by construction. The far split: the embedded model
-  solves ~0% before and after training (the tiny config's `eval.far_out_of_domain`).
+  solves almost none of it before or after training (the tiny config's
+  `eval.far_out_of_domain`).
 """
 from __future__ import annotations
 

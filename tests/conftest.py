@@ -27,7 +27,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
     """One vLLM engine (CPU: fp32) on `tiny_model_dir`, shared by every test that needs it:
-    an engine start costs about 20 s on 2 cores. Shut down at the end of the session."""
+    an engine start is among the costliest set-ups of the suite (docs/development.md). Shut
+    down at the end of the session."""
     from actors.engine import make_llm, shutdown_llm
 
     llm = make_llm(tiny_model_dir, seed=0, max_model_len=256)

@@ -3,8 +3,8 @@ prompts too long for `max_prompt_length`, measured with the policy's real tokeni
 rollout workers render them, are dropped and counted; a dataset split is read epoch by epoch
 (every row once per epoch, a new seeded order each, or file order), resumably, and
 `epochs` ends the run; every bad combination fails at config validation. No Ray: a real run
-that ends at its epochs costs more than this suite may spend (~70 s on 2 cores), so the stop
-rule is checked on the controller's own methods."""
+that ends at its epochs costs more than this suite may spend, so the stop rule is checked on
+the controller's own methods."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """Deadlines of waits on the learner and rollout workers (cluster/train/deadlines.py): the
 derivation from measured durations, and the wait loop, on a fake clock (no Ray, no waiting);
-and the process group's timeout in two real gloo processes (slow: DeepSpeed, about 5 s).
+and the process group's timeout in two real gloo processes (slow: DeepSpeed).
 The real stack (SIGSTOP of a learner rank or a worker) is in tests/test_faults.py."""
 from __future__ import annotations
 
@@ -218,8 +218,8 @@ def test_a_stuck_collective_raises_within_the_process_groups_timeout():
 
 def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
     """Rank 0 listens on the port the OS gave it before anyone learns the number, so no other
-    process can take it in between (CI once lost a run to EADDRINUSE when a free port was
-    picked first and bound later)."""
+    process can take it in between (a free port picked first and bound later can be taken
+    meanwhile: EADDRINUSE)."""
     import socket
 
     from learner.process_group import host_store

@@ -132,13 +132,13 @@ def tiny_args(model_dir, out, name, steps, *extra) -> list[str]:
             "task.reward=scorers:short_answers", *extra]
 
 
-# Deadlines that fit these runs (a step takes about a second): 5x the median of the waits
-# measured so far, at least 5 s, from the first measured wait of each kind on (60 s before).
-# A hang is then caught within the 5 s floor plus a 5 s probe.
+# Deadlines that fit these runs (steps of the tiny model are short): 5x the median of the
+# waits measured so far, at least 5 s, from the first measured wait of each kind on (60 s
+# before it). A hang is then caught within the 5 s floor plus a 5 s probe.
 FAST_DEADLINES = ("faults.hang_floor_s=5", "faults.hang_startup_waits=1",
                   "faults.hang_startup_s=60")
-# floor, probe, and slack: the suite runs two real stacks side by side on 2 cores (a run in a
-# fresh clone took 16 s). What matters is seconds, against the fixed hour before deadlines.
+# floor, probe, and slack: the suite runs two real stacks side by side on 2 cores. What
+# matters is seconds, against the hour of the faults.*_timeout_s ceilings.
 CAUGHT_WITHIN_S = 5 + 5 + 15
 
 
@@ -246,8 +246,7 @@ def _shm_buffers_of(run: TrainProcess) -> set[str]:
 def test_killed_learner_rank_tears_everything_down_and_exits_nonzero(tmp_path, tiny_model_dir):
     """A learner rank killed mid-run (SIGKILL: a crash, not a hang) ends the run at once on
     the error path: one line saying the run failed and was torn down, exit 1, no process left,
-    and the killed rank's /dev/shm buffers (~70 MB of RAM each, which it could not free
-    itself) removed."""
+    and the killed rank's /dev/shm buffers (RAM, which it could not free itself) removed."""
     run = TrainProcess(tmp_path, "crash", *tiny_args(tiny_model_dir, tmp_path, "crash", 50))
     run.wait_for_step(1)
     buffers = _shm_buffers_of(run)
@@ -265,8 +264,8 @@ def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_check
     """A learner rank frozen mid-run (SIGSTOP: what a stuck collective or a wedged GPU leaves)
     stops the run within its deadline with one line naming the rank and the call, keeps the
     last complete checkpoint and prints the --resume command, exits 1, and tears everything
-    down: no process left (the frozen rank included), and its /dev/shm buffers (~70 MB of RAM
-    each, which it cannot free itself) removed."""
+    down: no process left (the frozen rank included), and its /dev/shm buffers (RAM, which it
+    cannot free itself) removed."""
     run = TrainProcess(tmp_path, "learner", *tiny_args(
         tiny_model_dir, tmp_path, "learner", 50, "checkpoint_every=2", *FAST_DEADLINES))
     run.wait_for_step(3)

@@ -9,8 +9,8 @@ from cluster.tiny.model import init_default_model
 
 
 def test_a_second_build_waits_for_the_first_and_reuses_its_model(tmp_path, monkeypatch, capsys):
-    """Issue #23: builds of one model started together each did the whole work. Now they take
-    turns on a lock and the later one finds the model made."""
+    """Issue #23: builds of one model started together take turns on a lock, and the later one
+    finds the model made instead of doing the whole work again."""
     import threading
 
     calls = []

@@ -34,10 +34,10 @@ def _kl_share(groups, kl_cfg, adv_cfg, off_policy):
 @pytest.mark.parametrize("est,norm", [("rloo", "group"), ("grpo", "group"), ("drgrpo", "none"),
                                       ("reinforce", "none")])
 def test_separate_kl_part_is_exactly_beta_times_the_kl_gradient_for_every_estimator(est, norm, n):
-    """Issue #22, 2: with grpo / drgrpo the KL part used the group mean including the sample
-    ((n-1)/n beta g* on-policy, more off it). Its baseline is now leave-one-out whatever the
-    task estimator: beta g* on-policy, and off-policy with kl.importance prefix, whatever the
-    task part's off-policy handling."""
+    """Issue #22, 2: the KL part's baseline is leave-one-out whatever the task estimator (a
+    group mean including the sample, as grpo / drgrpo take for the task part, would give
+    (n-1)/n beta g* on-policy, more off it): beta g* on-policy, and off-policy with
+    kl.importance prefix, whatever the task part's off-policy handling."""
     adv_cfg = AdvantageConfig(estimator=est, normalize=norm)
     for lag in (0.0, 3.0):
         kl_cfg = KLConfig(estimator="k1", placement="reward", beta=BETA,
@@ -57,9 +57,10 @@ def test_kl_baseline_leaves_the_sample_out():
 
 
 def test_normalized_gives_identical_responses_zero_advantage_and_keeps_the_group_bound():
-    """Issue #22, 1: the per-token return (r - beta R_t) minus a per-sequence baseline, over the
-    sequence-return std, gave identical responses beta x (KL before t) / eps (up to 1.25e4 for
-    four at beta 0.05). Now one sequence-level return, normalised, for every token."""
+    """Issue #22, 1: one sequence-level return, normalised, for every token. The per-token
+    return (r - beta R_t) minus a per-sequence baseline, over the sequence-return std, would
+    give identical responses beta x (KL before t) / eps (up to 1.25e4 for four at beta
+    0.05)."""
     g = torch.Generator().manual_seed(0)
     k = torch.rand(1, 6, generator=g, dtype=torch.float64).repeat(4, 1)
     mask = torch.ones(4, 6, dtype=torch.bool)
@@ -103,7 +104,7 @@ def test_normalized_and_centered_kl_share_on_policy(n):
 
 
 def test_centered_kl_part_goes_through_the_task_terms_off_policy_handling():
-    """Issue #22, 5 (what the README now says where `centered` is chosen): folded into the
+    """Issue #22, 5 (what docs/kl.md says where `centered` is chosen): folded into the
     advantage, the centred KL reward is weighted by tis / clipped by ppo_clip, so off-policy
     the three task_off_policy options give three different KL updates."""
     groups = GROUPS[(3.0, 2)]
@@ -115,8 +116,8 @@ def test_centered_kl_part_goes_through_the_task_terms_off_policy_handling():
 
 
 def test_docs_state_the_measured_variance_of_centered():
-    """Issue #22, 5: "with more variance than reward-to-go" was not what the toy shows. The
-    KL page (docs/kl.md) states the measured comparison; this recomputes it."""
+    """Issue #22, 5: the KL page (docs/kl.md) states how the variance of `centered` compares
+    with the separate KL part's on the toy; this recomputes it."""
     var = kl_part_variance()
     raw_lower = sum(v["centered"] < v["separate"] for v in var)
     scaled_higher = sum(v["centered_scaled"] > v["separate_scaled"] for v in var)
@@ -138,7 +139,7 @@ def _train_config(*overrides):
 
 @pytest.mark.parametrize("est", ["grpo", "drgrpo"])
 def test_group_mean_estimators_refuse_one_sample_per_prompt(est):
-    """Issue #22, 6: the group mean of one sample is the sample: every advantage was 0."""
+    """Issue #22, 6: the group mean of one sample is the sample: every advantage would be 0."""
     norm = "group" if est == "grpo" else "none"
     with pytest.raises(ConfigError, match=f"estimator={est} with rollout.samples_per_prompt=1"):
         _train_config(f"advantage.estimator={est}", f"advantage.normalize={norm}",

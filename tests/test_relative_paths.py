@@ -1,8 +1,8 @@
 """A relative path means the same in every process of a run (issue #35, 3): a Ray actor's
 working directory is the one its cluster started in, not the driver's, so `model.path:
-models/my-model` (docs/own-model.md) was not found by a learner rank on a cluster started
-elsewhere, and taken for a hub name. The driver makes the config's paths absolute once
-(cluster/train/door/paths.py) before anything is sent to Ray.
+models/my-model` (docs/own-model.md) would not be found by a learner rank on a cluster
+started elsewhere, and would be taken for a hub name. The driver makes the config's paths
+absolute once (cluster/train/door/paths.py) before anything is sent to Ray.
 
 Here the session's Ray cluster starts in one directory and the run in another, with its
 model, datasets and output_dir given relative to the latter; an actor shows that its working

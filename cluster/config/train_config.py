@@ -360,11 +360,10 @@ class TrainConfig(_Strict):
         null): every CPU the run reserves, among `parts`. At max_lag 0 generation and training
         alternate, so the parts of each phase share them all. At max_lag >= 1 the phases
         overlap: the workers keep their own reservation (`worker_rollout`), and the learner
-        ranks, whose training costs about twice the generation on CPU, still share every CPU,
-        waiting passively so that the workers get the cores whenever training leaves them
-        (`rank_learner`). Measured on 2 cores (docs/bench.md): the learner on both cores with
-        passive waiting, 16.4 -> 18.8 samples/s at max_lag 2 (random-25M); with OpenMP's
-        default spinning, or the workers on both cores too, no better or slower."""
+        ranks, training being the costlier phase on CPU, still share every CPU, waiting
+        passively so that the workers get the cores whenever training leaves them
+        (`rank_learner`): with OpenMP's default spinning, or with the workers on every core too,
+        the shared cores gain nothing. docs/bench.md has the measurements."""
         return max(1, int(self.reserved_cpus / parts))
 
     @property

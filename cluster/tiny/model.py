@@ -9,7 +9,7 @@ hidden 128 with 4 query heads; 2 KV heads exercise grouped-query attention like 
 Embeddings are untied by default, so `lm_head.weight` is an ordinary parameter of the
 checkpoint (a weight sync must send it either way; see docs/design.md, Weight sync).
 
-The warm start stops after a fixed step budget chosen so the greedy in-domain accuracy lands
+The warm start stops once the greedy accuracy on a validation set reaches TARGET_ACCURACY,
 well inside (10%, 60%): good enough that RL gets a reward signal, far enough from 100% that
 RL has room to improve it.
 
@@ -47,13 +47,13 @@ DEFAULT_SIZE: dict[str, Any] = {
 # cached models built with an older recipe are not reused.
 #
 # Why a target and not a step budget: the supervised accuracy curve of this model is steep and
-# its position depends on floating-point details (thread count, CPU kernels): with a fixed
-# 450-step budget one machine got 30% greedy in-domain, another 11-15%. Training instead stops
-# at the first check where the greedy accuracy on a validation set reaches TARGET_ACCURACY, so
-# every machine starts RL from about the same accuracy (the weights still differ per machine).
+# its position depends on floating-point details (thread count, CPU kernels), so a fixed step
+# budget leaves machines far apart in greedy accuracy. Training instead stops at the first
+# check where the greedy accuracy on a validation set reaches TARGET_ACCURACY, so every
+# machine starts RL from about the same accuracy (the weights still differ per machine).
 RECIPE_VERSION = 3
 TARGET_ACCURACY = 0.45  # greedy, validation set: RL gets a signal on most prompts, room above
-MAX_SFT_STEPS = 3000    # a bound, not a budget: the target is reached after ~500-900 steps
+MAX_SFT_STEPS = 3000    # a bound, not a budget: the target is reached well before it
 CHECK_EVERY = 10        # steps between validation checks (the overshoot is at most this many)
 VALIDATION_PROBLEMS = 500
 VALIDATION_SEED_OFFSET = 7919  # validation problems: seed + this (not the training draw's)

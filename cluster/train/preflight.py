@@ -115,7 +115,7 @@ def check_ray_address(address: str | None) -> None:
 def check_engine_kwargs(engine_kwargs: dict) -> None:
     """Every rollout.engine_kwargs key must be an argument of the installed vLLM's engine
     (`actors.engine.unknown_engine_args`); the keys klrl sets itself are refused earlier, by
-    RolloutConfig. Imports vLLM only when engine_kwargs is set (about 6 s on 2 busy cores)."""
+    RolloutConfig. Imports vLLM (seconds) only when engine_kwargs is set."""
     from actors.engine import unknown_engine_args
 
     if unknown := unknown_engine_args(engine_kwargs):

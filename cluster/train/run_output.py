@@ -1,7 +1,7 @@
 """What a `klrl train` / `klrl demo` run shows: klrl's own lines; everything else to a log file.
 
-A short run used to print about 50 lines of other programs (Ray's notices, wandb's banners,
-vLLM, Triton, NUMA and FutureWarning lines, DeepSpeed warnings) beside some 20 of klrl's.
+Other programs print far more than klrl does (Ray's notices, wandb's banners, vLLM, Triton,
+NUMA and FutureWarning lines, DeepSpeed warnings), which would bury klrl's own lines.
 `quiet_output(log)` sends the process's file descriptors 1 and 2 to LOG, so that whatever any
 library, C extension or child process writes lands there, and puts filters in place of
 `sys.stdout` / `sys.stderr` that copy a line to the terminal as well when it was written by
