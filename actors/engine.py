@@ -212,8 +212,8 @@ def request_params(cfg: RolloutConfig, seed: int, worker_index: int, num_prompts
     (the worker decodes it; `actors.outputs`). with_logprobs=False: the same requests without
     the log-probs, and with vLLM's text (`klrl bench`'s floor: raw vLLM without log-probs)."""
     n = cfg.samples_per_prompt
-    extra = (dict(logprobs=0, flat_logprobs=True, detokenize=detokenize) if with_logprobs
-             else dict(logprobs=None))
+    extra = ({"logprobs": 0, "flat_logprobs": True, "detokenize": detokenize} if with_logprobs
+             else {"logprobs": None})
     return [sample_params(cfg.max_new_tokens, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.vllm_top_k, seed=request_seed(seed, worker_index, i, n),
                           stop=stop, **extra)

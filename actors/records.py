@@ -27,7 +27,7 @@ class Rollout:
 
     problem: Problem
     group_id: int                     # samples of the same prompt in a batch share it
-    prompt_ids: list[int]
+    prompt_ids: list[int]             # one list shared by a prompt's samples: never changed
     response_ids: list[int]
     behaviour_logprobs: list[float]
     policy_version: int
@@ -38,8 +38,8 @@ class Rollout:
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.behaviour_logprobs):
-            raise ValueError(f"rollout {self.problem.uid}: {len(self.response_ids)} response tokens "
-                             f"but {len(self.behaviour_logprobs)} behaviour log-probs")
+            raise ValueError(f"rollout {self.problem.uid}: {len(self.response_ids)} response "
+                             f"tokens but {len(self.behaviour_logprobs)} behaviour log-probs")
         if self.policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
 

@@ -58,7 +58,7 @@ class LearnerGroup:
             raise ValueError(f"learner.lr_schedule={learner_cfg.lr_schedule} needs "
                              "LearnerGroup(..., total_optimizer_steps=N)")
         self.cfg, self.run_id = learner_cfg, run_id
-        self.version = 0
+        self._version = 0  # mirrors every rank's own count (`version`)
         self._wait = wait or (lambda _group, refs, _method: get_all(refs))
         self.broken = False  # a call failed or hung: ranks may be blocked in a collective
         world = learner_cfg.num_ranks
@@ -96,6 +96,13 @@ class LearnerGroup:
     def num_ranks(self) -> int:
         return len(self.ranks)
 
+    @property
+    def version(self) -> int:
+        """The policy version the ranks hold (module docstring). Read-only: each rank keeps
+        its own count and refuses to export under another number, so only what moves the
+        ranks' count moves this one (an applied `train_step`, `load_checkpoint`)."""
+        return self._version
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Train on the global batch (learner.epochs x learner.mini_batches optimizer steps);
         returns merged metrics (learner.loss_metrics: merge_metrics over ranks, then
@@ -111,7 +118,7 @@ class LearnerGroup:
             updates.append(merge_metrics(list(parts)))
         merged = merge_updates(updates, self.cfg.mini_batches)
         if not merged["nonfinite"]:
-            self.version += 1
+            self._version += 1
         return merged
 
     def export_weights(self, transport: str, shm_dir: str | None = None):
@@ -147,8 +154,8 @@ class LearnerGroup:
         """Restore a checkpoint saved by `save_checkpoint`; returns (and sets) the version."""
         versions = {s["version"] for s in self._all("load_checkpoint", str(directory), tag)}
         assert len(versions) == 1, f"ranks restored different versions: {versions}"
-        self.version = versions.pop()
-        return self.version
+        self._version = versions.pop()
+        return self._version
 
     def named_parameters_for_inference(self) -> dict:
         return self._all("named_parameters_for_inference")[0]

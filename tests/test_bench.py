@@ -14,7 +14,8 @@ from cluster.cli.main import main
 pytestmark = pytest.mark.slow
 
 REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag1",
-            "overlap_efficiency_lag2", "rollout_outside_engine_ms_256x64")
+            "overlap_efficiency_lag2", "rollout_outside_engine_ms_256x64",
+            "rollout_floor_ratio", "generation_tokens_per_s", "training_tokens_per_s")
 
 
 def _finite_positive(x) -> bool:
@@ -41,6 +42,9 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
                               "cache_reset", "calls"}, parts
         assert all(v >= 0 for v in parts.values()) and parts["reload"] > 0, parts
         assert sum(parts.values()) == pytest.approx(sync["total_seconds"], rel=0.5), sync
+        gb = sync["num_bytes"] / 1e9  # publish and load apart, per GB
+        assert sync["publish_seconds_per_gb"] == pytest.approx(sync["publish_seconds"] / gb)
+        assert sync["load_seconds_per_gb"] == pytest.approx(sync["load_seconds"] / gb)
     pipeline = head["pipeline"]
     assert [r["max_lag"] for r in pipeline["runs"]] == [0, 1, 2]
     # The bound: the one-core reference run's work spread over the run's 2 cores, and each run
@@ -55,6 +59,13 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert r["of_bound"] == pytest.approx(r["samples_per_s"] / bound), r
     assert _finite_positive(result["of_bound_best_lag"])
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
+    # The floor: raw vLLM without log-probs, beside the raw engine asked what klrl asks.
+    rollout = head["rollout"]
+    assert rollout["floor_ratio"] == pytest.approx(rollout["klrl_seconds"]
+                                                   / rollout["floor_seconds"])
+    assert result["rollout_floor_ratio"] == rollout["floor_ratio"]
+    assert result["generation_tokens_per_s"] == rollout["klrl_tokens_per_s"]
+    assert head["learner"]["floor_seconds"] is None
     # The rollout's cost outside the engine at the fixed shape (cluster/bench/outside.py): every
     # call generated exactly 256 x 64 tokens, and each part of the cost was measured.
     outside = result["outside_engine"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cluster.bench import gpu, report
-from cluster.bench.results import OUTSIDE_KEY, check_result, merge, summary
+from cluster.bench.results import FLOOR_KEY, OUTSIDE_KEY, check_result, merge, summary
 from cluster.cli.main import main
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.options import read_block
@@ -57,10 +57,10 @@ def test_bench_options_that_cannot_run_are_refused_before_anything_starts(capsys
 def test_gpu_workloads_share_one_gpu_and_validate_as_train_configs(monkeypatch):
     """Every workload of the GPU plans validates (nothing starts): learner on CUDA at half a
     GPU, the worker's engine at half a GPU and 0.3 of its memory, float32 on both sides unless
-    asked, a shared-GPU transport (cuda_ipc where this checkout has it); the CPU plans'
-    configs are what they were."""
+    asked (the 0.5B headline: bf16 always), a shared-GPU transport (cuda_ipc where this
+    checkout has it); the CPU plans' configs are what they were."""
     from actors.weight_sync import TRANSPORTS
-    from cluster.bench.run import FULL, QUICK, gpu_plan, workload_config
+    from cluster.bench.run import FULL, QUICK, RANDOM_QWEN05, gpu_plan, workload_config
 
     ipc = "cuda_ipc" in TRANSPORTS
     for dtype, transport in (("float32", None), ("bfloat16", None), ("float32", "shm")):
@@ -76,11 +76,24 @@ def test_gpu_workloads_share_one_gpu_and_validate_as_train_configs(monkeypatch):
                 assert cfg.learner.device_kind == "cuda" and cfg.learner.num_gpus_per_rank == 0.5
                 assert cfg.rollout.num_gpus_per_worker == 0.5
                 assert cfg.rollout.gpu_memory_utilization == 0.3
-                assert cfg.learner.dtype == cfg.worker_rollout.dtype == dtype
+                want = "bfloat16" if w is RANDOM_QWEN05 else dtype
+                assert cfg.learner.dtype == cfg.worker_rollout.dtype == want
                 assert cfg.sync.transport == ("cuda_ipc" if runs_ipc else "shm")
                 assert cfg.model.path == "/models/m"
                 # the end-to-end runs load the same overrides with a max_lag
                 load_train_config(DEMO_CONFIG, [*plan.overrides, *w.overrides, "max_lag=2"])
+    # On a GPU the 0.5B workload replaces the CPU headline (25M: all per-step overhead there):
+    # Qwen2.5-0.5B's shape, 256 samples x 64 new tokens, measured in every part.
+    full = gpu_plan(FULL)
+    assert full.headline == RANDOM_QWEN05.name and RANDOM_QWEN05 in full.workloads
+    assert [w.name for w in full.workloads] == ["demo-1M", "random-100M", RANDOM_QWEN05.name]
+    assert RANDOM_QWEN05.engines and gpu_plan(QUICK).headline == QUICK.headline
+    head = workload_config(RANDOM_QWEN05, "/models/m", full)
+    assert (head.rollout.prompts_per_step * head.rollout.samples_per_prompt,
+            head.rollout.max_new_tokens) == (256, 64)
+    from cluster.bench.run import SIZE_QWEN05
+    assert SIZE_QWEN05 == {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                           "num_key_value_heads": 2, "intermediate_size": 4864}
     out = gpu_plan(FULL).outside
     shape = workload_config(out, "/models/m", gpu_plan(FULL)).rollout
     assert (shape.prompts_per_step * shape.samples_per_prompt, shape.max_new_tokens) == (256, 64)
@@ -102,6 +115,10 @@ def _gpu_parts() -> list[dict]:
     cpu = json.loads(BENCH_JSON.read_text())
     workloads = {n: w for n, w in copy.deepcopy(cpu["workloads"]).items() if "lora" not in n}
     for w in workloads.values():
+        if r := w["rollout"]:  # the floor: raw vLLM without log-probs, made up as 0.8 x raw
+            r["floor_seconds"] = 0.8 * r["raw_seconds"]
+            r |= {"floor_tokens_per_s": r["tokens"] / r["floor_seconds"],
+                  "floor_ratio": r["klrl_seconds"] / r["floor_seconds"]}
         if w["pipeline"]:
             p = w["pipeline"]
             runs = {r["max_lag"]: r for r in p["runs"]}
@@ -154,6 +171,11 @@ def test_parts_merge_into_one_json_and_the_check_follows_the_parts():
     assert head["rollout"] and head["learner"] and head["weight_sync"] and head["pipeline"]
     assert head["parameters"] > 0  # a part that did not count them kept the count
     assert merged[OUTSIDE_KEY] == 15.0 and merged["gpu_tests"]["passed"] == 5
+    # the headline's rollout against raw vLLM without log-probs, and its tokens/s
+    assert merged[FLOOR_KEY] == head["rollout"]["floor_ratio"] == pytest.approx(
+        head["rollout"]["klrl_seconds"] / (0.8 * head["rollout"]["raw_seconds"]))
+    assert merged["generation_tokens_per_s"] == head["rollout"]["klrl_tokens_per_s"]
+    assert merged["training_tokens_per_s"] == head["learner"]["klrl_tokens_per_s"]
     assert merged["d2d_gb_per_s"] == 1480.0 and list(merged)[-1] == "finished_at"
     assert set(merged["weight_sync_seconds"]) == {"shm", "object_store"}
     assert "overlap_efficiency_lag2" in merged and "overlap_efficiency_lag1" not in merged
@@ -176,8 +198,8 @@ def test_parts_merge_into_one_json_and_the_check_follows_the_parts():
 
 def test_the_committed_cpu_json_passes_the_check_of_its_parts():
     """docs/figures/bench.json (no `parts`: the CPU ones) holds every required figure, but
-    the 256 x 64 workload's where it predates that workload."""
-    assert set(check_result(json.loads(BENCH_JSON.read_text()))) <= {OUTSIDE_KEY}
+    the 256 x 64 workload's and the floor's where it predates them."""
+    assert set(check_result(json.loads(BENCH_JSON.read_text()))) <= {OUTSIDE_KEY, FLOOR_KEY}
 
 
 def test_junit_report_counts_and_skip_reasons(tmp_path):
@@ -208,12 +230,16 @@ def test_a_gpu_json_renders_its_own_tables_into_its_own_block(tmp_path):
             ("`klrl bench --device cuda` on NVIDIA H100 80GB HBM3 (driver 580.65.06, "
              "CUDA 13.0)"), "vLLM 0.26.0", "device-to-device copy 1480 GB/s",
             "| device-to-device copy bound s |", "**The rollout's cost outside the engine**",
+            "| outside engine, ms per call | raw without log-probs tok/s | x floor |",
+            "| publish s/GB | load s/GB |",
             "| demo-1M | 16384 | 180 | 165 | **15.0** | **11.0** | 1.5 | 4.0 | 6.0 | 3.5 |",
             "on one GPU)", "Reference (the max_lag 0 run, learner and worker sharing the GPU)",
             "**GPU tests** (`python -m pytest -q -m gpu -rs`): 5 passed, 1 skipped, 0 failed",
             "- skipped: tests.test_weight_sync::test_nccl_sync_gpu: nccl weight sync needs"):
         assert expected in text, expected
     assert "One-core reference" not in text and "| random-25M | 1 |" not in text
+    learner_row = next(line for line in text.splitlines() if line.startswith("| learner, "))
+    assert learner_row.endswith(" | - | - |")  # no floor for the learner
     # one part alone renders what it has
     alone = report.markdown(sync)
     assert "**Weight sync**" in alone

@@ -15,10 +15,11 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-from actors.config import RolloutConfig, SyncConfig
-from actors.evaluate import EvalReport
-from actors.rollout_worker import RolloutWorker
-from rewards.config import EvalConfig, EvalSet, TaskConfig
+# After the skips: actors.rollout_worker imports vLLM.
+from actors.config import RolloutConfig, SyncConfig  # noqa: E402
+from actors.evaluate import EvalReport  # noqa: E402
+from actors.rollout_worker import RolloutWorker  # noqa: E402
+from rewards.config import EvalConfig, EvalSet, TaskConfig  # noqa: E402
 
 TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 N = 4  # samples per prompt

@@ -2,7 +2,9 @@
 
 - Rollout: `RolloutWorker.generate` called through Ray (scoring, Rollout records and the Ray
   round trip included) against `vllm.LLM.generate` called directly in one fresh process, on
-  the same prompts with the same SamplingParams (same seeds, so the very same tokens).
+  the same prompts with the same SamplingParams (same seeds, so the very same tokens); and
+  against the floor, the same requests in that process without log-probs (vLLM making the
+  text, as for any user who wants no log-probs), timed in turn with the raw calls.
 - Learner: `LearnerGroup.train_step` (batch sharding, Ray transfer, metrics merge included)
   against a bare DeepSpeed step in one fresh process: the same model, DeepSpeed config,
   optimizer, clipping and loss (`learner.loss.policy_loss`) on the same batch.
@@ -49,6 +51,9 @@ class Overhead:
     klrl_seconds: float       # median seconds per repetition through the klrl actor
     engine_seconds: float     # the part of klrl_seconds the actor spent inside the engine
     reps: int
+    # Rollout: median seconds per repetition of the raw engine without log-probs, scaled to
+    # `tokens` (the floor); None for the learner.
+    floor_seconds: float | None = None
 
     @property
     def raw_tokens_per_s(self) -> float:
@@ -64,16 +69,25 @@ class Overhead:
         return self.klrl_seconds / self.raw_seconds
 
     @property
+    def floor_ratio(self) -> float | None:
+        """Floor throughput / klrl throughput: what klrl's rollout costs against raw vLLM
+        asked for no log-probs (1.0: the sampled tokens' log-probs and klrl are free)."""
+        return None if self.floor_seconds is None else self.klrl_seconds / self.floor_seconds
+
+    @property
     def outside_engine_ms(self) -> float:
         """Milliseconds per call outside the engine (rollout: building requests, converting
         outputs, scoring, the records' trip through Ray; learner: batching and the calls)."""
         return (self.klrl_seconds - self.engine_seconds) * 1e3
 
     def to_dict(self) -> dict[str, Any]:
+        floor = {} if self.floor_seconds is None else {
+            "floor_tokens_per_s": self.tokens / self.floor_seconds,
+            "floor_ratio": self.floor_ratio}
         return asdict(self) | {"raw_tokens_per_s": self.raw_tokens_per_s,
                                "klrl_tokens_per_s": self.klrl_tokens_per_s,
                                "overhead_ratio": self.overhead_ratio,
-                               "outside_engine_ms": self.outside_engine_ms}
+                               "outside_engine_ms": self.outside_engine_ms} | floor
 
 
 # --------------------------------------------------------------------------- rollout
@@ -82,13 +96,15 @@ class Overhead:
 def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, list]:
     """Rollout overhead of `worker` (a started RolloutWorker actor built from TrainConfig
     `cfg`) on `problems`; also returns the rollouts of the last repetition (the learner's
-    batch). Repetition r uses seed r in both, so both generate the same tokens."""
+    batch). Repetition r uses seed r in both, so both generate the same tokens. The floor
+    (raw vLLM without log-probs) is timed per token: asked for no log-probs, a GPU engine may
+    take another sampling kernel and so other tokens."""
     import ray
 
     group_ids = list(range(len(problems)))
     spec = {"model_dir": str(cfg.model.path),
             "rollout": cfg.worker_rollout.model_dump(mode="json"), "seed": cfg.seed,
-            "prompts": [p.prompt for p in problems], "reps": reps}
+            "prompts": [p.prompt for p in problems], "stop": list(cfg.task.stop), "reps": reps}
     raw = _run_baseline("raw-vllm", spec)
     klrl_s, engine_s, tokens, rollouts = [], [], [], []
     for r in range(WARMUP_REPS + reps):
@@ -109,36 +125,49 @@ def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, l
         print(f"[bench] note: raw vLLM generated {raw['tokens']} tokens, the worker {tokens}; "
               "raw times scaled to the worker's tokens", flush=True)
         raw_s = [s * k / r for s, k, r in zip(raw_s, tokens, raw["tokens"])]
+    floor_s = [s * k / f for s, k, f in zip(raw["floor_seconds"], tokens, raw["floor_tokens"])]
     return Overhead("rollout", tokens[-1], statistics.median(raw_s),
-                    statistics.median(klrl_s), statistics.median(engine_s), reps), rollouts
+                    statistics.median(klrl_s), statistics.median(engine_s), reps,
+                    statistics.median(floor_s)), rollouts
 
 
 def _raw_vllm(spec: dict) -> dict:
     """Baseline: vLLM alone in this process, configured as RolloutWorker configures it (its
-    engine settings, less the weight-reload extension klrl adds)."""
+    engine settings, less the weight-reload extension klrl adds) and asked what the worker
+    asks (`RolloutWorker._request_params`); and the floor, the same requests without
+    log-probs. Each repetition times both, in alternating order."""
     from actors.config import RolloutConfig, SyncConfig
 
     cfg = RolloutConfig(**spec["rollout"])
     from actors.engine import make_llm, request_params, shutdown_llm
+    from actors.outputs import decodes_texts_itself
     from actors.rollout_worker import configure_engine_process, engine_options
 
     configure_engine_process(cfg)  # what RolloutWorker does before its engine starts
     options = engine_options(cfg, SyncConfig(), spec["seed"])
     options.pop("worker_extension_cls")
     llm = make_llm(spec["model_dir"], **options)
-    prompts = spec["prompts"]
-    seconds, tokens = [], []
+    prompts, stop = spec["prompts"], spec["stop"]
+    detokenize = not decodes_texts_itself(llm.get_tokenizer(), stop)
+    times: dict[str, list] = {"seconds": [], "tokens": [], "floor_seconds": [], "floor_tokens": []}
+
+    def timed(r: int, floor: bool) -> None:
+        params = request_params(cfg, r, WORKER_INDEX, len(prompts), stop, detokenize=detokenize,
+                                with_logprobs=not floor)
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if r >= WARMUP_REPS:
+            times["floor_seconds" if floor else "seconds"].append(time.perf_counter() - t0)
+            times["floor_tokens" if floor else "tokens"].append(
+                sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
     try:
         for r in range(WARMUP_REPS + spec["reps"]):
-            params = request_params(cfg, r, WORKER_INDEX, len(prompts))
-            t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            if r >= WARMUP_REPS:
-                seconds.append(time.perf_counter() - t0)
-                tokens.append(sum(len(c.token_ids) for o in outputs for c in o.outputs))
+            for floor in (r % 2 == 1, r % 2 == 0):
+                timed(r, floor)
     finally:
         shutdown_llm(llm)
-    return {"seconds": seconds, "tokens": tokens}
+    return times
 
 
 # --------------------------------------------------------------------------- learner

@@ -181,7 +181,8 @@ def _wait_reporting(child: subprocess.Popen, log_path: Path, workload: str,
             if time.monotonic() - start > deadline_s:
                 child.kill()
                 child.wait()
-                raise TimeoutError(f"TRL run {workload} took over {deadline_s:g} s (log {log_path})")
+                raise TimeoutError(f"TRL run {workload} took over {deadline_s:g} s "
+                                   f"(log {log_path})")
             lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
                      if ln.startswith(PROGRESS)]
             print(f"[bench] {workload}: TRL {lines[-1][len(PROGRESS):] if lines else 'starting'} "

@@ -22,19 +22,32 @@ def markdown(result: dict[str, Any]) -> str:
     tests. Tables without rows (parts not run) are left out."""
     cuda = result.get("device") == "cuda"
     lines = [_gpu_machine_line(result) if cuda else _machine_line(result)]
+    overheads = [(name, o) for name, w in result["workloads"].items()
+                 for o in (w.get("rollout"), w.get("learner")) if o]
+    # JSONs written before the floor was measured render without its columns.
+    floor = any(o.get("floor_ratio") for _, o in overheads)
     rows = []
-    for name, w in result["workloads"].items():
-        for o in (w.get("rollout"), w.get("learner")):
-            if o:
-                rows.append(f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
-                            f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
-                            f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
-                            f"| {o['outside_engine_ms']:.0f} |")
+    for name, o in overheads:
+        row = (f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
+               f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
+               f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
+               f"| {o['outside_engine_ms']:.0f} |")
+        if floor:
+            row += (f" {o['floor_tokens_per_s']:.0f} | **{o['floor_ratio']:.2f}** |"
+                    if o.get("floor_ratio") else " - | - |")
+        rows.append(row)
     if rows:
-        lines += ["", ("**Engine overheads** (ratio = raw throughput / klrl throughput; 1 = no "
-                       "overhead)"), "",
-                  ("| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
-                   "| outside engine, ms per call |"), "|---|---|---|---|---|---|---|", *rows]
+        head = ("| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
+                "| outside engine, ms per call |")
+        rule = "|---|---|---|---|---|---|---|"
+        title = ("**Engine overheads** (ratio = raw throughput / klrl throughput; 1 = no "
+                 "overhead")
+        if floor:
+            head += " raw without log-probs tok/s | x floor |"
+            rule += "---|---|"
+            title += ("; x floor = raw vLLM asked for no log-probs / klrl: the floor the "
+                      "rollout's log-probs are measured against")
+        lines += ["", title + ")", "", head, rule, *rows]
     if result.get("outside_engine"):
         lines += _outside_table(result["outside_engine"])
     lines += _later_tables(result)
@@ -109,16 +122,19 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
                     "parameters)")
         for s in w.get("weight_sync") or []:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in s["parts"].items())
+            gb = s["num_bytes"] / 1e9
             rows.append(f"| {name} | {s['transport']} | {s['num_bytes'] / 1e6:.1f} "
                         f"| {s['publish_seconds']:.3f} | {s['load_seconds']:.3f} "
+                        f"| {s['publish_seconds'] / gb:.3f} | {s['load_seconds'] / gb:.3f} "
                         f"| {s['total_seconds']:.3f} | {s['bound_seconds']:.4f} "
                         f"| **{s['ratio_to_bound']:.1f}** | {parts} |")
     if rows:
         copy = "device-to-device copy" if result.get("device") == "cuda" else "one-copy"
-        lines += ["", "**Weight sync** (learner export -> worker serving the new weights)", "",
-                  ("| weight sync (median) | transport | MB | publish s | load s | total s "
-                   f"| {copy} bound s | x bound | where it goes (ms) |"),
-                  "|---|---|---|---|---|---|---|---|---|", *rows]
+        lines += ["", ("**Weight sync** (learner export -> worker serving the new weights; "
+                       "per GB: seconds per 10^9 bytes sent)"), "",
+                  ("| weight sync (median) | transport | MB | publish s | load s | publish s/GB "
+                   f"| load s/GB | total s | {copy} bound s | x bound | where it goes (ms) |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
     memory = {name: w["learner_memory"] for name, w in result["workloads"].items()
               if w.get("learner_memory")}  # absent from JSONs written before it was measured
     if memory:

@@ -24,8 +24,14 @@ PARTS = ("engines", "sync", "e2e", "tests")
 OUTSIDE_KEY = "rollout_outside_engine_ms_256x64"
 OUTSIDE_UNSCORED_KEY = "rollout_outside_engine_unscored_ms_256x64"  # the same, scoring left out
 CPU_PARTS = ("engines", "sync", "e2e")  # `klrl bench` without --only (CUDA: PARTS)
+# The headline workload's throughput through klrl: tokens generated (rollout) and trained on
+# (learner, prompt + response) per second; and its rollout against raw vLLM asked for no
+# log-probs (cluster/bench/engines.py, the floor).
+THROUGHPUT_KEYS = {"rollout": "generation_tokens_per_s", "learner": "training_tokens_per_s"}
+FLOOR_KEY = "rollout_floor_ratio"
 _SUMMARY = {"rollout_overhead_ratio", "learner_overhead_ratio", "of_bound_best_lag",
-            "weight_sync_seconds", OUTSIDE_KEY, OUTSIDE_UNSCORED_KEY}
+            "weight_sync_seconds", OUTSIDE_KEY, OUTSIDE_UNSCORED_KEY, FLOOR_KEY,
+            *THROUGHPUT_KEYS.values()}
 
 
 def default_parts(device: str) -> tuple[str, ...]:
@@ -33,14 +39,20 @@ def default_parts(device: str) -> tuple[str, ...]:
 
 
 def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> dict[str, Any]:
-    """The top-level figures: the headline workload's overhead ratios, its end-to-end
-    figures per max_lag, every weight sync's total seconds {transport: {workload: s}}, and the
-    fixed-shape rollout's outside-engine ms; each only where it was measured."""
+    """The top-level figures: the headline workload's overhead ratios, its rollout against
+    the floor, its generation and training tokens/s, its end-to-end figures per max_lag, every
+    weight sync's total seconds {transport: {workload: s}}, and the fixed-shape rollout's
+    outside-engine ms; each only where it was measured."""
     out: dict[str, Any] = {}
     head = workloads.get(headline) or {}
     for part in ("rollout", "learner"):
         if head.get(part):
             out[f"{part}_overhead_ratio"] = head[part]["overhead_ratio"]
+    if (head.get("rollout") or {}).get("floor_ratio"):
+        out[FLOOR_KEY] = head["rollout"]["floor_ratio"]
+    for part, key in THROUGHPUT_KEYS.items():
+        if head.get(part):
+            out[key] = head[part]["klrl_tokens_per_s"]
     if p := head.get("pipeline"):
         runs = {r["max_lag"]: r for r in p["runs"]}
         out["of_bound_best_lag"] = runs[p["best_lag"]]["of_bound"]
@@ -89,7 +101,7 @@ def check_result(result: dict[str, Any]) -> list[str]:
     parts = result.get("parts") or dict.fromkeys(CPU_PARTS)
     required = []
     if "engines" in parts:
-        required += ["rollout_overhead_ratio", "learner_overhead_ratio", OUTSIDE_KEY]
+        required += ["rollout_overhead_ratio", "learner_overhead_ratio", FLOOR_KEY, OUTSIDE_KEY]
     if "e2e" in parts:
         head = (result.get("workloads") or {}).get(result.get("headline_workload")) or {}
         runs = (head.get("pipeline") or {}).get("runs") or []

@@ -55,6 +55,9 @@ SIZE_25M = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 
             "num_attention_heads": 8, "num_key_value_heads": 4}     # 23.9M parameters
 SIZE_100M = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
              "num_attention_heads": 12, "num_key_value_heads": 4}   # 104M parameters
+# Qwen2.5-0.5B's shape (its vocabulary aside: byte-level here, so 358M parameters, not 494M).
+SIZE_QWEN05 = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+               "num_attention_heads": 14, "num_key_value_heads": 2}
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class BenchPlan:
     transports: tuple[str, ...] = CPU_TRANSPORTS  # measured weight-sync transports
     lags: tuple[int, ...] = (0, 1, 2)  # end to end
     one_core_reference: bool = True    # CPU: the one-core reference run (pipeline.py)
+    # On CUDA (`gpu_plan`), the workload that replaces the headline: one a GPU is sized for.
+    gpu_headline: Workload | None = None
 
 
 # The headline shape: 8 prompts x 4 samples of 32 new tokens (also `klrl bench --peer`'s).
@@ -97,6 +102,13 @@ RANDOM_25M = Workload("random-25M", SIZE_25M, ("rollout.max_new_tokens=32",
                                                "rollout.samples_per_prompt=4"))
 
 LORA = "learner.lora.rank=8"  # the sync-only LoRA workloads: the adapter instead of the model
+
+# The GPU headline: a model of the size people train, bf16 learner and engine (whatever
+# --dtype says), 32 prompts x 8 samples of 64 new tokens; micro-batches of 64 sequences bound
+# the learner's activations on a GPU shared with the engine.
+RANDOM_QWEN05 = Workload("random-qwen0.5B", SIZE_QWEN05, (
+    "rollout.prompts_per_step=32", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=64",
+    "learner.dtype=bfloat16", "learner.micro_batch_size=64"))
 
 FULL = BenchPlan(
     workloads=(
@@ -108,7 +120,7 @@ FULL = BenchPlan(
                  engines=False),
     ),
     headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6,
-    outside=Workload("demo-1M", "demo", SHAPE), outside_reps=3)
+    outside=Workload("demo-1M", "demo", SHAPE), outside_reps=3, gpu_headline=RANDOM_QWEN05)
 
 _TINY = ("rollout.max_new_tokens=8", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4")
 QUICK = BenchPlan(
@@ -121,13 +133,19 @@ QUICK = BenchPlan(
 def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = None) -> BenchPlan:
     """`plan` on one GPU shared by the learner rank and the rollout worker (cluster/bench/gpu.py),
     syncing with `transport` (default: cuda_ipc where it exists, else shm): its workloads but
-    the LoRA ones (neither cuda_ipc nor vLLM's GPU LoRA path measured yet), the transports that
-    work on a shared GPU, end to end at max_lag 0 and 2 with the max_lag 0 run as the reference
-    (pipeline.py)."""
+    the LoRA ones (neither cuda_ipc nor vLLM's GPU LoRA path measured yet), with its
+    `gpu_headline` in place of its headline (a CPU's headline is all per-step overhead on a
+    GPU), the transports that work on a shared GPU, end to end at max_lag 0 and 2 with the
+    max_lag 0 run as the reference (pipeline.py)."""
     transport = transport or gpu.run_transport()
+    workloads = [w for w in plan.workloads if LORA not in w.overrides]
+    headline = plan.headline
+    if plan.gpu_headline is not None:
+        workloads = [w for w in workloads if w.name != plan.headline] + [plan.gpu_headline]
+        headline = plan.gpu_headline.name
     return dataclasses.replace(
-        plan, workloads=tuple(w for w in plan.workloads if LORA not in w.overrides),
-        device="cuda", overrides=gpu.gpu_overrides(dtype, transport),
+        plan, workloads=tuple(workloads), headline=headline, device="cuda",
+        overrides=gpu.gpu_overrides(dtype, transport),
         transports=gpu.measured_transports(transport), lags=gpu.GPU_LAGS,
         one_core_reference=False)
 
@@ -255,20 +273,25 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
         ray.get(worker.version.remote())
         # As a run's start-up does (GPU: cuda_ipc readies the worker's IPC weight transfer).
         transport(cfg.sync.transport).connect(group, [worker], get_all)
+        problems = _problems(cfg)
         if engines:
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
-            problems = _problems(cfg)
             result.rollout, rollouts = measure_rollout(worker, cfg, problems, plan.engine_reps)
             result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts),
                                              plan.engine_reps)
+        else:
+            rollouts = ray.get(worker.generate.remote(problems, list(range(len(problems))),
+                                                      0)).rollouts
         if bound is not None:
             print(f"[bench] {w.name}: weight sync", flush=True)
+            # Each sync follows an optimizer step: on one prompt's samples, which costs
+            # little and moves the version as any step does (cluster/bench/sync.py).
+            one_group = _train_batch(cfg, rollouts[:cfg.rollout.samples_per_prompt])
             result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps,
-                                        bound, plan.transports)
-        if result.learner is None:  # no step so far: one, so the optimizer state exists
-            problems = _problems(cfg)
-            generated = ray.get(worker.generate.remote(problems, list(range(len(problems))), 0))
-            group.train_step(_train_batch(cfg, generated.rollouts))
+                                        bound, lambda: group.train_step(one_group),
+                                        plan.transports)
+        if result.learner is None:  # no step on the whole batch so far: its memory
+            group.train_step(_train_batch(cfg, rollouts))
         result.memory = group.memory()[0]
     finally:
         try:

@@ -3,9 +3,12 @@
 One sync is what the controller does after an optimizer step: `LearnerGroup.export_weights`
 (gather the HF-named tensors, serialise them into the transport) and then every worker's
 `RolloutWorker.load_weights` (fetch, reload into the live vLLM engine), timed from the
-driver until the worker answers. The bound is one copy of the bytes: on CPU at the measured
-memcpy speed of one core (each actor has one), on CUDA a device-to-device copy of the same
-bytes (cluster/bench/gpu.py): no sync can move the weights faster than that.
+driver until the worker answers. Each sync here follows an optimizer step too (not timed), so
+that it sends a new policy version, as in a run: a transport that hands out again what it sent
+of a version already sent (cuda_ipc's snapshot) copies the weights each time. The bound is one
+copy of the bytes: on CPU at the measured memcpy speed of one core (each actor has one), on
+CUDA a device-to-device copy of the same bytes (cluster/bench/gpu.py): no sync can move the
+weights faster than that.
 
 Where the time goes (`parts`, medians): the learner's "gather" and "serialise_write"
 (`WeightUpdate.seconds`), the worker's "fetch", "read", "reload" (vLLM's copy into its
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from actors.weight_sync import TRANSPORTS, transport
+from actors.weight_sync import TRANSPORTS
 
 # The transports measured on CPU: those that need no GPU (the registry's own order).
 CPU_TRANSPORTS = tuple(name for name, t in TRANSPORTS.items() if not t.needs_gpu)
@@ -45,7 +48,10 @@ class SyncLatency:
         return self.total_seconds / self.bound_seconds
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"ratio_to_bound": self.ratio_to_bound}
+        gb = self.num_bytes / 1e9
+        return asdict(self) | {"ratio_to_bound": self.ratio_to_bound,
+                               "publish_seconds_per_gb": self.publish_seconds / gb,
+                               "load_seconds_per_gb": self.load_seconds / gb}
 
 
 def memcpy_bytes_per_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> float:
@@ -69,27 +75,32 @@ def memcpy_bytes_per_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> float:
 
 
 def measure_sync(group, worker, model: str, shm_dir: str, reps: int,
-                 bound_seconds: Callable[[int], float],
+                 bound_seconds: Callable[[int], float], step: Callable[[], Any],
                  transports: tuple[str, ...] = CPU_TRANSPORTS) -> list[SyncLatency]:
     """Sync latency of the learner `group` to the rollout `worker` for each transport
-    (median of `reps` after one warm-up), against `bound_seconds(num_bytes)`."""
+    (median of `reps` after one warm-up), against `bound_seconds(num_bytes)`. Before each
+    sync `step()` takes one optimizer step of `group` (`LearnerGroup.train_step`): the sync
+    sends that new version, and the worker must answer that it holds it (else RuntimeError,
+    as for a step that was refused)."""
     import ray
 
     out = []
     for name in transports:
         publish, load, total, parts, num_bytes = [], [], [], [], 0
-        # A transport that hands out again what it sent of a version already sent (cuda_ipc:
-        # its GPU snapshot) gets a new version number for each sync, so that each copies the
-        # weights as the sync after an optimizer step does.
-        new_version_each_sync = transport(name).reuses_a_version
         for r in range(reps + 1):
-            if new_version_each_sync:
-                group.version += 1  # the same weights under a new version: a fresh snapshot
+            before = group.version
+            step()
+            if group.version != before + 1:
+                raise RuntimeError(f"{model}: the optimizer step before {name} sync {r} was "
+                                   f"refused (the learner still holds version {before})")
             t0 = time.perf_counter()
             update = group.export_weights(name, shm_dir)
             t1 = time.perf_counter()
-            ray.get(worker.load_weights.remote(update))
+            held = ray.get(worker.load_weights.remote(update))
             t2 = time.perf_counter()
+            if not update.version == held == group.version:
+                raise RuntimeError(f"{model}: {name} sync {r} sent version {update.version}, "
+                                   f"the worker holds {held}, the learner {group.version}")
             if r:
                 publish.append(t1 - t0)
                 load.append(t2 - t1)

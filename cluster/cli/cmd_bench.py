@@ -133,7 +133,8 @@ def register(subparsers) -> None:
                               "weight-sync latency and async overlap efficiency; --peer trl: "
                               "against TRL's GRPOTrainer",
                               description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON here")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write every figure as JSON here")
     p.add_argument("--docs", default=None, metavar="PAGE", help="also rewrite the figures block "
                    "of this docs page (docs/bench.md) from this run: <!-- bench:figures -->; "
                    "with --peer, <!-- bench:peers -->; with --device cuda, <!-- bench:gpu -->")
