@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# learner.task_off_policy's names; learner.loss.TASK_TERMS holds what each one computes.
+TaskOffPolicy = Literal["none", "tis", "ppo_clip"]
+
 
 class LoraSpec(BaseModel):
     """learner.lora: train low-rank adapters (PEFT LoRA) on the frozen policy base instead of
@@ -91,7 +94,7 @@ class LearnerConfig(BaseModel):
     mini_batches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass: each "
                               "rank's shard is cut into this many mini-batches of whole prompt "
                               "groups (prompts per rank must be divisible by it).")
-    task_off_policy: Literal["none", "tis", "ppo_clip"] = Field(
+    task_off_policy: TaskOffPolicy = Field(
         "tis", description="Off-policy handling of the task policy-gradient term against the "
         "behaviour (sampler) log-probs: none (-A logp), tis (truncated per-token importance "
         "weight min(rho, tis_cap), detached) or ppo_clip (PPO clipped ratio objective). "

@@ -47,6 +47,7 @@ from learner.exact import (
     folded_advantages,
     per_group_grads,
 )
+from learner.loss import TASK_OFF_POLICIES
 
 TOLERANCE = 1e-9  # float64 enumeration: claimed cells differ by rounding only
 KL_MODES = [  # (name, kl_in_advantage, placement, estimator, truncate)
@@ -62,7 +63,6 @@ KL_MODES = [  # (name, kl_in_advantage, placement, estimator, truncate)
 # KL's share of the update is lost in float64 under a task part that large.
 ADVANTAGES = [("rloo", "none"), ("rloo", "group"), ("grpo", "group"), ("drgrpo", "none"),
               ("reinforce", "none")]
-TASK_OFF_POLICY = ("none", "tis", "ppo_clip")
 
 
 def task_reward(space: T.SequenceSpace) -> torch.Tensor:
@@ -117,7 +117,7 @@ def compute_trainer_rows(cfg: TrainerTableConfig) -> dict:
             with_adv = {lag: g.with_task_advantages(adv_cfg) for lag, g in groups.items()}
             base = {(lag, o): expected_grad(g, KLConfig(beta=0.0), adv_cfg,
                                             LearnerConfig(task_off_policy=o))
-                    for lag, g in with_adv.items() for o in TASK_OFF_POLICY}
+                    for lag, g in with_adv.items() for o in TASK_OFF_POLICIES}
             for mode in KL_MODES:
                 rows.append(_row(cfg, mode, est, norm, n, with_adv, base, refs, adv_cfg))
     num_sequences = int(next(iter(toys.values())).space.tokens.shape[0])
@@ -132,7 +132,7 @@ def _row(cfg, mode, est, norm, n, with_adv: dict[float, Groups], base, refs, adv
             continue  # a cap C >= 1 is inert on-policy: the uncapped row says it
         kl_cfg = _kl_cfg(mode, lag, cfg.beta, cfg.truncate)
         target, exact = documented(mode, est, norm, n, lag, cfg.beta, refs, g.toy, cfg.truncate)
-        for o in TASK_OFF_POLICY:
+        for o in TASK_OFF_POLICIES:
             d = expected_grad(g, kl_cfg, adv_cfg, LearnerConfig(task_off_policy=o)) - base[(lag, o)]
             err = relative_error(d, target)
             cells.append({"lag": lag, "task_off_policy": o, "rel_error": err, "exact": exact,

@@ -6,7 +6,8 @@ response token t of sequence i, logp_t (current policy, live), mu_t (behaviour =
 log-prob), rho_t = exp(logp_t - mu_t), A_i the task advantage from the controller (computed
 globally with kl.compute_advantages), sg() stop-gradient, N = num_sequences_global.
 
-Task term (learner.task_off_policy), summed over response tokens, divided by N:
+Task term (learner.task_off_policy, one TASK_TERMS entry each), summed over response tokens,
+divided by N:
     none      -A_i * logp_t
     tis       -sg(min(rho_t, tis_cap)) * A_i * logp_t
     ppo_clip  -min(rho_t A_i, clip(rho_t, 1-eps, 1+eps) A_i)        (rho_t live)
@@ -57,6 +58,7 @@ same N, has losses (and gradients) that add up to the whole batch's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +66,10 @@ import torch
 import kl
 from kl.advantage import ADVANTAGE_ESTIMATORS
 from kl.config import AdvantageConfig, KLConfig, check_compatible
+from kl.registry import literal_names, lookup
 from kl.surrogate import PLACEMENT_FORMS
 from learner.batch import TrainBatch
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, TaskOffPolicy
 from learner.loss_metrics import step_metrics
 
 
@@ -113,27 +116,65 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
 
 
-def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
-    """Per-token task loss [B, L] (0 off-response) and its clipping statistic."""
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    if cfg.task_off_policy == "none":
-        return torch.where(mask, -adv * lp, zero), None
+@dataclass(frozen=True)
+class TaskTerm:
+    """One learner.task_off_policy: the task policy-gradient term against the behaviour
+    (sampler) log-probs mu (the formulas are in the module docstring).
+
+    tokens: (lp, mu, adv, mask, cfg) -> the per-token loss [B, L] (its masked positions are
+        zeroed by the caller) and the mask of tokens whose ratio was clipped (None: it clips
+        nothing).
+    uses_ratio: it forms the ratios pi/mu, so they must be importance ratios (no truncated
+        sampling: cluster.config.train_config refuses top_k / top_p with it).
+    """
+
+    tokens: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    uses_ratio: bool
+
+
+def _log_ratio(lp, mu, mask) -> torch.Tensor:
     # Log-ratios in float64: exp() of a float32 log-ratio overflows above ~88 (inf * 0 = NaN
     # in backward even on a clipped branch).
-    log_rho = torch.where(mask, lp.double() - mu.double(), 0.0)
-    if cfg.task_off_policy == "tis":
-        log_cap = math.log(cfg.tis_cap)
-        w = torch.exp(log_rho.detach().clamp(max=log_cap)).to(lp.dtype)
-        clipped = (log_rho.detach() > log_cap) & mask
-        return torch.where(mask, -w * adv * lp, zero), clipped
-    # ppo_clip
-    rho = torch.exp(log_rho)
+    return torch.where(mask, lp.double() - mu.double(), 0.0)
+
+
+def _plain_tokens(lp, mu, adv, mask, cfg: LearnerConfig):
+    return -adv * lp, None
+
+
+def _tis_tokens(lp, mu, adv, mask, cfg: LearnerConfig):
+    log_rho = _log_ratio(lp, mu, mask).detach()
+    log_cap = math.log(cfg.tis_cap)
+    w = torch.exp(log_rho.clamp(max=log_cap)).to(lp.dtype)
+    return -w * adv * lp, (log_rho > log_cap) & mask
+
+
+def _ppo_clip_tokens(lp, mu, adv, mask, cfg: LearnerConfig):
+    rho = torch.exp(_log_ratio(lp, mu, mask))
     a = adv.double()
     eps = cfg.ppo_clip_eps
     unclipped, clipped_obj = rho * a, rho.clamp(1 - eps, 1 + eps) * a
     obj = torch.minimum(unclipped, clipped_obj)
     clipped = (clipped_obj < unclipped) & mask  # the clipped (zero-gradient) branch was taken
-    return torch.where(mask, -obj.to(lp.dtype), zero), clipped
+    return -obj.to(lp.dtype), clipped
+
+
+TASK_TERMS: dict[str, TaskTerm] = {
+    "none": TaskTerm(_plain_tokens, uses_ratio=False),
+    "tis": TaskTerm(_tis_tokens, uses_ratio=True),
+    "ppo_clip": TaskTerm(_ppo_clip_tokens, uses_ratio=True),
+}
+TASK_OFF_POLICIES: tuple[str, ...] = literal_names(
+    TaskOffPolicy, TASK_TERMS, table_name="learner.loss.TASK_TERMS",
+    literal_name="TaskOffPolicy", kind="task off-policy handlings")
+
+
+def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
+    """Per-token task loss [B, L] (0 off-response) and its clipping statistic."""
+    term = lookup(TASK_TERMS, cfg.task_off_policy, "learner.task_off_policy")
+    tokens, clipped = term.tokens(lp, mu, adv, mask, cfg)
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    return torch.where(mask, tokens, zero), clipped
 
 
 @dataclass(frozen=True)

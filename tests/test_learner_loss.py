@@ -380,6 +380,24 @@ def test_learner_config_bounds():
     LearnerConfig(dtype="bfloat16", num_gpus_per_rank=1)
 
 
+def test_the_task_term_table_names_exactly_the_configs_choices():
+    """learner.task_off_policy: one TASK_TERMS entry per name of the config's Literal, and a
+    name outside the table (a config built without validation) is refused with the supported
+    names listed."""
+    from typing import get_args
+
+    from learner.config import TaskOffPolicy
+    from learner.loss import TASK_OFF_POLICIES, TASK_TERMS
+
+    assert TASK_OFF_POLICIES == tuple(TASK_TERMS) == get_args(TaskOffPolicy)
+    assert [n for n, t in TASK_TERMS.items() if not t.uses_ratio] == ["none"]
+    batch, logp, ref = _batch()
+    unchecked = LearnerConfig.model_construct(task_off_policy="clip")
+    with pytest.raises(ValueError, match=r"learner.task_off_policy must be one of "
+                                         r"\('none', 'tis', 'ppo_clip'\), got 'clip'"):
+        _grad(batch, logp, ref, KLConfig(beta=0.0), lcfg=unchecked)
+
+
 # ------------------------------------------------------------- group statistics and micro-batches
 
 ADV_CASES = [AdvantageConfig(estimator="rloo", normalize="group"),

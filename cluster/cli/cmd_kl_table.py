@@ -56,6 +56,8 @@ def print_trainer_table(trainer: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from learner.loss import TASK_OFF_POLICIES  # torch, loaded by the computation already
+
     cfg = trainer["config"]
     table = Table(title="The trainer's loss, exactly over every group of n of "
                         f"{trainer['num_sequences']} toy sequences (beta {cfg['beta']:g}): "
@@ -64,7 +66,7 @@ def print_trainer_table(trainer: dict) -> None:
     table.add_column("kl / estimator / normalize / n", no_wrap=True)
     table.add_column("max|A| (bound)", justify="right")
     lags = cfg["lags"]
-    opts = ("none", "tis", "ppo_clip")
+    opts = TASK_OFF_POLICIES
     for lag in lags:
         if lag == 0:
             table.add_column("on-policy", justify="right")

@@ -18,7 +18,9 @@ from actors.weight_sync import Placement, transport
 from cluster.config.loader import ConfigError, load_config
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
+from kl.surrogate import IMPORTANCE_CORRECTIONS
 from learner.config import LearnerConfig
+from learner.loss import TASK_TERMS
 from rewards.config import EvalConfig, TaskConfig
 from rewards.registry import get_task, is_plugin
 
@@ -337,12 +339,12 @@ class TrainConfig(_Strict):
             return
         what = " and ".join(([f"rollout.top_k={r.top_k}"] if r.vllm_top_k else [])
                             + ([f"rollout.top_p={r.top_p:g}"] if r.top_p < 1.0 else []))
-        if self.kl.importance != "none":
+        if IMPORTANCE_CORRECTIONS[self.kl.importance].reweights:
             raise ValueError(f"kl.importance={self.kl.importance} with {what}: truncated "
                              "sampling gives the sampler no mass where the policy has some, "
                              "and no importance ratio recovers the policy from it; use "
                              "kl.importance=none, or sample without top_k / top_p")
-        if self.learner.task_off_policy != "none":
+        if TASK_TERMS[self.learner.task_off_policy].uses_ratio:
             raise ValueError(f"learner.task_off_policy={self.learner.task_off_policy} with "
                              f"{what}: its ratios pi/mu are the kept mass of each truncated "
                              "distribution (below 1 even on-policy), not an importance "
