@@ -41,6 +41,7 @@ from typing import Any
 from cluster.bench.peer_record import PeerRun
 from cluster.config.train_config import TrainConfig
 from kl.advantage import ADVANTAGE_ESTIMATORS, GROUP_MEAN
+from kl.surrogate import IMPORTANCE_CORRECTIONS
 
 PEER_PACKAGES = ("trl", "accelerate")
 TRL_SERIES = "1.16"  # the release the mapping below was read from (the extra pins it)
@@ -106,7 +107,7 @@ def differences(cfg: TrainConfig) -> list[str]:
     out = []
     if kl.beta > 0 and (kl.estimator, kl.placement) != ("k3", "loss"):
         out.append(f"KL form: klrl {kl.estimator} in the {kl.placement}, TRL k3 in the loss")
-    if kl.beta > 0 and kl.importance != "none":
+    if kl.beta > 0 and IMPORTANCE_CORRECTIONS[kl.importance].reweights:
         out.append(f"KL importance: klrl {kl.importance}, TRL none")
     if ADVANTAGE_ESTIMATORS[adv.estimator].baseline is not GROUP_MEAN:
         out.append(f"advantage: klrl {adv.estimator}, TRL the group mean (grpo)")
