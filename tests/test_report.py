@@ -36,7 +36,8 @@ def write_run(run_dir: Path, estimator="k1", placement="reward", lag=0, seed=0, 
     for s in range(steps + 1):
         row = {"step": s}
         if s:
-            row |= {"reward/mean": 0.1 + 0.005 * s + 0.01 * seed, "kl/pi_ref": kl(s), "kl/pi_ref_k3": kl(s),
+            row |= {"reward/mean": 0.1 + 0.005 * s + 0.01 * seed, "kl/pi_ref": kl(s),
+                    "kl/pi_ref_k3": kl(s),
                     "is/ratio_max": 1 + 0.1 * lag, "is/ratio_min": 1 - 0.05 * lag, "lag/mean": lag,
                     "grad/norm": 2.0 + math.sin(s), "nonfinite": 0.0}
         if s % 10 == 0:
@@ -68,7 +69,8 @@ def test_accuracy_collapse_at_the_last_evaluation_counts_when_asked():
     values = [0.2, 0.3, 0.3, 0.3, 0.3, 0.1]
     steps = [10 * i for i in range(len(values))]
     assert accuracy_collapse(steps, values, ReportConfig(collapse_min_evals=1))[0] == 50
-    assert accuracy_collapse(steps, [0.2, 0.3, 0.1, 0.1, 0.1], ReportConfig(collapse_min_evals=4)) is None
+    assert accuracy_collapse(steps, [0.2, 0.3, 0.1, 0.1, 0.1],
+                             ReportConfig(collapse_min_evals=4)) is None
 
 
 def test_kl_blowup_grows_past_its_early_level_and_ignores_single_spikes():
@@ -99,7 +101,8 @@ def test_flags_of_a_run(tmp_path):
     assert flags["accuracy collapse (in-domain)"].step == 30
     assert flags["KL blow-up"].step == 22  # median of steps 18-22 = 5.0 * 1 > 20 x 0.05
     assert flags["non-finite"].step == 33 and "2 step(s)" in flags["non-finite"].detail
-    assert "refused step" in flags["non-finite"].detail and "grad/norm" in flags["non-finite"].detail
+    assert "refused step" in flags["non-finite"].detail
+    assert "grad/norm" in flags["non-finite"].detail
 
 
 def test_replayed_steps_keep_the_later_row(tmp_path):
@@ -132,17 +135,20 @@ def test_plot_styles_colour_the_kl_configuration_and_dash_the_lag(tmp_path):
 
     from cluster.experiments.report_plots import _styles
 
-    for est, placement, lag in (("k1", "reward", 0), ("k1", "reward", 4), ("k3", "loss", 0), ("k3", "loss", 4)):
+    for est, placement, lag in (("k1", "reward", 0), ("k1", "reward", 4), ("k3", "loss", 0),
+                                ("k3", "loss", 4)):
         write_run(tmp_path / f"{est}-{placement}-lag{lag}", est, placement, lag)
     styles = _styles(group_runs(find_runs(tmp_path)), plt)
     assert styles["k1-reward-lag0"][0] == styles["k1-reward-lag4"][0] != styles["k3-loss-lag0"][0]
-    assert [styles[k][1] for k in ("k1-reward-lag0", "k1-reward-lag4", "k3-loss-lag4")] == ["-", "--", "--"]
+    lag_styles = [styles[k][1] for k in ("k1-reward-lag0", "k1-reward-lag4", "k3-loss-lag4")]
+    assert lag_styles == ["-", "--", "--"]
 
 
 def test_report_of_a_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     for seed in (0, 1):
-        write_run(sweep / f"k1-reward-lag0-s{seed}", seed=seed, acc=lambda s, d=seed: 0.2 + 0.01 * s + 0.1 * d)
+        write_run(sweep / f"k1-reward-lag0-s{seed}", seed=seed,
+                  acc=lambda s, d=seed: 0.2 + 0.01 * s + 0.1 * d)
         write_run(sweep / f"k1-loss-lag4-s{seed}", "k1", "loss", 4, seed, finished=seed == 0,
                   kl=(lambda s: 0.05 * 1.3 ** s) if seed else (lambda s: 0.01 * s))
     report = write_report(sweep)
@@ -209,8 +215,8 @@ def test_training_curves_can_be_placed_at_the_policy_version_that_sampled_them(t
 
 
 def test_short_runs_are_drawn_unsmoothed_and_the_raw_values_stay_visible(tmp_path):
-    """A moving-average window longer than the run used to draw 3 steps of reward 0.117 /
-    0.059 / 0.113 as one flat line at 0.096."""
+    """A moving-average window longer than the run would flatten its few steps into one line
+    at their mean: the window shrinks with the run, and the raw values are drawn behind it."""
     import matplotlib
 
     matplotlib.use("Agg")

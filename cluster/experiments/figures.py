@@ -133,7 +133,8 @@ def run_figures(run: DemoRun, run_dir: Path, wall_seconds: float) -> RunFigures:
         seconds_per_step=statistics.fmean(r["time/step"] for r in train[1:] or train),
         sampled_before=first["eval/in_domain/sampled_accuracy"],
         sampled_after=last["eval/in_domain/sampled_accuracy"],
-        greedy_before=first["eval/in_domain/accuracy"], greedy_after=last["eval/in_domain/accuracy"],
+        greedy_before=first["eval/in_domain/accuracy"],
+        greedy_after=last["eval/in_domain/accuracy"],
         ood_greedy_after=last["eval/out_of_domain/accuracy"],
         reward_before=reward_before, reward_after=reward_after,
         kl_pi_ref_after=statistics.fmean(r["kl/pi_ref"] for r in train[-k:]),
@@ -237,14 +238,16 @@ def lora_block(figures: list[RunFigures], where: str) -> str:
          "gain / 1k | KL(pi, ref) at the end | s/step |"),
         "|---|---|---|---|---|---|",
     ]
+    lora_how = f"LoRA rank 8 (`make demo ARGS=\"{' '.join(LORA_DEMO)}\"`)"
     for label, how in (("klrl demo", "every weight (`make demo`, lr 1e-4)"),
-                       ("LoRA rank 8", f"LoRA rank 8 (`make demo ARGS=\"{' '.join(LORA_DEMO)}\"`)")):
+                       ("LoRA rank 8", lora_how)):
         rows = [f for f in figures if f.label == label and f.max_lag == 0]
         if rows:
+            sampled_gain = [f.per_1k(f.sampled_after - f.sampled_before) for f in rows]
             lines.append(
                 f"| {how} | {_range([f.reward_before for f in rows])} -> "
                 f"{_range([f.reward_after for f in rows])} | "
-                f"{_range([f.per_1k(f.sampled_after - f.sampled_before) for f in rows], '{:.4f}')} | "
+                f"{_range(sampled_gain, '{:.4f}')} | "
                 f"{_range([f.per_1k(f.greedy_after - f.greedy_before) for f in rows], '{:.4f}')} | "
                 f"{_range([f.kl_pi_ref_after for f in rows])} | "
                 f"{_range([f.seconds_per_step for f in rows], '{:.2f}')} |")
@@ -303,7 +306,8 @@ def regenerate(seeds: Sequence[int], blocks: Sequence[str], work_dir: Path,
         say(f"[{i}/{len(runs)}] klrl demo {run.name} (log: {work_dir / (run.name + '.log')})")
         fig = run_demo(run, work_dir / "runs", work_dir)
         say(f"    sampled {fig.sampled_before:.3f} -> {fig.sampled_after:.3f}, greedy "
-            f"{fig.greedy_before:.3f} -> {fig.greedy_after:.3f}, {format_duration(fig.wall_seconds)}")
+            f"{fig.greedy_before:.3f} -> {fig.greedy_after:.3f}, "
+            f"{format_duration(fig.wall_seconds)}")
         figures.append(fig)
     for name in ("demo", "learning", "lora"):
         if name in blocks:

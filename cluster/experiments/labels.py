@@ -2,8 +2,8 @@
 
 Shared by `klrl sweep` (run names, sweep.py) and `klrl report` (configuration labels and
 plot styles, report.py / report_plots.py). They live in a module of their own so that those
-three import it rather than each other: report -> sweep -> report was a cycle held apart only
-by function-local imports.
+three import it rather than each other: report and sweep importing each other would be an
+import cycle.
 """
 from __future__ import annotations
 
@@ -57,4 +57,5 @@ def configuration_keys(runs: Sequence[Any]) -> list[str]:
     no_kl = any(r.config.get("kl.beta") == 0 for r in runs)
     chosen = [k for k in keys if k in ALWAYS_NAMED or (k == "kl.beta" and no_kl)
               or len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
-    return sorted(chosen, key=lambda k: (KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER), k))
+    return sorted(chosen,
+                  key=lambda k: (KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER), k))

@@ -46,7 +46,8 @@ FIGURES = (
            "policy is trained on, sampled by the behaviour policy).",
            (Panel("reward/mean", "Mean reward of the training batch", "mean reward"),)),
     Figure("accuracy.png", "Evaluation accuracy", "Greedy pass@1 on the in-domain and "
-           "out-of-domain sets (and the far one when evaluated), and (when logged) accuracy of samples at temperature 1.",
+           "out-of-domain sets (and the far one when evaluated), and (when logged) accuracy of "
+           "samples at temperature 1.",
            tuple(Panel(f"eval/{name}/{key}", f"{SET_LABELS[name].capitalize()}, {kind}", _ACC,
                        **_EVAL) for key, kind in (("accuracy", "greedy"),
                                                    ("sampled_accuracy", "sampled (T=1)"))
@@ -63,9 +64,12 @@ FIGURES = (
            "per-token ratio pi/mu of the learner's policy to the sampler's (1 = on-policy), "
            "the fraction of tokens whose importance weight was clipped or truncated, and the "
            "batch's mean lag in policy versions.",
-           (Panel("is/ratio_max", "Largest token ratio pi/mu", "ratio (log scale)", log=True, ref=1.0),
-            Panel("is/ratio_min", "Smallest token ratio pi/mu", "ratio (log scale)", log=True, ref=1.0),
-            Panel("is/tis_clipped_frac", "Task term: tokens with rho > tis_cap", _TOK, y_from_0=0.0),
+           (Panel("is/ratio_max", "Largest token ratio pi/mu", "ratio (log scale)", log=True,
+                  ref=1.0),
+            Panel("is/ratio_min", "Smallest token ratio pi/mu", "ratio (log scale)", log=True,
+                  ref=1.0),
+            Panel("is/tis_clipped_frac", "Task term: tokens with rho > tis_cap", _TOK,
+                  y_from_0=0.0),
             Panel("is/ppo_clip_clipped_frac", "Task term: PPO-clipped tokens", _TOK, y_from_0=0.0),
             Panel("is/truncated_frac", "KL term: truncated prefix weights", _TOK, y_from_0=0.0),
             Panel("lag/mean", "Mean lag of the batch", "policy versions", smooth=False))),
@@ -171,7 +175,8 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in fig_spec.panels if any(p.key in row for r in runs for row in r.rows.values())]
+    panels = [p for p in fig_spec.panels
+              if any(p.key in row for r in runs for row in r.rows.values())]
     if not panels:
         return None
     ncols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
@@ -202,7 +207,8 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5),
+    fig.legend(handles, labels, loc="center left",
+               bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5),
                fontsize=8, title="configuration", title_fontsize=9, frameon=False)
     right = 1 - 2.5 / fig.get_figwidth()  # the legend's column
     fig.suptitle(fig_spec.title, fontsize=12, x=right / 2, y=0.99, va="top")
@@ -227,7 +233,8 @@ def _styles(groups: dict, plt) -> dict[str, tuple]:
     for config in first.values():
         colour_index.setdefault(json.dumps([config.get(k) for k in colour_keys]), len(colour_index))
     colours = plt.get_cmap("tab10" if len(colour_index) <= 10 else "tab20").colors
-    return {label: (colours[colour_index[json.dumps([c.get(k) for k in colour_keys])] % len(colours)],
+    return {label: (colours[colour_index[json.dumps([c.get(k) for k in colour_keys])]
+                            % len(colours)],
                     _LAG_STYLES[lags.index(c.get("max_lag", 0))] if by_lag else "-")
             for label, c in first.items()}
 

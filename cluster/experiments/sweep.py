@@ -9,8 +9,8 @@ missing one is started. Every configuration is validated before anything starts.
 
 Runs are separate processes (`python -m cluster.cli train ...`, each with its own local Ray
 cluster, so one run's crash or leftover actors cannot touch another's), or one Ray job each on a
-cluster (`--address`); launchers.py starts them. A failed run does not stop the sweep: it is recorded, the sweep goes on,
-and the exit status says which runs failed.
+cluster (`--address`); launchers.py starts them. A failed run does not stop the sweep: it is
+recorded, the sweep goes on, and the exit status says which runs failed.
 """
 from __future__ import annotations
 
@@ -69,10 +69,11 @@ class SweepConfig(BaseModel):
         default_factory=list, max_length=20, description="Variations of the grid whose runs join "
         "the sweep, in one directory and report: each maps keys to new value lists (replacing "
         "the grid's, or adding keys), e.g. the no-KL control {kl.beta: [0.0], kl.estimator: "
-        "[k1], kl.placement: [reward]}. Keys they add name their runs (`k1-reward-lag8-s0-b0`); a run they "
-        "share with the grid runs once.")
+        "[k1], kl.placement: [reward]}. Keys they add name their runs "
+        "(`k1-reward-lag8-s0-b0`); a run they share with the grid runs once.")
     parallel: int = Field(1, ge=1, le=1024, description="Runs at once: local processes (each "
-                          "needs the CPUs its config reserves), or Ray jobs in flight with --address.")
+                          "needs the CPUs its config reserves), or Ray jobs in flight with "
+                          "--address.")
     poll_s: float = Field(2.0, gt=0, le=600, description="Seconds between checks of the running "
                           "runs (progress display and completion).")
     report: ReportConfig = Field(default_factory=ReportConfig, description="Options of the "
@@ -236,7 +237,8 @@ def run_state(run_dir: Path) -> RunState:
 
 def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:
     """`klrl train` arguments of one run (after `python -m cluster.cli`)."""
-    return ["train", cfg.train_config, *run.overrides, *(["--resume"] if state == "partial" else [])]
+    return ["train", cfg.train_config, *run.overrides,
+            *(["--resume"] if state == "partial" else [])]
 
 
 # ---- running the runs ---------------------------------------------------------------------
@@ -259,7 +261,8 @@ class _ForwardedSignals:
     def __enter__(self):
         self.received: list[int] = []
         self.unforwarded: list[int] = []
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {s: signal.signal(s, self._handle)
+                          for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum, _frame) -> None:
@@ -288,7 +291,8 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
         else:
             todo.append((run, state))
     active: dict[str, tuple] = {}  # name -> (run, handle, start time, progress task)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
     with Progress(*columns, console=console) as progress, _ForwardedSignals() as signals:
         overall = progress.add_task(f"sweep {cfg.name} (runs)", total=n, completed=len(outcomes))
         while active or (todo and not signals.received):
@@ -296,7 +300,8 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                 run, state = todo.pop(0)
                 handle = launcher.start(cfg, run, state)
                 verb = "resuming" if state == "partial" else "started"
-                _say(progress.console, f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
+                _say(progress.console,
+                     f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
                 task = progress.add_task(f"  [{run.index}/{n}] {run.name} (steps)",
                                          total=configs[run.name].total_steps)
                 active[run.name] = (run, handle, time.monotonic(), task)
@@ -317,7 +322,8 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                                    launcher.where(handle))
                 outcomes.append(outcome)
                 _say(progress.console, f"[{run.index}/{n}] {run.name}: {outcome.status} after "
-                     f"{format_duration(outcome.seconds)}" + (f" ({outcome.detail})" if outcome.detail else ""))
+                     f"{format_duration(outcome.seconds)}"
+                     + (f" ({outcome.detail})" if outcome.detail else ""))
     return outcomes, (signals.received[0] if signals.received else None)
 
 
@@ -325,7 +331,8 @@ def _say(console, text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)  # paths stay one line
 
 
-def _outcome(run: RunSpec, code: int, seconds: float, root: Path, signalled: list, where: str) -> Outcome:
+def _outcome(run: RunSpec, code: int, seconds: float, root: Path, signalled: list,
+             where: str) -> Outcome:
     if code == 0 and run_state(root / run.name) == "finished":
         return Outcome(run, "finished", seconds)
     if signalled:
