@@ -271,3 +271,29 @@ def test_device_to_device_copy_bound_gpu():
     small, large = gpu.d2d_copy_seconds(2**20), gpu.d2d_copy_seconds(256 * 2**20)
     assert 0 < small < large < 1.0
     assert gpu.d2d_bytes_per_s() > 1e10  # any CUDA GPU copies well above 10 GB/s
+
+
+def test_a_json_from_another_machine_is_rendered_into_its_page(tmp_path, capsys):
+    """`klrl bench --from-json PATH --docs PAGE`: the JSON `make gpu-check` wrote on a GPU
+    machine goes into the page's gpu block here, measuring nothing; options of a measurement
+    and files that are no bench JSON are refused in one line."""
+    engines, sync, e2e, tests = _gpu_parts()
+    result = merge(merge(merge(engines, sync), e2e), tests)
+    path = tmp_path / "gpu-check.json"
+    path.write_text(json.dumps(result))
+    page = tmp_path / "gpu.md"
+    page.write_text("intro\n<!-- bench:gpu -->\nnot yet run\n<!-- /bench:gpu -->\n")
+    assert main(["bench", "--from-json", str(path), "--docs", str(page)]) == 0
+    assert read_block(page.read_text(), "bench:gpu") == report.markdown(result)
+    assert "Engine overheads" in capsys.readouterr().out
+    assert "--only" in _refused(capsys, ["bench", "--from-json", str(path), "--only", "sync"])
+    cpu_page = tmp_path / "bench.md"
+    cpu_page.write_text("<!-- bench:figures -->\nx\n<!-- /bench:figures -->\n")
+    assert "bench:gpu" in _refused(capsys, ["bench", "--from-json", str(path),
+                                            "--docs", str(cpu_page)])
+    path.write_text("[1, 2]")
+    assert "not a" in _refused(capsys, ["bench", "--from-json", str(path)])
+    # a JSON missing a required figure renders, and exits 1 as its run would have
+    path.write_text(json.dumps({k: v for k, v in result.items() if k != OUTSIDE_KEY}))
+    assert main(["bench", "--from-json", str(path)]) == 1
+    assert OUTSIDE_KEY in capsys.readouterr().err

@@ -29,3 +29,15 @@ def test_write_docs_replaces_only_its_own_block(tmp_path):
     text = page.read_text()
     assert "old" not in text and "kept" in text and text.startswith("intro\n")
     assert read_block(text, "bench:figures") == report.markdown(result)
+
+
+def test_the_gpu_page_quotes_a_committed_gpu_run_or_says_none_is():
+    """docs/gpu.md's block is the rendering of docs/figures/gpu.json (`klrl bench --from-json
+    docs/figures/gpu.json --docs docs/gpu.md`), or, before a GPU run is committed, one line
+    saying so: never figures typed by hand."""
+    block = read_block((ROOT / "docs" / "gpu.md").read_text(), report.MARKERS["gpu"])
+    committed = ROOT / "docs" / "figures" / "gpu.json"
+    if committed.is_file():
+        assert block == report.markdown(json.loads(committed.read_text()))
+    else:
+        assert block == report.NO_GPU_RUN

@@ -14,6 +14,9 @@ from typing import Any
 from cluster.config.options import replace_block
 
 MARKERS = {"bench": "bench:figures", "peers": "bench:peers", "gpu": "bench:gpu"}
+# docs/gpu.md's gpu block until a GPU run's JSON is committed as docs/figures/gpu.json.
+NO_GPU_RUN = ("No `make gpu-check` JSON is committed yet (docs/figures/gpu.json): the figures "
+              "of this block are still to be measured.")
 
 
 def markdown(result: dict[str, Any]) -> str:

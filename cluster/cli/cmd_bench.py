@@ -15,6 +15,8 @@ PEER_EXTRA_HINT = "pip install -e '.[peers]'"
 
 
 def run(args) -> int:
+    if args.from_json:
+        return run_from_json(args)
     if args.peer:
         if args.device != "cpu" or args.only:
             return _refuse("--peer compares klrl with TRL on CPU; --device and --only apply "
@@ -68,6 +70,37 @@ def _refusal(args) -> str | None:
             return (f"--sync-transport {args.sync_transport}: not a transport of this checkout "
                     f"that works on one shared GPU ({', '.join(sync_transports())})")
     return None
+
+
+def run_from_json(args) -> int:
+    """`klrl bench --from-json PATH`: measure nothing; print the tables of a bench JSON
+    written before (on this machine or another: `make gpu-check`'s on a GPU machine) and, with
+    --docs, write them into the page's block for that JSON's device. Exits 1 as the run that
+    wrote it would have, where a required figure is missing."""
+    measuring = [flag for flag, given in (("--only", args.only), ("--quick", args.quick),
+                                          ("--peer", args.peer), ("--json", args.json),
+                                          ("--work-dir", args.work_dir),
+                                          ("--sync-transport", args.sync_transport))
+                 if given]
+    if measuring:
+        return _refuse(f"--from-json measures nothing: {', '.join(measuring)} do not apply")
+    from cluster.bench.report import MARKERS, block_kind, markdown, print_markdown
+
+    try:
+        result = read_json(args.from_json)
+        kind = block_kind(result)
+    except (OSError, ValueError, AttributeError) as e:
+        return _refuse(f"--from-json {args.from_json}: not a bench JSON ({e})")
+    if kind == "peers" or "workloads" not in result:
+        return _refuse(f"--from-json {args.from_json}: not a JSON of the measurements "
+                       "(klrl bench --json; a --peer JSON is rendered by its own run)")
+    if args.docs:
+        marker = MARKERS[kind]
+        page = Path(args.docs)
+        if not page.is_file() or f"<!-- {marker} -->" not in page.read_text():
+            return _refuse(f"--docs {args.docs}: no <!-- {marker} --> ... <!-- /{marker} --> "
+                           f"block there for the {result.get('device', 'cpu')} figures")
+    return _finish(result, args, lambda r: print_markdown(markdown(r)), check_result, "figures")
 
 
 def _refuse(reason: str) -> int:
@@ -153,6 +186,10 @@ def register(subparsers) -> None:
     p.add_argument("--only", action="append", choices=PARTS, default=None, metavar="PART",
                    help=f"run only this part ({', '.join(PARTS)}; repeatable); with --json, "
                    "writes it into that file beside the parts already there (same device)")
+    p.add_argument("--from-json", default=None, metavar="PATH", help="measure nothing: print "
+                   "the tables of a bench JSON written before (e.g. `make gpu-check`'s, brought "
+                   "from a GPU machine) and, with --docs, write them into that page's block for "
+                   "the JSON's device (<!-- bench:figures --> or <!-- bench:gpu -->)")
     p.add_argument("--work-dir", default=None, metavar="DIR", help="keep the models and run "
                    "directories here (default: a temporary directory, deleted afterwards)")
     p.add_argument("--peer", choices=["trl"], default=None, help="instead of the measurements "
