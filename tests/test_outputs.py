@@ -6,10 +6,15 @@ incomplete UTF-8 characters (at the end of a cut-off completion too) and stop to
 A SentencePiece-style tokenizer built here checks the leading space after the prompt."""
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from actors.config import RolloutConfig
 from actors.engine import request_params, sample_params
@@ -97,3 +102,67 @@ def test_a_slow_tokenizer_or_none_is_refused():
     assert not decodes_texts_itself(object(), ())
     with pytest.raises(ValueError, match="fast tokenizer"):
         completion_texts(object(), [[1]], [SimpleNamespace(token_ids=[2], finish_reason="length")])
+
+
+def compare_in_one_call(llm, num_prompts: int = 24) -> dict:
+    """The worker's requests and the default ones for the same prompts and seeds, side by side
+    in ONE generate call (on a GPU two calls may batch, and so round, differently): how many
+    samples got the same tokens, the largest log-prob difference and the text mismatches
+    among them, and the finish reasons seen."""
+    rng = random.Random(1)
+    prompts = _prompts(rng, num_prompts)
+    cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=48)
+    cheap = request_params(cfg, 7, 0, num_prompts, detokenize=False)
+    default = [sample_params(p.max_tokens, n=4, seed=p.seed, logprobs=0) for p in cheap]
+    outs = llm.generate([p for p in prompts for _ in (0, 1)],
+                        [q for pair in zip(cheap, default) for q in pair], use_tqdm=False)
+    got, ref = outs[0::2], outs[1::2]
+    pairs = [(list(o.prompt_token_ids), c, r) for o, d in zip(got, ref)
+             for c, r in zip(o.outputs, d.outputs)]
+    same = [(p, c, r) for p, c, r in pairs if list(c.token_ids) == list(r.token_ids)]
+    texts = completion_texts(llm.get_tokenizer(), [p for p, _, _ in same], [c for _, c, _ in same])
+    diffs = [abs(a - b) for _, c, r in same
+             for a, b in zip(sampled_logprobs(c), sampled_logprobs(r))]
+    return {"samples": len(pairs), "same_tokens": len(same), "max_logprob_diff": max(diffs),
+            "text_mismatches": sum(t != r.text for t, (_, _, r) in zip(texts, same)),
+            "flat": all(type(c.logprobs).__name__ == "FlatLogprobs" for _, c, _ in pairs),
+            "reasons": sorted({c.finish_reason for _, c, _ in pairs})}
+
+
+def test_both_paths_in_one_call_agree(tiny_llm):
+    result = compare_in_one_call(tiny_llm)
+    assert result["same_tokens"] == result["samples"] > 0, result
+    assert result["max_logprob_diff"] == 0 and result["text_mismatches"] == 0, result
+    assert result["flat"] and result["reasons"] == ["length", "stop"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cheap_output_path_on_a_gpu(tiny_model_dir):
+    """GPU only (vLLM's CUDA build, 0.26 in the gpu extra): the same comparison on a GPU engine,
+    in a process of its own so that its GPU memory is free again for the next test. Samples
+    whose tokens differ (GPU kernels need not be batch-invariant) must be rare; those that
+    agree carry the same log-probs to float rounding and the same texts."""
+    code = (f"import json, sys; from test_outputs import gpu_comparison; "
+            f"print('RESULT', json.dumps(gpu_comparison({str(tiny_model_dir)!r})))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=600, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["same_tokens"] >= 0.95 * result["samples"] > 0, result
+    assert result["max_logprob_diff"] <= 1e-5 and result["text_mismatches"] == 0, result
+    assert result["flat"], result
+
+
+def gpu_comparison(model_dir: str) -> dict:
+    """`compare_in_one_call` on an engine of its own (the GPU test's subprocess)."""
+    from actors.engine import make_llm, shutdown_llm
+
+    llm = make_llm(model_dir, seed=0, max_model_len=256, gpu_memory_utilization=0.2,
+                   enforce_eager=True)
+    try:
+        return compare_in_one_call(llm)
+    finally:
+        shutdown_llm(llm)
