@@ -232,6 +232,7 @@ def test_a_gpu_json_renders_its_own_tables_into_its_own_block(tmp_path):
             "| device-to-device copy bound s |", "**The rollout's cost outside the engine**",
             "| outside engine, ms per call | raw without log-probs tok/s | x floor |",
             "| publish s/GB | load s/GB |",
+            "**Headline** (random-25M, through klrl): generation ",
             "| demo-1M | 16384 | 180 | 165 | **15.0** | **11.0** | 1.5 | 4.0 | 6.0 | 3.5 |",
             "on one GPU)", "Reference (the max_lag 0 run, learner and worker sharing the GPU)",
             "**GPU tests** (`python -m pytest -q -m gpu -rs`): 5 passed, 1 skipped, 0 failed",

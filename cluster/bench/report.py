@@ -51,6 +51,11 @@ def markdown(result: dict[str, Any]) -> str:
             title += ("; x floor = raw vLLM asked for no log-probs / klrl: the floor the "
                       "rollout's log-probs are measured against")
         lines += ["", title + ")", "", head, rule, *rows]
+    if "generation_tokens_per_s" in result and "training_tokens_per_s" in result:
+        lines += ["", (f"**Headline** ({result['headline_workload']}, through klrl): "
+                       f"generation {result['generation_tokens_per_s']:.0f} tokens/s, training "
+                       f"{result['training_tokens_per_s']:.0f} tokens/s (prompt + response), "
+                       f"rollout x floor {_ratio(result.get('rollout_floor_ratio'))}.")]
     if result.get("outside_engine"):
         lines += _outside_table(result["outside_engine"])
     lines += _later_tables(result)
@@ -97,6 +102,10 @@ def _outside_table(o: dict[str, Any]) -> list[str]:
              f"| **{o['outside_engine_ms']:.1f}** | {_ms(o.get('outside_engine_unscored_ms'))} "
              f"| {parts['requests']:.1f} "
              f"| {parts['scoring']:.1f} | {parts['records']:.1f} | {parts['ray_trip']:.1f} |")]
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def _ms(x: float | None) -> str:
