@@ -24,8 +24,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 --junitxml=$(JUNIT) $(PYTEST_ARGS)
 
 # The tests that need no Ray, vLLM or DeepSpeed (kl/, rewards/, configs, docs, CLI refusals):
-# under 2 minutes, for the edit-test loop, on both cores as `make test` runs them (serially
-# they took 113-120 s of pytest time on a quiet fresh clone, at the limit). `make test` runs them too.
+# under 2 minutes, for the edit-test loop. They run on both cores, as `make test` runs them:
+# serially they sit at the 2-minute limit (docs/development.md). `make test` runs them too.
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not gpu" $(PYTEST_ARGS)
 
