@@ -15,6 +15,7 @@ Nothing here imports Ray or vLLM at module level: the config imports the registr
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import os
 import stat
@@ -92,7 +93,7 @@ class Fetched:
     seconds: Mapping[str, float]
 
 
-class WeightTransport:
+class WeightTransport(abc.ABC):
     """One weight transport: its config rules, its learner end (set-up, publish), its
     controller's part (connect at start, after a worker restart, cleanup at the end) and its
     worker end (engine options, fetch, reload). Instances hold no run state: the learner's
@@ -113,8 +114,6 @@ class WeightTransport:
     # (the optimizer steps the live ones in place).
     on_learner_device: ClassVar[bool] = False
     reads_after_publish: ClassVar[bool] = False
-    # A version published again hands out what its first publish made (no new copy).
-    reuses_a_version: ClassVar[bool] = False
     writes_shm_dir: ClassVar[bool] = False  # writes files in SyncConfig.shm_dir
 
     # ------------------------------------------------------------------ config
@@ -135,10 +134,10 @@ class WeightTransport:
         """The sender a publish uses when none was opened (None: it needs none)."""
         return None
 
+    @abc.abstractmethod
     def publish(self, items: Items, version: int, *, run_id: str, shm_dir: str | os.PathLike,
                 adapter: Mapping[str, Any] | None, sender: Any) -> WeightUpdate:
         """Send `items` (checked by `actors.weight_sync.publish`) as policy `version`."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ controller
 
@@ -166,16 +165,16 @@ class WeightTransport:
         """Ready a worker's engine for the transport (`RolloutWorker.init_weight_transfer`)."""
         raise ValueError(f"transport {self.name} has no weight-transfer engine to ready")
 
+    @abc.abstractmethod
     def fetch(self, update: WeightUpdate, deadline: float) -> Fetched:
         """In the rollout worker, before `deadline` (a time.monotonic() value): what the
         reload reads. TimeoutError when the weights do not arrive in time (the engine is
         untouched then)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def reload(self, llm, source: Any) -> dict[str, float]:
         """On the worker's engine thread: load the full weights of `source` (a `fetch`'s)
         into `llm`; the seconds spent, by part."""
-        raise NotImplementedError
 
 
 class SafetensorsTransport(WeightTransport):
@@ -192,10 +191,10 @@ class SafetensorsTransport(WeightTransport):
                             seconds={"serialise_write": time.perf_counter() - t0},
                             adapter=adapter)
 
+    @abc.abstractmethod
     def store(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int,
               run_id: str, shm_dir: str | os.PathLike) -> tuple[dict[str, Any], int]:
         """Serialise `tensors` into the transport: `({payload field: value}, bytes sent)`."""
-        raise NotImplementedError
 
     def reload(self, llm, source) -> dict[str, float]:
         ranks = llm.collective_rpc("klrl_reload_weights", args=(source,))

@@ -117,7 +117,6 @@ class CudaIpcTransport(VllmEngineTransport):
                "weight-transfer engine, device to device; one learner rank and every worker on "
                "ONE GPU (fractional GPU requests that fit in one GPU)")
     vllm_backend = "ipc"
-    reuses_a_version = True  # a version sent again gets its held snapshot (module docstring)
 
     def check(self, p: Placement) -> None:
         """A CUDA IPC handle opens only on the GPU it comes from, so learner rank 0 and every
