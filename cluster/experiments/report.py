@@ -12,8 +12,6 @@ the thresholds of `ReportConfig`; the findings' failure definition is the pre-re
 from __future__ import annotations
 
 import difflib
-import math
-import statistics
 import time
 from pathlib import Path
 from typing import Literal
@@ -22,7 +20,7 @@ from pydantic import Field
 
 from cluster.config.loader import ConfigError
 from cluster.experiments.labels import configuration_keys
-from cluster.experiments.report_findings import findings_section, provenance_lines
+from cluster.experiments.report_findings import findings_section, mean_sd, provenance_lines
 from cluster.experiments.report_plots import (
     ACCURACY_AGAINST_KL,
     FIGURES,
@@ -78,15 +76,6 @@ def check_kl_metric(runs: list[RunData], cfg: ReportConfig) -> None:
 # ---- report.md --------------------------------------------------------------------------------
 
 
-def _mean_std(values: list[float]) -> str:
-    values = [v for v in values if math.isfinite(v)]
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
-
-
 def _final(run: RunData, key: str) -> float | None:
     _, values = run.series(key)
     return values[-1] if values else None
@@ -103,7 +92,7 @@ def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[
         unfinished = sum(not r.finished for r in runs)
         count = f"{len(runs)}" + (f" ({unfinished} unfinished)" if unfinished else "")
         steps = sorted({r.last_step for r in runs})
-        cells = [_mean_std([v for r in runs if (v := _final(r, k)) is not None]) for k, _ in keys]
+        cells = [mean_sd([v for r in runs if (v := _final(r, k)) is not None]) for k, _ in keys]
         n_flagged = sum(r.name in flagged for r in runs)
         lines.append("| " + " | ".join([f"`{label}`", count, "/".join(map(str, steps)), *cells,
                                         f"{n_flagged}/{len(runs)}"]) + " |")
@@ -141,7 +130,7 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
           ("Accuracy at each run's last evaluation during training (greedy pass@1; *sampled*: "
            "temperature 1), mean ± sample std over the configuration's runs (seeds)."), "",
           *accuracy_table(groups, flags), ""]
-    start = [(label, _mean_std([v for r in runs
+    start = [(label, mean_sd([v for r in runs
                                 if (v := (r.series(k)[1] or [None])[0]) is not None]))
              for k, label in ACCURACY_KEYS if any(k in r.rows.get(0, {}) for r in runs)]
     if start:

@@ -183,19 +183,20 @@ def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
         ms = [m for m in measures if m.configuration == label and m.finished]
         if not ms:
             continue
-        cells = [_mean_sd([m.accuracy.get(k, math.nan) for m in ms]) for k in ("in_domain",
+        cells = [mean_sd([m.accuracy.get(k, math.nan) for m in ms]) for k in ("in_domain",
                                                                               "out_of_domain")]
-        cells += [_mean_sd([m.auc.get(k, math.nan) for m in ms]) for k in ("in_domain",
+        cells += [mean_sd([m.auc.get(k, math.nan) for m in ms]) for k in ("in_domain",
                                                                          "out_of_domain")]
         sources = sorted({m.source for m in ms})
         lines.append("| " + " | ".join([f"`{label}`", str(len(ms)), "; ".join(sources), *cells,
-                                        _mean_sd([m.kl_end for m in ms]),
+                                        mean_sd([m.kl_end for m in ms]),
                                         f"{sum(bool(m.broken[PRIMARY]) for m in ms)}/{len(ms)}"])
                      + " |")
     return lines
 
 
-def _mean_sd(values: list[float]) -> str:
+def mean_sd(values: list[float]) -> str:
+    """A table cell: the finite values' mean ± sample sd (one value alone; "-" for none)."""
     values = [v for v in values if math.isfinite(v)]
     if not values:
         return "-"
