@@ -33,7 +33,7 @@ def decodes_texts_itself(tokenizer: Any, stop: Sequence[str]) -> bool:
     """True when a rollout asks vLLM for no text (`detokenize=False`) and decodes it here: no
     stop strings (vLLM needs its own text to find them) and a fast tokenizer, whose Rust
     `tokenizers.Tokenizer` vLLM's incremental detokenizer decodes with too."""
-    return not stop and _backend(tokenizer) is not None
+    return not stop and fast_backend(tokenizer) is not None
 
 
 def sampled_logprobs(completion: Any) -> list[float]:
@@ -66,10 +66,10 @@ def completion_texts(tokenizer: Any, prompt_ids: Sequence[Sequence[int]],
       shows as U+FFFD) and never releases what is still held at the end: such a text is cut
       back to its longest prefix of tokens whose decode does not end in U+FFFD;
     - where decoding the prompt's tail and the completion together does not begin with the
-      tail's own text, the completion is decoded token by token as vLLM does (`_stream_text`).
+      tail's own text, the completion is decoded token by token as vLLM does (`stream_text`).
 
     All completions decode in one call of the Rust tokenizer."""
-    backend = _backend(tokenizer)
+    backend = fast_backend(tokenizer)
     if backend is None:
         raise ValueError("completion_texts needs a fast tokenizer (decodes_texts_itself)")
     ids = [list(c.token_ids[:-1]) if c.finish_reason == "stop" else list(c.token_ids)
@@ -80,7 +80,7 @@ def completion_texts(tokenizer: Any, prompt_ids: Sequence[Sequence[int]],
     texts = []
     for prompt, tail, tokens, whole, head in zip(prompt_ids, tails, ids, wholes, heads):
         if head.endswith(REPLACEMENT) or not whole.startswith(head):
-            texts.append(_stream_text(backend, prompt, tokens))
+            texts.append(stream_text(backend, prompt, tokens))
             continue
         kept = len(tokens)
         while whole.endswith(REPLACEMENT) and kept > 0:
@@ -90,7 +90,7 @@ def completion_texts(tokenizer: Any, prompt_ids: Sequence[Sequence[int]],
     return texts
 
 
-def _stream_text(backend, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+def stream_text(backend, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
     """`ids` decoded token by token after the prompt, as vLLM's fast incremental detokenizer
     decodes them (tokenizers' DecodeStream, restarted where it refuses a prefix)."""
     from tokenizers.decoders import DecodeStream
@@ -107,7 +107,7 @@ def _stream_text(backend, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
     return "".join(parts)
 
 
-def _backend(tokenizer: Any):
+def fast_backend(tokenizer: Any):
     """A fast tokenizer's Rust `tokenizers.Tokenizer` (what vLLM decodes with), else None."""
     from tokenizers import Tokenizer
 

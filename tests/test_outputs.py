@@ -18,7 +18,7 @@ import torch
 
 from actors.config import RolloutConfig
 from actors.engine import request_params, sample_params
-from actors.outputs import _stream_text, completion_texts, decodes_texts_itself, sampled_logprobs
+from actors.outputs import stream_text, completion_texts, decodes_texts_itself, sampled_logprobs
 
 
 def _prompts(rng: random.Random, n: int) -> list[dict]:
@@ -57,7 +57,7 @@ def test_the_cheap_output_path_returns_the_default_paths_values(tiny_llm):
     reasons = {c.finish_reason for c in completions}
     assert reasons == {"stop", "length"}, reasons  # both endings were checked
     # The text-by-text fallback is vLLM's algorithm as well.
-    assert [_stream_text(tok._tokenizer, p, c.token_ids[:-1] if c.finish_reason == "stop"
+    assert [stream_text(tok._tokenizer, p, c.token_ids[:-1] if c.finish_reason == "stop"
                          else c.token_ids)
             for p, c in zip(prompt_ids, completions)] == texts
     # Random bytes: some texts were cut back before an incomplete character at their end.
@@ -95,7 +95,7 @@ def test_a_completion_keeps_the_leading_space_it_has_after_the_prompt():
     assert tok.decode([5, 6, 7], skip_special_tokens=True) == "42."  # alone: no space
     texts = completion_texts(tok, [prompt, prompt], [done, cut])
     assert texts == [" 42.", " 42"]
-    assert texts == [_stream_text(tok._tokenizer, prompt, c.token_ids[:3]) for c in (done, cut)]
+    assert texts == [stream_text(tok._tokenizer, prompt, c.token_ids[:3]) for c in (done, cut)]
 
 
 def test_a_slow_tokenizer_or_none_is_refused():

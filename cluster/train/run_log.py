@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from actors.outputs import fast_backend, stream_text
 from cluster.config.loader import ConfigError, dump_config
 from cluster.train.checkpoint import hf_root
 from cluster.train.provenance import provenance
@@ -289,21 +290,9 @@ def completion_text(tokenizer, prompt_ids, response_ids, stop=()) -> str:
     after the prompt (tokenizers' DecodeStream): a leading space stays, a trailing incomplete
     UTF-8 sequence is left out (a plain decode shows it as U+FFFD), special tokens are skipped;
     then it cuts the text before the first stop string. Other tokenizers: a plain decode."""
-    from tokenizers import Tokenizer
-    from tokenizers.decoders import DecodeStream
-
-    backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's, as vLLM takes it
-    if isinstance(backend, Tokenizer):
-        stream, parts = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True), []
-        for token in response_ids:
-            try:
-                parts.append(stream.step(backend, token) or "")
-            except Exception as exc:  # vLLM's recovery from a broken stream: the same text
-                if not str(exc).startswith("Invalid prefix"):
-                    raise
-                stream = DecodeStream(skip_special_tokens=True)
-                parts.append(stream.step(backend, token) or "")
-        text = "".join(parts)
+    backend = fast_backend(tokenizer)  # a fast tokenizer's, as vLLM takes it
+    if backend is not None:
+        text = stream_text(backend, prompt_ids, response_ids)
     else:
         text = tokenizer.decode(list(response_ids), skip_special_tokens=True)
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
