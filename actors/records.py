@@ -23,6 +23,14 @@ class Rollout:
     the log-probs of the distribution that was actually sampled (vLLM's processed log-probs
     when temperature/top-k/top-p change it); they are the denominator of every importance
     ratio. `policy_version` is the number of optimizer steps in the weights that generated it.
+
+    With in-flight weight updates (`RolloutConfig.in_flight_updates`) one response may be
+    sampled by several versions: `token_versions[t]` is the policy version of the engine step
+    that sampled response token t, and `behaviour_logprobs[t]` that step's log-prob of it.
+    Invariant (checked) when given: one per response token, non-decreasing (weights only move
+    forward), and `policy_version == token_versions[0]`, the OLDEST token's version: every
+    staleness rule that reads `policy_version` then bounds the oldest token. None means every
+    token is `policy_version`'s (the worker generated the whole response with one version).
     """
 
     problem: Problem
@@ -35,6 +43,7 @@ class Rollout:
     reward: float = 0.0
     score_failure: str | None = None  # None, or why scoring failed (reward is then 0)
     worker: int = 0
+    token_versions: list[int] | None = None  # per response token; None: all policy_version
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.behaviour_logprobs):
@@ -42,6 +51,32 @@ class Rollout:
                              f"tokens but {len(self.behaviour_logprobs)} behaviour log-probs")
         if self.policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
+        versions = self.token_versions
+        if versions is not None:
+            uid = self.problem.uid
+            if len(versions) != len(self.response_ids):
+                raise ValueError(f"rollout {uid}: {len(self.response_ids)} response tokens but "
+                                 f"{len(versions)} token versions")
+            if any(b < a for a, b in zip(versions, versions[1:])):
+                raise ValueError(f"rollout {uid}: token versions must not decrease, got "
+                                 f"{versions}")
+            if versions and versions[0] != self.policy_version:
+                raise ValueError(f"rollout {uid}: policy_version ({self.policy_version}) must be "
+                                 f"the oldest token's version ({versions[0]})")
+
+    @property
+    def newest_version(self) -> int:
+        """The policy version of the response's newest token (policy_version when one version
+        sampled it all, or it has no tokens)."""
+        return self.token_versions[-1] if self.token_versions else self.policy_version
+
+    @property
+    def num_versions(self) -> int:
+        """How many policy versions sampled the response (1 when one did, or none were needed:
+        an empty response)."""
+        if not self.token_versions:
+            return 1
+        return 1 + sum(b != a for a, b in zip(self.token_versions, self.token_versions[1:]))
 
 
 @dataclass(frozen=True)
@@ -49,7 +84,9 @@ class RolloutBatch:
     """What one generate call of a worker returns: n samples for each of its prompts."""
 
     rollouts: list[Rollout]
-    policy_version: int               # version of the weights every rollout here was sampled with
+    # The oldest rollout's policy_version: every token here is at least this version (with
+    # in-flight updates, later tokens may be newer: Rollout.token_versions).
+    policy_version: int
     worker: int
     gen_seconds: float                # wall time inside the engine
     num_response_tokens: int = field(default=0)
