@@ -1,13 +1,19 @@
 """The central controller: schedules generation under max_lag, trains, syncs weights (the
 sync's books, deadlines and transport: cluster/train/weight_sync_state.py).
 
-Async invariant (enforced in `_take_batch`, asserted before training): a rollout sampled
-with weights of version v is trained by the learner at version s only if s - v <= max_lag.
-The pipeline keeps at most max_lag + 1 global batches in flight. Workers apply weight
-updates and generation requests in the order they were sent (Ray runs an actor's calls
-serially), so a batch requested right after the update to version s is generated with
-version s and trained at step s + max_lag at the latest. max_lag = 0 is synchronous
-on-policy RL: generate, train, sync, repeat.
+Async invariant, per token (enforced in `_take_batch`, asserted before training): a token
+sampled with weights of version v is trained by the learner at version s only if
+s - v <= max_lag. The rule reads a rollout's `policy_version`, the version of its OLDEST
+token (the only version of its tokens without in-flight updates), so the oldest token of a
+sample decides. The pipeline keeps at most max_lag + 1 global batches in flight, and a batch
+requested right after the update to version s holds no token older than s: without
+in-flight updates because a worker applies weight updates and generation requests in the
+order they were sent (Ray runs an actor's calls serially), so the batch is generated with
+version s; with `rollout.in_flight_updates` because the update to s is sent (`publish`)
+before the batch is requested with min_version s, and the worker starts no request before
+it holds a version >= min_version (its later tokens may come from newer versions, applied
+while the request is in flight). Either way it is trained at step s + max_lag at the latest.
+max_lag = 0 is synchronous on-policy RL: generate, train, sync, repeat.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from cluster.train.run_log import (
     keep_logs_through,
     sample_rows,
 )
+from cluster.train.staleness import token_lag_metrics
 from cluster.train.stopping import RunStopped
 from cluster.train.weight_sync_state import WeightSyncState
 from cluster.train.worker_pool import WorkerCall, WorkerPool
@@ -46,7 +53,7 @@ class InFlight:
 
     calls: list[WorkerCall]      # replayed with their own seeds if a worker is replaced
     start_position: int          # data position of its first prompt (resume replays from here)
-    requested_at_version: int
+    requested_at_version: int    # with in-flight updates, its calls' min_version
     requested_at: float = field(default_factory=time.perf_counter)
 
 
@@ -65,6 +72,7 @@ class Controller:
         self.pending: deque[InFlight] = deque()
         self.weights = WeightSyncState(cfg.sync, self.run_dir.name)
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
+        self.reissued_logged = 0     # pool.reissued_samples when the last step was logged
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
@@ -86,12 +94,13 @@ class Controller:
                     batch, gen_metrics = self._take_batch()
                     trained_by = self.step  # the learner version that trains this batch
                     metrics = self._train(batch) | gen_metrics
-                    metrics |= self.weights.publish(self.pending)
+                    metrics |= self._publish()
                     metrics |= self._maybe_evaluate()
                     self._maybe_checkpoint()
                     self._maybe_export_hf()
                     metrics |= {"time/step": time.perf_counter() - t0,
                                 "faults/worker_restarts": self.pool.restarts,
+                                "faults/reissued_samples": self._reissued_this_step(),
                                 **self.prompts.metrics(self._trained_position)}
                     self.log.log({"step": self.step, "policy_version": self.step, **metrics})
                     self._maybe_log_samples(batch, trained_by)
@@ -175,9 +184,13 @@ class Controller:
             start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
             end = self.prompts.position
+            # With in-flight updates: min_version, the version published last (module
+            # docstring); without, the arguments (and the order of calls) stay those that make
+            # a resumed run replay exactly.
+            min_version = (self.step,) if self.cfg.rollout.in_flight_updates else ()
             calls = [self.pool.call(i, "generate", problems[i * per_worker:(i + 1) * per_worker],
                                     group_ids[i * per_worker:(i + 1) * per_worker],
-                                    generate_seed(self.cfg.seed, end, i))
+                                    generate_seed(self.cfg.seed, end, i), *min_version)
                      for i in range(len(self.pool))]
             self.pending.append(InFlight(calls, start, self.step))
 
@@ -200,14 +213,16 @@ class Controller:
             self._fill_pipeline()
             return self._take_batch()
         lags = [self.step - r.policy_version for r in rollouts]
+        per_token = token_lag_metrics(rollouts, self.step)
         assert max(lags) <= self.cfg.max_lag, "lag bound violated"  # the invariant above
+        assert per_token["lag/token_max"] <= self.cfg.max_lag, "token lag bound violated"
         updates = self.cfg.learner.updates_per_batch
         gen_s = max(b.gen_seconds for b in batches)
         tokens = sum(b.num_response_tokens for b in batches)
         failures = sum(r.score_failure is not None for r in rollouts)
         pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
         rewards = [r.reward for r in rollouts]
-        return rollouts, {
+        return rollouts, per_token | {
             "lag/max": max(lags), "lag/mean": sum(lags) / len(lags),
             "lag/dropped_total": self.dropped_stale,
             # In optimizer steps: update k of this batch trains on data lag * updates + k steps
@@ -219,6 +234,19 @@ class Controller:
             "time/generate": gen_s, "time/wait_for_rollouts": wait_s,
             "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         }
+
+    def _publish(self) -> dict:
+        """Publish the learner's new weights and queue their load on every worker. Without
+        in-flight updates a load waits behind the batches in flight on its worker (its
+        sync.timeout_s counts from when the newest of them was generated); with them it runs
+        between two engine steps while those batches are generated, so it can start now."""
+        behind = () if self.cfg.rollout.in_flight_updates else self.pending
+        return self.weights.publish(behind)
+
+    def _reissued_this_step(self) -> int:
+        """Samples sent again to a replaced worker's replacement since the last step's row."""
+        since, self.reissued_logged = self.reissued_logged, self.pool.reissued_samples
+        return self.pool.reissued_samples - since
 
     def _train(self, rollouts: list[Rollout]) -> dict:
         t0 = time.perf_counter()

@@ -13,6 +13,14 @@ Invariant: one fault costs one restart. Every call is a `WorkerCall` that rememb
 incarnation of its worker it was sent to; a call whose worker has since been replaced (the
 other batches in flight at max_lag >= 1, a queued weight load) is sent again to the
 replacement, which already holds the current weights, without another restart.
+
+With `rollout.in_flight_updates` the generate calls run side by side on a worker, in its
+concurrency group "generate" (max_lag + 1 threads), beside its weight loads and evaluations
+(the default group, one at a time, in order). A generate call sent again goes to that group
+on the replacement too, with its own arguments: its `min_version` is at most the version the
+replacement was re-synced to, so the replacement starts it at once. Each generate call sent
+again counts its samples in `reissued_samples` (logged as faults/reissued_samples): a fault
+loses no request silently.
 """
 from __future__ import annotations
 
@@ -61,10 +69,13 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int, worker_class: ty
     r = cfg.worker_rollout  # dtype and threads resolved (TrainConfig's rules)
     # "health": a thread of its own, so that `version` answers the hang probe while a
     # generate call runs; every other call runs in the default group, one at a time, in order.
+    # With in-flight updates, "generate" too: the max_lag + 1 batches in flight are generated
+    # side by side (WorkerPool.call sends them there).
+    groups = {"health": 1} | ({"generate": cfg.max_lag + 1} if r.in_flight_updates else {})
     # OMP_NUM_THREADS from the start (Ray would set it to num_cpus): OpenMP reads it once, and
     # the threads Ray runs calls on keep that value whatever torch.set_num_threads says on
     # another (vLLM's CPU attention checks that the two agree).
-    return ray.remote(concurrency_groups={"health": 1})(worker_class or RolloutWorker).options(
+    return ray.remote(concurrency_groups=groups)(worker_class or RolloutWorker).options(
         num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(r.threads)}},
         resources=cfg.ray.worker_resources or None).remote(
@@ -82,6 +93,7 @@ class WorkerPool:
     def __init__(self, cfg: TrainConfig, model_dir: Path, on_restart: Callable[[object], None]):
         self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
         self.restarts = 0
+        self.reissued_samples = 0  # samples of generate calls sent again to a replacement
         self.incarnation = [0] * cfg.rollout.num_workers  # bumped when worker i is replaced
         # Deadlines per kind of call ("generate", "evaluate", START), measured over
         # all workers together: they run the same engine on the same kind of batch.
@@ -104,9 +116,12 @@ class WorkerPool:
         return len(self.workers)
 
     def call(self, i: int, method: str, *args) -> WorkerCall:
-        """Start `method(*args)` on worker i."""
-        ref = getattr(self.workers[i], method).remote(*args)
-        return WorkerCall(i, self.incarnation[i], method, args, ref)
+        """Start `method(*args)` on worker i (with in-flight updates, a generate call in the
+        worker's concurrency group "generate"; module docstring)."""
+        remote = getattr(self.workers[i], method)
+        if method == "generate" and self.cfg.rollout.in_flight_updates:
+            remote = remote.options(concurrency_group="generate")
+        return WorkerCall(i, self.incarnation[i], method, args, remote.remote(*args))
 
     def is_current(self, call: WorkerCall) -> bool:
         """Whether the worker `call` was sent to is still in the pool (not replaced since)."""
@@ -119,7 +134,7 @@ class WorkerPool:
         i = call.worker
         while True:
             if not self.is_current(call):
-                call = self.call(i, call.method, *call.args)
+                call = self._reissue(call)
             t0 = time.monotonic()
             try:
                 value = self._wait(i, call.ref, call.method, call.method)
@@ -136,6 +151,16 @@ class WorkerPool:
             self._times(call.method).record(max(waited, value.gen_seconds) if isinstance(
                 value, RolloutBatch) else waited)
             return value
+
+    def _reissue(self, call: WorkerCall) -> WorkerCall:
+        """`call` sent again, to the replacement of its worker; a generate call's samples are
+        counted (`reissued_samples`)."""
+        if call.method == "generate":
+            samples = len(call.args[0]) * self.cfg.rollout.samples_per_prompt
+            self.reissued_samples += samples
+            print(f"rollout worker {call.worker}: a generate call of {samples} samples sent "
+                  "to the replaced worker is sent again to its replacement", file=sys.stderr)
+        return self.call(call.worker, call.method, *call.args)
 
     def wait_done(self, calls: list[WorkerCall]) -> None:
         """Wait until `calls` (to one worker) have finished, one way or another, without taking
