@@ -13,9 +13,9 @@ from cluster.cli.main import main
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag1",
-            "overlap_efficiency_lag2", "rollout_outside_engine_ms_256x64",
-            "rollout_floor_ratio", "generation_tokens_per_s", "training_tokens_per_s")
+REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag2",
+            "rollout_outside_engine_ms_256x64", "rollout_floor_ratio", "generation_tokens_per_s",
+            "training_tokens_per_s")
 
 
 def _finite_positive(x) -> bool:
@@ -46,7 +46,7 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert sync["publish_seconds_per_gb"] == pytest.approx(sync["publish_seconds"] / gb)
         assert sync["load_seconds_per_gb"] == pytest.approx(sync["load_seconds"] / gb)
     pipeline = head["pipeline"]
-    assert [r["max_lag"] for r in pipeline["runs"]] == [0, 1, 2]
+    assert [r["max_lag"] for r in pipeline["runs"]] == [0, 2]  # the quick plan's lags
     # The bound: the one-core reference run's work spread over the run's 2 cores, and each run
     # reported against it. No threshold on the ratio: on a tiny model the one-core times are
     # mostly waiting on Ray calls, which a deeper pipeline hides, so a lag can exceed the bound
