@@ -5,11 +5,16 @@ its own row of logits; token 0 is EOS when `eos=True`, giving variable-length se
 padding positions after EOS are masked out). With vocab 3 and length 4 there are 31 sequences
 with EOS and 81 without. Because the enumeration is exhaustive, an expectation under any
 policy is a finite weighted sum, and sampling a sequence is sampling its index.
+
+`MixedSampler` is a sampler that changes while a sequence is generated (a weight update landing
+mid-generation): each token is drawn by the table row of its own prefix, from one of several
+tables, and that row's log-prob is the token's behaviour log-prob.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -127,3 +132,87 @@ class ToyProblem:
         ref = logits + ref_scale * torch.randn(shape, generator=g, dtype=torch.float64)
         direction = torch.randn(shape, generator=g, dtype=torch.float64)
         return cls(space, logits, ref, logits + lag * drift * direction)
+
+
+def composite_logits(space: SequenceSpace, tables: Sequence[torch.Tensor],
+                     version_of: Callable[[tuple[int, ...]], int]) -> torch.Tensor:
+    """The per-state sampler of a sequence whose tokens come from several samplers: row s (a
+    prefix) is row s of tables[version_of(s)]. version_of sees the prefix only, never the token
+    drawn there: that is what makes the switch predictable (docs/kl.md, Sequences sampled by
+    several policy versions)."""
+    out = torch.empty_like(tables[0])
+    for i, prefix in enumerate(space.prefixes):
+        out[i] = tables[version_of(prefix)][i]
+    return out
+
+
+def stale_kv_logits(space: SequenceSpace, before: torch.Tensor, after: torch.Tensor, k: int,
+                    cache_error: torch.Tensor) -> torch.Tensor:
+    """The sampler of a sequence whose weights change from `before` to `after` at position k
+    while the KV cache of the first k positions is kept ("new weights over old cache"). A toy
+    of it: at a state of t >= k tokens, the new logits moved toward the old ones, plus a fixed
+    error `cache_error` [rows, vocab], by the share k / (t + 1) of the attended positions whose
+    keys and values the old weights computed. It is neither table, nor any mix of the two."""
+    def stale(i: int, t: int) -> torch.Tensor:
+        share = k / (t + 1)
+        return after[i] + share * (before[i] - after[i] + cache_error[i])
+
+    return torch.stack([before[i] if len(p) < k else stale(i, len(p))
+                        for i, p in enumerate(space.prefixes)])
+
+
+@dataclass(frozen=True)
+class MixedSampler:
+    """How the sequences of a toy were sampled when the sampler may change mid-sequence.
+
+    Branch j, with probability weights[j], is one outcome of what decides the change without
+    looking at the tokens (when the update lands); in branch j the token at prefix state s is
+    drawn from row s of tables[j] ([J, rows, vocab] logits) and recorded with that row's
+    log-prob. A group of samples of one prompt shares its branch (its requests see the update
+    at the same engine step). A row depends on the prefix and the branch only, so every switch
+    a MixedSampler describes is predictable."""
+
+    weights: torch.Tensor
+    tables: torch.Tensor
+
+    def __post_init__(self):
+        if self.tables.dim() != 3 or self.weights.shape != self.tables.shape[:1]:
+            raise ValueError(f"weights {tuple(self.weights.shape)} / tables "
+                             f"{tuple(self.tables.shape)}: need [J] and [J, rows, vocab]")
+        if bool((self.weights < 0).any()) or abs(float(self.weights.sum()) - 1.0) > 1e-12:
+            raise ValueError("branch weights must be >= 0 and sum to 1")
+
+    @classmethod
+    def single(cls, logits: torch.Tensor) -> MixedSampler:
+        """One sampler for every token (no switch)."""
+        return cls(torch.ones(1, dtype=logits.dtype), logits[None])
+
+    @property
+    def num_branches(self) -> int:
+        return self.weights.shape[0]
+
+    def branch(self, toy: ToyProblem, j: int) -> ToyProblem:
+        """The toy whose behaviour policy is branch j's sampler."""
+        return replace(toy, behaviour_logits=self.tables[j])
+
+    def sequence_prob(self, space: SequenceSpace) -> torch.Tensor:
+        """The probability of each sequence over all branches: [N]; sums to 1."""
+        return sum(w * sequence_prob(t, space) for w, t in zip(self.weights, self.tables))
+
+
+def switch_sampler(space: SequenceSpace, before: torch.Tensor, after: torch.Tensor,
+                   switch_probs: Mapping[int, float],
+                   cache_error: torch.Tensor | None = None) -> MixedSampler:
+    """Tokens at positions < k drawn by `before`, from k on by `after`, where the switch
+    position k is random (probability switch_probs[k]; k = 0: the whole sequence is after's,
+    k >= length: it never switches). cache_error None: the prefix is recomputed with the new
+    weights at the switch, so each token is drawn by exactly one of the two; a table: the old
+    cache is kept (`stale_kv_logits`)."""
+    def table(k: int) -> torch.Tensor:
+        if cache_error is None:
+            return composite_logits(space, (before, after), lambda p: int(len(p) >= k))
+        return stale_kv_logits(space, before, after, k, cache_error)
+
+    ks = sorted(switch_probs)
+    return MixedSampler(torch.tensor([switch_probs[k] for k in ks], dtype=before.dtype),
+                        torch.stack([table(k) for k in ks]))

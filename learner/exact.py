@@ -14,6 +14,10 @@ tests compare these expectations with what docs/kl.md says each configuration co
 The batch is what the trainer sees: a one-token prompt then the response, right-padded;
 `advantages` are the controller's task advantages (kl.compute_advantages over the rewards,
 as cluster/train/batching.py computes them); `behaviour_logp` the sampler's log-probs.
+
+With a `kl.toy.MixedSampler` (a weight update landing mid-sequence) the groups are enumerated
+once per branch (when the update lands, shared by a group), each weighted by the branch's
+probability, and every token's behaviour log-prob is the one of the row that drew it.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ class Groups:
     """Every group of n sequences of a toy, as one TrainBatch of S^n x n rows.
 
     seqs [G, n]: the toy sequence of each member; weight [G]: the group's probability under
-    mu; rows [G*n]: the toy sequence of each batch row (= seqs.flatten())."""
+    mu; rows [G*n]: the toy sequence of each batch row (= seqs.flatten()); branch [G]: the
+    sampler's branch each group was drawn in (kl.toy.MixedSampler; all 0 with one sampler)."""
 
     toy: T.ToyProblem
     n: int
@@ -43,6 +48,7 @@ class Groups:
     weight: torch.Tensor
     rows: torch.Tensor
     batch: TrainBatch
+    branch: torch.Tensor
 
     def with_task_advantages(self, adv_cfg: AdvantageConfig) -> Groups:
         """The batch with the controller's task advantages of `adv_cfg`."""
@@ -51,19 +57,36 @@ class Groups:
                                     normalize=adv_cfg.normalize, eps=adv_cfg.eps)
         return replace(self, batch=replace(b, advantages=adv))
 
+    def relabelled(self, logits: torch.Tensor) -> Groups:
+        """The same groups (same probabilities) with every token's behaviour log-prob read from
+        one table `logits` instead of the row that drew it: what a trainer records when it
+        takes one version's log-probs for a whole sequence."""
+        lp = _aligned(T.token_logp(logits, self.toy.space), self.rows)
+        return replace(self, batch=replace(self.batch, behaviour_logp=lp))
 
-def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor) -> Groups:
-    """All S^n groups of n toy sequences with task rewards `reward` [S] (float64)."""
+
+def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor,
+                     sampler: T.MixedSampler | None = None) -> Groups:
+    """All S^n groups of n toy sequences with task rewards `reward` [S] (float64), once per
+    branch of `sampler` (None: toy.behaviour_logits draws every token)."""
     sp = toy.space
     S = sp.tokens.shape[0]
-    if n < 1 or S ** n > 200_000:
-        raise ValueError(f"{S}^{n} groups is too many to enumerate (use a smaller toy)")
-    seqs = torch.tensor(list(itertools.product(range(S), repeat=n)),
-                        dtype=torch.long).reshape(-1, n)
-    mu_seq = T.sequence_prob(toy.behaviour_logits, sp)
-    weight = mu_seq[seqs].prod(-1)
+    if sampler is None:
+        sampler = T.MixedSampler.single(toy.behaviour_logits)
+    J = sampler.num_branches
+    if n < 1 or J * S ** n > 200_000:
+        raise ValueError(f"{J} x {S}^{n} groups is too many to enumerate (use a smaller toy)")
+    one = torch.tensor(list(itertools.product(range(S), repeat=n)),
+                       dtype=torch.long).reshape(-1, n)
+    seqs = one.repeat(J, 1)
+    branch = torch.arange(J).repeat_interleave(one.shape[0])
+    mu_seq = torch.stack([T.sequence_prob(t, sp) for t in sampler.tables])  # [J, S]
+    weight = sampler.weights[branch] * mu_seq[branch[:, None], seqs].prod(-1)
     rows = seqs.reshape(-1)
     B = rows.shape[0]
+    # Each row's behaviour log-probs from its own branch's table: the row that drew each token.
+    behaviour = torch.stack([T.token_logp(t, sp) for t in sampler.tables])  # [J, S, T]
+    row_logp = behaviour[branch.repeat_interleave(n), rows]
 
     def pad(x, v):  # the one-token prompt in front
         return torch.cat([torch.full((B, 1), v, dtype=x.dtype), x], dim=1)
@@ -73,13 +96,13 @@ def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor) -> Groups:
         input_ids=pad(sp.tokens[rows], 0),
         attention_mask=pad(sp.mask[rows].long(), 1),
         response_mask=mask,
-        behaviour_logp=_aligned(T.token_logp(toy.behaviour_logits, sp), rows),
+        behaviour_logp=_aligned(row_logp, torch.arange(B)),
         rewards=reward.to(torch.float64)[rows],
         advantages=torch.zeros(B, dtype=torch.float64),
         group_ids=torch.arange(seqs.shape[0]).repeat_interleave(n),
         policy_versions=torch.zeros(B, dtype=torch.long),
     )
-    return Groups(toy, n, seqs, weight, rows, batch)
+    return Groups(toy, n, seqs, weight, rows, batch, branch)
 
 
 def _aligned(token_logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
