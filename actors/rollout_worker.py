@@ -9,9 +9,12 @@ The class is a plain Python class; make it an actor at the use site, with the re
 
 `task_cfg` is a `rewards.config.TaskConfig`; `evaluate` takes a `rewards.config.EvalConfig`.
 
-Keep the actor serial (Ray's default max_concurrency=1): the controller relies on a
-worker running `load_weights` and `generate` calls in the order they were sent, which is
-what bounds the policy lag.
+Without in-flight updates, keep the actor serial (Ray's default max_concurrency=1): the
+controller relies on a worker running `load_weights` and `generate` calls in the order they
+were sent, which is what bounds the policy lag. With `RolloutConfig.in_flight_updates` the
+engine generates continuously (actors/continuous.py): several `generate` calls may run at
+once (a Ray concurrency group of their own), each waiting for the version it asks for
+(`min_version`), beside `load_weights` and `evaluate`, which go through the same loop.
 
 Design choices:
 
@@ -62,6 +65,7 @@ from typing import Any
 
 from actors import lora_serving
 from actors.config import RolloutConfig, SyncConfig
+from actors.continuous import ContinuousEngine, split_samples
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
 from actors.lora_serving import AdapterSlot
@@ -105,6 +109,10 @@ class RolloutWorker:
         if not isinstance(task_cfg, TaskConfig):
             raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
                             f"{type(task_cfg).__name__}")
+        if rollout_cfg.in_flight_updates and lora_rank is not None:
+            raise ValueError("rollout.in_flight_updates does not support LoRA (learner.lora, "
+                             "lora_rank) yet: an adapter swap between engine steps is not "
+                             "implemented; turn one of them off")
         self.cfg, self.sync_cfg, self.task_cfg = rollout_cfg, sync_cfg, task_cfg
         self.worker_index, self.seed = worker_index, seed
         self._version = version
@@ -118,6 +126,7 @@ class RolloutWorker:
         # `load_weights` time out a reload without losing the thread it waits on.
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-engine")
         self._pending: concurrent.futures.Future | None = None
+        self._continuous: ContinuousEngine | None = None  # in-flight updates: the engine's loop
         # Where the last successful load's time went (seconds: fetch, read, reload,
         # cache_reset; nccl and cuda_ipc: reload, cache_reset); `klrl bench` reports it.
         self.last_load_seconds: dict[str, float] = {}
@@ -139,10 +148,16 @@ class RolloutWorker:
         # vLLM makes no text where the worker can decode it itself (actors/outputs.py).
         self.decodes_texts = decodes_texts_itself(self.renderer.tokenizer, self.renderer.stop)
         self._on_engine(self._warm_up)
+        # In-flight updates: from here on the loop holds the engine thread, and every engine
+        # call goes through it (`_on_engine`).
+        if rollout_cfg.in_flight_updates:
+            self._continuous = ContinuousEngine(self.llm, self._engine_thread, version=version,
+                                                recompute=rollout_cfg.stale_kv == "recompute")
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, problems: list, group_ids: list[int], seed: int) -> RolloutBatch:
+    def generate(self, problems: list, group_ids: list[int], seed: int,
+                 min_version: int = 0) -> RolloutBatch:
         """`samples_per_prompt` scored samples of each problem, with the sampler's per-token
         log-probs and the policy version of the weights that produced them.
 
@@ -150,10 +165,19 @@ class RolloutWorker:
         reproducible (same weights, same problems, same seed: same samples); each problem
         gets its own seed derived from (seed, worker_index, i) (`actors.seeds.request_seed`),
         and vLLM gives sample j of it that seed + j.
+
+        With in-flight updates (`_generate_in_flight`) the samples enter the running engine
+        once it holds a version >= min_version, and each carries its tokens' versions.
+        Without, the worker holds one version, which must be >= min_version.
         """
         self._check_usable()
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
+        if self._continuous is not None:
+            return self._generate_in_flight(problems, group_ids, seed, min_version)
+        if min_version > self._version:
+            raise ValueError(f"worker {self.worker_index} holds policy version "
+                             f"{self._version}, below the version asked for ({min_version})")
         params = self._request_params(seed, len(problems))
         prompts = self.renderer.prompts(problems)
         t0 = time.perf_counter()
@@ -181,6 +205,41 @@ class RolloutWorker:
                             worker=self.worker_index, gen_seconds=gen_s,
                             num_response_tokens=sum(len(r.response_ids) for r in rollouts))
 
+    def _generate_in_flight(self, problems, group_ids, seed: int,
+                            min_version: int) -> RolloutBatch:
+        """`generate` on the continuously running engine: each sample is a request of its own
+        (n=1, the seed vLLM would give it: `split_samples`), so it leaves the engine as soon
+        as it finishes. A rollout's policy_version is its oldest token's (a response without
+        tokens: the version when it entered the engine); the batch's, the oldest rollout's.
+        gen_seconds: from the first request entering the engine to the last one leaving it."""
+        per_problem = [split_samples(p) for p in self._request_params(seed, len(problems))]
+        prompts = self.renderer.prompts(problems)
+        done = self._continuous.generate(
+            [pr for pr, ps in zip(prompts, per_problem) for _ in ps],
+            [one for ps in per_problem for one in ps], min_version=min_version)
+        gen_s = (max(c.finished_at for c in done) - min(c.added_at for c in done)) if done else 0.0
+        # One prompt-ids list per prompt, shared by its samples' records (and by their pickle).
+        ids = [list(pr["prompt_token_ids"]) for pr in prompts]
+        samples = [(p, g, i) for p, g, i, ps in zip(problems, group_ids, ids, per_problem)
+                   for _ in ps]
+        if self.decodes_texts:
+            texts = completion_texts(self.renderer.tokenizer, [i for *_, i in samples], done)
+        else:
+            texts = [c.text for c in done]
+        scores = self._score([p for p, *_ in samples], texts)
+        rollouts = [
+            Rollout(problem=p, group_id=g, prompt_ids=i, response_ids=c.token_ids,
+                    behaviour_logprobs=c.logprobs,
+                    policy_version=c.versions[0] if c.versions else c.submitted_version,
+                    finish_reason=str(c.finish_reason), reward=s.reward,
+                    score_failure=s.failure, worker=self.worker_index, token_versions=c.versions)
+            for (p, g, i), c, s in zip(samples, done, scores)]
+        return RolloutBatch(rollouts=rollouts,
+                            policy_version=min((r.policy_version for r in rollouts),
+                                               default=self._continuous.version),
+                            worker=self.worker_index, gen_seconds=gen_s,
+                            num_response_tokens=sum(len(r.response_ids) for r in rollouts))
+
     def _score(self, problems, texts) -> list[ScoreResult]:
         """ScoreResults for the completions. A failure of the scoring pool itself scores every
         item 0 with failure POOL_ERROR (counted by the controller); anything else the pool
@@ -199,6 +258,10 @@ class RolloutWorker:
         and problems and sampling seeds fixed by eval_cfg.seed (not the run seed).
         `EvalReport.metrics()` gives the logged eval/<set>/... metrics."""
         self._check_usable()
+        if self._continuous is not None:  # on this thread: its requests go through the loop
+            return evaluate_sets(self._continuous.facade(), eval_cfg, self.task_cfg,
+                                 default_max_tokens=self.cfg.max_new_tokens,
+                                 renderer=self.renderer, scoring_pool=self.pool)
         return self._on_engine(lambda: evaluate_sets(
             self._serving(), eval_cfg, self.task_cfg, default_max_tokens=self.cfg.max_new_tokens,
             renderer=self.renderer, scoring_pool=self.pool))
@@ -215,6 +278,11 @@ class RolloutWorker:
         (A hang inside native code that keeps the GIL freezes the whole actor, timeout
         included; the caller's `ray.get(..., timeout=SyncConfig.timeout_s)`, which the
         controller does, still catches that.)
+
+        With in-flight updates the reload runs between two engine steps with the requests in
+        flight (`ContinuousEngine.update`, which also handles their stale KV); tokens of
+        later steps carry the new version. A reload that fails there fails every request in
+        flight too.
         """
         if self._pending is not None and not self._pending.done():
             raise RuntimeError(f"worker {self.worker_index}: a timed-out weight reload is "
@@ -239,7 +307,10 @@ class RolloutWorker:
             def reload():
                 return dict(fetched.seconds) | sent_by.reload(self.llm, fetched.source)
 
-        self._pending = self._engine_thread.submit(reload)
+        if self._continuous is not None:
+            self._pending = self._continuous.update(reload, update.version)
+        else:
+            self._pending = self._engine_thread.submit(reload)
         try:
             seconds = self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
@@ -249,10 +320,12 @@ class RolloutWorker:
         except BaseException as e:
             self._broken = f"reload of version {update.version} failed: {type(e).__name__}: {e}"
             raise
-        # Cached prefix KV blocks were computed with the old weights.
-        t0 = time.perf_counter()
-        self._on_engine(self.llm.reset_prefix_cache)
-        self.last_load_seconds = seconds | {"cache_reset": time.perf_counter() - t0}
+        if self._continuous is None:
+            # Cached prefix KV blocks were computed with the old weights.
+            t0 = time.perf_counter()
+            self._on_engine(self.llm.reset_prefix_cache)
+            seconds |= {"cache_reset": time.perf_counter() - t0}
+        self.last_load_seconds = seconds
         self._version, self._broken = update.version, None
         return self._version
 
@@ -281,6 +354,11 @@ class RolloutWorker:
         """Where the last successful `load_weights` spent its time (seconds by part)."""
         return dict(self.last_load_seconds)
 
+    def engine_stats(self) -> dict[str, float]:
+        """In-flight updates: the continuous engine's counters (`ContinuousEngine.stats`:
+        steps, tokens, updates, requests preempted, seconds idle and stepping); {} without."""
+        return self._continuous.stats() if self._continuous is not None else {}
+
     def engine_settings(self, names: Sequence[str]) -> dict[str, Any]:
         """The live engine's value of each setting in `names` (a field of one of vLLM's
         model, cache, scheduler, parallel or load configs), as vLLM resolved it: a rollout
@@ -308,13 +386,19 @@ class RolloutWorker:
         if self._pending is not None and not self._pending.done():
             shutdown_llm(self.llm)  # the engine thread is stuck in a timed-out reload
         else:
+            if self._continuous is not None:
+                self._continuous.stop()  # the engine thread is free again
+                self._continuous = None
             self._on_engine(lambda: shutdown_llm(self.llm))
         self._engine_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ helpers
 
     def _on_engine(self, fn):
-        """fn() run on the engine thread (see `__init__`); its result or its exception."""
+        """fn() run on the engine thread (see `__init__`; with in-flight updates, by the loop
+        that holds it, between two steps); its result or its exception."""
+        if getattr(self, "_continuous", None) is not None:
+            return self._continuous.call(fn).result()
         return self._engine_thread.submit(fn).result()
 
     def _serving(self):
@@ -348,8 +432,12 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
     `TrainConfig.worker_rollout`; null here leaves it to `make_llm`; then `engine_kwargs`,
     whose keys never clash with these: `RolloutConfig` refuses klrl's own), the model's
     revision and trust_remote_code, the weight-reload extension, processed log-probs, and
-    what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer)."""
-    extra = transport(sync_cfg.transport).engine_options()
+    what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer).
+    In-flight updates turn vLLM's async scheduling off (GPU; CPU has none): a step must return
+    the tokens it sampled, for each to be tagged with its version (actors/continuous.py)."""
+    extra = dict(transport(sync_cfg.transport).engine_options())
+    if cfg.in_flight_updates:
+        extra["async_scheduling"] = False
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
