@@ -9,6 +9,7 @@ for the whole sequence, a switch that sees the token it samples, or a group whos
 depends on one member's tokens are not, and the tests show by how much.
 """
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from kl.analysis import (
     truncated_bias,
 )
 from kl.config import AdvantageConfig, KLConfig
+from kl.diagnostics import sequence_kl_estimates
 from learner.config import LearnerConfig
 from learner.exact import chain_to_logits, enumerate_groups, expected_grad
 from learner.exact_table import ADVANTAGES, KL_MODES, documented, task_reward
@@ -174,6 +176,27 @@ def test_a_switch_that_sees_the_token_it_samples_is_not_exact():
     assert _off(g, REFS.g_star) < 1e-9
 
 
+def test_logged_kl_estimates_with_each_tokens_own_log_prob():
+    """kl/pi_ref and kl/pi_ref_k3 (prefix-weighted) stay unbiased for KL(pi || ref) under every
+    mixed sampler; kl/mu_ref estimates the sampler's KL averaged over the branches."""
+    true = float(T.sequence_kl(TOY.logits, TOY.ref_logits, SP))
+    lp, ref = T.token_logp(TOY.logits, SP), T.token_logp(TOY.ref_logits, SP)
+    for name, s in SAMPLERS.items():
+        est = dict.fromkeys(("pi_ref", "pi_ref_k3", "mu_ref"), 0.0)
+        for p, rec in _drawn(s):
+            e = sequence_kl_estimates(lp, ref, T.token_logp(rec, SP), SP.mask)
+            est = {key: est[key] + float(p @ e[key]) for key in est}
+        assert est["pi_ref"] == pytest.approx(true, abs=1e-12), name
+        assert est["pi_ref_k3"] == pytest.approx(true, abs=1e-12), name
+        mu_kl = sum(float(w) * float(T.sequence_kl(t, TOY.ref_logits, SP))
+                    for w, t in zip(s.weights, s.tables))
+        assert est["mu_ref"] == pytest.approx(mu_kl, abs=1e-12), name
+    # One version's log-probs for every token: kl/pi_ref is off.
+    wrong = sum(float(p @ sequence_kl_estimates(lp, ref, T.token_logp(OLD, SP), SP.mask)["pi_ref"])
+                for p, _ in _drawn(SAMPLERS["recompute"]))
+    assert abs(wrong - true) > 1e-2
+
+
 # The trainer-level toy: length 3 (15 sequences), groups of 2 and 3 share when the update lands.
 TOY3 = T.ToyProblem.make(vocab=3, length=3, seed=0, lag=0.0)
 OLD3, NEW3 = _versions(3, (3.0, 1.0))
@@ -231,6 +254,8 @@ def test_trainer_kl_share_is_exact_under_mixed_versions(name):
 
 @pytest.mark.parametrize("mode", SEPARATE, ids=lambda m: m[0])
 def test_trainer_kl_share_is_biased_by_one_versions_log_probs(mode):
+    """The same groups with the oldest or the newest version's log-probs for every token
+    (Groups.relabelled): the KL share leaves its documented form."""
     adv_cfg, lcfg = AdvantageConfig(estimator="rloo", normalize="group"), LearnerConfig()
     g = _groups("recompute", 2).with_task_advantages(adv_cfg)
     target = _documented(mode, "rloo", "group", 2, SAMPLERS3["recompute"])
@@ -276,26 +301,59 @@ def test_trainer_task_term_uses_each_tokens_own_log_prob(name, off):
         assert relative_error(old, task) > 1e-2
 
 
+def _coupled_errors() -> dict[tuple[str, str], float]:
+    """Relative error of the KL share against beta g* (uncapped modes with a reward part) when
+    the update lands before position 1 if member 0 ended at its first token, else before 2."""
+    sampler = T.switch_sampler(TOY3.space, OLD3, NEW3, {1: 0.5, 2: 0.5})
+    g = enumerate_groups(TOY3, 2, task_reward(TOY3.space), sampler)
+    ended = TOY3.space.tokens[g.seqs[:, 0], 0] == T.EOS
+    g = replace(g, weight=torch.where(g.branch == torch.where(ended, 0, 1), 2 * g.weight, 0.0))
+    assert float(g.weight.sum()) == pytest.approx(1.0, abs=1e-12)
+    out = {}
+    for mode in (SEPARATE[0], SEPARATE[2], SEPARATE[3]):
+        target = BETA * on_policy_prediction(KLVariant(mode[3], mode[2]), REFS3)
+        for est, norm in (("reinforce", "none"), ("rloo", "group")):
+            adv_cfg = AdvantageConfig(estimator=est, normalize=norm)
+            d = _kl_share(g.with_task_advantages(adv_cfg), mode, adv_cfg, LearnerConfig())
+            out[(mode[0], est)] = relative_error(d, target)
+    return out
+
+
 def test_an_update_timed_by_one_members_tokens_leaks_through_the_kl_baseline():
     """Each member's switch is predictable, but the update lands one step earlier when member 0
     ended at its first token (one request fewer makes engine steps faster). Member 1's tokens,
     and so member 0's leave-one-out KL baseline, then depend on member 0's first token, and the
-    baseline term stops being zero-mean. Without a baseline (reinforce) the share stays exact;
-    with one it is off, by a little (0.3-0.5% of beta g* here)."""
-    sampler = T.switch_sampler(TOY3.space, OLD3, NEW3, {1: 0.5, 2: 0.5})
-    g = _groups_with(sampler)
-    ended = TOY3.space.tokens[g.seqs[:, 0], 0] == T.EOS
-    g = replace(g, weight=torch.where(g.branch == torch.where(ended, 0, 1), 2 * g.weight, 0.0))
-    assert float(g.weight.sum()) == pytest.approx(1.0, abs=1e-12)
-    lcfg = LearnerConfig()
-    for mode in (SEPARATE[0], SEPARATE[3]):  # uncapped, with a reward part: documented g-share
-        target = BETA * on_policy_prediction(KLVariant(mode[3], mode[2]), REFS3)
-        for est, norm, exact in (("reinforce", "none", True), ("rloo", "group", False)):
-            adv_cfg = AdvantageConfig(estimator=est, normalize=norm)
-            err = relative_error(_kl_share(g.with_task_advantages(adv_cfg), mode, adv_cfg, lcfg),
-                                 target)
-            assert (err < 1e-9) if exact else (1e-3 < err < 2e-2), (mode[0], est)
+    baseline's term stops being zero-mean: the KL share is off with a baseline, and exact
+    without one (reinforce) or without a reward part (placement loss)."""
+    for (mode, est), err in _coupled_errors().items():
+        leaks = est == "rloo" and "/loss/" not in mode
+        assert (1e-3 < err < 2e-2) if leaks else (err < 1e-9), (mode, est)
 
 
-def _groups_with(sampler: T.MixedSampler):
-    return enumerate_groups(TOY3, 2, task_reward(TOY3.space), sampler)
+def test_docs_quote_the_toys_figures():
+    """docs/kl.md (Sequences sampled by several policy versions) quotes these; recomputed."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kl.md").read_text()
+    section = " ".join(text[text.index("## Sequences sampled by several policy versions"):]
+                       .split())
+    v = KLVariant("k1", "reward", "prefix")
+    pred = on_policy_prediction(v, REFS)
+    one = [_off(_expected(_drawn(SAMPLERS["recompute"], r), v), pred) for r in (OLD, NEW)]
+    assert f"ends {one[0]:.0%} (oldest) or {one[1]:.0%} (newest) away from g*" in section
+    clean = _off(_expected(_drawn(SAMPLERS["keep"], SAMPLERS["recompute"].tables), v), pred)
+    assert f"(on the toy, {clean:.0%} away from g*)" in section
+    mode, adv_cfg, lcfg = SEPARATE[0], AdvantageConfig(estimator="rloo", normalize="group"), \
+        LearnerConfig()
+    g = _groups("recompute", 2).with_task_advantages(adv_cfg)
+    target = _documented(mode, "rloo", "group", 2, SAMPLERS3["recompute"])
+    share = [relative_error(_kl_share(g.relabelled(r), mode, adv_cfg, lcfg), target)
+             for r in (OLD3, NEW3)]
+    uncorrected = relative_error(
+        expected_grad(g, _kl_cfg(mode).model_copy(update={"importance": "none"}), adv_cfg, lcfg)
+        - expected_grad(g, KLConfig(beta=0.0), adv_cfg, lcfg), target)
+    assert (f"{share[0]:.0%} (oldest) or {share[1]:.0%} (newest) away from beta g*, further than "
+            f"no correction at all ({uncorrected:.0%})") in section
+    assert share[0] > uncorrected
+    coupled = _coupled_errors()
+    assert (f"{coupled[(SEPARATE[0][0], 'rloo')]:.1%} (`k1` reward) or "
+            f"{coupled[(SEPARATE[3][0], 'rloo')]:.1%} (`k3` reward+loss) away from beta g*"
+            ) in section
