@@ -144,8 +144,9 @@ class RolloutConfig(BaseModel):
         "preempted and its prefix recomputed with the new weights, so each token is sampled by "
         "exactly one policy version (the exact choice). keep: the prefix's KV computed by the "
         "old weights stays, and later tokens are sampled by the new weights over that cache; "
-        "their log-probs are still exactly what sampled them. keep needs "
-        "enable_prefix_caching false, so that no new request reuses KV of older weights.")
+        "their log-probs are still exactly what sampled them. keep turns prefix caching off "
+        "(enable_prefix_caching null or false), so that no new request reuses KV of older "
+        "weights.")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="More keyword arguments for vllm.LLM (vLLM's "
         "EngineArgs, e.g. {kv_cache_dtype: fp8, block_size: 32}), passed unchanged. Keys klrl "

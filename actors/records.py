@@ -90,3 +90,20 @@ class RolloutBatch:
     worker: int
     gen_seconds: float                # wall time inside the engine
     num_response_tokens: int = field(default=0)
+    # The worker's engine-busy seconds since it started (generating or evaluating; with
+    # in-flight updates, inside engine steps) and its monotonic clock, both read as this batch
+    # was returned: two batches of one worker give the share of the time between them that
+    # its engine sat idle (`engine_idle_share`).
+    engine_busy_seconds: float = 0.0
+    returned_at: float = 0.0
+
+
+def engine_idle_share(earlier: RolloutBatch, later: RolloutBatch) -> float | None:
+    """The share of the time between two batches of one worker (`later` returned after
+    `earlier`) in which its engine was idle: waiting for a weight load, a request or the next
+    call. None when they are not two batches of one worker's clock in that order."""
+    elapsed = later.returned_at - earlier.returned_at
+    if later.worker != earlier.worker or elapsed <= 0:
+        return None
+    busy = later.engine_busy_seconds - earlier.engine_busy_seconds
+    return min(1.0, max(0.0, 1.0 - busy / elapsed))

@@ -127,6 +127,7 @@ class RolloutWorker:
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-engine")
         self._pending: concurrent.futures.Future | None = None
         self._continuous: ContinuousEngine | None = None  # in-flight updates: the engine's loop
+        self._batch_busy_s = 0.0  # without in-flight updates: seconds generating or evaluating
         # Where the last successful load's time went (seconds: fetch, read, reload,
         # cache_reset; nccl and cuda_ipc: reload, cache_reset); `klrl bench` reports it.
         self.last_load_seconds: dict[str, float] = {}
@@ -201,9 +202,11 @@ class RolloutWorker:
                     score_failure=s.failure, worker=self.worker_index)
             for (p, g, ids, c), s in zip(samples, scores)]
 
+        self._batch_busy_s += gen_s
         return RolloutBatch(rollouts=rollouts, policy_version=self._version,
                             worker=self.worker_index, gen_seconds=gen_s,
-                            num_response_tokens=sum(len(r.response_ids) for r in rollouts))
+                            num_response_tokens=sum(len(r.response_ids) for r in rollouts),
+                            **self._busy_clock())
 
     def _generate_in_flight(self, problems, group_ids, seed: int,
                             min_version: int) -> RolloutBatch:
@@ -238,7 +241,14 @@ class RolloutWorker:
                             policy_version=min((r.policy_version for r in rollouts),
                                                default=self._continuous.version),
                             worker=self.worker_index, gen_seconds=gen_s,
-                            num_response_tokens=sum(len(r.response_ids) for r in rollouts))
+                            num_response_tokens=sum(len(r.response_ids) for r in rollouts),
+                            **self._busy_clock())
+
+    def _busy_clock(self) -> dict[str, float]:
+        """RolloutBatch's engine_busy_seconds and returned_at, read now (records.py)."""
+        busy = (self._continuous.stats()["step_s"] if self._continuous is not None
+                else self._batch_busy_s)
+        return {"engine_busy_seconds": busy, "returned_at": time.monotonic()}
 
     def _score(self, problems, texts) -> list[ScoreResult]:
         """ScoreResults for the completions. A failure of the scoring pool itself scores every
@@ -262,9 +272,14 @@ class RolloutWorker:
             return evaluate_sets(self._continuous.facade(), eval_cfg, self.task_cfg,
                                  default_max_tokens=self.cfg.max_new_tokens,
                                  renderer=self.renderer, scoring_pool=self.pool)
-        return self._on_engine(lambda: evaluate_sets(
-            self._serving(), eval_cfg, self.task_cfg, default_max_tokens=self.cfg.max_new_tokens,
-            renderer=self.renderer, scoring_pool=self.pool))
+        t0 = time.perf_counter()
+        try:
+            return self._on_engine(lambda: evaluate_sets(
+                self._serving(), eval_cfg, self.task_cfg,
+                default_max_tokens=self.cfg.max_new_tokens,
+                renderer=self.renderer, scoring_pool=self.pool))
+        finally:  # the engine is busy evaluating (in-flight updates: counted in its steps)
+            self._batch_busy_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ weights
 
@@ -434,16 +449,20 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
     revision and trust_remote_code, the weight-reload extension, processed log-probs, and
     what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer).
     In-flight updates turn vLLM's async scheduling off (GPU; CPU has none): a step must return
-    the tokens it sampled, for each to be tagged with its version (actors/continuous.py)."""
+    the tokens it sampled, for each to be tagged with its version (actors/continuous.py);
+    `stale_kv: keep` turns prefix caching off."""
     extra = dict(transport(sync_cfg.transport).engine_options())
     if cfg.in_flight_updates:
         extra["async_scheduling"] = False
+    # stale_kv keep: no prefix cache, so that no new request reuses KV an older version made
+    # (RolloutConfig refuses keep with enable_prefix_caching true; null means off here).
+    prefix_caching = False if cfg.stale_kv == "keep" else cfg.enable_prefix_caching
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
                 tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                enable_prefix_caching=cfg.enable_prefix_caching, revision=revision,
+                enable_prefix_caching=prefix_caching, revision=revision,
                 trust_remote_code=trust_remote_code, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
                 logprobs_mode=LOGPROBS_MODE, **extra, **cfg.engine_kwargs)
 

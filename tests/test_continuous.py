@@ -301,3 +301,19 @@ def test_keep_samples_later_tokens_over_the_old_kv(keep_worker, problems, models
     gaps = [(torch.tensor(r.behaviour_logprobs) - _logprobs(new, r))[
         torch.tensor(r.token_versions) == 1].abs().max().item() for r in spanning]
     assert max(gaps) > 1e-2
+
+
+def test_engine_idle_share_is_the_unbusy_part_of_the_time_between_two_batches():
+    from actors.records import RolloutBatch, engine_idle_share
+
+    def batch(worker, busy, at):
+        return RolloutBatch(rollouts=[], policy_version=0, worker=worker, gen_seconds=0.0,
+                            engine_busy_seconds=busy, returned_at=at)
+
+    assert engine_idle_share(batch(0, 1.0, 10.0), batch(0, 4.0, 14.0)) == pytest.approx(0.25)
+    assert engine_idle_share(batch(0, 1.0, 10.0), batch(0, 1.0, 12.0)) == 1.0  # nothing ran
+    # Busy time counted on a clock that ran a little ahead is clipped, not a negative idle.
+    assert engine_idle_share(batch(0, 0.0, 10.0), batch(0, 2.5, 12.0)) == 0.0
+    # Two workers' clocks, or batches out of order, give no share.
+    assert engine_idle_share(batch(0, 1.0, 10.0), batch(1, 4.0, 14.0)) is None
+    assert engine_idle_share(batch(0, 4.0, 14.0), batch(0, 1.0, 10.0)) is None
