@@ -101,9 +101,10 @@ class RolloutBatch:
 def engine_idle_share(earlier: RolloutBatch, later: RolloutBatch) -> float | None:
     """The share of the time between two batches of one worker (`later` returned after
     `earlier`) in which its engine was idle: waiting for a weight load, a request or the next
-    call. None when they are not two batches of one worker's clock in that order."""
+    call. None when they are not two batches of one worker's clock in that order, or when
+    the busy time went back (a replaced worker's counter starts again)."""
     elapsed = later.returned_at - earlier.returned_at
-    if later.worker != earlier.worker or elapsed <= 0:
-        return None
     busy = later.engine_busy_seconds - earlier.engine_busy_seconds
+    if later.worker != earlier.worker or elapsed <= 0 or busy < 0:
+        return None
     return min(1.0, max(0.0, 1.0 - busy / elapsed))

@@ -317,3 +317,4 @@ def test_engine_idle_share_is_the_unbusy_part_of_the_time_between_two_batches():
     # Two workers' clocks, or batches out of order, give no share.
     assert engine_idle_share(batch(0, 1.0, 10.0), batch(1, 4.0, 14.0)) is None
     assert engine_idle_share(batch(0, 4.0, 14.0), batch(0, 1.0, 10.0)) is None
+    assert engine_idle_share(batch(0, 9.0, 10.0), batch(0, 1.0, 12.0)) is None  # replaced

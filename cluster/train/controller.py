@@ -17,6 +17,7 @@ max_lag = 0 is synchronous on-policy RL: generate, train, sync, repeat.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -24,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.records import POOL_ERROR, Rollout
+from actors.records import POOL_ERROR, Rollout, RolloutBatch, engine_idle_share
 from actors.seeds import generate_seed
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
@@ -73,6 +74,7 @@ class Controller:
         self.weights = WeightSyncState(cfg.sync, self.run_dir.name)
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
         self.reissued_logged = 0     # pool.reissued_samples when the last step was logged
+        self.last_batches: dict[int, RolloutBatch] = {}  # per worker, without its rollouts
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
@@ -222,7 +224,8 @@ class Controller:
         failures = sum(r.score_failure is not None for r in rollouts)
         pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
         rewards = [r.reward for r in rollouts]
-        return rollouts, per_token | {
+        lengths = [len(r.response_ids) for r in rollouts]
+        return rollouts, per_token | self._engine_idle(batches) | {
             "lag/max": max(lags), "lag/mean": sum(lags) / len(lags),
             "lag/dropped_total": self.dropped_stale,
             # In optimizer steps: update k of this batch trains on data lag * updates + k steps
@@ -233,7 +236,18 @@ class Controller:
             "faults/scoring_pool_errors": pool_errors,  # generate calls whose pool failed
             "time/generate": gen_s, "time/wait_for_rollouts": wait_s,
             "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+            "rollout/response_tokens_mean": sum(lengths) / len(lengths),
+            "rollout/response_tokens_max": max(lengths),
         }
+
+    def _engine_idle(self, batches: list[RolloutBatch]) -> dict:
+        """rollout/engine_idle_share: the mean over workers of the share of the time since
+        their previous batch that their engine sat idle (actors.records.engine_idle_share;
+        none on a worker's first batch, or its replacement's)."""
+        shares = [share for b in batches if (before := self.last_batches.get(b.worker))
+                  and (share := engine_idle_share(before, b)) is not None]
+        self.last_batches |= {b.worker: dataclasses.replace(b, rollouts=[]) for b in batches}
+        return {"rollout/engine_idle_share": sum(shares) / len(shares)} if shares else {}
 
     def _publish(self) -> dict:
         """Publish the learner's new weights and queue their load on every worker. Without
