@@ -9,10 +9,13 @@ the actors' own tests."""
 from __future__ import annotations
 
 import pytest
+from test_faults import FAST_DEADLINES, TrainProcess, tiny_args
+
 from actors.records import Rollout
 from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.config.train_config import load_train_config
 from cluster.train.controller import Controller, InFlight
+from cluster.train.run_log import read_metrics
 from cluster.train.staleness import token_lag_metrics
 from rewards import Problem
 
@@ -164,3 +167,41 @@ def test_taken_batches_log_the_token_lags(tmp_path):
     assert m["lag/max"] == 1 and m["lag/token_max"] == 1
     assert m["lag/token_mean"] == pytest.approx(1 / 4)
     assert m["lag/multi_version_share"] == 0.5 and m["lag/versions_per_sample"] == 1.5
+
+
+# ------------------------------------------------------------------ a real run
+
+XDIST_GROUP = "own-processes"  # a `klrl train` subprocess (tests/conftest.py)
+
+
+@pytest.mark.slow
+def test_in_flight_run_mixes_versions_within_the_lag_and_rides_out_a_killed_worker(
+        tmp_path, tiny_model_dir):
+    """max_lag 1 with in-flight updates on the tiny random model: some samples hold tokens of
+    two versions, and every trained token is within one version of the learner. Worker 0,
+    killed with its requests in flight, is replaced once; its generate calls are sent again and
+    counted (faults/reissued_samples), and the run completes.
+
+    One prompt of 2 samples of up to 400 tokens: decoding them token by token takes several
+    times a train step on so few tokens, so once the pipeline runs (a batch requested a step
+    after the one before it) each batch is still generating when the next update lands. The
+    first two batches are requested together and finish together, as are the two re-sent
+    after the restart; the steady steps before and after those mix versions."""
+    run = TrainProcess(tmp_path, "inflight", *tiny_args(
+        tiny_model_dir, tmp_path, "inflight", 8, "max_lag=1", *IN_FLIGHT,
+        "rollout.max_new_tokens=400", "rollout.prompts_per_step=1",
+        "rollout.samples_per_prompt=2", *FAST_DEADLINES))
+    run.wait_for_step(3)
+    run.kill_titled("ray::RolloutWorker")
+    assert run.finish() == 0, run.output()
+    assert not run.leftovers()
+    out = run.output()
+    assert "sent again to its replacement" in out and "(restart 1/3)" in out, out
+    steps = [m for m in read_metrics(run.run_dir) if m["step"] > 0]
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    assert all(m["lag/token_max"] <= 1 and m["lag/max"] <= 1 for m in steps), steps
+    assert all(m["lag/dropped_total"] == 0 for m in steps)
+    assert max(m["lag/multi_version_share"] for m in steps) > 0, steps
+    assert max(m["lag/versions_per_sample"] for m in steps) > 1
+    assert steps[-1]["faults/worker_restarts"] == 1
+    assert sum(m["faults/reissued_samples"] for m in steps) >= 2  # one call: 1 prompt x 2
