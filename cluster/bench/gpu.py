@@ -29,6 +29,7 @@ from cluster.config.loader import REPO_ROOT
 GPU_SHARE = 0.5        # Ray GPUs of the learner rank and of the rollout worker: one GPU shared
 ENGINE_MEMORY = 0.3    # rollout.gpu_memory_utilization: worker + raw baseline + learner fit
 GPU_LAGS = (0, 2)      # end to end: on-policy, and the pipeline two versions deep
+GPU_IN_FLIGHT_LAGS = (2,)  # and that pipeline again with in-flight weight updates
 COPY_PROBE_BYTES = 256 * 2**20  # the headline device-to-device copy speed
 GPU_TESTS_TIMEOUT_S = 540       # `--only tests` fits a 10-minute call with start-up around it
 

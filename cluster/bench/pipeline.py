@@ -27,6 +27,17 @@ generation and training alternate on the GPU, and the GPU counts as the one "cor
 bound is batch / (T_gen + T_train) of that run, and the ideal at max_lag >= 1 is batch /
 max(T_gen, T_train): the two phases overlapping perfectly, which their contention for the
 one GPU prevents in part.
+
+In-flight weight updates (`in_flight_lags`, `rollout.in_flight_updates=true`): the same
+workload and steps at each of those max_lags with the workers generating continuously and
+taking each new version between two engine steps, named `<workload>-lag<k>-inflight`. They get
+the same bound, ideal and efficiency (one step's work is the same work); the speed-up is their
+samples/s over the batch-level run's at that lag. Each run also keeps the means of what the
+controller logs per step about the engines and the batch (`STEP_MEANS`): the share of the time
+between a worker's two batches in which its engine sat idle (what in-flight updates are meant
+to shrink), the tokens' lag and the share of samples that span several versions (what they
+cost), and the responses' mean and longest length (how much a batch-level step waits for its
+longest response).
 """
 from __future__ import annotations
 
@@ -41,11 +52,21 @@ from cluster.train.run import train
 from cluster.train.run_log import read_metrics
 
 ONE_THREAD = ("rollout.threads_per_worker=1", "learner.threads_per_rank=1")
+IN_FLIGHT = "rollout.in_flight_updates=true"
+# LagRun field <- the metric whose mean over the measured steps it holds. None where no
+# measured step logged it (a controller from before the metric; engine idle share: a worker's
+# first batch has none). response_tokens_max is the mean of each batch's longest response.
+STEP_MEANS = {"engine_idle_share": "rollout/engine_idle_share",
+              "token_lag_mean": "lag/token_mean",
+              "multi_version_share": "lag/multi_version_share",
+              "response_tokens_mean": "rollout/response_tokens_mean",
+              "response_tokens_max": "rollout/response_tokens_max"}
 
 
 @dataclass
 class LagRun:
-    """One end-to-end run's measured means at one max_lag (its steps after the warm-up)."""
+    """One end-to-end run's measured means at one max_lag (its steps after the warm-up),
+    batch-level or with in-flight weight updates (`in_flight`)."""
 
     max_lag: int
     steps: int                 # measured steps
@@ -54,6 +75,13 @@ class LagRun:
     gen_seconds: float         # mean time/wait_for_rollouts
     train_seconds: float       # mean time/train + time/weight_publish
     engine_gen_seconds: float  # mean time/generate (inside vLLM)
+    in_flight: bool = False    # rollout.in_flight_updates
+    # STEP_MEANS: means over the measured steps, None where no step logged the metric
+    engine_idle_share: float | None = None
+    token_lag_mean: float | None = None
+    multi_version_share: float | None = None
+    response_tokens_mean: float | None = None
+    response_tokens_max: float | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -62,8 +90,9 @@ class LagRun:
 
 @dataclass
 class PipelineResult:
-    """A workload's end-to-end runs: the reference run and one per max_lag, from which the
-    ideal overlap, the efficiency and the bound follow."""
+    """A workload's end-to-end runs: the reference run, one per max_lag and one per in-flight
+    max_lag, from which the ideal overlap, the efficiency, the bound and the in-flight
+    speed-up follow. A run is named by its max_lag and whether it is in flight."""
 
     workload: str
     # the reference run: max_lag 0, one thread per part (GPU: the max_lag 0 run)
@@ -72,8 +101,11 @@ class PipelineResult:
     runs: list[LagRun] = field(default_factory=list)
     reference: str = "one-core"  # "one-core", or "max_lag 0" (one shared GPU)
 
-    def run(self, lag: int) -> LagRun:
-        return next(r for r in self.runs if r.max_lag == lag)
+    def run(self, lag: int, in_flight: bool = False) -> LagRun:
+        return next(r for r in self.runs if r.max_lag == lag and r.in_flight == in_flight)
+
+    def has(self, lag: int, in_flight: bool = False) -> bool:
+        return any(r.max_lag == lag and r.in_flight == in_flight for r in self.runs)
 
     @property
     def t_gen(self) -> float:
@@ -87,20 +119,28 @@ class PipelineResult:
     def bound_samples_per_s(self) -> float:
         return self.one_core.samples_per_step * self.cores / (self.t_gen + self.t_train)
 
-    def ideal_samples_per_s(self, lag: int) -> float:
+    def ideal_samples_per_s(self, lag: int, in_flight: bool = False) -> float:
         if lag == 0:
             return self.bound_samples_per_s
-        return self.run(lag).samples_per_step / max(self.t_gen, self.t_train)
+        return self.run(lag, in_flight).samples_per_step / max(self.t_gen, self.t_train)
 
-    def efficiency(self, lag: int) -> float:
-        return self.run(lag).samples_per_s / self.ideal_samples_per_s(lag)
+    def efficiency(self, lag: int, in_flight: bool = False) -> float:
+        return self.run(lag, in_flight).samples_per_s / self.ideal_samples_per_s(lag, in_flight)
 
-    def of_bound(self, lag: int) -> float:
-        return self.run(lag).samples_per_s / self.bound_samples_per_s
+    def of_bound(self, lag: int, in_flight: bool = False) -> float:
+        return self.run(lag, in_flight).samples_per_s / self.bound_samples_per_s
+
+    def in_flight_speedup(self, lag: int) -> float | None:
+        """In-flight samples/s over batch-level samples/s at `lag` (None unless both ran)."""
+        if not (self.has(lag) and self.has(lag, in_flight=True)):
+            return None
+        return self.run(lag, in_flight=True).samples_per_s / self.run(lag).samples_per_s
 
     @property
     def best_lag(self) -> int:
-        return max(self.runs, key=lambda r: r.samples_per_s).max_lag
+        """The batch-level max_lag of the most samples/s (of_bound_best_lag's run)."""
+        return max((r for r in self.runs if not r.in_flight),
+                   key=lambda r: r.samples_per_s).max_lag
 
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "reference": self.reference, "t_gen_seconds": self.t_gen,
@@ -108,22 +148,33 @@ class PipelineResult:
                 "bound_samples_per_s": self.bound_samples_per_s,
                 "one_core_samples_per_s": self.one_core.samples_per_s,
                 "best_lag": self.best_lag,
-                "runs": [{"max_lag": r.max_lag, "measured_steps": r.steps,
-                          "step_seconds": r.step_seconds, "samples_per_step": r.samples_per_step,
-                          "samples_per_s": r.samples_per_s,
-                          "ideal_samples_per_s": self.ideal_samples_per_s(r.max_lag),
-                          "overlap_efficiency": self.efficiency(r.max_lag),
-                          "of_bound": self.of_bound(r.max_lag),
-                          "wait_for_rollouts_seconds": r.gen_seconds,
-                          "train_plus_publish_seconds": r.train_seconds,
-                          "engine_generate_seconds": r.engine_gen_seconds} for r in self.runs]}
+                "runs": [self._run_dict(r) for r in self.runs]}
+
+    def _run_dict(self, r: LagRun) -> dict[str, Any]:
+        lag, fly = r.max_lag, r.in_flight
+        return {"max_lag": lag, "in_flight": fly, "measured_steps": r.steps,
+                "step_seconds": r.step_seconds, "samples_per_step": r.samples_per_step,
+                "samples_per_s": r.samples_per_s,
+                "ideal_samples_per_s": self.ideal_samples_per_s(lag, fly),
+                "overlap_efficiency": self.efficiency(lag, fly),
+                "of_bound": self.of_bound(lag, fly),
+                "wait_for_rollouts_seconds": r.gen_seconds,
+                "train_plus_publish_seconds": r.train_seconds,
+                "engine_generate_seconds": r.engine_gen_seconds,
+                **{name: getattr(r, name) for name in STEP_MEANS},
+                **({"in_flight_speedup": self.in_flight_speedup(lag)} if fly else {})}
 
 
 def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measured_steps: int,
-                     lags: tuple[int, ...] = (0, 1, 2), one_core: bool = True) -> PipelineResult:
-    """The one-core reference run, then a run at each max_lag in `lags`, with the demo config
-    plus `overrides`; Ray must already be running (the runs share it). one_core=False (one
-    shared GPU): no reference run, the max_lag 0 run (which `lags` must hold) is the reference."""
+                     lags: tuple[int, ...] = (0, 1, 2), one_core: bool = True,
+                     in_flight_lags: tuple[int, ...] = ()) -> PipelineResult:
+    """The one-core reference run, then a run at each max_lag in `lags`, then one with
+    in-flight weight updates at each max_lag in `in_flight_lags`, with the demo config plus
+    `overrides`; Ray must already be running (the runs share it). one_core=False (one shared
+    GPU): no reference run, the max_lag 0 run (which `lags` must hold) is the reference."""
+    if 0 in in_flight_lags:  # the config refuses it too, but only once the runs before it ran
+        raise ValueError("in-flight weight updates need max_lag >= 1 (at max_lag 0 nothing is "
+                         f"in flight at an update): in_flight_lags {in_flight_lags}")
     if one_core:
         reference = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0,
                              "-1core")
@@ -135,12 +186,14 @@ def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measure
     runs = [_measure(workload, overrides, out_dir, measured_steps, lag, "") for lag in lags]
     if not one_core:
         result = PipelineResult(workload, runs[lags.index(0)], cores=1, reference="max_lag 0")
+    runs += [_measure(workload, [*overrides, IN_FLIGHT], out_dir, measured_steps, lag,
+                      "-inflight", in_flight=True) for lag in in_flight_lags]
     result.runs.extend(runs)
     return result
 
 
 def _measure(workload: str, overrides: list[str], out_dir: Path, measured_steps: int, lag: int,
-             suffix: str) -> LagRun:
+             suffix: str, in_flight: bool = False) -> LagRun:
     """One run at `lag`: the means of its measured steps."""
     warmup = lag + 2
     cfg = load_train_config(DEMO_CONFIG, [
@@ -149,6 +202,7 @@ def _measure(workload: str, overrides: list[str], out_dir: Path, measured_steps:
         # Evaluation only at the start and the end (both outside the measured steps).
         "eval_every=0", "eval.num_problems=8", "eval.samples=0", "eval.out_of_domain=null",
         "logging.wandb_mode=disabled"])
+    assert cfg.rollout.in_flight_updates == in_flight, (suffix, overrides)
     run_dir, _ = train(cfg)
     rows = [m for m in read_metrics(run_dir) if warmup < m["step"] <= warmup + measured_steps]
     assert len(rows) == measured_steps, f"{run_dir}: expected {measured_steps} measured steps"
@@ -161,4 +215,11 @@ def _measure(workload: str, overrides: list[str], out_dir: Path, measured_steps:
         samples_per_step=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
         gen_seconds=mean("time/wait_for_rollouts"),
         train_seconds=mean("time/train") + mean("time/weight_publish"),
-        engine_gen_seconds=mean("time/generate"))
+        engine_gen_seconds=mean("time/generate"), in_flight=in_flight,
+        **{name: step_mean(rows, key) for name, key in STEP_MEANS.items()})
+
+
+def step_mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over the steps that logged it; None where none did."""
+    values = [m[key] for m in rows if m.get(key) is not None]
+    return statistics.fmean(values) if values else None

@@ -171,7 +171,8 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
               "|---|---|---|---|---|---|---|---|---|"]
     for name, p in pipelines.items():
         for r in p["runs"]:
-            lines.append(f"| {name} | {r['max_lag']} | **{r['samples_per_s']:.1f}** "
+            lag = f"{r['max_lag']}, in flight" if r.get("in_flight") else r["max_lag"]
+            lines.append(f"| {name} | {lag} | **{r['samples_per_s']:.1f}** "
                          f"| {r['ideal_samples_per_s']:.1f} | {r['overlap_efficiency']:.2f} "
                          f"| {p['bound_samples_per_s']:.1f} | {r['of_bound']:.2f} "
                          f"| {r['wait_for_rollouts_seconds']:.3f} "
@@ -181,7 +182,51 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
     what = ("Reference (the max_lag 0 run, learner and worker sharing the GPU)" if gpu else
             "One-core reference (max_lag 0, one thread per part)")
     lines += ["", f"{what}: " + "; ".join(refs) + "."]
-    return lines
+    return lines + _in_flight_table(pipelines)
+
+
+def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
+    """Each in-flight run beside the batch-level run of its workload and max_lag (none in
+    JSONs from before in-flight runs): samples/s and the speed-up, the engines' idle share,
+    the tokens' lag, the share of samples spanning several versions, the response lengths."""
+    rows = []
+    for name, p in pipelines.items():
+        batch = {r["max_lag"]: r for r in p["runs"] if not r.get("in_flight")}
+        for fly in (r for r in p["runs"] if r.get("in_flight")):
+            off = batch.get(fly["max_lag"])
+            if off is None:
+                continue
+            rows.append(
+                f"| {name} | {fly['max_lag']} | {off['samples_per_s']:.1f} "
+                f"| **{fly['samples_per_s']:.1f}** "
+                f"| **{fly['samples_per_s'] / off['samples_per_s']:.2f}** "
+                f"| {_share(off.get('engine_idle_share'))} "
+                f"| {_share(fly.get('engine_idle_share'))} "
+                f"| {_num(off.get('token_lag_mean'))} | {_num(fly.get('token_lag_mean'))} "
+                f"| {_share(fly.get('multi_version_share'))} "
+                f"| {_num(off.get('response_tokens_mean'), '.1f')} / "
+                f"{_num(off.get('response_tokens_max'), '.0f')} |")
+    if not rows:
+        return []
+    return ["", ("**In-flight weight updates** (`rollout.in_flight_updates`, each run beside the "
+                 "batch-level run of its max_lag; speed-up = in flight / batch-level samples/s; "
+                 "engine idle: share of the time between a worker's two batches in which its "
+                 "engine sat idle; token lag: learner step - the version that sampled the "
+                 "token; responses: the batch-level run's mean length / longest per batch, in "
+                 "tokens)"), "",
+            ("| in flight | max_lag | batch-level samples/s | in flight samples/s | speed-up "
+             "| engine idle, batch-level | engine idle, in flight | token lag, batch-level "
+             "| token lag, in flight | samples over several versions | responses mean / "
+             "longest |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
 
 
 def peers_markdown(result: dict[str, Any]) -> str:

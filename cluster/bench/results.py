@@ -40,9 +40,11 @@ def default_parts(device: str) -> tuple[str, ...]:
 
 def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> dict[str, Any]:
     """The top-level figures: the headline workload's overhead ratios, its rollout against
-    the floor, its generation and training tokens/s, its end-to-end figures per max_lag, every
-    weight sync's total seconds {transport: {workload: s}}, and the fixed-shape rollout's
-    outside-engine ms; each only where it was measured."""
+    the floor, its generation and training tokens/s, its end-to-end figures per max_lag
+    (batch-level: of bound at the best lag, overlap efficiency, engine idle share; in flight:
+    the speed-up over batch-level and the engine idle share), every weight sync's total
+    seconds {transport: {workload: s}}, and the fixed-shape rollout's outside-engine ms; each
+    only where it was measured."""
     out: dict[str, Any] = {}
     head = workloads.get(headline) or {}
     for part in ("rollout", "learner"):
@@ -54,9 +56,7 @@ def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> 
         if head.get(part):
             out[key] = head[part]["klrl_tokens_per_s"]
     if p := head.get("pipeline"):
-        runs = {r["max_lag"]: r for r in p["runs"]}
-        out["of_bound_best_lag"] = runs[p["best_lag"]]["of_bound"]
-        out |= {f"overlap_efficiency_lag{lag}": r["overlap_efficiency"] for lag, r in runs.items()}
+        out |= _pipeline_summary(p["runs"], p["best_lag"])
     sync: dict[str, dict[str, float]] = {}
     for name, w in workloads.items():
         for s in w.get("weight_sync") or []:
@@ -70,8 +70,29 @@ def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> 
     return out
 
 
+def _pipeline_summary(runs: list[dict], best_lag: int) -> dict[str, Any]:
+    """The headline's end-to-end keys (`PIPELINE_PREFIXES`) from its runs: batch-level ones
+    (no `in_flight`, as JSONs from before in-flight runs have them) and in-flight ones."""
+    batch = {r["max_lag"]: r for r in runs if not r.get("in_flight")}
+    flying = {r["max_lag"]: r for r in runs if r.get("in_flight")}
+    out: dict[str, Any] = {"of_bound_best_lag": batch[best_lag]["of_bound"]}
+    out |= {f"overlap_efficiency_lag{lag}": r["overlap_efficiency"] for lag, r in batch.items()}
+    out |= {f"engine_idle_share_lag{lag}": r["engine_idle_share"] for lag, r in batch.items()
+            if r.get("engine_idle_share") is not None}
+    out |= {f"in_flight_speedup_lag{lag}": r["samples_per_s"] / batch[lag]["samples_per_s"]
+            for lag, r in flying.items() if lag in batch}
+    out |= {f"in_flight_engine_idle_share_lag{lag}": r["engine_idle_share"]
+            for lag, r in flying.items() if r.get("engine_idle_share") is not None}
+    return out
+
+
+# Top-level keys per max_lag k: `<prefix><k>`.
+PIPELINE_PREFIXES = ("overlap_efficiency_lag", "engine_idle_share_lag", "in_flight_speedup_lag",
+                     "in_flight_engine_idle_share_lag")
+
+
 def _is_summary(key: str) -> bool:
-    return key in _SUMMARY or key.startswith("overlap_efficiency_lag")
+    return key in _SUMMARY or key.startswith(PIPELINE_PREFIXES)
 
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -95,19 +116,28 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_result(result: dict[str, Any]) -> list[str]:
-    """Names of required figures that are missing, non-finite or not positive, for the parts
-    the result holds (a JSON from before `--only`: engines, sync, e2e); with the tests part,
-    the gpu-marked tests unless they all passed or skipped."""
+    """Names of required figures that are missing, non-finite or not positive (engine idle
+    shares: not in [0, 1]), for the parts the result holds (a JSON from before `--only`:
+    engines, sync, e2e); with the tests part, the gpu-marked tests unless they all passed or
+    skipped."""
     parts = result.get("parts") or dict.fromkeys(CPU_PARTS)
-    required = []
+    required: list[str] = []
+    shares: list[str] = []  # finite, in [0, 1]
     if "engines" in parts:
         required += ["rollout_overhead_ratio", "learner_overhead_ratio", FLOOR_KEY, OUTSIDE_KEY]
     if "e2e" in parts:
         head = (result.get("workloads") or {}).get(result.get("headline_workload")) or {}
         runs = (head.get("pipeline") or {}).get("runs") or []
-        lags = [r["max_lag"] for r in runs if r["max_lag"] >= 1] or [1, 2]
-        required += [f"overlap_efficiency_lag{lag}" for lag in lags]
+        lags = [r["max_lag"] for r in runs if r["max_lag"] >= 1 and not r.get("in_flight")]
+        required += [f"overlap_efficiency_lag{lag}" for lag in lags or [1, 2]]
+        flying = [r["max_lag"] for r in runs if r.get("in_flight")]
+        required += [f"in_flight_speedup_lag{lag}" for lag in flying]
+        if flying:  # a bench with in-flight runs measures every run's engine idle share
+            shares += [f"engine_idle_share_lag{r['max_lag']}" for r in runs
+                       if not r.get("in_flight")]
+            shares += [f"in_flight_engine_idle_share_lag{lag}" for lag in flying]
     bad = [k for k in required if not _positive(result.get(k))]
+    bad += [k for k in shares if not _share(result.get(k))]
     if "sync" in parts:
         syncs = result.get("weight_sync_seconds") or {}
         if not syncs or not all(_positive(v) for per in syncs.values() for v in per.values()):
@@ -123,6 +153,10 @@ def check_result(result: dict[str, Any]) -> list[str]:
 
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _share(x) -> bool:
+    return isinstance(x, (int, float)) and 0 <= x <= 1
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,10 @@ One run on the machine it runs on measures, for each workload (a model and a bat
 - the learner rank's memory after an optimizer step (`LearnerRank.memory`: weights, separate
   reference, optimizer state, peak resident set), which LoRA workloads set beside full ones;
 - end-to-end samples/s of the real trainer at max_lag 0, 1, 2 and the overlap efficiency
-  against the ideal built from T_gen and T_train (cluster/bench/pipeline.py).
+  against the ideal built from T_gen and T_train, and at max_lag 1 and 2 again with in-flight
+  weight updates (`rollout.in_flight_updates`): the speed-up, the engines' idle share, the
+  tokens' lag (cluster/bench/pipeline.py); also on a workload whose response lengths spread
+  from one token to the cap, end to end only (cluster/bench/long_tail.py).
 
 CPU split: a local Ray cluster with one logical CPU per core (2 here); the rollout worker and
 the learner rank each reserve 1 Ray CPU (the demo config's `rollout.num_cpus_per_worker: 1`,
@@ -15,15 +18,17 @@ the learner rank each reserve 1 Ray CPU (the demo config's `rollout.num_cpus_per
 (`TrainConfig.worker_rollout` / `rank_learner`): at max_lag 0 each phase gets both cores, above
 one each. The raw baselines run in a subprocess with the same threads while the actors sit idle.
 
-CUDA (`gpu_plan`, cluster/bench/gpu.py): the same workloads but LoRA's, their learner rank and
-rollout worker sharing one GPU, weight sync against a device-to-device copy of the same bytes,
-end to end at max_lag 0 and 2, and the gpu-marked tests. Each part (`PARTS`: engines, sync,
-e2e, tests) runs alone with `parts`, so that `klrl bench --only PART` fits a bounded call and
-the parts merge into one JSON (cluster/bench/results.py).
+CUDA (`gpu_plan`, cluster/bench/gpu.py): the same workloads but LoRA's and the long-tail one,
+their learner rank and rollout worker sharing one GPU, weight sync against a device-to-device
+copy of the same bytes, end to end at max_lag 0 and 2 (and 2 in flight), and the gpu-marked
+tests. Each part (`PARTS`: engines, sync, e2e, tests) runs alone with `parts`, so that
+`klrl bench --only PART` fits a bounded call and the parts merge into one JSON
+(cluster/bench/results.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +42,7 @@ import rewards
 from actors.weight_sync import transport
 from cluster.bench import gpu
 from cluster.bench.engines import Overhead, measure_learner, measure_rollout
+from cluster.bench.long_tail import build_long_tail_model
 from cluster.bench.outside import SHAPE, measure_outside, stop_worker
 from cluster.bench.pipeline import PipelineResult, measure_pipeline
 from cluster.bench.results import default_parts, machine, summary, versions
@@ -65,18 +71,28 @@ class Workload:
     """A model and a batch shape. model: "demo" (the embedded demo model), "tiny" (its
     architecture, random weights) or a size dict for `build_random_model`. overrides apply
     to configs/tiny_cpu.yaml. engines: measure the overhead ratios and the pipeline (False:
-    weight sync only)."""
+    weight sync only). e2e_only: the pipeline only (no overheads, weight sync or memory).
+    eos_probability: the random model's end-of-sequence token comes with about this
+    probability at every step (cluster/bench/long_tail.py: geometric response lengths)."""
 
     name: str
     model: str | dict
     overrides: tuple[str, ...] = ()
     engines: bool = True
+    e2e_only: bool = False
+    eos_probability: float | None = None
+
+    def measured(self, parts: Sequence[str]) -> bool:
+        """Whether any of `parts` measures this workload."""
+        if self.e2e_only:
+            return "e2e" in parts
+        return (self.engines and ("engines" in parts or "e2e" in parts)) or "sync" in parts
 
 
 @dataclass(frozen=True)
 class BenchPlan:
     """What one `klrl bench` measures: its workloads, repetitions, device, overrides, the
-    weight-sync transports and the end-to-end max_lags."""
+    weight-sync transports and the end-to-end max_lags, batch-level and in flight."""
 
     workloads: tuple[Workload, ...]
     headline: str              # the workload whose figures are the top-level JSON keys
@@ -91,9 +107,17 @@ class BenchPlan:
     overrides: tuple[str, ...] = ()    # before every workload's own (CUDA: gpu.gpu_overrides)
     transports: tuple[str, ...] = CPU_TRANSPORTS  # measured weight-sync transports
     lags: tuple[int, ...] = (0, 1, 2)  # end to end
+    # End to end again with rollout.in_flight_updates=true (each >= 1; the speed-up is
+    # against the batch-level run of the same max_lag, so each is in `lags` too).
+    in_flight_lags: tuple[int, ...] = (1, 2)
     one_core_reference: bool = True    # CPU: the one-core reference run (pipeline.py)
     # On CUDA (`gpu_plan`), the workload that replaces the headline: one a GPU is sized for.
     gpu_headline: Workload | None = None
+
+    def __post_init__(self) -> None:
+        if not set(self.in_flight_lags) <= set(self.lags) - {0}:
+            raise ValueError(f"in_flight_lags {self.in_flight_lags}: each needs max_lag >= 1 "
+                             f"and a batch-level run at that max_lag (lags {self.lags})")
 
 
 # The headline shape: 8 prompts x 4 samples of 32 new tokens (also `klrl bench --peer`'s).
@@ -102,6 +126,15 @@ RANDOM_25M = Workload("random-25M", SIZE_25M, ("rollout.max_new_tokens=32",
                                                "rollout.samples_per_prompt=4"))
 
 LORA = "learner.lora.rank=8"  # the sync-only LoRA workloads: the adapter instead of the model
+
+# Response lengths that vary a lot, where a batch-level step waits longest for its longest
+# response: the tiny random model with end-of-sequence at about 1 in 24 per step, up to 128
+# new tokens (geometric lengths, mean about 25, from one token up; the longest of a batch of
+# 64 several times the mean). The tiny random model as built stops at about 1 in 260 per step
+# (its byte vocabulary): most of its samples would reach the cap, lengths would hardly vary.
+LONG_TAIL = Workload("tiny-random-long-tail", "tiny", (
+    "rollout.max_new_tokens=128", "rollout.prompts_per_step=16", "rollout.samples_per_prompt=4"),
+    e2e_only=True, eos_probability=1 / 24)
 
 # The GPU headline: a model of the size people train, bf16 learner and engine (whatever
 # --dtype says), 32 prompts x 8 samples of 64 new tokens; micro-batches of 64 sequences bound
@@ -118,6 +151,7 @@ FULL = BenchPlan(
         Workload("random-25M-lora8", SIZE_25M, (*RANDOM_25M.overrides, LORA), engines=False),
         Workload("random-100M-lora8", SIZE_100M, ("rollout.max_new_tokens=32", LORA),
                  engines=False),
+        LONG_TAIL,
     ),
     headline="random-25M", engine_reps=5, sync_reps=3, measured_steps=6,
     outside=Workload("demo-1M", "demo", SHAPE), outside_reps=3, gpu_headline=RANDOM_QWEN05)
@@ -129,19 +163,21 @@ QUICK = BenchPlan(
     headline="tiny-random", engine_reps=1, sync_reps=1, measured_steps=2,
     outside=Workload("tiny-random", "tiny", SHAPE), outside_reps=1,
     # Every end-to-end lag is a whole run (engine and learner start-up included): the quick
-    # plan, which the test suite runs, measures the two ends of the full plan's range.
-    lags=(0, 2))
+    # plan, which the test suite runs, measures the two ends of the full plan's range, and
+    # the deeper one again in flight.
+    lags=(0, 2), in_flight_lags=(2,))
 
 
 def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = None) -> BenchPlan:
     """`plan` on one GPU shared by the learner rank and the rollout worker (cluster/bench/gpu.py),
     syncing with `transport` (default: cuda_ipc where it exists, else shm): its workloads but
-    the LoRA ones (neither cuda_ipc nor vLLM's GPU LoRA path measured yet), with its
+    the LoRA ones (neither cuda_ipc nor vLLM's GPU LoRA path measured yet) and the end-to-end
+    only ones (the long-tail workload's tiny model is all per-step overhead on a GPU), with its
     `gpu_headline` in place of its headline (a CPU's headline is all per-step overhead on a
     GPU), the transports that work on a shared GPU, end to end at max_lag 0 and 2 with the
-    max_lag 0 run as the reference (pipeline.py)."""
+    max_lag 0 run as the reference (pipeline.py), and at max_lag 2 in flight."""
     transport = transport or gpu.run_transport()
-    workloads = [w for w in plan.workloads if LORA not in w.overrides]
+    workloads = [w for w in plan.workloads if LORA not in w.overrides and not w.e2e_only]
     headline = plan.headline
     if plan.gpu_headline is not None:
         workloads = [w for w in workloads if w.name != plan.headline] + [plan.gpu_headline]
@@ -150,7 +186,7 @@ def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = No
         plan, workloads=tuple(workloads), headline=headline, device="cuda",
         overrides=gpu.gpu_overrides(dtype, transport),
         transports=gpu.measured_transports(transport), lags=gpu.GPU_LAGS,
-        one_core_reference=False)
+        in_flight_lags=gpu.GPU_IN_FLIGHT_LAGS, one_core_reference=False)
 
 
 @dataclass
@@ -194,7 +230,7 @@ def run_bench(plan: BenchPlan, work_dir: Path,
     runs_dir = work_dir / "runs" / time.strftime("%Y%m%d-%H%M%S")
     try:
         for w in plan.workloads:
-            if not ((w.engines and ("engines" in parts or "e2e" in parts)) or "sync" in parts):
+            if not w.measured(parts):
                 continue
             cfg = workload_config(w, workload_model_dir(w, work_dir), plan)
             started = start_ray(cfg) or started  # the first call starts it; the runs share it
@@ -229,10 +265,12 @@ def _copy_bound(device: str) -> tuple[Callable[[int], float], dict[str, Any]]:
 def workload_model_dir(w, work_dir: Path) -> Path:
     """The model of workload `w` (anything with `name` and `model` as Workload has them):
     the demo model, or a random one built under WORK_DIR/models/<name> (identical rebuilds,
-    so a kept directory is reused)."""
+    so a kept directory is reused; with an `eos_probability`, the long-tail one)."""
     if w.model == "demo":
         return Path(init_default_model())
     size = {} if w.model == "tiny" else dict(w.model)
+    if eos := getattr(w, "eos_probability", None):
+        return build_long_tail_model(work_dir / "models" / w.name, eos, seed=0, **size)
     return build_random_model(work_dir / "models" / w.name, seed=0, **size)
 
 
@@ -249,16 +287,33 @@ def workload_config(w: Workload, model_dir: str | Path, plan: BenchPlan):
 def _run_workload(w: Workload, cfg, plan: BenchPlan, parts: Sequence[str],
                   bound: Callable[[int], float] | None, runs_dir: Path) -> WorkloadResult:
     result = WorkloadResult(w.name, 0)
-    engines = w.engines and "engines" in parts
-    if engines or "sync" in parts:
+    engines = w.engines and not w.e2e_only and "engines" in parts
+    if engines or ("sync" in parts and not w.e2e_only):
         _measure_actors(w, cfg, plan, engines, bound if "sync" in parts else None, result)
+    else:
+        result.parameters = _parameters(cfg.model.path)
     if w.engines and "e2e" in parts:
         lags = ", ".join(str(lag) for lag in plan.lags)
-        print(f"[bench] {w.name}: end to end at max_lag {lags}", flush=True)
+        flying = ", ".join(str(lag) for lag in plan.in_flight_lags)
+        print(f"[bench] {w.name}: end to end at max_lag {lags}"
+              + (f", in flight at {flying}" if flying else ""), flush=True)
         result.pipeline = measure_pipeline(w.name, workload_overrides(w, cfg.model.path, plan),
                                            runs_dir, plan.measured_steps, plan.lags,
-                                           one_core=plan.one_core_reference)
+                                           one_core=plan.one_core_reference,
+                                           in_flight_lags=plan.in_flight_lags)
     return result
+
+
+def _parameters(model_dir: str | Path) -> int:
+    """The model's parameter count from its safetensors headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
 
 
 def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
