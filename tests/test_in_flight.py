@@ -205,3 +205,7 @@ def test_in_flight_run_mixes_versions_within_the_lag_and_rides_out_a_killed_work
     assert max(m["lag/versions_per_sample"] for m in steps) > 1
     assert steps[-1]["faults/worker_restarts"] == 1
     assert sum(m["faults/reissued_samples"] for m in steps) >= 2  # one call: 1 prompt x 2
+    # The engine's idle share is measured from the second batch of a worker on (a replaced
+    # worker starts again), and is a share.
+    idle = [m["rollout/engine_idle_share"] for m in steps if "rollout/engine_idle_share" in m]
+    assert idle and all(0.0 <= x <= 1.0 for x in idle), steps

@@ -6,6 +6,9 @@ Sync deadlines: a weight load is queued behind the generate calls already sent t
 so it cannot start before the newest of them has finished. Each load therefore gets its own
 `sync.timeout_s`, counted from the moment that batch was generated (`PendingSync.ready_since`),
 never from when the load was queued (at max_lag k it waits behind up to k generate calls).
+With `rollout.in_flight_updates` the generate calls run in a concurrency group of their own and
+a load is applied between two engine steps while they run: the controller queues it behind
+nothing, and its `sync.timeout_s` counts from the publish.
 
 Invariant (enforced in `WeightSyncState.publish`): before version v is published, every load
 of a version below v - 1 has finished, so at most one version's loads are in flight per worker
