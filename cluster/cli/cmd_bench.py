@@ -175,8 +175,8 @@ def register(subparsers) -> None:
                    "(about two minutes; checks the machinery, the figures are noisy)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the learner "
                    "rank and one rollout worker share one GPU, weight sync against a "
-                   "device-to-device copy, end to end at max_lag 0 and 2, and the gpu-marked "
-                   "tests (refused without CUDA; docs/bench.md)")
+                   "device-to-device copy, end to end at max_lag 0 and 2 (and 2 in flight), "
+                   "and the gpu-marked tests (refused without CUDA; docs/bench.md)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="with --device cuda: the learner's dtype (the engine follows it)")
     p.add_argument("--sync-transport", choices=["shm", "object_store", "cuda_ipc"], default=None,
