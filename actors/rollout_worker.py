@@ -189,11 +189,7 @@ class RolloutWorker:
         # One prompt-ids list per prompt, shared by its samples' records (and by their pickle).
         samples = [(p, g, ids, c) for p, g, out in zip(problems, group_ids, outputs)
                    for ids in [list(out.prompt_token_ids)] for c in out.outputs]
-        if self.decodes_texts:
-            texts = completion_texts(self.renderer.tokenizer, [ids for *_, ids, _ in samples],
-                                     [c for *_, c in samples])
-        else:
-            texts = [c.text for *_, c in samples]
+        texts = self._texts([ids for *_, ids, _ in samples], [c for *_, c in samples])
         scores = self._score([p for p, *_ in samples], texts)
         rollouts = [
             Rollout(problem=p, group_id=g, prompt_ids=ids, response_ids=list(c.token_ids),
@@ -203,10 +199,7 @@ class RolloutWorker:
             for (p, g, ids, c), s in zip(samples, scores)]
 
         self._batch_busy_s += gen_s
-        return RolloutBatch(rollouts=rollouts, policy_version=self._version,
-                            worker=self.worker_index, gen_seconds=gen_s,
-                            num_response_tokens=sum(len(r.response_ids) for r in rollouts),
-                            **self._busy_clock())
+        return self._batch(rollouts, self._version, gen_s)
 
     def _generate_in_flight(self, problems, group_ids, seed: int,
                             min_version: int) -> RolloutBatch:
@@ -225,10 +218,7 @@ class RolloutWorker:
         ids = [list(pr["prompt_token_ids"]) for pr in prompts]
         samples = [(p, g, i) for p, g, i, ps in zip(problems, group_ids, ids, per_problem)
                    for _ in ps]
-        if self.decodes_texts:
-            texts = completion_texts(self.renderer.tokenizer, [i for *_, i in samples], done)
-        else:
-            texts = [c.text for c in done]
+        texts = self._texts([i for *_, i in samples], done)
         scores = self._score([p for p, *_ in samples], texts)
         rollouts = [
             Rollout(problem=p, group_id=g, prompt_ids=i, response_ids=c.token_ids,
@@ -237,18 +227,26 @@ class RolloutWorker:
                     finish_reason=str(c.finish_reason), reward=s.reward,
                     score_failure=s.failure, worker=self.worker_index, token_versions=c.versions)
             for (p, g, i), c, s in zip(samples, done, scores)]
-        return RolloutBatch(rollouts=rollouts,
-                            policy_version=min((r.policy_version for r in rollouts),
-                                               default=self._continuous.version),
-                            worker=self.worker_index, gen_seconds=gen_s,
-                            num_response_tokens=sum(len(r.response_ids) for r in rollouts),
-                            **self._busy_clock())
+        oldest = min((r.policy_version for r in rollouts), default=self._continuous.version)
+        return self._batch(rollouts, oldest, gen_s)
 
-    def _busy_clock(self) -> dict[str, float]:
-        """RolloutBatch's engine_busy_seconds and returned_at, read now (records.py)."""
+    def _texts(self, prompt_ids: list[list[int]], completions) -> list[str]:
+        """Each completion's text: decoded here in one batch where vLLM was asked for none
+        (`decodes_texts`), else vLLM's."""
+        if self.decodes_texts:
+            return completion_texts(self.renderer.tokenizer, prompt_ids, completions)
+        return [c.text for c in completions]
+
+    def _batch(self, rollouts: list[Rollout], policy_version: int,
+               gen_s: float) -> RolloutBatch:
+        """The RolloutBatch of `rollouts`, with the engine's busy seconds and clock read now
+        (records.py: engine_idle_share)."""
         busy = (self._continuous.stats()["step_s"] if self._continuous is not None
                 else self._batch_busy_s)
-        return {"engine_busy_seconds": busy, "returned_at": time.monotonic()}
+        return RolloutBatch(rollouts=rollouts, policy_version=policy_version,
+                            worker=self.worker_index, gen_seconds=gen_s,
+                            num_response_tokens=sum(len(r.response_ids) for r in rollouts),
+                            engine_busy_seconds=busy, returned_at=time.monotonic())
 
     def _score(self, problems, texts) -> list[ScoreResult]:
         """ScoreResults for the completions. A failure of the scoring pool itself scores every
