@@ -24,7 +24,11 @@ class TrainBatch:
     bool; behaviour_logp [B, L] float32 (sampler log-prob of each response token, 0 elsewhere);
     rewards [B] float32 (task rewards); advantages [B] float32 (task advantages, computed over
     the whole global batch by the controller); group_ids [B] long (samples of one prompt share
-    it); policy_versions [B] long (version of the weights that sampled each sequence).
+    it); policy_versions [B] long (version of the weights that sampled each sequence, the
+    oldest where several did); token_lags [B, L] long or None (how many versions each response
+    token's sampler lags the weights this batch trains, 0 elsewhere; None where nobody said:
+    the tokens sampled by the learner's own weights, `is/abs_log_ratio_fresh_token_mean`, are
+    then not told apart).
     """
 
     input_ids: torch.Tensor
@@ -35,10 +39,13 @@ class TrainBatch:
     advantages: torch.Tensor
     group_ids: torch.Tensor
     policy_versions: torch.Tensor
+    token_lags: torch.Tensor | None = None
 
     def __post_init__(self):
         B, L = self.input_ids.shape
-        for f in ("attention_mask", "response_mask", "behaviour_logp"):
+        for f in ("attention_mask", "response_mask", "behaviour_logp", "token_lags"):
+            if getattr(self, f) is None:
+                continue
             if (shape := tuple(getattr(self, f).shape)) != (B, L):
                 raise ValueError(f"TrainBatch.{f} shape {shape} != {(B, L)}")
         for f in ("rewards", "advantages", "group_ids", "policy_versions"):
@@ -62,6 +69,11 @@ class TrainBatch:
         """L: token columns (prompt + response, padded)."""
         return self.input_ids.shape[1]
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with every tensor on `device` (token_lags stays None if it is)."""
+        return TrainBatch(**{f.name: None if (t := getattr(self, f.name)) is None
+                             else t.to(device) for f in fields(self)})
+
     def select(self, index: torch.Tensor) -> TrainBatch:
         """Rows `index` (a long tensor), with padding columns beyond the longest kept sequence
         trimmed (the loss sums over tokens, so padding never changes it)."""
@@ -69,8 +81,11 @@ class TrainBatch:
         width = max(width, 1)
         out = {}
         for f in fields(self):
-            t = getattr(self, f.name)[index]
-            out[f.name] = t[:, :width] if t.dim() == 2 else t
+            t = getattr(self, f.name)
+            if t is not None:
+                t = t[index]
+                t = t[:, :width] if t.dim() == 2 else t
+            out[f.name] = t
         return TrainBatch(**out)
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:

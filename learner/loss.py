@@ -277,9 +277,10 @@ def policy_loss(
         loss = loss + terms["entropy"]
     terms["total"] = loss
 
+    fresh = None if batch.token_lags is None else mask & (batch.token_lags == 0)
     metrics = step_metrics(terms, lp=lp, ref=ref, mu=mu, mask=mask, entropy=entropy,
                            kl_cfg=kl_cfg, task_off_policy=learner_cfg.task_off_policy,
-                           task_clipped=task_clipped)
+                           task_clipped=task_clipped, fresh=fresh)
     return loss, metrics
 
 

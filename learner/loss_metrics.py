@@ -24,7 +24,8 @@ from kl.surrogate import importance_log_coef
 def step_metrics(terms: dict[str, torch.Tensor], *, lp: torch.Tensor, ref: torch.Tensor,
                  mu: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor | None,
                  kl_cfg: KLConfig, task_off_policy: str,
-                 task_clipped: torch.Tensor | None) -> dict[str, float]:
+                 task_clipped: torch.Tensor | None,
+                 fresh: torch.Tensor | None = None) -> dict[str, float]:
     """The metrics of one loss evaluation, computed without gradients.
 
     terms: the loss and its parts as scalars, keys "total", "task", "kl" and, when
@@ -32,6 +33,10 @@ def step_metrics(terms: dict[str, torch.Tensor], *, lp: torch.Tensor, ref: torch
     lp / ref / mu: [B, L] current, reference and behaviour log-probs, 0 off-response.
     mask: [B, L] response tokens. entropy: [B, L] per-token entropy (None: not logged).
     task_clipped: [B, L] tokens the task term's cap or clip touched (None: no such term).
+    fresh: [B, L] the response tokens sampled by the weights being trained (token lag 0; None:
+        not known). On them |log pi - log mu| holds no policy drift: on update 0 it is the
+        learner/sampler mismatch alone, plus, with rollout.stale_kv=keep, what sampling over
+        a prefix cache the previous weights computed changed (is/fresh_tokens counts them).
     """
     with torch.no_grad():
         log_rho = torch.where(mask, lp.double() - mu.double(), 0.0)
@@ -60,6 +65,10 @@ def step_metrics(terms: dict[str, torch.Tensor], *, lp: torch.Tensor, ref: torch
             "response/tokens": float(tokens),
             "response/sequences": float(mask.shape[0]),
         }
+        if fresh is not None:
+            fresh_tokens = int(fresh.sum())
+            metrics["is/fresh_tokens"] = float(fresh_tokens)
+            metrics[FRESH_KEY] = (float(log_rho[fresh].abs().mean()) if fresh_tokens else 0.0)
         if entropy is not None:
             metrics["policy/entropy"] = float(entropy[mask].sum()) / tokens if tokens else 0.0
             if "entropy" in terms:
@@ -88,7 +97,10 @@ def _extreme_or_mean(key: str, vals: list[float],
     return mean(vals)
 
 
-COUNT_KEYS = ("response/tokens", "response/sequences")
+COUNT_KEYS = ("response/tokens", "response/sequences", "is/fresh_tokens")
+# The mean over the fresh tokens (step_metrics' `fresh`): weighted by their count, since a
+# part may hold none (its 0 then weighs nothing).
+FRESH_KEY = "is/abs_log_ratio_fresh_token_mean"
 # Per-token averages without a *_frac or *_token_mean suffix: merged token-weighted like those.
 TOKEN_MEAN_KEYS = ("policy/entropy",)
 
@@ -111,6 +123,8 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         else:
             per_token = key.endswith(("_frac", "_token_mean")) or key in TOKEN_MEAN_KEYS
             weights = toks if per_token else seqs
+            if key == FRESH_KEY:
+                weights = [p.get("is/fresh_tokens", 0.0) for p in parts]
             out[key] = _extreme_or_mean(key, vals, lambda v, w=weights: _weighted(v, w))
     return out
 
@@ -126,7 +140,7 @@ def _weighted(vals, weights) -> float:
 # importance ratios say how far off-policy each update's data is (update 0 at max_lag 0: 1 up
 # to the learner/sampler numerics, which update_0/is/abs_log_ratio_* then measure alone).
 PER_UPDATE_KEYS = ("is/ratio_min", "is/ratio_max", "is/abs_log_ratio_token_mean",
-                   "is/abs_log_ratio_max", "loss/total", "kl/pi_ref")
+                   "is/abs_log_ratio_max", FRESH_KEY, "loss/total", "kl/pi_ref")
 TIME_KEYS = ("time/learner_step", "time/reference")  # seconds spent: they add up
 
 

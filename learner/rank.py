@@ -436,4 +436,4 @@ def _model_inputs(batch: TrainBatch) -> dict:
 def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
     if device.type == "cpu":
         return batch
-    return TrainBatch(**{f: getattr(batch, f).to(device) for f in batch.__dataclass_fields__})
+    return batch.to(device)

@@ -71,6 +71,10 @@ def test_lag0_metrics_and_exact_sync(lag0):
         assert m["policy_version"] == m["step"] and m["lag/max"] == 0
         # on-policy and synced: learner/sampler probability ratios are 1 up to fp32 noise
         assert abs(m["is/ratio_min"] - 1) < 1e-3 and abs(m["is/ratio_max"] - 1) < 1e-3, m
+        # every token is fresh (sampled by the weights trained): both means read the same
+        assert m["is/fresh_tokens"] == m["response/tokens"] > 0
+        assert m["is/abs_log_ratio_fresh_token_mean"] == pytest.approx(
+            m["is/abs_log_ratio_token_mean"])
     evals = [m for m in metrics if "eval/in_domain/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2, 3]
     assert all(0 <= m["eval/out_of_domain/accuracy"] <= 1 for m in evals)
@@ -174,3 +178,5 @@ def test_lag2_is_asynchronous_and_bounded(lag2):
     stale = [m for m in steps if m["lag/max"] > 0]
     assert any(abs(m["is/ratio_max"] - 1) > 1e-3 or abs(m["is/ratio_min"] - 1) > 1e-3
                for m in stale)
+    # lagged batches hold no token of the trained weights: no fresh reading to merge in
+    assert all(m["is/fresh_tokens"] == 0 for m in steps if m["lag/max"] == m["lag/mean"] > 0)

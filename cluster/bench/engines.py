@@ -241,8 +241,7 @@ def _bare_deepspeed(spec: dict) -> dict:
     try:
         for r in range(WARMUP_REPS + spec["reps"]):
             t0 = time.perf_counter()
-            b = batch if not cuda else TrainBatch(**{f: getattr(batch, f).to(device)
-                                                     for f in batch.__dataclass_fields__})
+            b = batch if not cuda else batch.to(device)
             inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask,
                       "use_cache": False}
             logp = sequence_logprobs(engine(**inputs).logits, b.input_ids)

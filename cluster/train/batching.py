@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kl
+from cluster.train.staleness import token_versions
 from learner.batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -19,19 +20,24 @@ if TYPE_CHECKING:
     from cluster.config.train_config import ModelConfig
 
 
-def train_batch(rollouts: Sequence[Rollout], advantage_cfg, pad_id: int) -> TrainBatch:
+def train_batch(rollouts: Sequence[Rollout], advantage_cfg, pad_id: int,
+                version: int | None = None) -> TrainBatch:
     """The batch the controller trains on: task advantages over these rollouts (the whole
-    global batch) by `advantage_cfg` (kl.AdvantageConfig), then `pad_rollouts`."""
+    global batch) by `advantage_cfg` (kl.AdvantageConfig), then `pad_rollouts`; `version`: the
+    policy version the learner holds (each token's lag is counted from it)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
     group_ids = torch.tensor([r.group_id for r in rollouts])
     adv = kl.compute_advantages(rewards, group_ids, estimator=advantage_cfg.estimator,
                                 normalize=advantage_cfg.normalize, eps=advantage_cfg.eps)
-    return pad_rollouts(rollouts, adv, pad_id=pad_id)
+    return pad_rollouts(rollouts, adv, pad_id=pad_id, version=version)
 
 
-def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainBatch:
+def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int,
+                 version: int | None = None) -> TrainBatch:
     """Right-pad prompt + response of each rollout. `advantages` is [B] (any float dtype,
-    tensor or sequence), aligned with `rollouts`."""
+    tensor or sequence), aligned with `rollouts`. With `version` (the learner's), each response
+    token's lag behind it (`token_lags`; staleness.token_versions says which version sampled
+    the token), else no token_lags."""
     if not rollouts:
         raise ValueError("a TrainBatch needs at least one rollout")
     adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
@@ -43,6 +49,7 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainB
     attention_mask = torch.zeros((B, L), dtype=torch.long)
     response_mask = torch.zeros((B, L), dtype=torch.bool)
     behaviour_logp = torch.zeros((B, L), dtype=torch.float32)
+    token_lags = torch.zeros((B, L), dtype=torch.long) if version is not None else None
     for i, r in enumerate(rollouts):
         if not r.prompt_ids:
             raise ValueError(f"rollout {i} has an empty prompt")
@@ -51,6 +58,8 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainB
         attention_mask[i, : p + n] = 1
         response_mask[i, p : p + n] = True
         behaviour_logp[i, p : p + n] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+        if token_lags is not None and n:
+            token_lags[i, p : p + n] = version - torch.tensor(token_versions(r))
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -60,6 +69,7 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int) -> TrainB
         advantages=adv,
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
         policy_versions=torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
+        token_lags=token_lags,
     )
 
 

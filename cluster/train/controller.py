@@ -264,7 +264,7 @@ class Controller:
 
     def _train(self, rollouts: list[Rollout]) -> dict:
         t0 = time.perf_counter()
-        batch = train_batch(rollouts, self.cfg.advantage, self.pad_id)
+        batch = train_batch(rollouts, self.cfg.advantage, self.pad_id, version=self.step)
         metrics = self.learner.train_step(batch)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
