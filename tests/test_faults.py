@@ -197,7 +197,7 @@ def test_frozen_worker_is_replaced_a_slow_live_one_is_not_and_restarts_used_up_s
     assert not (run.run_dir / "final").exists()
 
 
-def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_one_restart_each(
+def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_then_sigterm_and_resume(
         tmp_path, tiny_model_dir):
     """max_lag 2: a killed worker and then a frozen (SIGSTOP) one are replaced, one restart
     each (the frozen one within its deadline): the batches still in flight are sent again to
@@ -208,21 +208,36 @@ def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_one_restart_each
     slow generate calls (each takes over 1.6 s here, and a load waits behind up to two of
     them, against a 2 s sync timeout); and with generation slower than training a load queued
     behind 2 batches still finds its shm file (the controller confirms older loads before
-    publishing: the transport keeps two versions)."""
+    publishing: the transport keeps two versions). Then SIGTERM: the run checkpoints, stops
+    with 128 + SIGTERM and no process left, and `--resume` finishes it with every step logged
+    once and the restarts counted on (one run carries both: each costs a Ray + vLLM +
+    DeepSpeed start)."""
     run = TrainProcess(tmp_path, "async", *tiny_args(
-        tiny_model_dir, tmp_path, "async", 10, "max_lag=2", "sync.timeout_s=2",
+        tiny_model_dir, tmp_path, "async", 12, "max_lag=2", "sync.timeout_s=2",
         "task.reward=scorers:short_answers_slowly", *FAST_DEADLINES))
     run.wait_for_step(3)  # the worker runs 2 batches behind the learner until it is killed
     run.kill_titled("ray::RolloutWorker.generate")
     run.wait_for_step(6)
     run.kill_titled("ray::RolloutWorker.generate", times=2, sig=signal.SIGSTOP)
-    assert run.finish() == 0, run.output()
+    run.wait_for_step(8)  # trained on by the second replacement
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 128 + signal.SIGTERM, run.output()
     assert not run.leftovers()
     out = run.output()
+    assert "stopped by SIGTERM" in out, out
     assert "died during generate" in out and "(restart 2/3)" in out, out
     assert caught_within(out, "rollout worker 0") <= CAUGHT_WITHIN_S
-    steps = [m for m in read_metrics(run.run_dir) if m["step"] > 0]
-    assert [m["step"] for m in steps] == list(range(1, 11))
+    stopped_at = ckpt.read_checkpoint(ckpt.latest_checkpoint(run.run_dir)).step
+    assert 8 <= stopped_at < 12
+
+    resumed = TrainProcess(tmp_path, "async", "--resume", str(run.run_dir))
+    assert resumed.finish() == 0, resumed.output()
+    assert f"resumed {run.run_dir} at step {stopped_at}" in resumed.output()
+    assert not resumed.leftovers()
+    assert (run.run_dir / "final" / "config.json").exists()
+    metrics = read_metrics(run.run_dir)
+    assert [m["step"] for m in metrics] == list(range(13))  # each step once, step 0 the eval
+    steps = metrics[1:]
     assert steps[-1]["faults/worker_restarts"] == 2
     assert max(m["lag/max"] for m in steps) <= 2
     assert [m["rollout/policy_version"] for m in steps] == [m["step"] - 1 - m["lag/mean"]
@@ -246,9 +261,14 @@ def _shm_buffers_of(run: TrainProcess) -> set[str]:
 def test_killed_learner_rank_tears_everything_down_and_exits_nonzero(tmp_path, tiny_model_dir):
     """A learner rank killed mid-run (SIGKILL: a crash, not a hang) ends the run at once on
     the error path: one line saying the run failed and was torn down, exit 1, no process left,
-    and the killed rank's /dev/shm buffers (RAM, which it could not free itself) removed."""
-    run = TrainProcess(tmp_path, "crash", *tiny_args(tiny_model_dir, tmp_path, "crash", 50))
-    run.wait_for_step(1)
+    and the killed rank's /dev/shm buffers (RAM, which it could not free itself) removed.
+    Before that, a scorer that hangs on some items is timed out, scores them 0 and counts
+    them: the run goes on."""
+    run = TrainProcess(tmp_path, "crash", *tiny_args(
+        tiny_model_dir, tmp_path, "crash", 50, "task.scorer_timeout_s=1",
+        "task.reward=scorers:short_answers_hanging_on_some"))
+    run.wait_for_step(4)
+    assert sum(m.get("reward/score_failures", 0) for m in read_metrics(run.run_dir)) > 0
     buffers = _shm_buffers_of(run)
     assert buffers, "the learner made no /dev/shm buffer to check"
     run.kill_titled("ray::LearnerRank")
@@ -287,26 +307,3 @@ def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_check
     assert latest is not None and f"checkpoint: {latest}" in out
     assert f"continue with: klrl train --resume {run.run_dir}" in out
     assert 2 <= ckpt.read_checkpoint(latest).step <= frozen_after + 1
-
-
-def test_sigterm_checkpoints_and_stops_then_resume_finishes(tmp_path, tiny_model_dir):
-    """Also: a scorer that hangs on some items does not stop the run (counted as failures)."""
-    args = tiny_args(tiny_model_dir, tmp_path, "signal", 6, "task.scorer_timeout_s=1",
-                     "task.reward=scorers:short_answers_hanging_on_some")
-    run = TrainProcess(tmp_path, "signal", *args)
-    run.wait_for_step(2)
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 128 + signal.SIGTERM, run.output()
-    assert not run.leftovers()
-    assert "stopped by SIGTERM" in run.output()
-    stopped_at = ckpt.read_checkpoint(ckpt.latest_checkpoint(run.run_dir)).step
-    assert 2 <= stopped_at < 6
-
-    resumed = TrainProcess(tmp_path, "signal", "--resume", str(run.run_dir))
-    assert resumed.finish() == 0, resumed.output()
-    assert f"resumed {run.run_dir} at step {stopped_at}" in resumed.output()
-    metrics = read_metrics(run.run_dir)
-    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5, 6]
-    assert sum(m.get("reward/score_failures", 0) for m in metrics) > 0  # timed out, scored 0
-    assert (run.run_dir / "final" / "config.json").exists()
-    assert not resumed.leftovers()

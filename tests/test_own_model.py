@@ -15,6 +15,9 @@ import pytest
 from cluster.cli.main import main
 from cluster.config.train_config import load_train_config
 
+# Its run starts a Ray cluster of its own (the workers need the user's PYTHONPATH), so it
+# runs in the lane of the runs with their own processes (tests/conftest.py).
+XDIST_GROUP = "own-processes"
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "own-model.md"
 
