@@ -3,6 +3,7 @@ mismatch weighted by its fresh tokens (steps without any weigh nothing), prefers
 reading where a batch took several updates, and groups runs by what differs between them."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,16 @@ def test_the_table_has_one_row_per_configuration_with_the_seeds_spread():
     assert "| 2 | 0.4 (0.3-0.5) |" in keep
     recompute = next(line for line in table if "recompute" in line)
     assert "| 2 | 0.1 (0.1-0.1) |" in recompute
+
+
+def test_the_table_says_which_commits_and_machines_ran_it(tmp_path):
+    from cluster.experiments.mismatch import provenance
+
+    runs = []
+    for name, commit, dirty in (("a", "c43d3d8805be", False), ("b", "1234567abc", True)):
+        run = _run(str(tmp_path / name), "keep", 0, {})
+        run.dir.mkdir()
+        (run.dir / "provenance.jsonl").write_text(json.dumps(
+            {"git_commit": commit, "git_dirty": dirty, "machine": "2-core box"}) + "\n")
+        runs.append(run)
+    assert provenance(runs) == "commit 1234567+dirty, c43d3d8 on 2-core box"

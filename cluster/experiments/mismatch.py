@@ -17,6 +17,7 @@ min-max.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,19 @@ def mismatch_table(runs: list[RunData]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def provenance(runs: list[RunData]) -> str:
+    """Where the runs ran: the distinct commits (dirty marked) and machines of their starts."""
+    commits, machines = set(), set()
+    for run in runs:
+        path = run.dir / "provenance.jsonl"
+        for line in path.read_text().splitlines() if path.is_file() else ():
+            start = json.loads(line)
+            commits.add(start.get("git_commit", "?")[:7] + ("+dirty" if start.get("git_dirty")
+                                                           else ""))
+            machines.add(start.get("machine", "?"))
+    return f"commit {', '.join(sorted(commits)) or '?'} on {'; '.join(sorted(machines)) or '?'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.experiments.mismatch",
                                 description=__doc__.split("\n\n")[0])
@@ -110,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "mismatch.md").write_text(
         f"# {cfg.name}: the learner/sampler mismatch\n\nWritten by `python -m "
-        f"cluster.experiments.mismatch {args.sweep}` from {len(runs)} finished runs; what each "
-        f"column is: the module's docstring (cluster/experiments/mismatch.py).\n\n{table}")
+        f"cluster.experiments.mismatch {args.sweep}` from {len(runs)} finished runs "
+        f"({provenance(runs)}); what each column is: the module's docstring "
+        f"(cluster/experiments/mismatch.py).\n\n{table}")
     return status
 
 
