@@ -30,15 +30,25 @@ weights (with recompute the reset empties the cache at every update).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.outputs import sampled_logprobs
+
+
+def _stop_at_exit(engine_ref: weakref.ref) -> None:
+    """Python's exit is under way: stop the loop (if its engine still exists), so that the
+    exit's join of the engine thread returns (`ContinuousEngine.__init__`)."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._commands.put(("stop", None, concurrent.futures.Future()))
 
 
 @dataclass
@@ -120,6 +130,13 @@ class ContinuousEngine:
         self.llm, self._engine, self._recompute = llm, engine, recompute
         self._version = version
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Invariant: the loop never outlives its process's exit. Python's exit joins the
+        # engine thread (a concurrent.futures worker) before atexit handlers run, so a loop
+        # blocked on the queue would keep the process, and its engine's memory, alive after Ray
+        # let it go: a graceful exit, as when the raylet went away before ray.kill landed, left
+        # orphaned workers. Hooks registered here run before those joins (concurrent.futures
+        # registers its own the same way, earlier, and they run in reverse order).
+        threading._register_atexit(functools.partial(_stop_at_exit, weakref.ref(self)))
         self._gate = threading.Lock()      # `_closed` and putting a command, atomically
         self._closed: str | None = None    # why no command is taken any more
         self._ids = itertools.count()

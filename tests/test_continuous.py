@@ -108,6 +108,8 @@ class _Probe(RolloutWorker):
 def _stop(w):
     try:
         ray.get(w.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        pass  # it exited already (test_a_worker_that_exits_takes_its_idle_loop_along)
     finally:
         ray.kill(w)
 
@@ -301,6 +303,23 @@ def test_keep_samples_later_tokens_over_the_old_kv(keep_worker, problems, models
     gaps = [(torch.tensor(r.behaviour_logprobs) - _logprobs(new, r))[
         torch.tensor(r.token_versions) == 1].abs().max().item() for r in spanning]
     assert max(gaps) > 1e-2
+
+
+def test_a_worker_that_exits_takes_its_idle_loop_along(keep_worker):
+    """A graceful actor exit (what a worker does when its raylet goes away before ray.kill
+    lands) ends the process, although the continuous loop blocks on its queue: Python's exit
+    joins the engine thread, and the loop ends once the main thread has. Before, such workers
+    stayed alive, orphaned, with their engine's memory. Last user of keep_worker: it exits."""
+    import psutil
+
+    pid = ray.get(keep_worker.__ray_call__.remote(lambda self: os.getpid()))
+    keep_worker.__ray_terminate__.remote()
+    try:
+        psutil.Process(pid).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass  # gone already
+    except psutil.TimeoutExpired:
+        pytest.fail(f"the worker (pid {pid}) was still alive 30 s after its exit")
 
 
 def test_engine_idle_share_is_the_unbusy_part_of_the_time_between_two_batches():
