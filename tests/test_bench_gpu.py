@@ -113,7 +113,8 @@ def _gpu_parts() -> list[dict]:
     """A GPU bench as four `--only` runs would write it, from the CPU run's figures reshaped
     (made-up figures: these are rendering and merging tests, not measurements)."""
     cpu = json.loads(BENCH_JSON.read_text())
-    workloads = {n: w for n, w in copy.deepcopy(cpu["workloads"]).items() if "lora" not in n}
+    workloads = {n: w for n, w in copy.deepcopy(cpu["workloads"]).items()  # as gpu_plan's
+                 if "lora" not in n and "long-tail" not in n}
     for w in workloads.values():
         if r := w["rollout"]:  # the floor: raw vLLM without log-probs, made up as 0.8 x raw
             r["floor_seconds"] = 0.8 * r["raw_seconds"]
@@ -121,8 +122,10 @@ def _gpu_parts() -> list[dict]:
                   "floor_ratio": r["klrl_seconds"] / r["floor_seconds"]}
         if w["pipeline"]:
             p = w["pipeline"]
-            runs = {r["max_lag"]: r for r in p["runs"]}
-            p |= {"reference": "max_lag 0", "cores": 1, "runs": [runs[0], runs[2]]}
+            runs = {(r["max_lag"], r.get("in_flight", False)): r for r in p["runs"]}
+            # the GPU plan's runs: max_lag 0 and 2, then 2 in flight
+            p |= {"reference": "max_lag 0", "cores": 1,
+                  "runs": [runs[0, False], runs[2, False], runs[2, True]]}
     cfg = load_train_config(DEMO_CONFIG, list(gpu.gpu_overrides()))
     common = {"headline_workload": "random-25M", "device": "cuda", "dtype": "float32",
               "machine": cpu["machine"] | {"gpu": "NVIDIA H100 80GB HBM3"},
