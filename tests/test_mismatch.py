@@ -35,8 +35,14 @@ def test_a_runs_figures_weigh_each_step_by_its_fresh_tokens():
     assert f["all"] == pytest.approx(0.6)
     assert f["fresh_share"] == pytest.approx(40 / 300)
     assert f["token_lag"] == pytest.approx(1.0) and f["multi_version"] == pytest.approx(0.5)
-    none = run_figures(_run("b", "keep", 0, {1: {FRESH: 0.0, "is/fresh_tokens": 0.0}}))
+    none = run_figures(_run("b", "keep", 0, {1: {FRESH: 0.0, "is/fresh_tokens": 0.0,
+                                                "response/tokens": 5.0}}))
     assert none["fresh"] is None  # no fresh token at all: no reading, not a zero
+    # a run from before the fresh-token metric: its mixing figures, no fresh ones
+    old = run_figures(_run("c", "keep", 0, {1: {"response/tokens": 4.0, "lag/token_mean": 3.0,
+                                                "lag/multi_version_share": 0.1}}))
+    assert old["token_lag"] == 3.0 and old["multi_version"] == 0.1
+    assert old["fresh"] is None and old["fresh_share"] is None
 
 
 def test_the_table_has_one_row_per_configuration_with_the_seeds_spread():

@@ -39,11 +39,15 @@ COLUMNS = (  # (heading, per-run figure)
 def run_figures(run: RunData) -> dict[str, float | None]:
     """One run's figures over its training steps (module docstring); None where no step had
     the metric (a fresh-token mismatch needs at least one fresh token)."""
-    steps = [row for step, row in sorted(run.rows.items()) if step > 0 and FRESH in row]
-    fresh_w = [row.get("is/fresh_tokens", 0.0) for row in steps]
+    # training rows (evaluation-only rows have no response tokens); runs from before the
+    # fresh-token metric have the other figures
+    steps = [row for step, row in sorted(run.rows.items()) if step > 0
+             and "response/tokens" in row]
+    fresh_rows = [row for row in steps if FRESH in row]
+    fresh_w = [row.get("is/fresh_tokens", 0.0) for row in fresh_rows]
     # With several updates per batch the plain key merges them all: update 0 is the batch as
     # sampled, before the learner moved.
-    fresh_v = [row.get("update_0/" + FRESH, row[FRESH]) for row in steps]
+    fresh_v = [row.get("update_0/" + FRESH, row[FRESH]) for row in fresh_rows]
     tokens = sum(row.get("response/tokens", 0.0) for row in steps)
 
     def mean(key: str) -> float | None:
@@ -54,7 +58,7 @@ def run_figures(run: RunData) -> dict[str, float | None]:
         "fresh": (sum(v * w for v, w in zip(fresh_v, fresh_w)) / sum(fresh_w)
                   if sum(fresh_w) else None),
         "all": mean("is/abs_log_ratio_token_mean"),
-        "fresh_share": sum(fresh_w) / tokens if tokens else None,
+        "fresh_share": (sum(fresh_w) / tokens if tokens and fresh_rows else None),
         "token_lag": mean("lag/token_mean"),
         "multi_version": mean("lag/multi_version_share"),
     }
@@ -122,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
     out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python -m cluster.experiments.mismatch", args.sweep, *args.overrides])
     (out / "mismatch.md").write_text(
-        f"# {cfg.name}: the learner/sampler mismatch\n\nWritten by `python -m "
-        f"cluster.experiments.mismatch {args.sweep}` from {len(runs)} finished runs "
+        f"# {cfg.name}: the learner/sampler mismatch\n\nWritten by `{command}` from "
+        f"{len(runs)} finished runs "
         f"({provenance(runs)}); what each column is: the module's docstring "
         f"(cluster/experiments/mismatch.py).\n\n{table}")
     return status
