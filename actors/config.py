@@ -191,10 +191,10 @@ class RolloutConfig(BaseModel):
                 raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) must be at least "
                                  f"rollout.max_model_len ({self.max_model_len}) without chunked "
                                  "prefill (off on CPU): a prompt is prefilled in one step")
-        if self.stale_kv != "recompute" and not self.in_flight_updates:
+        if not self.recomputes_stale_kv and not self.in_flight_updates:
             raise ValueError(f"rollout.stale_kv={self.stale_kv} needs rollout.in_flight_updates: "
                              "without it no request is in flight at a weight update")
-        if self.stale_kv == "keep" and self.enable_prefix_caching:
+        if not self.recomputes_stale_kv and self.enable_prefix_caching:
             raise ValueError("rollout.stale_kv=keep needs rollout.enable_prefix_caching=false: "
                              "cached prefix blocks computed by older weights would be reused by "
                              "new requests (with recompute, the cache is reset at every update)")
@@ -229,6 +229,13 @@ class RolloutConfig(BaseModel):
         """The engine's torch/OpenMP threads: threads_per_worker once resolved, else the
         Ray CPUs reserved (rounded down, at least 1)."""
         return self.threads_per_worker or max(1, int(self.num_cpus_per_worker))
+
+    @property
+    def recomputes_stale_kv(self) -> bool:
+        """stale_kv's one reading: True for recompute (an update preempts the running
+        requests), False for keep (their KV stays, and the engine runs without a prefix
+        cache)."""
+        return self.stale_kv == "recompute"
 
     @property
     def vllm_top_k(self) -> int:

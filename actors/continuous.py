@@ -62,7 +62,6 @@ class Completion:
     token). added_at, finished_at: time.perf_counter() when it entered and left the engine.
     """
 
-    prompt_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -297,8 +296,6 @@ class ContinuousEngine:
             if job.stream:
                 c, done = out.outputs[0], job.results[i]
                 new = c.token_ids
-                if not done.prompt_ids and out.prompt_token_ids is not None:
-                    done.prompt_ids = list(out.prompt_token_ids)
                 done.token_ids.extend(new)
                 done.versions.extend([version] * len(new))
                 if c.logprobs is not None:

@@ -153,7 +153,7 @@ class RolloutWorker:
         # call goes through it (`_on_engine`).
         if rollout_cfg.in_flight_updates:
             self._continuous = ContinuousEngine(self.llm, self._engine_thread, version=version,
-                                                recompute=rollout_cfg.stale_kv == "recompute")
+                                                recompute=rollout_cfg.recomputes_stale_kv)
 
     # ------------------------------------------------------------------ generation
 
@@ -454,7 +454,7 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
         extra["async_scheduling"] = False
     # stale_kv keep: no prefix cache, so that no new request reuses KV an older version made
     # (RolloutConfig refuses keep with enable_prefix_caching true; null means off here).
-    prefix_caching = False if cfg.stale_kv == "keep" else cfg.enable_prefix_caching
+    prefix_caching = cfg.enable_prefix_caching if cfg.recomputes_stale_kv else False
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,

@@ -33,6 +33,7 @@ from actors.rollout_worker import RolloutWorker  # noqa: E402
 from actors.weight_sync import publish, remove_published  # noqa: E402
 from rewards import Problem  # noqa: E402
 from rewards.config import EvalConfig, TaskConfig  # noqa: E402
+from test_weight_sync import load_hf, perturbed  # noqa: E402
 
 TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 N = 4               # samples per prompt
@@ -147,23 +148,13 @@ def problems():
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
     """HF models by policy version: version 0 is the tiny model; the tests add theirs."""
-    return {0: _hf(tiny_model_dir)}
+    return {0: load_hf(tiny_model_dir)}
 
 
-def _hf(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-def _perturbed(model_dir, seed: int, scale: float = 0.3):
-    """The model after a (fake, large) learner step: every parameter moved by seeded noise."""
-    model = _hf(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g))
-    return model
+def _perturbed(model_dir, seed: int):
+    """The model after a (fake, large) learner step: test_weight_sync's, moved 6 times as far,
+    so that one update changes what the engine samples."""
+    return perturbed(model_dir, seed, scale=0.3)
 
 
 def _logprobs(model, rollout) -> torch.Tensor:

@@ -199,7 +199,7 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
             rows.append(
                 f"| {name} | {fly['max_lag']} | {off['samples_per_s']:.1f} "
                 f"| **{fly['samples_per_s']:.1f}** "
-                f"| **{fly['samples_per_s'] / off['samples_per_s']:.2f}** "
+                f"| **{fly['in_flight_speedup']:.2f}** "
                 f"| {_share(off.get('engine_idle_share'))} "
                 f"| {_share(fly.get('engine_idle_share'))} "
                 f"| {_num(off.get('token_lag_mean'))} | {_num(fly.get('token_lag_mean'))} "

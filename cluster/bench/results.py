@@ -79,8 +79,10 @@ def _pipeline_summary(runs: list[dict], best_lag: int) -> dict[str, Any]:
     out |= {f"overlap_efficiency_lag{lag}": r["overlap_efficiency"] for lag, r in batch.items()}
     out |= {f"engine_idle_share_lag{lag}": r["engine_idle_share"] for lag, r in batch.items()
             if r.get("engine_idle_share") is not None}
-    out |= {f"in_flight_speedup_lag{lag}": r["samples_per_s"] / batch[lag]["samples_per_s"]
-            for lag, r in flying.items() if lag in batch}
+    # each in-flight run's own (PipelineResult.in_flight_speedup; absent without a
+    # batch-level run at its max_lag)
+    out |= {f"in_flight_speedup_lag{lag}": r["in_flight_speedup"] for lag, r in flying.items()
+            if r.get("in_flight_speedup") is not None}
     out |= {f"in_flight_engine_idle_share_lag{lag}": r["engine_idle_share"]
             for lag, r in flying.items() if r.get("engine_idle_share") is not None}
     return out

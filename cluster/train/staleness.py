@@ -34,9 +34,8 @@ def token_lag_metrics(rollouts: Sequence[Rollout], step: int) -> dict[str, float
     lags: list[int] = []
     distinct: list[int] = []
     for r in rollouts:
-        versions = token_versions(r)
-        lags += [step - v for v in versions]
-        distinct.append(len(set(versions)) or 1)
+        lags += [step - v for v in token_versions(r)]
+        distinct.append(r.num_versions)
     if not lags:
         lags = [step - r.policy_version for r in rollouts]
     return {"lag/token_mean": sum(lags) / len(lags), "lag/token_max": max(lags),
