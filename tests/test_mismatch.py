@@ -60,13 +60,20 @@ def test_the_table_has_one_row_per_configuration_with_the_seeds_spread():
 
 
 def test_the_table_says_which_commits_and_machines_ran_it(tmp_path):
-    from cluster.experiments.mismatch import provenance
+    from cluster.experiments.mismatch import mismatch_page
 
     runs = []
     for name, commit, dirty in (("a", "c43d3d8805be", False), ("b", "1234567abc", True)):
         run = _run(str(tmp_path / name), "keep", 0, {})
         run.dir.mkdir()
         (run.dir / "provenance.jsonl").write_text(json.dumps(
-            {"git_commit": commit, "git_dirty": dirty, "machine": "2-core box"}) + "\n")
+            {"started_at": "2026-11-25T05:48:36+0000", "git_commit": commit,
+             "git_dirty": dirty, "machine": "2-core box"}) + "\n")
         runs.append(run)
-    assert provenance(runs) == "commit 1234567+dirty, c43d3d8 on 2-core box"
+    page = mismatch_page("stale_kv_tiny", "python -m cluster.experiments.mismatch X", runs)
+    # both commits (a start with uncommitted changes marked) and the machine, as the sweep
+    # report names them, and a warning that the runs come from two commits
+    assert "klrl commit(s) 1234567abc+modified, c43d3d8805be; machine(s): 2-core box" in page
+    assert "**These runs come from 2 different klrl commits**" in page
+    assert page.startswith("# stale_kv_tiny:")
+    assert "`python -m cluster.experiments.mismatch X`" in page

@@ -17,12 +17,12 @@ min-max.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
+from cluster.experiments.report_findings import provenance_lines
 from cluster.experiments.runs import RunData, find_runs, group_runs
 from cluster.experiments.sweep import load_sweep, sweep_dir
 
@@ -85,17 +85,14 @@ def mismatch_table(runs: list[RunData]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def provenance(runs: list[RunData]) -> str:
-    """Where the runs ran: the distinct commits (dirty marked) and machines of their starts."""
-    commits, machines = set(), set()
-    for run in runs:
-        path = run.dir / "provenance.jsonl"
-        for line in path.read_text().splitlines() if path.is_file() else ():
-            start = json.loads(line)
-            commits.add(start.get("git_commit", "?")[:7] + ("+dirty" if start.get("git_dirty")
-                                                           else ""))
-            machines.add(start.get("machine", "?"))
-    return f"commit {', '.join(sorted(commits)) or '?'} on {'; '.join(sorted(machines)) or '?'}"
+def mismatch_page(name: str, command: str, runs: list[RunData]) -> str:
+    """mismatch.md: the command that wrote it, where the runs ran (the sweep report's
+    provenance lines) and the table."""
+    return "\n".join([
+        f"# {name}: the learner/sampler mismatch", "",
+        f"Written by `{command}` from {len(runs)} finished runs; what each column is: the "
+        "module's docstring (cluster/experiments/mismatch.py).", "",
+        *provenance_lines(runs), "", mismatch_table(runs)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,16 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"no finished run in {sweep_dir(cfg)}", file=sys.stderr)
         return 1
-    table = mismatch_table(runs)
-    print(table)
+    command = " ".join(["python -m cluster.experiments.mismatch", args.sweep, *args.overrides])
+    page = mismatch_page(cfg.name, command, runs)
+    print(page)
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m cluster.experiments.mismatch", args.sweep, *args.overrides])
-    (out / "mismatch.md").write_text(
-        f"# {cfg.name}: the learner/sampler mismatch\n\nWritten by `{command}` from "
-        f"{len(runs)} finished runs "
-        f"({provenance(runs)}); what each column is: the module's docstring "
-        f"(cluster/experiments/mismatch.py).\n\n{table}")
+    (out / "mismatch.md").write_text(page)
     return status
 
 
