@@ -228,3 +228,21 @@ def test_runs_from_several_commits_are_named_in_the_head(tmp_path):
     assert f"**These runs come from 2 different klrl commits** ({'a' * 12}: 1 run(s), " \
         f"{'b' * 12}: 2 run(s))" in md
     assert f",{'b' * 12}," in (tmp_path / "report" / "runs.csv").read_text()
+
+
+def test_claims_that_pool_runs_of_other_settings_say_so(tmp_path):
+    """Two runs per arm that differ in a key no claim looks at (in-flight updates) share the
+    claim's arm: the report names the key instead of passing the pool off as one setting."""
+    import yaml
+
+    grid(tmp_path)
+    for run in tmp_path.iterdir():
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["rollout"] = {"in_flight_updates": run.name.endswith("s1")}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    md = write_report(tmp_path).read_text()
+    assert "**The claims below pool runs that differ in `rollout.in_flight_updates`**" in md
+    # ... and a grid over the claims' own keys only says nothing of the kind
+    other = tmp_path.parent / "plain"
+    grid(other)
+    assert "pool runs" not in write_report(other).read_text()

@@ -36,6 +36,9 @@ from cluster.experiments.prereg import Preregistration, Rules
 
 IN, OUT = "in_domain", "out_of_domain"
 ArmKey = tuple  # (estimator, placement, importance, beta, max_lag); no KL: (None, None, ...)
+# The config keys an ArmKey is made of: runs that differ in any other key (bar the seed) share
+# an arm, and the claims pool them (the report says so: report_findings.pooled_keys).
+ARM_KEYS = ("kl.estimator", "kl.placement", "kl.importance", "kl.beta", "max_lag")
 
 
 @dataclass(frozen=True)

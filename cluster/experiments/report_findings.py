@@ -13,6 +13,7 @@ import yaml
 
 from cluster.config.loader import ConfigError
 from cluster.experiments import findings as fnd
+from cluster.experiments.labels import configuration_keys
 from cluster.experiments.measures import PRIMARY, Measures, measure, write_csv
 from cluster.experiments.prereg import (
     Preregistration,
@@ -126,7 +127,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
          "tested are those this directory could run, and the p-values describe these runs "
          "rather than confirm claims fixed before them (docs/sweeps.md, Pre-registration).")]
     family = len(found) if prereg else sum(f.verdict != "not run here" for f in found)
-    md += ["", *_deviations(measures, used, prereg, rules),
+    md += ["", *_deviations(measures, used, prereg, rules), *_pooled(runs),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
            "", *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
@@ -158,6 +159,22 @@ def _deviations(measures, used, prereg, rules) -> list[str]:
         lines.append(f"- {other} run(s) with seeds outside the pre-registered "
                      f"{', '.join(map(str, prereg.seeds))}: left out of the findings.")
     return [*lines, ""] if lines else []
+
+
+def pooled_keys(runs: list[RunData]) -> list[str]:
+    """Config keys that tell the runs' configurations apart but are not part of a claim's
+    configuration (findings.ARM_KEYS): a claim's arm holds runs of each of their values."""
+    return [k for k in configuration_keys(runs) if k not in fnd.ARM_KEYS]
+
+
+def _pooled(runs: list[RunData]) -> list[str]:
+    keys = pooled_keys(runs)
+    if not keys:
+        return []
+    return [(f"**The claims below pool runs that differ in {', '.join(f'`{k}`' for k in keys)}"
+             "**: a claim's configuration is its KL estimator, placement, importance weights, "
+             "beta and lag, so each of its arms holds runs of every value of these keys. The "
+             "measures table keeps them apart."), ""]
 
 
 def _rules_text(rules: Rules, m: int) -> list[str]:
