@@ -128,6 +128,12 @@ def test_report_writes_the_findings_with_their_evidence(tmp_path):
     assert ("K1 in reward 0.710 ± 0.006 (n=3) vs K1 in loss 0.510 ± 0.006 (n=3), difference "
             "+0.200, d = 20; ahead: t = 24.49, df = 4.0, p = 8.") in text
     assert "**Exploratory**" in text and "### Threshold sensitivity" in text
+    # how off-policy each run was, per run in runs.csv and per configuration in the table
+    import csv
+    rows = list(csv.DictReader((tmp_path / "report" / "runs.csv").open()))
+    assert {(r["run"].split("-")[2], r["lag_mean"]) for r in rows} == {("lag0", "0"),
+                                                                      ("lag4", "4")}
+    assert "| mean lag |" in text and "| 4.000 ± 0.000 |" in text
 
 
 def test_a_directory_without_a_kl_penalty_says_there_is_nothing_to_test(tmp_path):

@@ -5,8 +5,10 @@ final_eval.json, when it has the pre-registered problems and seed; else the last
 during training, which the report says), the last evaluation during training, the area under
 the accuracy curve (mean accuracy over the run: trapezoids between evaluations over the steps
 they span), the KL to the reference at the end (mean `kl/pi_ref` over the last TAIL_STEPS
-steps), and whether the run broke under the failure definition (prereg.FailureRule) and
-under each threshold variant of the sensitivity table.
+steps), how off-policy its data was (the mean over its steps of the batch's mean lag,
+`lag/mean`: at max_lag > 0 it depends on timing, so the report shows it), and whether the
+run broke under the failure definition (prereg.FailureRule) and under each threshold variant
+of the sensitivity table.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from rewards.config import EVAL_SETS
 
 TAIL_STEPS = 10    # training steps averaged for the KL at the end
 KL = "kl/pi_ref"
+LAG = "lag/mean"   # the batch's mean lag in policy versions, logged every step
 PRIMARY = "as registered"  # the failure definition itself, beside its variants
 
 
@@ -47,6 +50,7 @@ class Measures:
     last_eval: dict[str, float]    # set -> last greedy evaluation during training
     auc: dict[str, float]          # set -> area under the greedy accuracy curve / steps
     kl_end: float
+    lag_mean: float                # mean over the steps of the batch's mean lag
     broken: dict[str, str]         # PRIMARY or variant name -> why it broke ("": it did not)
 
 
@@ -79,6 +83,11 @@ def kl_at_end(run: RunData) -> float:
     return statistics.fmean(tail) if tail else math.nan
 
 
+def mean_lag(run: RunData) -> float:
+    values = [v for v in run.series(LAG)[1] if math.isfinite(v)]
+    return statistics.fmean(values) if values else math.nan
+
+
 def why_broken(run: RunData, rules: Rules, changes: dict | None = None) -> str:
     """Why the run broke under the failure definition (with a variant's `changes` to its
     thresholds), or "" when it did not."""
@@ -103,7 +112,7 @@ def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Meas
     seed = run.config.get("seed")
     return Measures(run.name, configuration, seed if isinstance(seed, int) else None,
                     run.finished, run.config, commit, accuracy, source, last, auc,
-                    kl_at_end(run), broken)
+                    kl_at_end(run), mean_lag(run), broken)
 
 
 def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str]) -> Path:
@@ -111,7 +120,7 @@ def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str])
     sets = [name for name in EVAL_SETS if any(name in m.last_eval for m in measures)]
     head = ["run", "configuration", "seed", "finished", "commit", "accuracy_source",
             *(f"final_{s}" for s in sets), *(f"last_eval_{s}" for s in sets),
-            *(f"auc_{s}" for s in sets), "kl_end", "broken",
+            *(f"auc_{s}" for s in sets), "kl_end", "lag_mean", "broken",
             *(f"broken_{v.replace(' ', '_').replace('/', 'over_')}" for v in variants)]
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
@@ -120,7 +129,7 @@ def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str])
             out.writerow([m.run, m.configuration, m.seed, m.finished, m.commit, m.source,
                           *(_num(m.accuracy.get(s)) for s in sets),
                           *(_num(m.last_eval.get(s)) for s in sets),
-                          *(_num(m.auc.get(s)) for s in sets), _num(m.kl_end),
+                          *(_num(m.auc.get(s)) for s in sets), _num(m.kl_end), _num(m.lag_mean),
                           m.broken[PRIMARY], *(m.broken[v] for v in variants)])
     return path
 

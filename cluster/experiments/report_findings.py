@@ -135,7 +135,8 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
            "one is *fragile*."), "", *(sensitivity or ["No claim to test."]), "",
            "### Measures per configuration", "", *_measures_table(used, groups), "",
            (f"Every run's values (final accuracies, last evaluation, area under the accuracy "
-           f"curve, KL at the end, broken and why, under each variant): [{CSV_FILE}]({CSV_FILE})."),
+           f"curve, KL at the end, mean lag, broken and why, under each variant): "
+           f"[{CSV_FILE}]({CSV_FILE})."),
            ""]
     quote = []
     if prereg:
@@ -194,7 +195,8 @@ def _rules_text(rules: Rules, m: int) -> list[str]:
 
 def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
     head = ["configuration", "runs", "accuracy from", "final in-domain", "final out-of-domain",
-            "AUC in-domain", "AUC out-of-domain", "KL at the end", f"broken ({PRIMARY})"]
+            "AUC in-domain", "AUC out-of-domain", "KL at the end", "mean lag",
+            f"broken ({PRIMARY})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in groups:
         ms = [m for m in measures if m.configuration == label and m.finished]
@@ -207,6 +209,7 @@ def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
         sources = sorted({m.source for m in ms})
         lines.append("| " + " | ".join([f"`{label}`", str(len(ms)), "; ".join(sources), *cells,
                                         mean_sd([m.kl_end for m in ms]),
+                                        mean_sd([m.lag_mean for m in ms]),
                                         f"{sum(bool(m.broken[PRIMARY]) for m in ms)}/{len(ms)}"])
                      + " |")
     return lines
