@@ -170,6 +170,9 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     assert "8 run(s) with seeds outside the pre-registered 101" in md
     assert "final checkpoint, 1000 problems" in md and "have no evaluation of their final" not in md
     assert "K1 in reward 0.835 ± 0.009 (n=8) vs K1 in loss 0.635 ± 0.009 (n=8)" in md
+    # seeds 0.01 apart: sd 0.01 x sd(0..7) in-domain, half that out-of-domain (acc / 2)
+    assert ("assume a seed sd of a final accuracy of 0.015; these runs show in-domain 0.024, "
+            "out-of-domain 0.012") in md
     rows = [line for line in md.splitlines() if line.startswith("| ") and " | paper |" in line
             or " | klrl |" in line]
     assert len(rows) == 7  # the sweep's pre-registered family, the claims not run included

@@ -13,7 +13,7 @@ import yaml
 
 from cluster.config.loader import ConfigError
 from cluster.experiments import findings as fnd
-from cluster.experiments.labels import configuration_keys
+from cluster.experiments.labels import SET_LABELS, configuration_keys
 from cluster.experiments.measures import PRIMARY, Measures, measure, write_csv
 from cluster.experiments.prereg import (
     Preregistration,
@@ -128,6 +128,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
          "rather than confirm claims fixed before them (docs/sweeps.md, Pre-registration).")]
     family = len(found) if prereg else sum(f.verdict != "not run here" for f in found)
     md += ["", *_deviations(measures, used, prereg, rules), *_pooled(runs),
+           *(_seed_sd_lines(used, prereg) if prereg else []),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
            "", *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
@@ -176,6 +177,36 @@ def _pooled(runs: list[RunData]) -> list[str]:
              "**: a claim's configuration is its KL estimator, placement, importance weights, "
              "beta and lag, so each of its arms holds runs of every value of these keys. The "
              "measures table keeps them apart."), ""]
+
+
+def observed_seed_sd(measures: list[Measures]) -> dict[str, float]:
+    """Set -> the pooled sd over seeds of the final accuracy: the root of the mean of the
+    configurations' sample variances, over each configuration's finished runs that did not
+    break (a break is a different outcome, not seed noise), where it has at least two."""
+    out = {}
+    for key in ("in_domain", "out_of_domain"):
+        per: dict[str, list[float]] = {}
+        for m in measures:
+            if m.finished and not m.broken[PRIMARY] and math.isfinite(
+                    v := m.accuracy.get(key, math.nan)):
+                per.setdefault(m.configuration, []).append(v)
+        variances = [statistics.variance(v) for v in per.values() if len(v) > 1]
+        if variances:
+            out[key] = math.sqrt(statistics.fmean(variances))
+    return out
+
+
+def _seed_sd_lines(used: list[Measures], prereg: Preregistration) -> list[str]:
+    """The seed sd the pre-registration's error rates assume beside the one these runs show:
+    the power figures hold only where the two are alike."""
+    sd = observed_seed_sd(used)
+    if not sd:
+        return []
+    shown = ", ".join(f"{SET_LABELS[k]} {v:.3f}" for k, v in sd.items())
+    return [(f"The pre-registration's power figures assume a seed sd of a final accuracy of "
+             f"{prereg.design.seed_sd:g}; these runs show {shown} (pooled over the "
+             "configurations' unbroken runs). A set whose sd is larger has less power than "
+             "stated: an accuracy claim on it needs a proportionally larger lead."), ""]
 
 
 def _rules_text(rules: Rules, m: int) -> list[str]:
