@@ -8,7 +8,7 @@ Transports come in two families, each with a base class here:
   and reloads them through klrl's worker extension (actors/worker_extension.py). A LoRA
   adapter travels this way only.
 - `VllmEngineTransport` (nccl, cuda_ipc): vLLM's weight-transfer engines move the tensors
-  from learner rank 0's GPU; the record carries the update info each worker hands vLLM's
+  off learner rank 0's GPU; the record carries the update info each worker hands vLLM's
   `update_weights`, and the engines are built for the transport's vLLM backend.
 
 Nothing here imports Ray or vLLM at module level: the config imports the registry.
