@@ -115,6 +115,22 @@ def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Meas
                     kl_at_end(run), mean_lag(run), broken)
 
 
+def accuracy_kl_correlation(measures: Sequence[Measures]) -> dict[str, tuple[float, int]]:
+    """Set -> (Pearson r, runs) of the final accuracy against log KL at the end, over the
+    finished runs that did not break (a broken run's accuracy measures the break, not where
+    the policy went). Descriptive: whether scoring higher goes with moving further from the
+    reference; no claim tests it."""
+    ok = [m for m in measures if m.finished and not m.broken[PRIMARY]
+          and math.isfinite(m.kl_end) and m.kl_end > 0]
+    out = {}
+    for name in EVAL_SETS:
+        pairs = [(math.log(m.kl_end), v) for m in ok
+                 if math.isfinite(v := m.accuracy.get(name, math.nan))]
+        if len(pairs) >= 3 and len({x for x, _ in pairs}) > 1 and len({y for _, y in pairs}) > 1:
+            out[name] = (statistics.correlation(*zip(*pairs)), len(pairs))
+    return out
+
+
 def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str]) -> Path:
     """One row per run: its finals, curve summaries and breaks (CSV, for rechecking)."""
     sets = [name for name in EVAL_SETS if any(name in m.last_eval for m in measures)]

@@ -19,7 +19,8 @@ from typing import Literal
 from pydantic import Field
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.labels import configuration_keys
+from cluster.experiments.labels import SET_LABELS, configuration_keys
+from cluster.experiments.measures import accuracy_kl_correlation
 from cluster.experiments.report_findings import findings_section, mean_sd, provenance_lines
 from cluster.experiments.report_plots import (
     ACCURACY_AGAINST_KL,
@@ -146,7 +147,9 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
            "Lines: mean over a configuration's runs (seeds); shaded: min to max over them. "
            + (f"Per-step curves are moving averages over {cfg.smooth} steps."
               if cfg.smooth > 1 else ""), ""]
-    md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n" for fig, name in figures]
+    md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n"
+           + (_correlation_text(measures) if fig is ACCURACY_AGAINST_KL else "")
+           for fig, name in figures]
     md += ["## Runs", "", "| run | configuration | seed | last step | status |",
            "|---|---|---|---|---|"]
     md += [f"| `{r.name}` | `{label}` | {r.config.get('seed', '-')} | {r.last_step} | "
@@ -156,6 +159,18 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
     report = out / "report.md"
     report.write_text("\n".join(md).rstrip("\n") + "\n")
     return report
+
+
+def _correlation_text(measures) -> str:
+    found = accuracy_kl_correlation(measures)
+    if not found:
+        return ""
+    n = max(runs for _, runs in found.values())
+    return (f"\nAmong the {n} finished runs that did not break, the correlation (Pearson r) of "
+            "the final accuracy with log KL at the end: "
+            + ", ".join(f"{SET_LABELS[k]} {r:+.2f}" for k, (r, _) in found.items())
+            + ". Descriptive, tested by no claim: a positive r out-of-domain means that "
+            "runs scored higher there the further they moved from the reference.\n")
 
 
 def _flag_definitions(cfg: ReportConfig) -> str:
