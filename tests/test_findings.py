@@ -122,8 +122,10 @@ def test_a_control_that_never_breaks_leaves_stabilisation_untestable(tmp_path):
 
 
 def test_report_writes_the_findings_with_their_evidence(tmp_path):
-    grid(tmp_path, accuracy={("k1", "reward"): 0.7})
+    grid(tmp_path, accuracy={("k1", "reward"): 0.7}, kl={("k1", "reward"): lambda s: 0.02 * s})
     text = write_report(tmp_path).read_text()
+    assert "![Accuracy against the distance to the reference](accuracy_vs_kl.png)\n\nAmong " \
+        "the 24 finished runs that did not break" in text
     assert "## Findings" in text and f"| {BEST} | paper |" in text
     assert ("K1 in reward 0.710 ± 0.006 (n=3) vs K1 in loss 0.510 ± 0.006 (n=3), difference "
             "+0.200, d = 20; ahead: t = 24.49, df = 4.0, p = 8.") in text
@@ -249,12 +251,23 @@ def test_claims_that_pool_runs_of_other_settings_say_so(tmp_path):
         config = yaml.safe_load((run / "config.yaml").read_text())
         config["rollout"] = {"in_flight_updates": run.name.endswith("s1")}
         (run / "config.yaml").write_text(yaml.safe_dump(config))
-    md = write_report(tmp_path).read_text()
-    assert "**The claims below pool runs that differ in `rollout.in_flight_updates`**" in md
+    assert "**The claims below pool runs that differ in `rollout.in_flight_updates`**" in \
+        findings_text(tmp_path)
     # ... and a grid over the claims' own keys only says nothing of the kind
     other = tmp_path.parent / "plain"
     grid(other)
-    assert "pool runs" not in write_report(other).read_text()
+    assert "pool runs" not in findings_text(other)
+
+
+def findings_text(root) -> str:
+    """The findings section of root's report, without the plots (seconds each)."""
+    from cluster.experiments.report import ReportConfig
+    from cluster.experiments.report_findings import findings_section
+
+    runs = find_runs(root)
+    (root / "report").mkdir()
+    return "\n".join(findings_section(root, runs, group_runs(runs), ReportConfig(),
+                                      root / "report")[0])
 
 
 def test_the_accuracy_against_kl_plot_states_the_correlation_of_unbroken_runs(tmp_path):
@@ -264,6 +277,9 @@ def test_the_accuracy_against_kl_plot_states_the_correlation_of_unbroken_runs(tm
         write_run(tmp_path / f"k1-reward-s{i}", seed=i, kl=lambda s, c=level: c,
                   acc=lambda s, a=0.3 + 0.05 * i: a)
     write_run(tmp_path / "k1-reward-s9", seed=9, kl=lambda s: 5.0, acc=COLLAPSE)
-    md = write_report(tmp_path).read_text()
+    from cluster.experiments.report import _correlation_text
+
+    runs = find_runs(tmp_path)
+    md = _correlation_text(directory_findings(runs, group_runs(runs), None, "x")[0])
     assert ("Among the 4 finished runs that did not break, the correlation (Pearson r) of the "
             "final accuracy with log KL at the end: in-domain +1.00, out-of-domain +1.00.") in md
