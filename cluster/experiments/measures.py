@@ -115,13 +115,33 @@ def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Meas
                     kl_at_end(run), mean_lag(run), broken)
 
 
+def trained(measures: Sequence[Measures]) -> list[Measures]:
+    """The finished runs that did not break under the failure definition: those whose
+    accuracy and KL say where training went (a broken run's say how it broke)."""
+    return [m for m in measures if m.finished and not m.broken[PRIMARY]]
+
+
+def observed_seed_sd(measures: Sequence[Measures]) -> dict[str, float]:
+    """Set -> the pooled sd over seeds of the final accuracy: the root of the mean of the
+    configurations' sample variances, over each configuration's trained runs (a break is
+    another outcome, not seed noise), where it has at least two."""
+    out = {}
+    for key in ("in_domain", "out_of_domain"):
+        per: dict[str, list[float]] = {}
+        for m in trained(measures):
+            if math.isfinite(v := m.accuracy.get(key, math.nan)):
+                per.setdefault(m.configuration, []).append(v)
+        variances = [statistics.variance(v) for v in per.values() if len(v) > 1]
+        if variances:
+            out[key] = math.sqrt(statistics.fmean(variances))
+    return out
+
+
 def accuracy_kl_correlation(measures: Sequence[Measures]) -> dict[str, tuple[float, int]]:
     """Set -> (Pearson r, runs) of the final accuracy against log KL at the end, over the
-    finished runs that did not break (a broken run's accuracy measures the break, not where
-    the policy went). Descriptive: whether scoring higher goes with moving further from the
+    trained runs. Descriptive: whether scoring higher goes with moving further from the
     reference; no claim tests it."""
-    ok = [m for m in measures if m.finished and not m.broken[PRIMARY]
-          and math.isfinite(m.kl_end) and m.kl_end > 0]
+    ok = [m for m in trained(measures) if math.isfinite(m.kl_end) and m.kl_end > 0]
     out = {}
     for name in EVAL_SETS:
         pairs = [(math.log(m.kl_end), v) for m in ok

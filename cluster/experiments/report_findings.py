@@ -14,7 +14,13 @@ import yaml
 from cluster.config.loader import ConfigError
 from cluster.experiments import findings as fnd
 from cluster.experiments.labels import SET_LABELS, configuration_keys
-from cluster.experiments.measures import PRIMARY, Measures, measure, write_csv
+from cluster.experiments.measures import (
+    PRIMARY,
+    Measures,
+    measure,
+    observed_seed_sd,
+    write_csv,
+)
 from cluster.experiments.prereg import (
     Preregistration,
     Rules,
@@ -177,23 +183,6 @@ def _pooled(runs: list[RunData]) -> list[str]:
              "**: a claim's configuration is its KL estimator, placement, importance weights, "
              "beta and lag, so each of its arms holds runs of every value of these keys. The "
              "measures table keeps them apart."), ""]
-
-
-def observed_seed_sd(measures: list[Measures]) -> dict[str, float]:
-    """Set -> the pooled sd over seeds of the final accuracy: the root of the mean of the
-    configurations' sample variances, over each configuration's finished runs that did not
-    break (a break is a different outcome, not seed noise), where it has at least two."""
-    out = {}
-    for key in ("in_domain", "out_of_domain"):
-        per: dict[str, list[float]] = {}
-        for m in measures:
-            if m.finished and not m.broken[PRIMARY] and math.isfinite(
-                    v := m.accuracy.get(key, math.nan)):
-                per.setdefault(m.configuration, []).append(v)
-        variances = [statistics.variance(v) for v in per.values() if len(v) > 1]
-        if variances:
-            out[key] = math.sqrt(statistics.fmean(variances))
-    return out
 
 
 def _seed_sd_lines(used: list[Measures], prereg: Preregistration) -> list[str]:
