@@ -227,14 +227,3 @@ def shutdown_llm(llm) -> None:
     if engine_core is not None and hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
 
-
-def transfer_record_fields(backend: str, prefix: str) -> tuple[frozenset[str], frozenset[str]]:
-    """Field names of the installed vLLM's `<prefix>WeightTransferInitInfo` and
-    `<prefix>WeightTransferUpdateInfo` (dataclasses of
-    `vllm.distributed.weight_transfer.<backend>_engine` in every version klrl supports): the
-    nccl and cuda_ipc transports read the record layout from them, not from a version string."""
-    import importlib
-
-    module = importlib.import_module(f"vllm.distributed.weight_transfer.{backend}_engine")
-    return tuple(frozenset(f.name for f in dataclasses.fields(getattr(module, f"{prefix}{kind}")))
-                 for kind in ("WeightTransferInitInfo", "WeightTransferUpdateInfo"))

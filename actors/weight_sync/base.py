@@ -22,12 +22,14 @@ import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
-if TYPE_CHECKING:
-    from actors.weight_sync.registry import TransportName
+# `sync.transport`'s names, the Literal SyncConfig takes; the registry (registry.py) holds the
+# transport each names and checks the two agree. Here, so that this module, which every
+# transport imports, needs nothing of the registry.
+TransportName = Literal["shm", "object_store", "nccl", "cuda_ipc"]
 
 LM_HEAD = "lm_head.weight"
 Items = list[tuple[str, torch.Tensor]]
@@ -63,11 +65,9 @@ class WeightUpdate:
     adapter: Mapping[str, Any] | None = None
 
     def __post_init__(self):
-        from actors.weight_sync.registry import transport  # the registry imports this module
-
         if self.version < 0:
             raise ValueError(f"version must be >= 0, got {self.version}")
-        if getattr(self, transport(self.transport).payload_field) is None:
+        if getattr(self, WeightTransport.payload_field_of(self.transport)) is None:
             raise ValueError(f"a {self.transport} WeightUpdate needs its payload field set")
 
 
@@ -115,6 +115,23 @@ class WeightTransport(abc.ABC):
     on_learner_device: ClassVar[bool] = False
     reads_after_publish: ClassVar[bool] = False
     writes_shm_dir: ClassVar[bool] = False  # writes files in SyncConfig.shm_dir
+    # Each transport class's payload field by its name, filled as the classes are defined
+    # (importing this module runs the package's __init__, which imports every transport).
+    _payload_fields: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            WeightTransport._payload_fields[cls.name] = cls.payload_field
+
+    @staticmethod
+    def payload_field_of(name: str) -> str:
+        """The WeightUpdate field the records of transport `name` fill; ValueError listing
+        the transports for an unknown name."""
+        field = WeightTransport._payload_fields.get(name)
+        if field is None:
+            raise ValueError(f"unknown transport {name!r}; one of {get_args(TransportName)}")
+        return field
 
     # ------------------------------------------------------------------ config
 
@@ -225,6 +242,18 @@ class VllmEngineTransport(WeightTransport):
         llm.update_weights({"update_info": source})
         llm.finish_weight_update()
         return {"reload": time.perf_counter() - t0}
+
+
+def transfer_record_fields(backend: str, prefix: str) -> tuple[frozenset[str], frozenset[str]]:
+    """Field names of the installed vLLM's `<prefix>WeightTransferInitInfo` and
+    `<prefix>WeightTransferUpdateInfo` (dataclasses of
+    `vllm.distributed.weight_transfer.<backend>_engine` in every version klrl supports): the
+    nccl and cuda_ipc transports read the record layout from them, not from a version string."""
+    import importlib
+
+    module = importlib.import_module(f"vllm.distributed.weight_transfer.{backend}_engine")
+    return tuple(frozenset(f.name for f in dataclasses.fields(getattr(module, f"{prefix}{kind}")))
+                 for kind in ("WeightTransferInitInfo", "WeightTransferUpdateInfo"))
 
 
 # --------------------------------------------------------------------------- tensors

@@ -61,7 +61,7 @@ Export = Callable[[torch.Tensor], "dict[str, tuple]"]  # tensor -> {gpu uuid: ha
 def ipc_record_fields() -> tuple[frozenset[str], frozenset[str]]:
     """Field names of the installed vLLM's `IPCWeightTransferInitInfo` and
     `IPCWeightTransferUpdateInfo`."""
-    from actors.engine import transfer_record_fields
+    from actors.weight_sync.base import transfer_record_fields
 
     return transfer_record_fields("ipc", "IPC")
 

@@ -54,7 +54,7 @@ def nccl_update_info(items: list[tuple[str, torch.Tensor]],
 def nccl_record_fields() -> tuple[frozenset[str], frozenset[str]]:
     """Field names of the installed vLLM's `NCCLWeightTransferInitInfo` and
     `NCCLWeightTransferUpdateInfo`."""
-    from actors.engine import transfer_record_fields
+    from actors.weight_sync.base import transfer_record_fields
 
     return transfer_record_fields("nccl", "NCCL")
 

@@ -5,22 +5,21 @@ config's rules, the learner's export, the controller, the workers, `klrl bench`,
 option's description in the docs (`describe`).
 
 Adding a transport: a module of this package with its `WeightTransport` subclass, its name in
-`TransportName` and its instance in `TRANSPORTS` (the two must agree, checked below).
+`TransportName` (base.py) and its instance in `TRANSPORTS` (the two must agree, checked below).
 
 Imported by the config: no Ray, vLLM, DeepSpeed or CUDA at module level, here or in the
 transports' modules (they import them inside the methods that run in the actors).
 """
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
-from actors.weight_sync.base import WeightTransport
+from actors.weight_sync.base import TransportName, WeightTransport
 from actors.weight_sync.cuda_ipc import CudaIpcTransport
 from actors.weight_sync.nccl import NcclTransport
 from actors.weight_sync.object_store import ObjectStoreTransport
 from actors.weight_sync.shm import ShmTransport
 
-TransportName = Literal["shm", "object_store", "nccl", "cuda_ipc"]
 TRANSPORTS: dict[str, WeightTransport] = {
     t.name: t for t in (ShmTransport(), ObjectStoreTransport(), NcclTransport(),
                         CudaIpcTransport())}

@@ -22,7 +22,6 @@ import functools
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.records import POOL_ERROR, Rollout, RolloutBatch, engine_idle_share
@@ -45,17 +44,7 @@ from cluster.train.run_log import (
 from cluster.train.staleness import token_lag_metrics
 from cluster.train.stopping import RunStopped
 from cluster.train.weight_sync_state import WeightSyncState
-from cluster.train.worker_pool import WorkerCall, WorkerPool
-
-
-@dataclass
-class InFlight:
-    """One global batch being generated: one generate call per rollout worker."""
-
-    calls: list[WorkerCall]      # replayed with their own seeds if a worker is replaced
-    start_position: int          # data position of its first prompt (resume replays from here)
-    requested_at_version: int    # with in-flight updates, its calls' min_version
-    requested_at: float = field(default_factory=time.perf_counter)
+from cluster.train.worker_pool import InFlight, WorkerPool
 
 
 class Controller:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -28,11 +27,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from actors.config import SyncConfig
 from actors.weight_sync import transport
 from cluster.train.deadlines import Deadline, Hung
-from cluster.train.worker_pool import WorkerCall
+from cluster.train.worker_pool import InFlight, WorkerCall
 from learner.group import get_all
-
-if TYPE_CHECKING:
-    from cluster.train.controller import InFlight
 
 
 @dataclass

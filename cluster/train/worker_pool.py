@@ -59,6 +59,16 @@ class WorkerCall:
     ref: Any
 
 
+@dataclass
+class InFlight:
+    """One global batch being generated: one generate call per rollout worker (the
+    controller's pipeline holds these; the weight sync's books queue loads behind them)."""
+
+    calls: list[WorkerCall]      # replayed with their own seeds if a worker is replaced
+    start_position: int          # data position of its first prompt (resume replays from here)
+    requested_at_version: int    # with in-flight updates, its calls' min_version
+
+
 def start_worker(cfg: TrainConfig, model_dir: Path, index: int, worker_class: type | None = None):
     """Rollout worker `index` as a Ray actor with the GPUs its engine uses (with tensor
     parallelism, num_gpus_per_worker = tensor_parallel_size: RolloutConfig's rule), loading
