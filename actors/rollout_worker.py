@@ -9,12 +9,11 @@ The class is a plain Python class; make it an actor at the use site, with the re
 
 `task_cfg` is a `rewards.config.TaskConfig`; `evaluate` takes a `rewards.config.EvalConfig`.
 
-Without in-flight updates, keep the actor serial (Ray's default max_concurrency=1): the
-controller relies on a worker running `load_weights` and `generate` calls in the order they
-were sent, which is what bounds the policy lag. With `RolloutConfig.in_flight_updates` the
-engine generates continuously (actors/continuous.py): several `generate` calls may run at
-once (a Ray concurrency group of their own), each waiting for the version it asks for
-(`min_version`), beside `load_weights` and `evaluate`, which go through the same loop.
+How it generates is the generation mode's (actors/generation/, picked by
+`rollout.in_flight_updates`): the worker drives its engine through the mode's driver, with one
+`generate` and one `load_weights` for every mode, and starts as an actor with the mode's
+concurrency groups (`GenerationMode.concurrency_groups`; batch-level: none, so the actor stays
+serial and runs `load_weights` and `generate` calls in the order they were sent).
 
 Design choices:
 
@@ -59,17 +58,16 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from actors import lora_serving
 from actors.config import RolloutConfig, SyncConfig
-from actors.continuous import ContinuousEngine, split_samples
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
+from actors.generation import EngineDriver
 from actors.lora_serving import AdapterSlot
-from actors.outputs import completion_texts, decodes_texts_itself, sampled_logprobs
+from actors.outputs import completion_texts, decodes_texts_itself
 from actors.prompting import PromptRenderer
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
 from actors.weight_sync import WeightUpdate, transport
@@ -109,10 +107,8 @@ class RolloutWorker:
         if not isinstance(task_cfg, TaskConfig):
             raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
                             f"{type(task_cfg).__name__}")
-        if rollout_cfg.in_flight_updates and lora_rank is not None:
-            raise ValueError("rollout.in_flight_updates does not support LoRA (learner.lora, "
-                             "lora_rank) yet: an adapter swap between engine steps is not "
-                             "implemented; turn one of them off")
+        mode = rollout_cfg.generation
+        mode.check_run(max_lag=None, lora=lora_rank is not None)
         self.cfg, self.sync_cfg, self.task_cfg = rollout_cfg, sync_cfg, task_cfg
         self.worker_index, self.seed = worker_index, seed
         self._version = version
@@ -126,8 +122,6 @@ class RolloutWorker:
         # `load_weights` time out a reload without losing the thread it waits on.
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, "klrl-engine")
         self._pending: concurrent.futures.Future | None = None
-        self._continuous: ContinuousEngine | None = None  # in-flight updates: the engine's loop
-        self._batch_busy_s = 0.0  # without in-flight updates: seconds generating or evaluating
         # Where the last successful load's time went (seconds: fetch, read, reload,
         # cache_reset; nccl and cuda_ipc: reload, cache_reset); `klrl bench` reports it.
         self.last_load_seconds: dict[str, float] = {}
@@ -143,17 +137,16 @@ class RolloutWorker:
         lora = lora_serving.engine_options(lora_rank) if lora_rank is not None else {}
         options = engine_options(rollout_cfg, sync_cfg, seed, revision=revision,
                                  trust_remote_code=trust_remote_code)
-        self.llm = self._on_engine(lambda: make_llm(model_dir, **options, **lora))
+        on_thread = self._engine_thread.submit
+        self.llm = on_thread(lambda: make_llm(model_dir, **options, **lora)).result()
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         # vLLM makes no text where the worker can decode it itself (actors/outputs.py).
         self.decodes_texts = decodes_texts_itself(self.renderer.tokenizer, self.renderer.stop)
-        self._on_engine(self._warm_up)
-        # In-flight updates: from here on the loop holds the engine thread, and every engine
-        # call goes through it (`_on_engine`).
-        if rollout_cfg.in_flight_updates:
-            self._continuous = ContinuousEngine(self.llm, self._engine_thread, version=version,
-                                                recompute=rollout_cfg.recomputes_stale_kv)
+        on_thread(self._warm_up).result()
+        # From here on every engine call goes through the mode's driver (`_on_engine`;
+        # continuous generation: its loop holds the engine thread).
+        self._driver: EngineDriver = mode.driver(self.llm, self._engine_thread, version)
 
     # ------------------------------------------------------------------ generation
 
@@ -167,68 +160,32 @@ class RolloutWorker:
         gets its own seed derived from (seed, worker_index, i) (`actors.seeds.request_seed`),
         and vLLM gives sample j of it that seed + j.
 
-        With in-flight updates (`_generate_in_flight`) the samples enter the running engine
-        once it holds a version >= min_version, and each carries its tokens' versions.
-        Without, the worker holds one version, which must be >= min_version.
+        The samples are sampled with weights of a version >= min_version: batch-level, the
+        one version the worker holds, which must be >= min_version; continuous, they enter the
+        running engine once it holds such a version, and each carries its tokens' versions.
+        A rollout's policy_version is its oldest token's (a response without tokens: the
+        version when it entered the engine); the batch's, the oldest rollout's.
         """
         self._check_usable()
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
-        if self._continuous is not None:
-            return self._generate_in_flight(problems, group_ids, seed, min_version)
-        if min_version > self._version:
-            raise ValueError(f"worker {self.worker_index} holds policy version "
-                             f"{self._version}, below the version asked for ({min_version})")
-        params = self._request_params(seed, len(problems))
         prompts = self.renderer.prompts(problems)
-        t0 = time.perf_counter()
-        outputs = self._on_engine(
-            lambda: self._serving().generate(prompts, params, use_tqdm=False))
-        gen_s = time.perf_counter() - t0
-
+        out = self._driver.generate(prompts, self._request_params(seed, len(problems)),
+                                    min_version=min_version, serving=self._serving)
         # One prompt-ids list per prompt, shared by its samples' records (and by their pickle).
-        samples = [(p, g, ids, c) for p, g, out in zip(problems, group_ids, outputs)
-                   for ids in [list(out.prompt_token_ids)] for c in out.outputs]
+        samples = [(p, g, ids, c) for p, g, pr, done in zip(problems, group_ids, prompts,
+                                                            out.completions)
+                   for ids in [list(pr["prompt_token_ids"])] for c in done]
         texts = self._texts([ids for *_, ids, _ in samples], [c for *_, c in samples])
         scores = self._score([p for p, *_ in samples], texts)
         rollouts = [
-            Rollout(problem=p, group_id=g, prompt_ids=ids, response_ids=list(c.token_ids),
-                    behaviour_logprobs=sampled_logprobs(c), policy_version=self._version,
-                    finish_reason=str(c.finish_reason), reward=s.reward,
-                    score_failure=s.failure, worker=self.worker_index)
-            for (p, g, ids, c), s in zip(samples, scores)]
-
-        self._batch_busy_s += gen_s
-        return self._batch(rollouts, self._version, gen_s)
-
-    def _generate_in_flight(self, problems, group_ids, seed: int,
-                            min_version: int) -> RolloutBatch:
-        """`generate` on the continuously running engine: each sample is a request of its own
-        (n=1, the seed vLLM would give it: `split_samples`), so it leaves the engine as soon
-        as it finishes. A rollout's policy_version is its oldest token's (a response without
-        tokens: the version when it entered the engine); the batch's, the oldest rollout's.
-        gen_seconds: from the first request entering the engine to the last one leaving it."""
-        per_problem = [split_samples(p) for p in self._request_params(seed, len(problems))]
-        prompts = self.renderer.prompts(problems)
-        done = self._continuous.generate(
-            [pr for pr, ps in zip(prompts, per_problem) for _ in ps],
-            [one for ps in per_problem for one in ps], min_version=min_version)
-        gen_s = (max(c.finished_at for c in done) - min(c.added_at for c in done)) if done else 0.0
-        # One prompt-ids list per prompt, shared by its samples' records (and by their pickle).
-        ids = [list(pr["prompt_token_ids"]) for pr in prompts]
-        samples = [(p, g, i) for p, g, i, ps in zip(problems, group_ids, ids, per_problem)
-                   for _ in ps]
-        texts = self._texts([i for *_, i in samples], done)
-        scores = self._score([p for p, *_ in samples], texts)
-        rollouts = [
-            Rollout(problem=p, group_id=g, prompt_ids=i, response_ids=c.token_ids,
-                    behaviour_logprobs=c.logprobs,
-                    policy_version=c.versions[0] if c.versions else c.submitted_version,
+            Rollout(problem=p, group_id=g, prompt_ids=ids, response_ids=c.token_ids,
+                    behaviour_logprobs=c.logprobs, policy_version=c.policy_version,
                     finish_reason=str(c.finish_reason), reward=s.reward,
                     score_failure=s.failure, worker=self.worker_index, token_versions=c.versions)
-            for (p, g, i), c, s in zip(samples, done, scores)]
-        oldest = min((r.policy_version for r in rollouts), default=self._continuous.version)
-        return self._batch(rollouts, oldest, gen_s)
+            for (p, g, ids, c), s in zip(samples, scores)]
+        oldest = min((r.policy_version for r in rollouts), default=out.version)
+        return self._batch(rollouts, oldest, out.gen_seconds)
 
     def _texts(self, prompt_ids: list[list[int]], completions) -> list[str]:
         """Each completion's text: decoded here in one batch where vLLM was asked for none
@@ -241,12 +198,11 @@ class RolloutWorker:
                gen_s: float) -> RolloutBatch:
         """The RolloutBatch of `rollouts`, with the engine's busy seconds and clock read now
         (records.py: engine_idle_share)."""
-        busy = (self._continuous.stats()["step_s"] if self._continuous is not None
-                else self._batch_busy_s)
         return RolloutBatch(rollouts=rollouts, policy_version=policy_version,
                             worker=self.worker_index, gen_seconds=gen_s,
                             num_response_tokens=sum(len(r.response_ids) for r in rollouts),
-                            engine_busy_seconds=busy, returned_at=time.monotonic())
+                            engine_busy_seconds=self._driver.busy_seconds(),
+                            returned_at=time.monotonic())
 
     def _score(self, problems, texts) -> list[ScoreResult]:
         """ScoreResults for the completions. A failure of the scoring pool itself scores every
@@ -266,18 +222,10 @@ class RolloutWorker:
         and problems and sampling seeds fixed by eval_cfg.seed (not the run seed).
         `EvalReport.metrics()` gives the logged eval/<set>/... metrics."""
         self._check_usable()
-        if self._continuous is not None:  # on this thread: its requests go through the loop
-            return evaluate_sets(self._continuous.facade(), eval_cfg, self.task_cfg,
-                                 default_max_tokens=self.cfg.max_new_tokens,
-                                 renderer=self.renderer, scoring_pool=self.pool)
-        t0 = time.perf_counter()
-        try:
-            return self._on_engine(lambda: evaluate_sets(
-                self._serving(), eval_cfg, self.task_cfg,
-                default_max_tokens=self.cfg.max_new_tokens,
-                renderer=self.renderer, scoring_pool=self.pool))
-        finally:  # the engine is busy evaluating (in-flight updates: counted in its steps)
-            self._batch_busy_s += time.perf_counter() - t0
+        return self._driver.offline(lambda llm: evaluate_sets(
+            self._serving(llm), eval_cfg, self.task_cfg,
+            default_max_tokens=self.cfg.max_new_tokens, renderer=self.renderer,
+            scoring_pool=self.pool))
 
     # ------------------------------------------------------------------ weights
 
@@ -292,10 +240,12 @@ class RolloutWorker:
         included; the caller's `ray.get(..., timeout=SyncConfig.timeout_s)`, which the
         controller does, still catches that.)
 
-        With in-flight updates the reload runs between two engine steps with the requests in
-        flight (`ContinuousEngine.update`, which also handles their stale KV); tokens of
-        later steps carry the new version. A reload that fails there fails every request in
-        flight too.
+        The reload, and what the mode does to cached KV after it, is the driver's `update`:
+        batch-level, on the engine thread between two calls, then the prefix cache is reset
+        (its KV blocks were computed with the old weights); continuous, between two engine
+        steps with the requests in flight (`ContinuousEngine.update`, which also handles their
+        stale KV), and tokens of later steps carry the new version; a reload that fails there
+        fails every request in flight too.
         """
         if self._pending is not None and not self._pending.done():
             raise RuntimeError(f"worker {self.worker_index}: a timed-out weight reload is "
@@ -320,10 +270,7 @@ class RolloutWorker:
             def reload():
                 return dict(fetched.seconds) | sent_by.reload(self.llm, fetched.source)
 
-        if self._continuous is not None:
-            self._pending = self._continuous.update(reload, update.version)
-        else:
-            self._pending = self._engine_thread.submit(reload)
+        self._pending = self._driver.update(reload, update.version)
         try:
             seconds = self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
@@ -333,11 +280,6 @@ class RolloutWorker:
         except BaseException as e:
             self._broken = f"reload of version {update.version} failed: {type(e).__name__}: {e}"
             raise
-        if self._continuous is None:
-            # Cached prefix KV blocks were computed with the old weights.
-            t0 = time.perf_counter()
-            self._on_engine(self.llm.reset_prefix_cache)
-            seconds |= {"cache_reset": time.perf_counter() - t0}
         self.last_load_seconds = seconds
         self._version, self._broken = update.version, None
         return self._version
@@ -367,28 +309,6 @@ class RolloutWorker:
         """Where the last successful `load_weights` spent its time (seconds by part)."""
         return dict(self.last_load_seconds)
 
-    def engine_stats(self) -> dict[str, float]:
-        """In-flight updates: the continuous engine's counters (`ContinuousEngine.stats`:
-        steps, tokens, updates, requests preempted, seconds idle and stepping); {} without."""
-        return self._continuous.stats() if self._continuous is not None else {}
-
-    def engine_settings(self, names: Sequence[str]) -> dict[str, Any]:
-        """The live engine's value of each setting in `names` (a field of one of vLLM's
-        model, cache, scheduler, parallel or load configs), as vLLM resolved it: a rollout
-        field left null shows vLLM's default. KeyError for a name none of them has."""
-        config = self.llm.llm_engine.vllm_config
-        sections = [config.model_config, config.cache_config, config.scheduler_config,
-                    config.parallel_config, config.load_config]
-        out = {}
-        for name in names:
-            owner = next((s for s in sections if hasattr(s, name)), None)
-            if owner is None:
-                raise KeyError(f"no engine setting {name!r}")
-            value = getattr(owner, name)
-            plain = isinstance(value, (bool, int, float, str, type(None)))
-            out[name] = value if plain else str(value)
-        return out
-
     def shutdown(self) -> None:
         """Stop the scoring pool and the engine (ray.kill also works; this is tidier)."""
         from actors.engine import shutdown_llm
@@ -399,24 +319,21 @@ class RolloutWorker:
         if self._pending is not None and not self._pending.done():
             shutdown_llm(self.llm)  # the engine thread is stuck in a timed-out reload
         else:
-            if self._continuous is not None:
-                self._continuous.stop()  # the engine thread is free again
-                self._continuous = None
-            self._on_engine(lambda: shutdown_llm(self.llm))
+            self._driver.stop()  # the engine thread is free again
+            self._engine_thread.submit(lambda: shutdown_llm(self.llm)).result()
         self._engine_thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ helpers
 
     def _on_engine(self, fn):
-        """fn() run on the engine thread (see `__init__`; with in-flight updates, by the loop
+        """fn() run on the engine thread (see `__init__`; continuous generation: by the loop
         that holds it, between two steps); its result or its exception."""
-        if getattr(self, "_continuous", None) is not None:
-            return self._continuous.call(fn).result()
-        return self._engine_thread.submit(fn).result()
+        return self._driver.call(fn).result()
 
-    def _serving(self):
-        """The engine, naming the LoRA adapter being served in every request (if any)."""
-        return self.adapter.engine(self.llm) if self.adapter is not None else self.llm
+    def _serving(self, llm):
+        """`llm` (the engine, or the driver's view of it), naming the LoRA adapter being served
+        in every request (if any)."""
+        return self.adapter.engine(llm) if self.adapter is not None else llm
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -445,22 +362,16 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
     `TrainConfig.worker_rollout`; null here leaves it to `make_llm`; then `engine_kwargs`,
     whose keys never clash with these: `RolloutConfig` refuses klrl's own), the model's
     revision and trust_remote_code, the weight-reload extension, processed log-probs, and
-    what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer).
-    In-flight updates turn vLLM's async scheduling off (GPU; CPU has none): a step must return
-    the tokens it sampled, for each to be tagged with its version (actors/continuous.py);
-    `stale_kv: keep` turns prefix caching off."""
-    extra = dict(transport(sync_cfg.transport).engine_options())
-    if cfg.in_flight_updates:
-        extra["async_scheduling"] = False
-    # stale_kv keep: no prefix cache, so that no new request reuses KV an older version made
-    # (RolloutConfig refuses keep with enable_prefix_caching true; null means off here).
-    prefix_caching = cfg.enable_prefix_caching if cfg.recomputes_stale_kv else False
+    what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer), and
+    what the generation mode sets (`GenerationMode.engine_options`: prefix caching, and for
+    continuous generation async scheduling off)."""
+    extra = transport(sync_cfg.transport).engine_options() | cfg.generation.engine_options(
+        cfg.enable_prefix_caching)
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
                 tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                enable_prefix_caching=prefix_caching, revision=revision,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, revision=revision,
                 trust_remote_code=trust_remote_code, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
                 logprobs_mode=LOGPROBS_MODE, **extra, **cfg.engine_kwargs)
 

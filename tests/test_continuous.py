@@ -27,12 +27,13 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402
-from actors.continuous import split_samples  # noqa: E402
+from actors.generation.continuous import split_samples  # noqa: E402
 from actors.records import Rollout  # noqa: E402
 from actors.rollout_worker import RolloutWorker  # noqa: E402
 from actors.weight_sync import publish, remove_published  # noqa: E402
 from rewards import Problem  # noqa: E402
 from rewards.config import EvalConfig, TaskConfig  # noqa: E402
+from test_rollout_worker import engine_settings  # noqa: E402
 from test_weight_sync import load_hf, perturbed  # noqa: E402
 
 TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
@@ -93,15 +94,21 @@ def test_lora_with_in_flight_updates_is_refused_before_the_engine_starts(tmp_pat
 
 
 class _Probe(RolloutWorker):
-    """A RolloutWorker with one more call: a prompt put through the continuous engine."""
+    """A RolloutWorker with two more calls: a prompt put through the continuous engine, and
+    the engine's counters."""
+
+    def engine_stats(self) -> dict[str, float]:
+        """The continuous engine's counters (`ContinuousEngine.stats`: steps, tokens, updates,
+        requests preempted, seconds idle and stepping)."""
+        return self._driver.engine.stats()
 
     def probe_prompt(self, prompt_ids: list[int]) -> tuple[int, dict[int, float]]:
         """(prompt tokens served from the prefix cache, the log-probs of the 20 likeliest
         next tokens) of one request for `prompt_ids`."""
         from actors.engine import greedy_params
 
-        [out] = self._continuous.run([{"prompt_token_ids": prompt_ids}],
-                                     [greedy_params(1, logprobs=20)])
+        [out] = self._driver.engine.run([{"prompt_token_ids": prompt_ids}],
+                                        [greedy_params(1, logprobs=20)])
         top = out.outputs[0].logprobs[0]
         return out.num_cached_tokens, {t: lp.logprob for t, lp in top.items()}
 
@@ -244,7 +251,7 @@ def test_the_prefix_cache_is_reset_at_every_update(worker, problems, models, tin
     """A prompt of several KV blocks hits the cache when repeated; after an update (landing
     with requests in flight) it hits nothing, and its next token's log-prob is the new
     weights' (no block of the old weights was used)."""
-    [block] = ray.get(worker.engine_settings.remote(["block_size"])).values()
+    [block] = engine_settings(worker, ["block_size"]).values()
     prompt = [1] + [40 + (7 * i) % 90 for i in range(2 * block + 3)]
     assert ray.get(worker.probe_prompt.remote(prompt))[0] == 0
     assert ray.get(worker.probe_prompt.remote(prompt))[0] >= 2 * block  # the cache works

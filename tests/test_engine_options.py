@@ -171,8 +171,9 @@ def test_tensor_parallel_worker_gpu(tiny_model_dir, tmp_path):
     w = ray.remote(RolloutWorker).options(num_gpus=2).remote(
         str(tiny_model_dir), cfg, SyncConfig(), TaskConfig())
     try:
-        settings = ray.get(w.engine_settings.remote(["tensor_parallel_size",
-                                                     "distributed_executor_backend"]))
+        from test_rollout_worker import engine_settings
+
+        settings = engine_settings(w, ["tensor_parallel_size", "distributed_executor_backend"])
         assert settings == {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
         assert len(set(ray.get(w.cuda_device_uuids.remote()))) == 2  # two GPUs, one per rank
         problems = rewards.get_task("arithmetic").problems("train", 4, seed=1)

@@ -287,6 +287,27 @@ def test_behaviour_logprobs_are_those_of_the_processed_distribution(
     assert max(kept) <= k and min(kept) < k, kept
 
 
+def engine_settings(worker, names) -> dict:
+    """The live engine's value of each setting in `names` (a field of one of vLLM's model,
+    cache, scheduler, parallel or load configs), as vLLM resolved it: a rollout field left
+    null shows vLLM's default. Read in the worker actor, from the engine's own config."""
+    def read(self):
+        config = self.llm.llm_engine.vllm_config
+        sections = [config.model_config, config.cache_config, config.scheduler_config,
+                    config.parallel_config, config.load_config]
+        out = {}
+        for name in names:
+            owner = next((s for s in sections if hasattr(s, name)), None)
+            if owner is None:
+                raise KeyError(f"no engine setting {name!r}")
+            value = getattr(owner, name)
+            plain = isinstance(value, (bool, int, float, str, type(None)))
+            out[name] = value if plain else str(value)
+        return out
+
+    return ray.get(worker.__ray_call__.remote(read))
+
+
 ENGINE_SETTINGS = ["max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                    "enable_chunked_prefill", "max_logprobs", "revision", "tokenizer_revision",
                    "trust_remote_code", "tensor_parallel_size"]
@@ -314,13 +335,13 @@ def test_engine_options_reach_the_live_engine_and_leave_the_samples_unchanged(
     w = _start(tiny_model_dir, model_options={"revision": "test-branch",
                                               "trust_remote_code": True}, **options)
     try:
-        assert ray.get(w.engine_settings.remote(ENGINE_SETTINGS)) == {
+        assert engine_settings(w, ENGINE_SETTINGS) == {
             "max_num_seqs": 32, "max_num_batched_tokens": 128, "enable_prefix_caching": False,
             "enable_chunked_prefill": False, "max_logprobs": 3, "revision": "test-branch",
             "tokenizer_revision": "test-branch", "trust_remote_code": True,
             "tensor_parallel_size": 1}
         # The default worker shows vLLM's defaults (CPU): the values above are not those.
-        assert ray.get(worker.engine_settings.remote(ENGINE_SETTINGS)) == {
+        assert engine_settings(worker, ENGINE_SETTINGS) == {
             "max_num_seqs": 256, "max_num_batched_tokens": 4096, "enable_prefix_caching": True,
             "enable_chunked_prefill": False, "max_logprobs": 20, "revision": None,
             "tokenizer_revision": None, "trust_remote_code": False, "tensor_parallel_size": 1}
@@ -396,9 +417,9 @@ class _EngineThreadProbe(RolloutWorker):
         self.engine_threads.append(("warm_up", threading.get_ident()))
         super()._warm_up()
 
-    def _serving(self):
+    def _serving(self, llm):
         self.engine_threads.append(("serving", threading.get_ident()))
-        return super()._serving()
+        return super()._serving(llm)
 
     def probe(self) -> tuple[list[tuple[str, int]], int]:
         return self.engine_threads, threading.get_ident()

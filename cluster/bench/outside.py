@@ -76,8 +76,8 @@ class TimedRolloutWorker(RolloutWorker):
         """Seconds by part of the last `generate` (requests, scoring, records, in_actor)."""
         return dict(self.last_parts)
 
-    def _serving(self):
-        return _ForcedLength(super()._serving(), self._marks)
+    def _serving(self, llm):
+        return _ForcedLength(super()._serving(llm), self._marks)
 
     def _score(self, problems, texts):
         t0 = time.perf_counter()

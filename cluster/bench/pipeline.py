@@ -202,7 +202,8 @@ def _measure(workload: str, overrides: list[str], out_dir: Path, measured_steps:
         # Evaluation only at the start and the end (both outside the measured steps).
         "eval_every=0", "eval.num_problems=8", "eval.samples=0", "eval.out_of_domain=null",
         "logging.wandb_mode=disabled"])
-    assert cfg.rollout.in_flight_updates == in_flight, (suffix, overrides)
+    assert cfg.rollout.generation.name == ("continuous" if in_flight else "batch"), \
+        (suffix, overrides)
     run_dir, _ = train(cfg)
     rows = [m for m in read_metrics(run_dir) if warmup < m["step"] <= warmup + measured_steps]
     assert len(rows) == measured_steps, f"{run_dir}: expected {measured_steps} measured steps"

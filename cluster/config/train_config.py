@@ -298,7 +298,8 @@ class TrainConfig(_Strict):
                                         "rollout.samples_per_prompt")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
         self._check_truncated_sampling()
-        self._check_in_flight_updates()
+        # The generation mode's refusals (in-flight updates: max_lag 0, LoRA) are the mode's.
+        self.rollout.generation.check_run(max_lag=self.max_lag, lora=self.learner.lora is not None)
         self.eval.check_sets(self.task)  # every evaluated task has its split
         self.data.check(self.task, self.rollout)
         per_rank = prompts // ranks
@@ -351,26 +352,6 @@ class TrainConfig(_Strict):
                              "distribution (below 1 even on-policy), not an importance "
                              "correction; use learner.task_off_policy=none, or sample "
                              "without top_k / top_p")
-
-    def _check_in_flight_updates(self) -> None:
-        """rollout.in_flight_updates needs batches in flight while the weights change
-        (max_lag >= 1) and full-weight syncs: a LoRA adapter is served per request (vLLM's
-        LoRARequest, actors/lora_serving.py), so a request in flight keeps the adapter it
-        started with and no update could reach it. Every transport loads a version the same
-        way in either mode (the load just runs sooner), so none is refused."""
-        r = self.rollout
-        if not r.in_flight_updates:
-            return
-        if self.max_lag == 0:
-            raise ValueError("rollout.in_flight_updates with max_lag=0: generation and training "
-                             "alternate, so no request is in flight when the weights change and "
-                             "the option changes nothing; set max_lag >= 1, or drop "
-                             "rollout.in_flight_updates")
-        if self.learner.lora is not None:
-            raise ValueError("rollout.in_flight_updates with learner.lora: the workers serve an "
-                             "adapter per request, so a request in flight keeps the adapter it "
-                             "started with and cannot take a new version; train the full "
-                             "weights (learner.lora: null), or drop rollout.in_flight_updates")
 
     @property
     def reserved_cpus(self) -> float:

@@ -4,14 +4,14 @@ sync's books, deadlines and transport: cluster/train/weight_sync_state.py).
 Async invariant, per token (enforced in `_take_batch`, asserted before training): a token
 sampled with weights of version v is trained by the learner at version s only if
 s - v <= max_lag. The rule reads a rollout's `policy_version`, the version of its OLDEST
-token (the only version of its tokens without in-flight updates), so the oldest token of a
+token (the only version of its tokens with batch-level generation), so the oldest token of a
 sample decides. The pipeline keeps at most max_lag + 1 global batches in flight, and a batch
-requested right after the update to version s holds no token older than s: without
-in-flight updates because a worker applies weight updates and generation requests in the
-order they were sent (Ray runs an actor's calls serially), so the batch is generated with
-version s; with `rollout.in_flight_updates` because the update to s is sent (`publish`)
-before the batch is requested with min_version s, and the worker starts no request before
-it holds a version >= min_version (its later tokens may come from newer versions, applied
+requested right after the update to version s holds no token older than s, in either
+generation mode (actors/generation/): batch-level because a worker applies weight updates and
+generation requests in the order they were sent (Ray runs an actor's calls serially), so the
+batch is generated with version s; continuous (`rollout.in_flight_updates`) because the update
+to s is sent (`publish`) before the batch is requested with min_version s, and the worker
+starts no request before it holds a version >= min_version (its later tokens may come from newer versions, applied
 while the request is in flight). Either way it is trained at step s + max_lag at the latest.
 max_lag = 0 is synchronous on-policy RL: generate, train, sync, repeat.
 """
@@ -61,6 +61,7 @@ class Controller:
         self.step = 0                # optimizer steps taken == learner policy version
         self.pending: deque[InFlight] = deque()
         self.weights = WeightSyncState(cfg.sync, self.run_dir.name)
+        self.mode = cfg.rollout.generation  # how generation is scheduled (actors/generation/)
         self.dropped_stale = 0       # rollouts discarded for lag > max_lag (should stay 0)
         self.reissued_logged = 0     # pool.reissued_samples when the last step was logged
         self.last_batches: dict[int, RolloutBatch] = {}  # per worker, without its rollouts
@@ -175,10 +176,10 @@ class Controller:
             start = self.prompts.position
             problems, group_ids = self.prompts.next_batch(self.cfg.rollout.prompts_per_step)
             end = self.prompts.position
-            # With in-flight updates: min_version, the version published last (module
-            # docstring); without, the arguments (and the order of calls) stay those that make
-            # a resumed run replay exactly.
-            min_version = (self.step,) if self.cfg.rollout.in_flight_updates else ()
+            # The generation mode's min_version: continuous, the version published last (module
+            # docstring); batch-level none, so the arguments (and the order of calls) stay
+            # those that make a resumed run replay exactly.
+            min_version = self.mode.min_version_args(self.step)
             calls = [self.pool.call(i, "generate", problems[i * per_worker:(i + 1) * per_worker],
                                     group_ids[i * per_worker:(i + 1) * per_worker],
                                     generate_seed(self.cfg.seed, end, i), *min_version)
@@ -239,12 +240,11 @@ class Controller:
         return {"rollout/engine_idle_share": sum(shares) / len(shares)} if shares else {}
 
     def _publish(self) -> dict:
-        """Publish the learner's new weights and queue their load on every worker. Without
-        in-flight updates a load waits behind the batches in flight on its worker (its
-        sync.timeout_s counts from when the newest of them was generated); with them it runs
-        between two engine steps while those batches are generated, so it can start now."""
-        behind = () if self.cfg.rollout.in_flight_updates else self.pending
-        return self.weights.publish(behind)
+        """Publish the learner's new weights and queue their load on every worker, behind what
+        the generation mode says it waits for: batch-level, the batches in flight on its
+        worker (its sync.timeout_s counts from when the newest of them was generated);
+        continuous, nothing, as it runs between two engine steps while they are generated."""
+        return self.weights.publish(self.mode.loads_queue_behind(self.pending))
 
     def _reissued_this_step(self) -> int:
         """Samples sent again to a replaced worker's replacement since the last step's row."""

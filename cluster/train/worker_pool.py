@@ -14,9 +14,10 @@ incarnation of its worker it was sent to; a call whose worker has since been rep
 other batches in flight at max_lag >= 1, a queued weight load) is sent again to the
 replacement, which already holds the current weights, without another restart.
 
-With `rollout.in_flight_updates` the generate calls run side by side on a worker, in its
-concurrency group "generate" (max_lag + 1 threads), beside its weight loads and evaluations
-(the default group, one at a time, in order). A generate call sent again goes to that group
+With continuous generation (`rollout.in_flight_updates`; the mode says so,
+actors/generation/) the generate calls run side by side on a worker, in its concurrency group
+"generate" (max_lag + 1 threads), beside its weight loads and evaluations (the default group,
+one at a time, in order). A generate call sent again goes to that group
 on the replacement too, with its own arguments: its `min_version` is at most the version the
 replacement was re-synced to, so the replacement starts it at once. Each generate call sent
 again counts its samples in `reissued_samples` (logged as faults/reissued_samples): a fault
@@ -78,10 +79,10 @@ def start_worker(cfg: TrainConfig, model_dir: Path, index: int, worker_class: ty
 
     r = cfg.worker_rollout  # dtype and threads resolved (TrainConfig's rules)
     # "health": a thread of its own, so that `version` answers the hang probe while a
-    # generate call runs; every other call runs in the default group, one at a time, in order.
-    # With in-flight updates, "generate" too: the max_lag + 1 batches in flight are generated
-    # side by side (WorkerPool.call sends them there).
-    groups = {"health": 1} | ({"generate": cfg.max_lag + 1} if r.in_flight_updates else {})
+    # generate call runs; every other call runs in the default group, one at a time, in order,
+    # unless the generation mode has a group for it (continuous: "generate", the max_lag + 1
+    # batches in flight generated side by side; WorkerPool.call sends them there).
+    groups = {"health": 1} | r.generation.concurrency_groups(cfg.max_lag)
     # OMP_NUM_THREADS from the start (Ray would set it to num_cpus): OpenMP reads it once, and
     # the threads Ray runs calls on keep that value whatever torch.set_num_threads says on
     # another (vLLM's CPU attention checks that the two agree).
@@ -102,6 +103,7 @@ class WorkerPool:
 
     def __init__(self, cfg: TrainConfig, model_dir: Path, on_restart: Callable[[object], None]):
         self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
+        self.mode = cfg.rollout.generation  # how generate calls are sent (actors/generation/)
         self.restarts = 0
         self.reissued_samples = 0  # samples of generate calls sent again to a replacement
         self.incarnation = [0] * cfg.rollout.num_workers  # bumped when worker i is replaced
@@ -126,11 +128,12 @@ class WorkerPool:
         return len(self.workers)
 
     def call(self, i: int, method: str, *args) -> WorkerCall:
-        """Start `method(*args)` on worker i (with in-flight updates, a generate call in the
-        worker's concurrency group "generate"; module docstring)."""
+        """Start `method(*args)` on worker i, in the concurrency group the generation mode
+        gives it (continuous: a generate call in the worker's group "generate"; module
+        docstring)."""
         remote = getattr(self.workers[i], method)
-        if method == "generate" and self.cfg.rollout.in_flight_updates:
-            remote = remote.options(concurrency_group="generate")
+        if options := self.mode.call_options(method):
+            remote = remote.options(**options)
         return WorkerCall(i, self.incarnation[i], method, args, remote.remote(*args))
 
     def is_current(self, call: WorkerCall) -> bool:

@@ -1,5 +1,5 @@
 """`ContinuousEngine`: a vLLM engine that generates continuously and takes weight updates between
-two engine steps while requests are in flight (`RolloutConfig.in_flight_updates`).
+two engine steps while requests are in flight (the continuous generation mode, in_flight.py).
 
 One loop drives the engine (vLLM's V1 `LLMEngine`: add_request / step / abort_request /
 reset_prefix_cache) on the thread the engine was built on; other threads hand it commands
@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.generation.base import Completion
 from actors.outputs import sampled_logprobs
 
 
@@ -49,27 +50,6 @@ def _stop_at_exit(engine_ref: weakref.ref) -> None:
     engine = engine_ref()
     if engine is not None:
         engine._commands.put(("stop", None, concurrent.futures.Future()))
-
-
-@dataclass
-class Completion:
-    """One request's response as the continuous engine sampled it.
-
-    token_ids[t] was returned by an engine step at policy version versions[t], with the
-    sampled log-prob logprobs[t] of that step (empty when the request asked for none).
-    text: vLLM's text ("" for a request with detokenize=False). submitted_version: the
-    engine's version when the request entered the engine (the version of a response with no
-    token). added_at, finished_at: time.perf_counter() when it entered and left the engine.
-    """
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    submitted_version: int = 0
-    added_at: float = 0.0
-    finished_at: float = 0.0
 
 
 def split_samples(params) -> list:
@@ -102,7 +82,8 @@ class _Job:
 
 class ContinuousEngine:
     """Drives `llm`'s engine continuously on `executor`'s one thread (the thread that built it:
-    see actors/rollout_worker.py on why every engine call stays there) until `stop`.
+    see actors/rollout_worker.py on why every engine call stays there) until `stop`; the
+    continuous mode's driver (in_flight.py) is this engine.
 
     version: the policy version of the weights the engine holds now. recompute: the stale-KV
     choice at an update (module docstring; False is "keep", which needs an engine built with
