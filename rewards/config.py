@@ -14,6 +14,7 @@ plug-in scorer (rewards/plugin.py says why).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -33,6 +34,9 @@ from rewards.registry import (
 
 StopString = Annotated[str, Field(min_length=1, max_length=1000)]
 
+
+# How a check builds a task: build_named's signature (name field, name, options field, options).
+Build = Callable[[str, str, str, dict], Task]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -97,13 +101,14 @@ class TaskConfig(_Strict):
             get_task(name, **options).check_split(split)
         return split
 
-    def check_plugin(self) -> None:
+    def check_plugin(self, build: Build | None = None) -> None:
         """A plug-in task's checks, which validation leaves to the machine that runs it:
-        import it, build it with `options`, check it has `train_split`. ValueError naming the
-        field (task.name, task.options or task.train_split). Nothing to do for a task of
-        rewards/, which validation has checked."""
+        import it, build it with `options` (with `build`, a command's one builder: `Build`),
+        check it has `train_split`. ValueError naming the field (task.name, task.options or
+        task.train_split). Nothing to do for a task of rewards/, which validation has
+        checked."""
         if is_plugin(self.name):
-            task = build_named("task.name", self.name, "task.options", self.options)
+            task = (build or build_named)("task.name", self.name, "task.options", self.options)
             try:
                 task.check_split(self.train_split)
             except ValueError as e:
@@ -118,7 +123,9 @@ class TaskConfig(_Strict):
 
 
 def build_named(name_field: str, name: str, options_field: str, options: dict) -> Task:
-    """get_task(name, **options), its ValueError prefixed with the field at fault."""
+    """get_task(name, **options), its ValueError prefixed with the field at fault. A command
+    that checks one task several ways passes one memoised builder of this signature (`Build`)
+    to each check, so that the task is built once."""
     try:
         cls = task_class(name)
     except ValueError as e:
@@ -194,15 +201,17 @@ class EvalConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Fixes the evaluated problems and the "
                       "sampling seeds, independently of the run's seed.")
 
-    def check_sets(self, training: TaskConfig, plugins: bool = False) -> None:
+    def check_sets(self, training: TaskConfig, plugins: bool = False,
+                   build: Build | None = None) -> None:
         """Raise ValueError, naming `eval.<set>.task`, `eval.<set>.options` or
         `eval.<set>.split`, when a set's task does not take its options or has no such split.
         Sets of plug-in tasks are checked only with `plugins` (that imports them: see
-        `check_plugins`)."""
+        `check_plugins`). build: the command's builder (`Build`), if it has one."""
         for name, s in self.sets(training).items():
             if is_plugin(s.task) and not plugins:
                 continue
-            task = build_named(f"eval.{name}.task", s.task, f"eval.{name}.options", s.options)
+            task = (build or build_named)(f"eval.{name}.task", s.task, f"eval.{name}.options",
+                                          s.options)
             try:
                 task.check_split(s.split)
             except ValueError as e:
@@ -216,23 +225,25 @@ class EvalConfig(_Strict):
         return {name: s.resolve(training) for name, s in named if s is not None}
 
 
-def check_plugins(task: TaskConfig, evaluation: EvalConfig) -> None:
+def check_plugins(task: TaskConfig, evaluation: EvalConfig, build: Build | None = None) -> None:
     """Import every plug-in task a run names (task.name, eval.<set>.task) and make the checks
     that validation makes for the tasks of rewards/: options, train split, evaluation splits.
     ValueError naming the field. Where the run runs, before anything starts
-    (cluster/train/preflight.py), as `rewards.load_scorer` checks a plug-in scorer."""
-    task.check_plugin()
-    evaluation.check_sets(task, plugins=True)
+    (cluster/train/door/), as `rewards.load_scorer` checks a plug-in scorer. build: the
+    command's builder (`Build`), if it has one."""
+    task.check_plugin(build)
+    evaluation.check_sets(task, plugins=True, build=build)
 
 
-def check_local_datasets(task: TaskConfig, evaluation: EvalConfig) -> list[str]:
+def check_local_datasets(task: TaskConfig, evaluation: EvalConfig,
+                         build: Build | None = None) -> list[str]:
     """Read every local dataset file the run will use (the training split and each evaluation
     set's) as the run will, so that a missing file, an empty one, one whose rows all lack a
     column the task needs, or one with more malformed rows than task.max_malformed_fraction
     allows is a ValueError naming the field before anything starts. Returns one line per file
     with malformed rows under that share (skipped: the caller says so on the terminal). Hub
     datasets are left to the run (reading them means downloading them); plug-in tasks too
-    (their sources are their own)."""
+    (their sources are their own). build: the command's builder (`Build`), if it has one."""
     uses = [("task.options", task.name, task.options, task.train_split)]
     uses += [(f"eval.{name}.options", s.task, s.options, s.split)
              for name, s in evaluation.sets(task).items()]
@@ -240,7 +251,7 @@ def check_local_datasets(task: TaskConfig, evaluation: EvalConfig) -> list[str]:
     for field, name, options, split in uses:
         if is_plugin(name):
             continue
-        built = build_named(field.replace("options", "task"), name, field, options)
+        built = (build or build_named)(field.replace("options", "task"), name, field, options)
         notes += check_task_datasets(field, built, [split], task.max_malformed_fraction)
     return notes
 

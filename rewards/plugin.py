@@ -1,7 +1,7 @@
 """User code named "package.module:attribute" in a run's config: plug-in scorers (`task.reward`,
 `load_scorer`) and plug-in tasks (`task.name`, `eval.<set>.task`; rewards.registry). One rule
 for both: the spec's form is checked when a config loads; the import happens where the run
-runs (cluster/train/preflight.py, `klrl eval`), in that process and again in every Ray worker
+runs (cluster/train/door/preflight.py, `klrl eval`), in that process and again in every Ray worker
 and scoring process that uses it, so its package must be importable in all of them."""
 from __future__ import annotations
 

@@ -439,7 +439,7 @@ def test_a_model_directory_that_is_whole_and_a_cached_hub_name_pass(work, monkey
 
 
 def test_a_relative_path_is_absolute_in_the_config_every_process_gets(work):
-    from cluster.train.preflight import resolve_paths
+    from cluster.train.door.preflight import resolve_paths
 
     model = model_dir(work, "models/my-model")
     math_rows(work, 3, name="data.jsonl")

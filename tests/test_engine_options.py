@@ -100,7 +100,7 @@ def test_good_engine_options_load_and_reach_the_engine_arguments():
 def test_unknown_engine_kwargs_are_refused_before_the_run_starts():
     """A key the installed vLLM's engine does not take fails the pre-flight (before Ray,
     the tiny model or any engine), with the closest key; known keys pass."""
-    from cluster.train.preflight import check_environment
+    from cluster.train.door.preflight import check_environment
 
     cfg = load_config(TrainConfig, TINY, ["rollout.engine_kwargs.max_num_seq=3",
                                           "rollout.engine_kwargs.block_size=32",

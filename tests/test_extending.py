@@ -229,7 +229,7 @@ def test_the_example_scorer_loads_and_scores(importable):
     assert [(r.reward, r.failure) for r in results] == [(1.0, None), (0.5, None), (0.0, None),
                                                         (0.0, None)]
     cfg = load_train_config(DEMO_CONFIG, ["task.reward=myscorers:near_miss"])
-    from cluster.train.preflight import check_environment
+    from cluster.train.door.preflight import check_environment
 
     check_environment(cfg)  # the pre-flight imports it as the rollout workers will
 

@@ -95,7 +95,7 @@ def test_a_directory_that_is_not_a_model_and_a_wandb_mode_from_the_environment(
 
 
 def test_a_wandb_key_from_the_environment_or_netrc_is_enough(guarded, monkeypatch, tmp_path):
-    from cluster.train.run_log import check_wandb
+    from cluster.train.door.wandb import check_wandb
 
     cfg = load_train_config(DEMO_CONFIG, ["logging.wandb_mode=online"])
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
@@ -111,7 +111,7 @@ def test_a_wandb_key_from_the_environment_or_netrc_is_enough(guarded, monkeypatc
 
 def test_a_hub_name_passes_and_a_local_looking_path_does_not(tmp_path, monkeypatch):
     from cluster.config.loader import ConfigError
-    from cluster.config.train_config import check_model_path
+    from cluster.train.door.models import check_model_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()

@@ -104,9 +104,9 @@ def test_a_failure_after_the_start_is_one_line_naming_the_log(tmp_path, monkeypa
     from cluster.cli.main import main
     from cluster.config.loader import DEMO_CONFIG
     from cluster.train import run
-    from cluster.train.preflight import preflight
+    from cluster.train.door.preflight import preflight
 
-    def fails_midway(cfg, resume=False):
+    def fails_midway(cfg, resume=False, passed=None):
         run_dir, _ = preflight(cfg, resume)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text("{}")

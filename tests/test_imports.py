@@ -223,6 +223,40 @@ def test_no_import_cycles_inside_a_package():
         cycles)
 
 
+def door_arrows_out(root: Path) -> list[str]:
+    """Imports from cluster/train/door/ of a cluster/train module that itself reaches the door
+    (directly or through others): the door must be a room the rest of cluster/train enters,
+    never one that calls back up into what enters it."""
+    door = "cluster.train.door"
+    train = sorted((root / "cluster" / "train").rglob("*.py"))
+    targets = {module_name(p, root): {i.target for i in imports_of(p, root)} for p in train}
+    reaches = {m for m in targets if m == door or m.startswith(door + ".")}
+    grew = True
+    while grew:  # the modules that import the door, directly or through another such module
+        above = {m for m, ts in targets.items() if m not in reaches and any(
+            t in reaches or any(t.startswith(r + ".") for r in reaches) for t in ts)}
+        reaches |= above
+        grew = bool(above)
+    out = []
+    for path in train:
+        source = module_name(path, root)
+        if not (source == door or source.startswith(door + ".")):
+            continue
+        for imp in imports_of(path, root):
+            t = imp.target
+            if t.startswith("cluster.train") and not t.startswith(door) and t in reaches:
+                out.append(f"{path.relative_to(root)}:{imp.line}: the door imports {t}, "
+                           "which imports the door")
+    return out
+
+
+def test_the_door_is_one_room_with_no_arrow_back_out():
+    """Every pre-start check lives in cluster/train/door/ (docs/layout.md); it may read the run
+    directory's owners (run_log.py, checkpoint.py), never a module that enters the door."""
+    assert not door_arrows_out(ROOT), "\n".join(door_arrows_out(ROOT))
+    assert not (ROOT / "cluster" / "train" / "preflight.py").exists()
+
+
 # --------------------------------------------------------------------------- the checker
 
 
@@ -299,3 +333,15 @@ def test_checker_finds_cycles_across_cluster_subpackages(tmp_path):
         "cluster.experiments.y (cluster/experiments/y.py:1) -> cluster.train "
         "(cluster/train/__init__.py:1) -> cluster.train.x (cluster/train/x.py:1) -> "
         "cluster.experiments.y")]
+
+
+def test_checker_finds_an_arrow_back_out_of_the_door(tmp_path):
+    _write(tmp_path, {
+        "cluster/train/__init__.py": "", "cluster/train/door/__init__.py": "",
+        "cluster/train/log.py": "x = 1\n",
+        "cluster/train/pre.py": "from cluster.train.door.a import f\n",
+        "cluster/train/door/a.py": "from cluster.train.log import x\n"
+                                   "def f():\n    from cluster.train import pre\n",
+    })
+    assert door_arrows_out(tmp_path) == [
+        "cluster/train/door/a.py:3: the door imports cluster.train.pre, which imports the door"]

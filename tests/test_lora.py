@@ -14,7 +14,7 @@ from tiny_runs import tiny_run_config
 
 from cluster.config.loader import ConfigError
 from cluster.train import checkpoint as ckpt
-from cluster.train.preflight import check_lora
+from cluster.train.door.preflight import check_lora
 from cluster.train.run import train
 from cluster.train.run_log import read_metrics
 

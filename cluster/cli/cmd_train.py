@@ -98,15 +98,15 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
     # Ray, torch, vLLM and DeepSpeed: loaded when a run starts, not at `klrl --help`.
     from ray.exceptions import RayError
 
-    from cluster.train.preflight import preflight
+    from cluster.train.door.preflight import preflight
     from cluster.train.run import train
     from cluster.train.run_log import default_run_name
     from cluster.train.run_output import quiet_output
 
     if cfg.run_name is None:  # named now, so that the log's final place is known
         cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
-    try:  # the door, here on the terminal, before the run is named (train() checks again)
-        preflight(cfg, resume)
+    try:  # the door, here on the terminal, before the run is named (train() takes its verdict)
+        passed = preflight(cfg, resume)
     except (ConfigError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -122,7 +122,7 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
     try:
         with output:
             try:
-                train(cfg, resume=resume)
+                train(cfg, resume=resume, passed=passed)
             except (ConfigError, FileExistsError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 code = 2

@@ -7,7 +7,6 @@ constraints that span several of them.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +21,7 @@ from kl.surrogate import IMPORTANCE_CORRECTIONS
 from learner.config import LearnerConfig
 from learner.loss import TASK_TERMS
 from rewards.config import EvalConfig, TaskConfig
+from rewards.records import Task
 from rewards.registry import get_task, is_plugin
 
 
@@ -49,44 +49,6 @@ class ModelConfig(_Strict):
                                     "model's own Python code (models whose architecture is not "
                                     "in transformers). Off by default: that code runs on every "
                                     "node.")
-
-
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `gpt2`, `Qwen/Qwen2.5-7B`
-
-
-# Files of which a Hugging Face model directory holds at least one when it has a tokenizer
-# (the learner and vLLM load the policy's tokenizer from its directory).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "spiece.model")
-
-
-def check_model_path(path: str | None, field: str = "model.path") -> None:
-    """The rule for `model.path` where the run runs (not at validation: `klrl submit` checks
-    configs on a machine that may lack the cluster's paths). null, a Hugging Face model
-    directory here, or a name that can only mean the hub pass; a missing local path, a
-    directory without config.json, or a policy directory without a tokenizer, is a ConfigError
-    naming the field and the fix (transformers would take a missing path for a repository id
-    and fail deep inside a learner rank; vLLM, without a tokenizer, on an empty prompt).
-    A name such as `org/model` whose first part is not a local directory is taken for the hub."""
-    if path is None:
-        return
-    local = Path(path).expanduser()
-    if local.exists():
-        if not local.is_dir():
-            raise ConfigError(f"{field}={path} is a file, not a Hugging Face model directory")
-        if not (local / "config.json").is_file():
-            raise ConfigError(f"{field}={path}: this directory has no config.json, it is not "
-                              "a Hugging Face model directory")
-        if field == "model.path" and not any((local / f).is_file() for f in TOKENIZER_FILES):
-            raise ConfigError(f"{field}={path}: this model directory has no tokenizer (none of "
-                              f"{', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer "
-                              "beside the model (`tokenizer.save_pretrained(DIR)`)")
-        return
-    if not _HUB_NAME.match(path) or ("/" in path and Path(path.split("/")[0]).is_dir()):
-        raise ConfigError(f"{field}={path}: no such directory (and not a hub name such as "
-                          "Qwen/Qwen2.5-7B); give a Hugging Face model directory, or null for "
-                          + ("the embedded tiny model" if field == "model.path"
-                             else "the policy's starting weights"))
 
 
 class DataConfig(_Strict):
@@ -121,11 +83,13 @@ class DataConfig(_Strict):
                 f"({rollout.max_model_len}), the engine's context: lower one or raise "
                 "rollout.max_model_len")
 
-    def check_task(self, task: TaskConfig) -> None:
-        """ValueError when data.epochs or data.shuffle=false is set for a generated split."""
+    def check_task(self, task: TaskConfig, built: Task | None = None) -> None:
+        """ValueError when data.epochs or data.shuffle=false is set for a generated split.
+        built: the task, when the caller has built it already (the door)."""
         given = ([("data.epochs", self.epochs)] if self.epochs is not None else []) + (
             [] if self.shuffle else [("data.shuffle", "false")])
-        if given and not get_task(task.name, **task.options).is_finite(task.train_split):
+        if given and not (built or get_task(task.name, **task.options)).is_finite(
+                task.train_split):
             field, value = given[0]
             raise ValueError(
                 f"{field}={value}: task {task.name!r} split {task.train_split!r} is generated "

@@ -206,11 +206,11 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
 
 
 def preflight_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict[str, Any]) -> None:
-    """Each unfinished run's pre-flight (cluster/train/preflight.py: its model, plug-in scorer,
+    """Each unfinished run's pre-flight (cluster/train/door/preflight.py: its model, plug-in scorer,
     wandb key, and for a run to resume its checkpoint's config) on this machine, before the
     first run starts: a mistake common to every run is one message, not N failed runs.
     Local sweeps only: on a cluster the jobs check themselves where they run."""
-    from cluster.train.preflight import preflight
+    from cluster.train.door.preflight import preflight
 
     failures: dict[str, list[str]] = {}
     for run in runs:

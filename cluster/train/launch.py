@@ -9,7 +9,7 @@ import ray
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.tiny.model import init_default_model
-from cluster.train.preflight import check_ray_address
+from cluster.train.door.preflight import check_ray_address
 
 
 def start_ray(cfg: TrainConfig) -> bool:

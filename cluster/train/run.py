@@ -9,20 +9,23 @@ import ray
 from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.preflight import check_cluster_resources, check_lora, preflight, resolve_paths
+from cluster.train.door.preflight import check_cluster_resources, check_lora, preflight, resolve_paths
 from cluster.train.run_log import abandon_metrics, has_metrics
 from cluster.train.stopping import GracefulStop
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
+def train(cfg: TrainConfig, resume: bool = False,
+          passed: tuple[Path, Path | None] | None = None) -> tuple[Path, dict]:
     """Run one training job in this process (the Ray driver). Returns (run_dir, last metrics).
 
     resume=False: the run directory must not hold a run yet. resume=True: continue it from its
     newest complete checkpoint; with none start it afresh, keeping an earlier metrics log as
     metrics.jsonl.abandoned-N (a finished run without one, or a run that never started, is
     refused). Every
-    check that needs no process runs first (cluster/train/preflight.py: ConfigError or
-    FileExistsError, nothing started or written). Raises RunStopped (with .checkpoint set) when
+    check that needs no process runs first (cluster/train/door/preflight.py: ConfigError or
+    FileExistsError, nothing started or written), unless the caller has just run it on this
+    config and passes its result (`passed`: `klrl train`, which runs the door on the
+    terminal before it names the run), so that one command passes the door once. Raises RunStopped (with .checkpoint set) when
     the run stops early: a signal, worker restarts used up, too many non-finite steps.
 
     Relative paths in `cfg` are relative to this process's working directory: they are made
@@ -30,7 +33,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> tuple[Path, dict]:
     run_dir returned is as the config names it (under output_dir as given)."""
     given = Path(cfg.output_dir)
     cfg = resolve_paths(cfg)
-    run_dir, resume_from = preflight(cfg, resume)
+    run_dir, resume_from = passed if passed is not None else preflight(cfg, resume)
     if resume and resume_from is None and has_metrics(run_dir):
         abandon_metrics(run_dir)
         print(f"{run_dir} has no complete checkpoint: starting it afresh")

@@ -10,6 +10,8 @@ from pathlib import Path
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train.door.models import check_model_dir
+from cluster.train.door.tasks import check_plugins_of
+from cluster.train.door.wandb import wandb_mode_env_problem
 from cluster.train.run_log import (
     config_path,
     final_dir,
@@ -17,7 +19,6 @@ from cluster.train.run_log import (
     is_finished,
     metrics_path,
     read_metrics,
-    wandb_mode_env_problem,
 )
 
 
@@ -62,8 +63,6 @@ def check_submission(cfg: TrainConfig, job_env: dict[str, str]) -> None:
     plug-ins (imported here, as they travel with the job: task.reward callable as a scorer,
     plug-in tasks with their options and splits), and the job's WANDB_MODE (`--env`). Paths,
     resources and the wandb key are the cluster's: the job's own door checks them there."""
-    from cluster.train.preflight import check_plugins_of
-
     check_plugins_of(cfg)
     if why := wandb_mode_env_problem(cfg, job_env, "--env"):
         raise ConfigError(why)

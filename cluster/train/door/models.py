@@ -13,12 +13,18 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import struct
 import zipfile
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
-from cluster.config.train_config import TOKENIZER_FILES
+
+# Files of which a Hugging Face model directory holds at least one when it has a tokenizer
+# (the learner and vLLM load the policy's tokenizer from its directory).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `gpt2`, `Qwen/Qwen2.5-7B`
 
 # config.json keys that hold a model's context length, by architecture family.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -30,18 +36,36 @@ def check_model_dir(path: str | Path, field: str, tokenizer: bool = True) -> dic
     ConfigError naming `field`, the file and the fix."""
     local = Path(path)
     config_file = local / "config.json"
+    if local.is_file():
+        raise ConfigError(f"{field}={path} is a file, not a Hugging Face model directory")
     if not local.is_dir():
         raise ConfigError(f"{field}={path}: no such directory")
     if not config_file.is_file():
         raise ConfigError(f"{field}={path}: this directory has no config.json, it is not a "
                           "Hugging Face model directory")
     config = read_model_config(config_file, field)
-    check_weights(local, field)
     if tokenizer and not any((local / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(f"{field}={path}: this model directory has no tokenizer (none of "
                           f"{', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer beside "
                           "the model (`tokenizer.save_pretrained(DIR)`)")
+    check_weights(local, field)
     return config
+
+
+def check_model_path(path: str | None, field: str = "model.path") -> None:
+    """The shape of a model path that is not here: null, or a name that can only mean the hub
+    (then `check_hub_name` asks the cache or the hub); a path that looks local but is missing
+    is a ConfigError naming the field and the fix (transformers would take it for a
+    repository id and fail deep inside a learner rank). A name such as `org/model` whose first
+    part is a local directory is taken for a local path. A path that is here is a model
+    directory's to pass (`check_model_dir`)."""
+    if path is None or Path(path).expanduser().exists():
+        return
+    if not _HUB_NAME.match(path) or ("/" in path and Path(path.split("/")[0]).is_dir()):
+        raise ConfigError(f"{field}={path}: no such directory (and not a hub name such as "
+                          "Qwen/Qwen2.5-7B); give a Hugging Face model directory, or null for "
+                          + ("the embedded tiny model" if field == "model.path"
+                             else "the policy's starting weights"))
 
 
 def read_model_config(config_file: Path, field: str) -> dict:

@@ -3,9 +3,10 @@
 DeepSpeed, vLLM) or writes anything, so that a mistake costs a second and one message, not a
 traceback from an actor and a run directory that then blocks the name.
 
-`train()` (cluster/train/run.py) calls `preflight` first, and `klrl train` once more before it
-names the run on the terminal; a local `klrl sweep` calls it for every unfinished run before
-it starts the first (cluster/experiments/sweep.py, preflight_runs). Each rule lives with what
+`train()` (cluster/train/run.py) calls `preflight` first, unless its caller just did (`klrl
+train` runs it on the terminal before it names the run, and hands train() the result); a local
+`klrl sweep` calls it for every unfinished run before it starts the first
+(cluster/experiments/sweep.py, preflight_runs). Each rule lives with what
 it checks (cluster/train/door/ lists them all); this module calls them in order, on the
 config with its paths made absolute (`door.paths.resolve_paths`). Raises ConfigError (or
 FileExistsError for a name already taken); `klrl train` exits 2. Lines worth saying that are
@@ -22,13 +23,20 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
-from cluster.config.train_config import TrainConfig, check_model_path
+from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
-from cluster.train.door.models import check_context, check_hub_name, check_model_dir
+from cluster.train.door.models import (
+    check_context,
+    check_hub_name,
+    check_model_dir,
+    check_model_path,
+)
 from cluster.train.door.paths import check_output_dir, check_shm_dir, resolve_paths
 from cluster.train.door.resources import check_cluster_resources, check_local_resources
 from cluster.train.door.resume import check_checkpoint, check_run_exists
-from cluster.train.run_log import check_wandb, default_run_name, has_metrics, is_finished
+from cluster.train.door.tasks import check_tasks
+from cluster.train.door.wandb import check_wandb
+from cluster.train.run_log import default_run_name, has_metrics, is_finished
 
 __all__ = ["check_cluster_resources", "check_environment", "check_lora", "check_output_dir",
            "check_ray_address", "preflight", "resolve_paths"]
@@ -40,13 +48,7 @@ def check_environment(cfg: TrainConfig) -> None:
     resources and the shm directory it asks for. `cfg`'s paths must be absolute
     (`resolve_paths`)."""
     check_models(cfg)
-    check_plugins_of(cfg)
-    from rewards.config import check_local_datasets
-
-    try:
-        notes = check_local_datasets(cfg.task, cfg.eval)  # there, not empty, in schema
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    notes = check_tasks(cfg)  # plug-ins, data options, dataset files: each task built once
     check_engine_kwargs(cfg.rollout.engine_kwargs)
     check_wandb(cfg)
     address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
@@ -64,34 +66,15 @@ def check_models(cfg: TrainConfig) -> None:
     rollout.max_model_len. null (the embedded tiny model) passes."""
     for field, path, tokenizer in (("model.path", cfg.model.path, True),
                                    ("model.ref_path", cfg.model.ref_path, False)):
-        check_model_path(path, field)  # the shape rule: a directory here, or hub-name-like
         if path is None:
             continue
         if Path(path).expanduser().exists():
             config = check_model_dir(Path(path).expanduser(), field, tokenizer)
         else:
+            check_model_path(path, field)  # the shape of a hub name, before asking the hub
             config = check_hub_name(path, field, cfg.model.revision)
         if config is not None:
             check_context(config, field, cfg.rollout.max_model_len)
-
-
-def check_plugins_of(cfg: TrainConfig) -> None:
-    """The config's plug-ins, imported as the rollout workers will: task.reward (callable as a
-    scorer) and plug-in tasks (their options and splits). A failed import's message says how
-    to make it importable (rewards/plugin.py)."""
-    from rewards import load_scorer
-    from rewards.config import check_plugins
-
-    if cfg.task.reward:
-        try:
-            load_scorer(cfg.task.reward)
-        except ValueError as exc:
-            raise ConfigError(f"task.reward: {exc}") from None
-    try:
-        check_plugins(cfg.task, cfg.eval)  # plug-in tasks; each message names its field
-        cfg.data.check_task(cfg.task)  # a plug-in's epochs/order: not checked at load time
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def check_ray_address(address: str | None) -> None:
