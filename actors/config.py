@@ -9,7 +9,8 @@ thread fields; `cluster/` reads `num_workers`, `prompts_per_step` and the Ray re
 The engine fields are checked here as far as they can be without vLLM (the GPU rule of
 tensor parallelism, what vLLM's scheduler would refuse at start-up, engine_kwargs keys that
 klrl sets itself); whether an engine_kwargs key exists in the installed vLLM needs vLLM and is
-checked before a run starts by `actors.engine.unknown_engine_args` (cluster/train/door/preflight.py).
+checked before a run starts by `actors.engine.unknown_engine_args`
+(cluster/train/door/preflight.py).
 """
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ class EngineDriver(abc.ABC):
 
     @abc.abstractmethod
     def busy_seconds(self) -> float:
-        """Seconds the engine has been busy since it started (`RolloutBatch.engine_busy_seconds`)."""
+        """Seconds the engine has been busy since it started
+        (`RolloutBatch.engine_busy_seconds`)."""
 
     def stop(self) -> None:
         """End what the driver runs on the engine thread (the engine itself stays)."""

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.config import RolloutConfig, SyncConfig
 from actors.weight_sync import Placement, transport
-from cluster.config.loader import ConfigError, load_config
+from cluster.config.loader import load_config
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from kl.surrogate import IMPORTANCE_CORRECTIONS

@@ -11,8 +11,9 @@ generation mode (actors/generation/): batch-level because a worker applies weigh
 generation requests in the order they were sent (Ray runs an actor's calls serially), so the
 batch is generated with version s; continuous (`rollout.in_flight_updates`) because the update
 to s is sent (`publish`) before the batch is requested with min_version s, and the worker
-starts no request before it holds a version >= min_version (its later tokens may come from newer versions, applied
-while the request is in flight). Either way it is trained at step s + max_lag at the latest.
+starts no request before it holds a version >= min_version (its later tokens may come from
+newer versions, applied while the request is in flight). Either way it is trained at step
+s + max_lag at the latest.
 max_lag = 0 is synchronous on-policy RL: generate, train, sync, repeat.
 """
 from __future__ import annotations

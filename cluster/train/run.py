@@ -9,7 +9,12 @@ import ray
 from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
 from cluster.train.launch import resolve_model, start_ray
-from cluster.train.door.preflight import check_cluster_resources, check_lora, preflight, resolve_paths
+from cluster.train.door.preflight import (
+    check_cluster_resources,
+    check_lora,
+    preflight,
+    resolve_paths,
+)
 from cluster.train.run_log import abandon_metrics, has_metrics
 from cluster.train.stopping import GracefulStop
 
@@ -21,12 +26,12 @@ def train(cfg: TrainConfig, resume: bool = False,
     resume=False: the run directory must not hold a run yet. resume=True: continue it from its
     newest complete checkpoint; with none start it afresh, keeping an earlier metrics log as
     metrics.jsonl.abandoned-N (a finished run without one, or a run that never started, is
-    refused). Every
-    check that needs no process runs first (cluster/train/door/preflight.py: ConfigError or
-    FileExistsError, nothing started or written), unless the caller has just run it on this
-    config and passes its result (`passed`: `klrl train`, which runs the door on the
-    terminal before it names the run), so that one command passes the door once. Raises RunStopped (with .checkpoint set) when
-    the run stops early: a signal, worker restarts used up, too many non-finite steps.
+    refused). Every check that needs no process runs first (cluster/train/door/preflight.py:
+    ConfigError or FileExistsError, nothing started or written), unless the caller has just
+    run it on this config and passes its result (`passed`: `klrl train`, which runs the door
+    on the terminal before it names the run), so that one command passes the door once.
+    Raises RunStopped (with .checkpoint set) when the run stops early: a signal, worker
+    restarts used up, too many non-finite steps.
 
     Relative paths in `cfg` are relative to this process's working directory: they are made
     absolute here, once, so that every actor reads the same files whatever its own. The
