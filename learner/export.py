@@ -34,7 +34,7 @@ class WeightPublisher(Protocol):
     def needs(self, transport: str) -> ExportNeeds: ...
 
     def publish(self, weights: dict[str, torch.Tensor], version: int, transport: str, *,
-                run_id: str, shm_dir: str | None = None, adapter: dict | None = None) -> Any: ...
+                adapter: dict | None = None) -> Any: ...
 
     def open(self, transport: str, num_workers: int,
              ranks_per_worker: int = 1) -> list[dict]: ...
@@ -50,8 +50,7 @@ class WeightExporter:
     def __init__(self, publisher: WeightPublisher | None, rank: int, cfg: LearnerConfig):
         self.publisher, self.rank, self.cfg = publisher, rank, cfg
 
-    def export(self, module, device: torch.device, version: int, transport: str, run_id: str,
-               shm_dir: str | None):
+    def export(self, module, device: torch.device, version: int, transport: str):
         """Publish `module`'s weights as `version` through `transport` (collective; rank 0
         returns the WeightUpdate with the gather's seconds, the other ranks None).
 
@@ -75,8 +74,7 @@ class WeightExporter:
         if self.rank != 0:
             return None
         gather_s = time.perf_counter() - t0
-        update = self._publisher().publish(weights, version, transport, run_id=run_id,
-                                           shm_dir=shm_dir, adapter=adapter)
+        update = self._publisher().publish(weights, version, transport, adapter=adapter)
         return dataclasses.replace(update, seconds={"gather": gather_s, **update.seconds})
 
     def open(self, transport: str, num_workers: int, ranks_per_worker: int = 1) -> list[dict]:
@@ -89,7 +87,8 @@ class WeightExporter:
     def _publisher(self) -> WeightPublisher:
         if self.publisher is None:
             raise RuntimeError("this learner has no weight publisher: pass "
-                               "LearnerGroup(..., publisher=actors.weight_sync.WeightPublisher())")
+                               "LearnerGroup(..., publisher=actors.weight_sync."
+                               "WeightPublisher(run_id, sync_cfg))")
         return self.publisher
 
 

@@ -37,7 +37,7 @@ class LearnerGroup:
     learner/rank.py)."""
 
     def __init__(self, model: str | Path | ModelFiles, learner_cfg: LearnerConfig,
-                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int = 0, run_id: str = "run",
+                 kl_cfg: KLConfig, adv_cfg: AdvantageConfig, seed: int = 0,
                  publisher: WeightPublisher | None = None,
                  total_optimizer_steps: int | None = None,
                  resources: dict[str, float] | None = None,
@@ -57,7 +57,7 @@ class LearnerGroup:
             # Refused here, before any actor starts (make_scheduler would refuse in every rank).
             raise ValueError(f"learner.lr_schedule={learner_cfg.lr_schedule} needs "
                              "LearnerGroup(..., total_optimizer_steps=N)")
-        self.cfg, self.run_id = learner_cfg, run_id
+        self.cfg = learner_cfg
         self._version = 0  # mirrors every rank's own count (`version`)
         self._wait = wait or (lambda _group, refs, _method: get_all(refs))
         self.broken = False  # a call failed or hung: ranks may be blocked in a collective
@@ -72,7 +72,7 @@ class LearnerGroup:
             resources=resources or None)
         files = ModelFiles.of(model)
         self.ranks = [actor.remote(r, world, files, learner_cfg, kl_cfg, adv_cfg, seed,
-                                   run_id, publisher, total_optimizer_steps)
+                                   publisher, total_optimizer_steps)
                       for r in range(world)]
         try:
             infos = self._all("node_info")
@@ -121,10 +121,11 @@ class LearnerGroup:
             self._version += 1
         return merged
 
-    def export_weights(self, transport: str, shm_dir: str | None = None):
-        """Publish the current weights (version `self.version`) through `transport`; returns
-        rank 0's WeightUpdate (learner/export.py)."""
-        return self._all("export_weights", self.version, transport, self.run_id, shm_dir)[0]
+    def export_weights(self, transport: str):
+        """Publish the current weights (version `self.version`) through `transport` (built
+        with its settings by the publisher this group was given); returns rank 0's
+        WeightUpdate (learner/export.py)."""
+        return self._all("export_weights", self.version, transport)[0]
 
     def open_weight_transfer(self, transport: str, num_workers: int) -> list[dict]:
         """GPU, a transport whose workers join a group (nccl): rank 0 opens it (through its

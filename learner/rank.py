@@ -90,13 +90,13 @@ class LearnerRank:
 
     def __init__(self, rank: int, world_size: int, model: str | ModelFiles,
                  learner_cfg: LearnerConfig, kl_cfg: KLConfig, adv_cfg: AdvantageConfig,
-                 seed: int, run_id: str, publisher: WeightPublisher | None = None,
+                 seed: int, publisher: WeightPublisher | None = None,
                  total_optimizer_steps: int | None = None):
         self.rank, self.world_size = rank, world_size
         self.files = ModelFiles.of(model)
         self.total_optimizer_steps = total_optimizer_steps
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
-        self.seed, self.run_id = seed, run_id
+        self.seed = seed
         self.exporter = WeightExporter(publisher, rank, learner_cfg)  # weights out for a sync
         self.engine = self.ref = self.optimizer = None
         # rank 0's rendezvous store (host_rendezvous), kept for the group's life
@@ -309,13 +309,12 @@ class LearnerRank:
         ZeRO-3), `lm_head.weight` included even when tied to the embeddings."""
         return full_weights(self.engine.module, self.cfg.zero_stage == 3, device, copy)
 
-    def export_weights(self, version: int, transport: str, run_id: str, shm_dir: str | None):
+    def export_weights(self, version: int, transport: str):
         """Publish the current weights as `version` through `transport` (collective; rank 0
         returns the WeightUpdate, the other ranks None): learner/export.py."""
         assert version == self.version, \
             f"exporting version {version} but rank {self.rank} holds {self.version}"
-        return self.exporter.export(self.engine.module, self.device, version, transport,
-                                    run_id, shm_dir)
+        return self.exporter.export(self.engine.module, self.device, version, transport)
 
     def open_weight_transfer(self, transport: str, num_workers: int,
                              ranks_per_worker: int = 1) -> list[dict]:

@@ -43,7 +43,7 @@ def actors(ray_cluster, tiny_model_dir, tmp_path_factory):
         finally:
             group.shutdown()
             for name in CPU_TRANSPORTS:
-                transport(name).cleanup(run_id, str(shm))
+                transport(name).for_run(run_id, cfg.sync).cleanup()
 
 
 def test_each_sync_follows_a_step_and_the_worker_holds_its_version(actors):
@@ -56,8 +56,8 @@ def test_each_sync_follows_a_step_and_the_worker_holds_its_version(actors):
         exported.append(group.version)
 
     reps = 2
-    syncs = measure_sync(group, worker, "tiny-random", cfg.sync.shm_dir, reps,
-                         lambda num_bytes: num_bytes / 1e9, step)
+    syncs = measure_sync(group, worker, "tiny-random", reps, lambda num_bytes: num_bytes / 1e9,
+                         step)
     per_transport = reps + 1  # one warm-up sync each
     assert [s.transport for s in syncs] == list(CPU_TRANSPORTS)
     assert exported == list(range(start + 1, start + 1 + per_transport * len(CPU_TRANSPORTS)))
@@ -75,12 +75,12 @@ def test_the_learners_version_moves_only_with_its_ranks(actors):
     with pytest.raises(AttributeError):
         group.version += 1  # the ranks would refuse to export under it
     held = group.version
-    update = group.export_weights(CPU_TRANSPORTS[0], cfg.sync.shm_dir)
+    update = group.export_weights(CPU_TRANSPORTS[0])
     assert update.version == held  # the same weights again: the version the ranks hold
 
     def refused_step():  # a step the learner refuses leaves the version: the sync stops
         pass
 
     with pytest.raises(RuntimeError, match="refused"):
-        measure_sync(group, worker, "tiny-random", cfg.sync.shm_dir, 1, lambda n: 1.0,
-                     refused_step, CPU_TRANSPORTS[:1])
+        measure_sync(group, worker, "tiny-random", 1, lambda n: 1.0, refused_step,
+                     CPU_TRANSPORTS[:1])

@@ -30,11 +30,11 @@ from actors.config import RolloutConfig, SyncConfig  # noqa: E402
 from actors.generation.continuous import split_samples  # noqa: E402
 from actors.records import Rollout  # noqa: E402
 from actors.rollout_worker import RolloutWorker  # noqa: E402
-from actors.weight_sync import publish, remove_published  # noqa: E402
+from actors.weight_sync import remove_published  # noqa: E402
 from rewards import Problem  # noqa: E402
 from rewards.config import EvalConfig, TaskConfig  # noqa: E402
 from test_rollout_worker import engine_settings  # noqa: E402
-from test_weight_sync import load_hf, perturbed  # noqa: E402
+from test_weight_sync import load_hf, perturbed, publisher  # noqa: E402
 
 TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
 N = 4               # samples per prompt
@@ -66,9 +66,9 @@ def test_token_versions_are_checked_and_the_oldest_is_the_policy_version():
     made = {"problem": p, "group_id": 0, "prompt_ids": [1], "response_ids": [5, 6, 7],
                 "behaviour_logprobs": [-1.0, -2.0, -3.0], "finish_reason": "length"}
     r = Rollout(policy_version=3, token_versions=[3, 3, 5], **made)
-    assert (r.newest_version, r.num_versions) == (5, 2)
+    assert (r.policy_version, r.token_versions[-1], r.num_versions) == (3, 5, 2)
     plain = Rollout(policy_version=3, **made)
-    assert (plain.newest_version, plain.num_versions) == (3, 1)
+    assert (plain.policy_version, plain.token_versions, plain.num_versions) == (3, None, 1)
     for versions, version, message in [([3, 3], 3, "3 response tokens but 2 token versions"),
                                        ([3, 5, 4], 3, "must not decrease"),
                                        ([3, 4, 4], 4, "must be the oldest token's version")]:
@@ -187,7 +187,7 @@ def _update_in_flight(worker, problems, seed, model, version, shm_dir, *, waitin
     while ray.get(worker.engine_stats.remote())["tokens"] < before + 4 * N:
         assert time.monotonic() < deadline, "the generate call returned no tokens"
         time.sleep(0.005)
-    update = publish(model.state_dict(), version, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+    update = publisher(shm_dir, RUN_ID).publish(model.state_dict(), version, "shm")
     assert ray.get(worker.load_weights.remote(update)) == version
     return (ray.get(batch), ray.get(later)) if waiting else ray.get(batch)
 

@@ -143,7 +143,7 @@ def _late_load(tmp_path, why):
 
     c = Controller(load_train_config(DEMO_CONFIG, []), tmp_path / "run", tmp_path / "model")
     c.weights.pool = _ProbedPool(why)
-    update = WeightUpdate(6, "shm", 0, 0, path="v6.safetensors")
+    update = WeightUpdate(6, "shm", 0, path="v6.safetensors")
     c.weights._on_late_load(
         PendingSync(WorkerCall(0, 0, "load_weights", (update,), None), None, 0.0), timeout=2.0)
     return c.weights.pool.restarted

@@ -139,7 +139,7 @@ def test_tensor_parallel_worker_gpu(tiny_model_dir, tmp_path):
 
     import rewards
     from actors.rollout_worker import RolloutWorker
-    from actors.weight_sync import publish
+    from test_weight_sync import publisher
     from rewards.config import TaskConfig
 
     def hf(seed=None):
@@ -180,7 +180,7 @@ def test_tensor_parallel_worker_gpu(tiny_model_dir, tmp_path):
         batch = ray.get(w.generate.remote(problems, list(range(4)), 3))
         assert worst_error(hf(), batch) < 0.05
         target = hf(seed=7)
-        update = publish(target.state_dict(), 1, "shm", run_id="tp-gpu", shm_dir=tmp_path)
+        update = publisher(tmp_path, "tp-gpu").publish(target.state_dict(), 1, "shm")
         assert ray.get(w.load_weights.remote(update)) == 1
         assert worst_error(target, ray.get(w.generate.remote(problems, list(range(4)), 3))) < 0.05
     finally:

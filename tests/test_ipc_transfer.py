@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.weight_sync import WeightPublisher, WeightUpdate, publish
+from actors.config import SyncConfig
+from actors.weight_sync import WeightPublisher, WeightUpdate
 from actors.weight_sync.cuda_ipc import (
     IpcWeightSender,
     check_cuda_ipc_devices,
@@ -103,10 +104,17 @@ def test_update_info_is_vllms_own_record():
     with pytest.raises(ValueError, match="ipc_handles"):
         IPCWeightTransferUpdateInfo(**{**info, "ipc_handles": info["ipc_handles"][:-1]})
     # The record travels (Ray pickles it to every worker) and carries the info as given.
-    record = publish(state, 2, "cuda_ipc", run_id=RUN_ID, sender=IpcWeightSender(export=export))
+    record = _publisher(IpcWeightSender(export=export)).publish(state, 2, "cuda_ipc")
     again = pickle.loads(pickle.dumps(record))
-    assert again.transport == "cuda_ipc" and again.num_tensors == 4
+    assert again.transport == "cuda_ipc" and len(again.update_info["names"]) == 4
     assert IPCWeightTransferUpdateInfo(**again.update_info).names == list(state)
+
+
+def _publisher(sender) -> WeightPublisher:
+    """A learner rank's publisher whose cuda_ipc sender is `sender` (None: none, refused)."""
+    pub = WeightPublisher(RUN_ID, SyncConfig(transport="cuda_ipc"))
+    pub.senders["cuda_ipc"] = sender
+    return pub
 
 
 # --------------------------------------------------------------------------- the invariant
@@ -164,21 +172,20 @@ def test_sender_refuses_what_it_cannot_export():
 def test_publish_refuses_bad_inputs():
     state = _state()
     with pytest.raises(ValueError, match="needs sender"):
-        publish(state, 1, "cuda_ipc", run_id=RUN_ID)
+        _publisher(None).publish(state, 1, "cuda_ipc")
     with pytest.raises(ValueError, match="adapter travels by shm or object_store.*ipc"):
-        publish({"a.lora_A.weight": torch.zeros(2)}, 1, "cuda_ipc", run_id=RUN_ID,
-                sender=IpcWeightSender(export=StandIn()), adapter={"r": 8})
+        _publisher(IpcWeightSender(export=StandIn())).publish(
+            {"a.lora_A.weight": torch.zeros(2)}, 1, "cuda_ipc", adapter={"r": 8})
     without_head = {k: v for k, v in state.items() if k != "lm_head.weight"}
     with pytest.raises(ValueError, match="lm_head.weight"):
-        publish(without_head, 1, "cuda_ipc", run_id=RUN_ID,
-                sender=IpcWeightSender(export=StandIn()))
+        _publisher(IpcWeightSender(export=StandIn())).publish(without_head, 1, "cuda_ipc")
     with pytest.raises(ValueError, match="needs its payload"):
-        WeightUpdate(1, "cuda_ipc", 0, 0)
+        WeightUpdate(1, "cuda_ipc", 0)
     # The publisher the learner is given makes its sender at the first cuda_ipc publish and
     # keeps it in its copy (Ray pickles it to every rank); CPU tensors are refused.
-    pub = pickle.loads(pickle.dumps(WeightPublisher()))
+    pub = pickle.loads(pickle.dumps(WeightPublisher(RUN_ID, SyncConfig(transport="cuda_ipc"))))
     with pytest.raises(ValueError, match="CUDA tensors"):
-        pub.publish(state, 1, "cuda_ipc", run_id=RUN_ID)
+        pub.publish(state, 1, "cuda_ipc")
     assert isinstance(pub.senders["cuda_ipc"], IpcWeightSender)
 
 
@@ -297,14 +304,13 @@ def test_cuda_ipc_sync_gpu(tiny_model_dir):
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             self.model.load_state_dict(state)
             self.model.cuda()
-            self.publisher = WeightPublisher()
+            self.publisher = WeightPublisher("gpu-test", SyncConfig(transport="cuda_ipc"))
 
         def uuid(self):
             return str(torch.cuda.get_device_properties(0).uuid)
 
         def publish(self, version):
-            return self.publisher.publish(self.model.state_dict(), version, "cuda_ipc",
-                                          run_id="gpu-test")
+            return self.publisher.publish(self.model.state_dict(), version, "cuda_ipc")
 
         def step(self):  # the optimizer's in-place write, without an optimizer
             with torch.no_grad():

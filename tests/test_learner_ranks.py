@@ -101,12 +101,15 @@ def _run(model_dir, cfg, steps, tmp=None, total_optimizer_steps=None):
     """Run `steps` ("good", "nan", "save", "load") on a fresh group; return parameter
     snapshots (index 0: initial, then one per step), metrics and versions. `model_dir`: a
     directory or a learner.loading.ModelFiles."""
+    from actors.config import SyncConfig
     from actors.weight_sync import WeightPublisher
     from learner.group import LearnerGroup
 
     good, poisoned = steps.batches
-    group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0, run_id="test",
-                         publisher=WeightPublisher(), total_optimizer_steps=total_optimizer_steps)
+    sync = SyncConfig(shm_dir=str(tmp / "shm")) if tmp is not None else SyncConfig()
+    group = LearnerGroup(model_dir, cfg, KL_CFG, ADV_CFG, seed=0,
+                         publisher=WeightPublisher("test", sync),
+                         total_optimizer_steps=total_optimizer_steps)
     try:
         snaps, metrics, versions = [_params(group)], [], [group.version]
         for action in steps.actions:
@@ -163,10 +166,12 @@ def _export_and_save(tmp, transport):
     def run(group):
         import time
 
-        from actors.weight_sync import fetch, load_tensors
+        from actors.weight_sync import load_tensors
+        from actors.weight_sync import transport as transport_named
 
-        update = group.export_weights(transport, shm_dir=str(tmp / "shm"))
-        sent = load_tensors(fetch(update, time.monotonic() + 60))
+        update = group.export_weights(transport)  # shm: into tmp/shm, the group's publisher's
+        fetched = transport_named(update.transport).fetch(update, time.monotonic() + 60)
+        sent = load_tensors(fetched.source)
         return update, sent, group.save_hf(tmp / "hf")
     return run
 
@@ -192,7 +197,8 @@ def _check_export_and_save(final, extra, transport, model_dir):
 def stage0(ray_local, tiny_model_dir, batches, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stage0")
     one = _run(tiny_model_dir, _cfg(num_ranks=1), _Steps(batches, ["good", "good", "good"],
-                                                         extra=_export_and_save(tmp, "shm")))
+                                                         extra=_export_and_save(tmp, "shm")),
+               tmp)  # the shm files go into tmp/shm
     two = _run(tiny_model_dir, _cfg(num_ranks=2), _Steps(batches, ["good", "good", "nan", "good"]))
     return one, two, tmp
 

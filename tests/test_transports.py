@@ -30,7 +30,7 @@ def test_an_unknown_transport_is_refused_listing_the_known_ones():
     with pytest.raises(ValueError, match="unknown transport 'tcp'.*shm.*object_store.*nccl"):
         transport("tcp")
     with pytest.raises(ValueError, match="unknown transport"):
-        WeightUpdate(1, "tcp", 0, 0, path="x")
+        WeightUpdate(1, "tcp", 0, path="x")
 
 
 def test_benchs_lists_follow_what_each_transport_says_it_needs():

@@ -16,7 +16,14 @@ pytest.importorskip("vllm")
 # After the skips: actors.rollout_worker imports vLLM.
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402
 from actors.rollout_worker import RolloutWorker, StaleWeightsError  # noqa: E402
-from actors.weight_sync import WeightUpdate, publish, remove_published, run_dir  # noqa: E402
+from actors.weight_sync import (  # noqa: E402
+    WeightPublisher,
+    WeightUpdate,
+    load_tensors,
+    remove_published,
+    run_dir,
+)
+from actors.weight_sync import transport as transport_named  # noqa: E402
 from rewards.config import TaskConfig  # noqa: E402
 
 TASK = TaskConfig(name="arithmetic", scorer_timeout_s=5.0, scorer_workers=1)
@@ -58,6 +65,11 @@ def problems():
     return rewards.get_task("arithmetic").problems("train", 4, seed=1)
 
 
+def publisher(shm_dir, run_id: str = RUN_ID) -> WeightPublisher:
+    """What a learner rank publishes through: the shm transport writes into shm_dir."""
+    return WeightPublisher(run_id, SyncConfig(shm_dir=str(shm_dir)))
+
+
 def load_hf(model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -96,7 +108,7 @@ def test_publish_requires_lm_head(tiny_model_dir, shm_dir):
     state = load_hf(tiny_model_dir).state_dict()
     del state["lm_head.weight"]
     with pytest.raises(ValueError, match="lm_head.weight"):
-        publish(state, 1, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+        publisher(shm_dir).publish(state, 1, "shm")
 
 
 @pytest.mark.parametrize("transport", ["shm", "object_store"])
@@ -108,9 +120,11 @@ def test_sync_makes_engine_logprobs_equal_learner_logprobs(
     assert before.policy_version == held
 
     learner = perturbed(tiny_model_dir, seed=version)
-    update = publish(learner.state_dict(), version, transport, run_id=RUN_ID, shm_dir=shm_dir)
+    update = publisher(shm_dir).publish(learner.state_dict(), version, transport)
     assert update.version == version and update.transport == transport
-    assert update.num_tensors == len(learner.state_dict()) and update.num_bytes > 0
+    fetched = transport_named(update.transport).fetch(update, time.monotonic() + 60)
+    sent = load_tensors(fetched.source)
+    assert sent.keys() == learner.state_dict().keys() and update.num_bytes > 0
     assert ray.get(worker.load_weights.remote(update)) == version
     assert ray.get(worker.version.remote()) == version
 
@@ -122,8 +136,8 @@ def test_sync_makes_engine_logprobs_equal_learner_logprobs(
     assert max_logprob_error(load_hf(tiny_model_dir), after) > 1e-2
 
     # An update older than what the worker holds is refused, and nothing changes.
-    stale = publish(load_hf(tiny_model_dir).state_dict(), version - 1, transport,
-                    run_id=RUN_ID, shm_dir=shm_dir)
+    stale = publisher(shm_dir).publish(load_hf(tiny_model_dir).state_dict(), version - 1,
+                                       transport)
     with pytest.raises(StaleWeightsError, match="refusing"):
         ray.get(worker.load_weights.remote(stale))
     assert ray.get(worker.version.remote()) == version
@@ -133,7 +147,7 @@ def test_sync_makes_engine_logprobs_equal_learner_logprobs(
 def test_shm_keeps_only_the_newest_versions(tiny_model_dir, shm_dir):
     state = load_hf(tiny_model_dir).state_dict()
     for v in (10, 11, 12):
-        publish(state, v, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+        publisher(shm_dir).publish(state, v, "shm")
     names = sorted(f.name for f in run_dir(RUN_ID, shm_dir).iterdir())
     assert names == ["v000000011.safetensors", "v000000012.safetensors"]
 
@@ -148,11 +162,11 @@ def test_without_lm_head_the_engine_silently_diverges(worker, problems, tiny_mod
     state = {k: t.contiguous() for k, t in learner.state_dict().items() if k != "lm_head.weight"}
     path = shm_dir / "no_lm_head.safetensors"
     save_file(state, str(path))
-    partial = WeightUpdate(v, "shm", path.stat().st_size, len(state), path=str(path))
+    partial = WeightUpdate(v, "shm", path.stat().st_size, path=str(path))
     assert ray.get(worker.load_weights.remote(partial)) == v
     assert max_logprob_error(learner, generate(worker, problems)) > 1e-2
 
-    full = publish(learner.state_dict(), v, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+    full = publisher(shm_dir).publish(learner.state_dict(), v, "shm")
     assert ray.get(worker.load_weights.remote(full)) == v  # same version: reloaded
     assert max_logprob_error(learner, generate(worker, problems)) < TOL
 
@@ -166,7 +180,7 @@ def _timed_load(worker, update):
 
 def test_sync_whose_file_never_appears_times_out(worker, problems, shm_dir):
     held = ray.get(worker.version.remote())
-    never = WeightUpdate(held + 1, "shm", 0, 0, path=str(shm_dir / "never.safetensors"))
+    never = WeightUpdate(held + 1, "shm", 0, path=str(shm_dir / "never.safetensors"))
     elapsed = _timed_load(worker, never)
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
     assert ray.get(worker.version.remote()) == held  # still usable, nothing changed
@@ -181,7 +195,7 @@ def test_sync_whose_object_never_arrives_times_out(worker, problems):
     ref = never_ready.remote()
     held = ray.get(worker.version.remote())
     try:
-        elapsed = _timed_load(worker, WeightUpdate(held + 1, "object_store", 0, 0, ref=ref))
+        elapsed = _timed_load(worker, WeightUpdate(held + 1, "object_store", 0, ref=ref))
     finally:
         ray.cancel(ref, force=True)
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
@@ -197,14 +211,14 @@ def test_reload_that_hangs_times_out_and_blocks_the_engine_until_a_good_load(
     held = ray.get(worker.version.remote())
     fifo = shm_dir / "hangs.safetensors"
     os.mkfifo(fifo)
-    elapsed = _timed_load(worker, WeightUpdate(held + 1, "shm", 0, 0, path=str(fifo)))
+    elapsed = _timed_load(worker, WeightUpdate(held + 1, "shm", 0, path=str(fifo)))
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
     with pytest.raises(RuntimeError, match="did not finish"):
         generate(worker, problems)
     # Unblock the stuck reader (open for writing, close: it reads EOF and fails).
     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     learner = perturbed(tiny_model_dir, seed=999)
-    good = publish(learner.state_dict(), held + 1, "shm", run_id=RUN_ID, shm_dir=shm_dir)
+    good = publisher(shm_dir).publish(learner.state_dict(), held + 1, "shm")
     deadline = time.monotonic() + 30
     while True:  # the failed reload thread finishes shortly after the unblock
         try:
@@ -278,17 +292,18 @@ def test_weight_publisher_is_what_the_learner_is_given(monkeypatch, tmp_path):
             return nccl.nccl_update_info(items)
 
     monkeypatch.setattr(nccl, "NcclWeightSender", FakeSender)
-    pub = pickle.loads(pickle.dumps(weight_sync.WeightPublisher()))
+    pub = pickle.loads(pickle.dumps(weight_sync.WeightPublisher(RUN_ID, SyncConfig(
+        shm_dir=str(tmp_path)))))
     state = {"a.weight": torch.zeros(2), "lm_head.weight": torch.ones(3)}
     with pytest.raises(RuntimeError, match="NcclTransport.connect"):
-        pub.publish(state, 1, "nccl", run_id=RUN_ID)
+        pub.publish(state, 1, "nccl")
     assert pub.open("nccl", 2, host="10.0.0.1", port=29555) == [{"rank_offset": 1},
                                                                 {"rank_offset": 2}]
     pub.connect("nccl")
-    update = pub.publish(state, 1, "nccl", run_id=RUN_ID)
+    update = pub.publish(state, 1, "nccl")
     assert update.transport == "nccl" and update.update_info["names"] == list(state)
     assert calls == [("init", "10.0.0.1", 29555, 2, 1), ("connect",), ("send", list(state))]
-    shm = pub.publish(state, 2, "shm", run_id=RUN_ID, shm_dir=tmp_path)
+    shm = pub.publish(state, 2, "shm")
     assert shm.transport == "shm" and shm.path.startswith(str(run_dir(RUN_ID, tmp_path)))
 
 
@@ -311,6 +326,8 @@ def test_nccl_sync_gpu(tiny_model_dir):
             self.model.load_state_dict(state)
             self.model.cuda()
             self.sender = NcclWeightSender("127.0.0.1", port, num_workers=1)
+            self.publisher = WeightPublisher("gpu-test", SyncConfig(transport="nccl"))
+            self.publisher.senders["nccl"] = self.sender
 
         def worker_init_info(self):
             return self.sender.worker_init_info(0)
@@ -319,8 +336,7 @@ def test_nccl_sync_gpu(tiny_model_dir):
             self.sender.connect()
 
         def publish(self, version):
-            return publish(self.model.state_dict(), version, "nccl", run_id="gpu-test",
-                           sender=self.sender)
+            return self.publisher.publish(self.model.state_dict(), version, "nccl")
 
         def wait(self):
             self.sender.wait(timeout=60)

@@ -4,7 +4,8 @@ transport of `registry.TRANSPORTS`, and that object does everything the transpor
 One sync, step by step:
 
 1. Learner rank 0 (a Ray actor) calls `WeightPublisher.publish(named_tensors, version,
-   transport, ...)` (learner/export.py, through the publisher cluster/ gave it) with the full
+   transport)` (learner/export.py, through the publisher cluster/ gave it, which builds each
+   transport with its own settings for the run: `WeightTransport.for_run`) with the full
    Hugging Face-named state dict (gathered under ZeRO-3), and gets a `WeightUpdate`, a small
    picklable record, back.
 2. The controller sends that record to every worker: `worker.load_weights.remote(update)`
@@ -25,8 +26,8 @@ The transports, one module each (`base.py` says what every transport answers):
 `lm_head.weight` must be in every update, also for models with tied embeddings: vLLM's
 layerwise reload keeps the *old* values of any layer whose weights were not sent (it only
 logs "Failed to load weights"), and its tied lm_head is a layer of its own, so leaving it out
-makes the engine's log-probs silently diverge from the learner's. `publish` refuses an
-update without it.
+makes the engine's log-probs silently diverge from the learner's. `WeightPublisher.publish`
+refuses an update without it.
 """
 from actors.weight_sync.base import (
     LM_HEAD,
@@ -35,10 +36,10 @@ from actors.weight_sync.base import (
     WeightUpdate,
     load_tensors,
 )
-from actors.weight_sync.publisher import WeightPublisher, fetch, publish
+from actors.weight_sync.publisher import WeightPublisher
 from actors.weight_sync.registry import TRANSPORTS, TransportName, describe, transport
 from actors.weight_sync.shm import remove_published, run_dir
 
 __all__ = ["LM_HEAD", "TRANSPORTS", "Placement", "TransportName", "WeightPublisher",
-           "WeightTransport", "WeightUpdate", "describe", "fetch", "load_tensors", "publish",
-           "remove_published", "run_dir", "transport"]
+           "WeightTransport", "WeightUpdate", "describe", "load_tensors", "remove_published",
+           "run_dir", "transport"]

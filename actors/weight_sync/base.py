@@ -51,7 +51,6 @@ class WeightUpdate:
     version: int                    # policy version (optimizer steps) of these weights
     transport: TransportName
     num_bytes: int                  # size of the tensors sent
-    num_tensors: int
     path: str | None = None
     ref: Any = None
     update_info: dict | None = None
@@ -96,7 +95,10 @@ class Fetched:
 class WeightTransport(abc.ABC):
     """One weight transport: its config rules, its learner end (set-up, publish), its
     controller's part (connect at start, after a worker restart, cleanup at the end) and its
-    worker end (engine options, fetch, reload). Instances hold no run state: the learner's
+    worker end (engine options, fetch, reload). The registry's instances hold no settings and
+    answer what the transport is; a run's ends use the instance `for_run` builds with the
+    transport's own settings (shm: its directory), so that nothing on the way to `publish` or
+    `cleanup` carries another transport's setting. Instances hold no run state: the learner's
     senders live in `WeightPublisher`, one per transport, and are passed in.
 
     The class attributes say what the transport is, for the code that must choose without
@@ -135,6 +137,12 @@ class WeightTransport(abc.ABC):
 
     # ------------------------------------------------------------------ config
 
+    def for_run(self, run_id: str, sync: Any) -> WeightTransport:
+        """This transport with its own settings for run `run_id`, read from `sync` (a
+        SyncConfig: its fields for this transport). The transports without settings are
+        their registry instance."""
+        return self
+
     def check(self, placement: Placement) -> None:
         """Refuse (ValueError, naming the transports that would work) a placement this
         transport cannot serve; the config calls it before anything starts."""
@@ -152,9 +160,9 @@ class WeightTransport(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def publish(self, items: Items, version: int, *, run_id: str, shm_dir: str | os.PathLike,
-                adapter: Mapping[str, Any] | None, sender: Any) -> WeightUpdate:
-        """Send `items` (checked by `actors.weight_sync.publish`) as policy `version`."""
+    def publish(self, items: Items, version: int, *, adapter: Mapping[str, Any] | None,
+                sender: Any) -> WeightUpdate:
+        """Send `items` (checked by `WeightPublisher.publish`) as policy `version`."""
 
     # ------------------------------------------------------------------ controller
 
@@ -169,8 +177,9 @@ class WeightTransport(abc.ABC):
     def after_restart(self, learner, worker, wait_all: WaitAll) -> None:
         """A replacement `worker` has started: ready it before its re-sync."""
 
-    def cleanup(self, run_id: str, shm_dir: str | os.PathLike) -> None:
-        """At the end of a run: remove what the transport left behind."""
+    def cleanup(self) -> None:
+        """At the end of a run (an instance `for_run` built): remove what the transport left
+        behind."""
 
     # ------------------------------------------------------------------ rollout worker
 
@@ -199,18 +208,18 @@ class SafetensorsTransport(WeightTransport):
     the learner may step the optimizer at once; a worker reloads them through klrl's worker
     extension (`klrl_reload_weights`), which also takes a LoRA adapter's files."""
 
-    def publish(self, items, version, *, run_id, shm_dir, adapter, sender) -> WeightUpdate:
+    def publish(self, items, version, *, adapter, sender) -> WeightUpdate:
         t0 = time.perf_counter()
         tensors = cpu_tensors(items)
         metadata = {"klrl_version": str(version)}
-        payload, num_bytes = self.store(tensors, metadata, version, run_id, shm_dir)
-        return WeightUpdate(version, self.name, num_bytes, len(tensors), **payload,
+        payload, num_bytes = self.store(tensors, metadata, version)
+        return WeightUpdate(version, self.name, num_bytes, **payload,
                             seconds={"serialise_write": time.perf_counter() - t0},
                             adapter=adapter)
 
     @abc.abstractmethod
-    def store(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], version: int,
-              run_id: str, shm_dir: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    def store(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+              version: int) -> tuple[dict[str, Any], int]:
         """Serialise `tensors` into the transport: `({payload field: value}, bytes sent)`."""
 
     def reload(self, llm, source) -> dict[str, float]:

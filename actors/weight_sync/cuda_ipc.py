@@ -151,12 +151,12 @@ class CudaIpcTransport(VllmEngineTransport):
     def first_sender(self) -> IpcWeightSender:
         return IpcWeightSender()  # holds the snapshots the workers read
 
-    def publish(self, items, version, *, run_id, shm_dir, adapter, sender) -> WeightUpdate:
+    def publish(self, items, version, *, adapter, sender) -> WeightUpdate:
         if sender is None:
             raise ValueError("transport 'cuda_ipc' needs sender (an IpcWeightSender)")
         t0 = time.perf_counter()
         info = sender.send(items, version)
-        return WeightUpdate(version, self.name, nbytes(items), len(items), update_info=info,
+        return WeightUpdate(version, self.name, nbytes(items), update_info=info,
                             seconds={"snapshot": time.perf_counter() - t0})
 
     def connect(self, learner, workers, wait_all) -> None:

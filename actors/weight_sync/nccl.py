@@ -133,11 +133,11 @@ class NcclTransport(VllmEngineTransport):
                            "NcclTransport.connect(learner, workers, ...), which the "
                            "controller's start-up calls")
 
-    def publish(self, items, version, *, run_id, shm_dir, adapter, sender) -> WeightUpdate:
+    def publish(self, items, version, *, adapter, sender) -> WeightUpdate:
         if sender is None:
             raise ValueError("transport 'nccl' needs sender (an NcclWeightSender)")
         info = sender.send_async(items)
-        return WeightUpdate(version, self.name, nbytes(items), len(items), update_info=info)
+        return WeightUpdate(version, self.name, nbytes(items), update_info=info)
 
     def connect(self, learner, workers, wait_all) -> None:
         """Join learner rank 0 and every worker in the group, after refusing a GPU shared

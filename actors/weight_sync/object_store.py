@@ -18,7 +18,7 @@ class ObjectStoreTransport(SafetensorsTransport):
     summary = "the safetensors bytes in Ray's object store (any nodes, CPU or GPU)"
     payload_field = "ref"
 
-    def store(self, tensors, metadata, version, run_id, shm_dir):
+    def store(self, tensors, metadata, version):
         import ray
         from safetensors.torch import save
 

@@ -1,6 +1,7 @@
-"""The shm transport: a safetensors file in `shm_dir/klrl-<run_id>/` (SyncConfig.shm_dir, a
-tmpfs), written atomically (temporary file + rename, so a reader never sees half a file); the
-path travels in the record. Learner and workers must share the node (and the tmpfs).
+"""The shm transport: a safetensors file in `shm_dir/klrl-<run_id>/` (its own settings,
+`ShmSettings`: SyncConfig.shm_dir, a tmpfs, and the run), written atomically (temporary file +
+rename, so a reader never sees half a file); the path travels in the record. Learner and
+workers must share the node (and the tmpfs).
 
 The two newest versions are kept, older ones deleted: the version being published and the one
 before, which workers may still be loading. That suffices because the controller finishes every
@@ -13,7 +14,9 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from actors.weight_sync.base import Fetched, SafetensorsTransport
 
@@ -21,17 +24,38 @@ KEEP_VERSIONS = 2  # files kept per run (the one being published and the one bef
 _FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
 
 
+@dataclass(frozen=True)
+class ShmSettings:
+    """The shm transport's own settings: the tmpfs directory (SyncConfig.shm_dir) and the run
+    whose files it holds there."""
+
+    shm_dir: str
+    run_id: str
+
+    @property
+    def directory(self) -> Path:
+        return run_dir(self.run_id, self.shm_dir)
+
+
 class ShmTransport(SafetensorsTransport):
     """Owns the run's shm directory: writes each version's file, keeps the newest two, waits
-    for a file on the worker's side, and removes the directory at the end of the run."""
+    for a file on the worker's side, and removes the directory at the end of the run.
+    settings: where (`for_run` builds them; the registry's instance has none and can only
+    answer what the transport is, and fetch, which reads the path in the record)."""
 
     name = "shm"
     summary = "a safetensors file in shm_dir (learner and workers on one node)"
     payload_field = "path"
     writes_shm_dir = True
 
-    def store(self, tensors, metadata, version, run_id, shm_dir):
-        path = _write(tensors, metadata, version, run_dir(run_id, shm_dir))
+    def __init__(self, settings: ShmSettings | None = None):
+        self.settings = settings
+
+    def for_run(self, run_id: str, sync: Any) -> ShmTransport:
+        return ShmTransport(ShmSettings(str(sync.shm_dir), run_id))
+
+    def store(self, tensors, metadata, version):
+        path = _write(tensors, metadata, version, self._settings().directory)
         return {"path": str(path)}, path.stat().st_size
 
     def fetch(self, update, deadline) -> Fetched:
@@ -46,8 +70,15 @@ class ShmTransport(SafetensorsTransport):
             time.sleep(0.05)
         return Fetched(str(path), {"fetch": time.perf_counter() - t0})
 
-    def cleanup(self, run_id, shm_dir) -> None:
-        remove_published(run_id, shm_dir)
+    def cleanup(self) -> None:
+        settings = self._settings()
+        remove_published(settings.run_id, settings.shm_dir)
+
+    def _settings(self) -> ShmSettings:
+        if self.settings is None:
+            raise RuntimeError("the shm transport writes where its settings say: use "
+                               "transport('shm').for_run(run_id, sync_cfg)")
+        return self.settings
 
 
 def run_dir(run_id: str, shm_dir: str | os.PathLike = "/dev/shm") -> Path:

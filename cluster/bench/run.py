@@ -345,9 +345,8 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
             # Each sync follows an optimizer step: on one prompt's samples, which costs
             # little and moves the version as any step does (cluster/bench/sync.py).
             one_group = _train_batch(cfg, rollouts[:cfg.rollout.samples_per_prompt])
-            result.syncs = measure_sync(group, worker, w.name, cfg.sync.shm_dir, plan.sync_reps,
-                                        bound, lambda: group.train_step(one_group),
-                                        plan.transports)
+            result.syncs = measure_sync(group, worker, w.name, plan.sync_reps, bound,
+                                        lambda: group.train_step(one_group), plan.transports)
         if result.learner is None:  # no step on the whole batch so far: its memory
             group.train_step(_train_batch(cfg, rollouts))
         result.memory = group.memory()[0]
@@ -358,7 +357,7 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
             if group is not None:
                 group.shutdown()
             for name in dict.fromkeys((cfg.sync.transport, *plan.transports)):
-                transport(name).cleanup(run_id, cfg.sync.shm_dir)  # shm: its files in RAM
+                transport(name).for_run(run_id, cfg.sync).cleanup()  # shm: its files in RAM
 
 
 def _problems(cfg) -> list:

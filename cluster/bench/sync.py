@@ -74,7 +74,7 @@ def memcpy_bytes_per_s(num_bytes: int = 256 * 2**20, reps: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-def measure_sync(group, worker, model: str, shm_dir: str, reps: int,
+def measure_sync(group, worker, model: str, reps: int,
                  bound_seconds: Callable[[int], float], step: Callable[[], Any],
                  transports: tuple[str, ...] = CPU_TRANSPORTS) -> list[SyncLatency]:
     """Sync latency of the learner `group` to the rollout `worker` for each transport
@@ -94,7 +94,7 @@ def measure_sync(group, worker, model: str, shm_dir: str, reps: int,
                 raise RuntimeError(f"{model}: the optimizer step before {name} sync {r} was "
                                    f"refused (the learner still holds version {before})")
             t0 = time.perf_counter()
-            update = group.export_weights(name, shm_dir)
+            update = group.export_weights(name)
             t1 = time.perf_counter()
             held = ray.get(worker.load_weights.remote(update))
             t2 = time.perf_counter()

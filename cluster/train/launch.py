@@ -61,7 +61,7 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | N
 
     optimizer_steps = (steps or cfg.total_steps) * cfg.learner.updates_per_batch
     return LearnerGroup(learner_model_files(cfg, model_dir), cfg.rank_learner, cfg.kl,
-                        cfg.advantage, seed=cfg.seed, run_id=run_id, publisher=WeightPublisher(),
+                        cfg.advantage, seed=cfg.seed, publisher=WeightPublisher(run_id, cfg.sync),
                         total_optimizer_steps=optimizer_steps,
                         resources=cfg.ray.learner_resources, wait=wait,
                         collective_timeout_s=cfg.faults.learner_timeout_s)

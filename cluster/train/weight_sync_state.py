@@ -6,9 +6,10 @@ Sync deadlines: a weight load is queued behind the generate calls already sent t
 so it cannot start before the newest of them has finished. Each load therefore gets its own
 `sync.timeout_s`, counted from the moment that batch was generated (`PendingSync.ready_since`),
 never from when the load was queued (at max_lag k it waits behind up to k generate calls).
-With `rollout.in_flight_updates` the generate calls run in a concurrency group of their own and
-a load is applied between two engine steps while they run: the controller queues it behind
-nothing, and its `sync.timeout_s` counts from the publish.
+With continuous generation (`rollout.in_flight_updates`, actors/generation/) the generate calls
+run in a concurrency group of their own and a load is applied between two engine steps while
+they run: the generation mode queues it behind nothing (`loads_queue_behind`), and its
+`sync.timeout_s` counts from the publish.
 
 Invariant (enforced in `WeightSyncState.publish`): before version v is published, every load
 of a version below v - 1 has finished, so at most one version's loads are in flight per worker
@@ -51,8 +52,8 @@ class WeightSyncState:
     learner (a LearnerGroup) and the worker pool are given at `connect`."""
 
     def __init__(self, cfg: SyncConfig, run_id: str):
-        self.cfg, self.run_id = cfg, run_id
-        self.transport = transport(cfg.transport)
+        self.cfg = cfg
+        self.transport = transport(cfg.transport).for_run(run_id, cfg)  # with its settings
         self.published_version = 0   # version of the weights the workers were last sent
         self.loads: list[PendingSync] = []  # weight loads not yet confirmed
         self.learner = self.pool = None
@@ -81,7 +82,7 @@ class WeightSyncState:
         # can wait behind the generate calls sent before them.
         self.check(settle_through=self.published_version - 1)
         self.published_version = version
-        update = self.learner.export_weights(self.cfg.transport, self.cfg.shm_dir)
+        update = self.learner.export_weights(self.cfg.transport)
         after = in_flight[-1] if in_flight else None
         self.loads += [PendingSync(self.pool.call(i, "load_weights", update), after,
                                    None if after else time.monotonic())
@@ -126,7 +127,7 @@ class WeightSyncState:
         self.transport.after_restart(self.learner, worker, get_all)
         step = self.learner.version
         if step > 0:
-            update = self.learner.export_weights(self.cfg.transport, self.cfg.shm_dir)
+            update = self.learner.export_weights(self.cfg.transport)
             ray.get(worker.load_weights.remote(update), timeout=self.cfg.timeout_s)
         version = ray.get(worker.version.remote(), timeout=self.cfg.timeout_s)
         if version != step:
@@ -134,7 +135,7 @@ class WeightSyncState:
 
     def cleanup(self) -> None:
         """Remove what the transport left behind (shm: the run's files; /dev/shm is RAM)."""
-        self.transport.cleanup(self.run_id, self.cfg.shm_dir)
+        self.transport.cleanup()
 
     def _on_late_load(self, sync: PendingSync, timeout: float) -> None:
         """A load past its sync.timeout_s: a worker that no longer answers (frozen, as a hang
