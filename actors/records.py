@@ -24,7 +24,7 @@ class Rollout:
     when temperature/top-k/top-p change it); they are the denominator of every importance
     ratio. `policy_version` is the number of optimizer steps in the weights that generated it.
 
-    With in-flight weight updates (`RolloutConfig.in_flight_updates`) one response may be
+    With in-flight weight updates (continuous generation, actors/generation/) one response may be
     sampled by several versions: `token_versions[t]` is the policy version of the engine step
     that sampled response token t, and `behaviour_logprobs[t]` that step's log-prob of it.
     Invariant (checked) when given: one per response token, non-decreasing (weights only move
@@ -63,12 +63,6 @@ class Rollout:
             if versions and versions[0] != self.policy_version:
                 raise ValueError(f"rollout {uid}: policy_version ({self.policy_version}) must be "
                                  f"the oldest token's version ({versions[0]})")
-
-    @property
-    def newest_version(self) -> int:
-        """The policy version of the response's newest token (policy_version when one version
-        sampled it all, or it has no tokens)."""
-        return self.token_versions[-1] if self.token_versions else self.policy_version
 
     @property
     def num_versions(self) -> int:

@@ -24,8 +24,7 @@ class TrainBatch:
     bool; behaviour_logp [B, L] float32 (sampler log-prob of each response token, 0 elsewhere);
     rewards [B] float32 (task rewards); advantages [B] float32 (task advantages, computed over
     the whole global batch by the controller); group_ids [B] long (samples of one prompt share
-    it); policy_versions [B] long (version of the weights that sampled each sequence, the
-    oldest where several did); token_lags [B, L] long or None (how many versions each response
+    it); token_lags [B, L] long or None (how many versions each response
     token's sampler lags the weights this batch trains, 0 elsewhere; None where nobody said:
     the tokens sampled by the learner's own weights, `is/abs_log_ratio_fresh_token_mean`, are
     then not told apart).
@@ -38,7 +37,6 @@ class TrainBatch:
     rewards: torch.Tensor
     advantages: torch.Tensor
     group_ids: torch.Tensor
-    policy_versions: torch.Tensor
     token_lags: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -48,7 +46,7 @@ class TrainBatch:
                 continue
             if (shape := tuple(getattr(self, f).shape)) != (B, L):
                 raise ValueError(f"TrainBatch.{f} shape {shape} != {(B, L)}")
-        for f in ("rewards", "advantages", "group_ids", "policy_versions"):
+        for f in ("rewards", "advantages", "group_ids"):
             if (shape := tuple(getattr(self, f).shape)) != (B,):
                 raise ValueError(f"TrainBatch.{f} shape {shape} != {(B,)}")
         if self.response_mask.dtype != torch.bool:

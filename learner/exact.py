@@ -100,7 +100,6 @@ def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor,
         rewards=reward.to(torch.float64)[rows],
         advantages=torch.zeros(B, dtype=torch.float64),
         group_ids=torch.arange(seqs.shape[0]).repeat_interleave(n),
-        policy_versions=torch.zeros(B, dtype=torch.long),
     )
     return Groups(toy, n, seqs, weight, rows, batch, branch)
 

@@ -34,7 +34,6 @@ def _batch(seed=0, groups=(3, 3), prompt=2, max_resp=5, dtype=torch.float64, adv
         rewards=torch.rand(b, generator=g, dtype=dtype),
         advantages=(torch.randn(b, generator=g, dtype=dtype) if adv is None else adv),
         group_ids=group_ids,
-        policy_versions=torch.zeros(b, dtype=torch.long),
     )
     logp = -torch.rand(b, L, generator=g, dtype=dtype) * 2
     ref = -torch.rand(b, L, generator=g, dtype=dtype) * 2

@@ -151,7 +151,7 @@ def _batch(lengths=((2, 4), (3, 2), (2, 5), (4, 3)), vocab=7, seed=0):
         input_ids=ids, attention_mask=att, response_mask=resp,
         behaviour_logp=torch.where(resp, -torch.rand(B, L, generator=g), 0.0).float(),
         rewards=torch.rand(B, generator=g), advantages=torch.randn(B, generator=g),
-        group_ids=torch.tensor([0, 0, 1, 1]), policy_versions=torch.zeros(B, dtype=torch.long))
+        group_ids=torch.tensor([0, 0, 1, 1]))
     return batch, logits.requires_grad_(True)
 
 

@@ -68,7 +68,6 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         advantages=adv,
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
-        policy_versions=torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
         token_lags=token_lags,
     )
 
