@@ -19,6 +19,13 @@ Splits, mirroring the paper's in/out-of-domain evaluation:
   replacement; disjoint from the others by construction. The far split: the embedded model
   solves almost none of it before or after training (the tiny config's
   `eval.far_out_of_domain`).
+- "retained": the multiplication facts "a*b=" with a in [0, 99] and b in [2, 9] (800 problems),
+  drawn without replacement. A second capability that the task never rewards: no other split
+  has a "*", and RL trains on "train" alone. The embedded model built with
+  `model.embedded: arith-retain` is taught these facts beside addition and subtraction, so an
+  evaluation on this split measures what RL makes it forget, the way the paper's MMLU sets
+  measure knowledge a math-RL run never rewards (docs/tasks.md). The default model was never
+  taught them (it scores about 0 here).
 """
 from __future__ import annotations
 
@@ -29,21 +36,23 @@ import re
 from rewards.records import Problem, Task
 
 OPERATORS = ("+", "-")
+RETAINED_OPERATOR = "*"  # the retained split's operation: never in a rewarded split
+RETAINED_MULTIPLIERS = range(2, 10)  # b in a*b: 0 and 1 would be facts no model can forget
 IN_DOMAIN_RANGE = (0, 99)
 OUT_OF_DOMAIN_RANGE = (100, 999)
 HELD_OUT_SIZE = 2000  # 10% of the 20,000 two-digit problems
 DEFAULT_SIZES = {"train": 10_000, "in_domain": HELD_OUT_SIZE, "zero_padded": 1000,
-                 "out_of_domain": 1000}
+                 "out_of_domain": 1000, "retained": 500}
 
 _INTEGER = re.compile(r"[+-]?[0-9]{1,40}")  # ASCII digits only; long enough for any answer here
 
 
 def make_problem(a: int, op: str, b: int, split: str = "train", width: int = 1) -> Problem:
-    """The arithmetic problem "a op b =" (op is "+" or "-"), each operand zero-padded to
-    `width` digits (1: as is)."""
-    if op not in OPERATORS:
-        raise ValueError(f"op must be one of {OPERATORS}, got {op!r}")
-    result = a + b if op == "+" else a - b
+    """The arithmetic problem "a op b =" (op is "+", "-" or the retained split's "*"), each
+    operand zero-padded to `width` digits (1: as is)."""
+    if op not in (*OPERATORS, RETAINED_OPERATOR):
+        raise ValueError(f"op must be one of {(*OPERATORS, RETAINED_OPERATOR)}, got {op!r}")
+    result = a + b if op == "+" else a - b if op == "-" else a * b
     text = f"{a:0{width}d}{op}{b:0{width}d}"
     return Problem(
         uid=f"arithmetic/{split}/{text}",
@@ -84,16 +93,25 @@ def _single_digit_operand_problems() -> list[tuple[int, str, int]]:
             if min(a, b) < 10]
 
 
+@functools.lru_cache(maxsize=1)
+def retained_facts() -> list[tuple[int, str, int]]:
+    """Every (a, "*", b) of the retained split, in a fixed order: the facts the arith-retain
+    model is taught (cluster/tiny/warm_start.py) and the split's evaluation draws from."""
+    lo, hi = IN_DOMAIN_RANGE
+    return [(a, RETAINED_OPERATOR, b) for a in range(lo, hi + 1) for b in RETAINED_MULTIPLIERS]
+
+
 class ArithmeticTask(Task):
     """Two-digit addition/subtraction (train, in_domain), the same with zero-padded
-    single-digit operands (zero_padded) and three-digit (out_of_domain).
+    single-digit operands (zero_padded), three-digit (out_of_domain), and multiplication facts
+    no rewarded split contains (retained).
 
     No options. `problems(split, n=None)` gives DEFAULT_SIZES[split] problems; the evaluation
     splits refuse an `n` larger than the split holds.
     """
 
     name = "arithmetic"
-    splits = ("train", "in_domain", "zero_padded", "out_of_domain")
+    splits = ("train", "in_domain", "zero_padded", "out_of_domain", "retained")
     scorer = staticmethod(score_arithmetic)
     max_new_tokens = 8  # the longest answer, "-899", is 4 characters; leave room for EOS
 
@@ -110,6 +128,10 @@ class ArithmeticTask(Task):
             pool = _single_digit_operand_problems()
             _check_size(split, n, len(pool))
             return [make_problem(*t, split=split, width=2) for t in rng.sample(pool, n)]
+        if split == "retained":
+            pool = retained_facts()
+            _check_size(split, n, len(pool))
+            return [make_problem(*t, split=split) for t in rng.sample(pool, n)]
         lo, hi = OUT_OF_DOMAIN_RANGE
         width = hi - lo + 1
         total = width * width * len(OPERATORS)

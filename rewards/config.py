@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -166,7 +166,9 @@ class EvalSet(_Strict):
 
 # The evaluation sets a run can have, in the order they are evaluated, logged and reported
 # (eval/<name>/accuracy): one home for the names, which EvalConfig's fields must match.
-EVAL_SETS = ("in_domain", "out_of_domain", "far_out_of_domain")
+# The evaluation sets a run can name (EvalConfig's fields, in this order).
+EvalSetName = Literal["in_domain", "out_of_domain", "far_out_of_domain", "retained"]
+EVAL_SETS: tuple[str, ...] = get_args(EvalSetName)
 
 
 class EvalConfig(_Strict):
@@ -185,6 +187,11 @@ class EvalConfig(_Strict):
         None, description="A second, further out-of-domain set (eval/far_out_of_domain/"
         "accuracy), e.g. one the model cannot solve before or after training, kept beside a "
         "nearer out_of_domain set where a generalisation gap can show; null: none.")
+    retained: EvalSet | None = Field(
+        None, description="A capability the model had before training that the task never "
+        "rewards (eval/retained/accuracy): what RL makes the model forget, as the paper's MMLU "
+        "sets measure it after math RL, e.g. {split: retained} with `model.embedded: "
+        "arith-retain` (docs/model.md); null: none.")
     num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
     samples: int = Field(4, ge=0, le=1024, description="Samples per problem (at `temperature`) for "
                          "eval/<set>/sampled_accuracy (the quantity RL optimises); 0: greedy only.")

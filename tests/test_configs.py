@@ -159,6 +159,9 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
          "eval.out_of_domain.split: .*or none \\(eval.out_of_domain=null\\)"),
         (["eval.out_of_domain.task=mmlu", "eval.out_of_domain.options.subject=[x]"],
          "eval.out_of_domain.options: .*did you mean 'subjects'"),
+        (["model.path=/tmp", "model.embedded=arith-retain"], "model.embedded names"),
+        (["model.embedded=arith-forget"], "model.embedded"),
+        (["eval.retained={split: retaind}"], "eval.retained.split: .*no split 'retaind'"),
     ]
     for overrides, field in cases:
         with pytest.raises(ConfigError, match=field):

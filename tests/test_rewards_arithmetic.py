@@ -20,7 +20,8 @@ def test_prompt_and_answer_format():
     assert p.metadata == {"a": 37, "op": "-", "b": 54}
     assert make_problem(0, "+", 0).answer == "0"
     with pytest.raises(ValueError):
-        make_problem(1, "*", 2)
+        make_problem(1, "/", 2)
+    assert make_problem(12, "*", 3, split="retained").answer == "36"  # the retained split's op
 
 
 @pytest.mark.parametrize("split,lo,hi", [
@@ -97,3 +98,19 @@ def test_scorer_on_pathological_text_is_fast():
     assert score_arithmetic("3\n" + "x" * 5_000_000, p) == 1.0
     assert score_arithmetic("9**9**9", p) == 0.0
     assert time.perf_counter() - start < 1.0
+
+
+def test_retained_split_holds_facts_no_rewarded_split_has():
+    """The retained split: every a*b fact (a two-digit or less, b in 2-9), a product the scorer
+    accepts, and an operator that no train or other evaluation prompt contains, so RL on this
+    task never rewards it (what the arith-retain model is taught and may forget)."""
+    facts = TASK.problems("retained", 800)  # all of them
+    assert len({p.prompt for p in facts}) == 800
+    with pytest.raises(ValueError, match="holds 800"):
+        TASK.problems("retained", 801)
+    for p in facts:
+        a, b = p.prompt[:-1].split("*")
+        assert 0 <= int(a) <= 99 and 2 <= int(b) <= 9
+        assert p.answer == str(int(a) * int(b)) and score_arithmetic(p.answer, p) == 1.0
+    for split in ("train", "in_domain", "zero_padded", "out_of_domain"):
+        assert not any("*" in p.prompt for p in TASK.problems(split, 1000)), split

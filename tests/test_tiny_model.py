@@ -145,7 +145,7 @@ def test_warm_start_check_is_greedy_pass_at_1():
     when greedy generation writes the answer: true for answers set to the model's own greedy
     outputs, false when one character is added, and equal to greedy_accuracy on real problems."""
     model, tok = tiny_model._new_model(0)
-    task = tiny_model._arithmetic_task()
+    task = tiny_model.arithmetic_task()
     done = tiny_model.warm_start(model, tok, seed=0, target=None, max_steps=60, progress=False)
     assert done.steps == 60 and done.reached_target
     problems = task.problems("in_domain", 64, 0)
@@ -160,10 +160,10 @@ def test_warm_start_check_is_greedy_pass_at_1():
             own.append(p.model_copy(update={"answer": answer}))
     assert len(own) >= 16, "the 60-step model should end most completions"
     check = tiny_model.exact_greedy_accuracy
-    assert check(model, tok, tiny_model._encode_examples(tok, own)) == 1.0
+    assert check(model, tok, tiny_model.encode_examples(tok, own)) == 1.0
     longer = [p.model_copy(update={"answer": p.answer + "1"}) for p in own]
-    assert check(model, tok, tiny_model._encode_examples(tok, longer)) == 0.0
-    assert check(model, tok, tiny_model._encode_examples(tok, problems)) == pytest.approx(
+    assert check(model, tok, tiny_model.encode_examples(tok, longer)) == 0.0
+    assert check(model, tok, tiny_model.encode_examples(tok, problems)) == pytest.approx(
         tiny_model.greedy_accuracy(model, tok, task, problems))
 
 
@@ -175,3 +175,34 @@ def test_warm_start_stops_at_the_first_check_that_reaches_the_target():
     done = tiny_model.warm_start(model, tok, seed=0, target=0.99,
                                  max_steps=2 * tiny_model.CHECK_EVERY, progress=False)
     assert done.steps == 2 * tiny_model.CHECK_EVERY and not done.reached_target
+
+
+def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_targets():
+    """arith-retain fills a quarter of each batch with retained facts and stops only where
+    the in-domain check and the retained facts' check both pass (checked every step); the
+    default recipe teaches none and its batches stay the default's (its cache name too)."""
+    from typing import get_args
+
+    from cluster.config.train_config import EmbeddedModel
+
+    assert set(tiny_model.RECIPES) == set(get_args(EmbeddedModel))  # one recipe per name
+    retain = tiny_model.RECIPES["arith-retain"]
+    assert retain.retained_share > 0 and retain.check_every == 1
+    assert tiny_model.default_model_name(0, recipe="arith-retain") == "tiny-arith-retain-v1-seed0"
+    easy = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0, check_every=1)
+    hard = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.99, check_every=1)
+    model, tok = tiny_model._new_model(0)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=4, progress=False,
+                                 recipe=easy)
+    assert done.steps == 1 and done.reached_target and done.retained_accuracy is not None
+    model, tok = tiny_model._new_model(0)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=3, progress=False,
+                                 recipe=hard)
+    assert done.steps == 3 and not done.reached_target  # in-domain passes, retained does not
+    plain, _ = tiny_model._new_model(0)
+    tiny_model.warm_start(plain, tok, seed=0, target=None, max_steps=2, progress=False)
+    mixed, _ = tiny_model._new_model(0)
+    tiny_model.warm_start(mixed, tok, seed=0, target=None, max_steps=2, progress=False,
+                          recipe=easy)
+    assert not torch.equal(plain.lm_head.weight, mixed.lm_head.weight)  # other batches
+    assert tiny_model.WarmStart(2, 0.0, True).retained_accuracy is None

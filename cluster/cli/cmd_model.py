@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from cluster.tiny.model import TARGET_ACCURACY, init_default_model, read_metadata
+from cluster.tiny.model import RECIPES, TARGET_ACCURACY, init_default_model, read_metadata
 
 
 def register(subparsers) -> None:
@@ -24,6 +24,10 @@ def register(subparsers) -> None:
                    help="greedy validation accuracy at which the warm start stops (default "
                    f"{TARGET_ACCURACY}; another target is cached under its own name)")
     p.add_argument("--force", action="store_true", help="rebuild even if the model exists")
+    p.add_argument("--embedded", choices=sorted(RECIPES), default="arith",
+                   help="which embedded model, as model.embedded: arith (default) or "
+                   "arith-retain, also taught the multiplication facts of the arithmetic "
+                   "task's retained split (docs/model.md)")
     p.set_defaults(func=_init_model)
 
     p = subparsers.add_parser(
@@ -119,9 +123,10 @@ def _init_model(args: argparse.Namespace) -> int:
 
     console = Console()
     target = TARGET_ACCURACY if args.target is None else args.target
-    path = init_default_model(args.out, seed=args.seed, force=args.force, target=target)
+    path = init_default_model(args.out, seed=args.seed, force=args.force, target=target,
+                              recipe=args.embedded)
     meta = read_metadata(path)
-    console.print(f"[bold]default model:[/bold] {path}")
+    console.print(f"[bold]embedded model {args.embedded}:[/bold] {path}")
     _print_metadata(console, path, meta)
     return 0
 
@@ -142,6 +147,10 @@ def _print_metadata(console, path, meta: dict) -> None:
         + ("" if meta.get("reached_target", True) else ", NOT reached: step bound") + ")")
     table.add_row("warm-start",
                   f"{meta.get('sft_steps')} SFT steps x {meta.get('sft_batch_size')}, " + goal)
+    if "retained_accuracy" in meta:
+        table.add_row("retained facts", f"{100 * meta['retained_share']:.0f}% of each batch; "
+                      f"stopped at {100 * meta['retained_accuracy']:.1f}% greedy (target "
+                      f"{100 * meta['retained_target']:.0f}%)")
     for split, acc in meta.get("greedy_accuracy_hf", {}).items():
         table.add_row(f"greedy {split}", f"{100 * acc:.1f}% (HF, "
                       f"{meta.get('eval_problems_per_split')} problems)")

@@ -29,13 +29,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The embedded tiny models a null model.path can mean; cluster/tiny/model.py's RECIPES holds one
+# recipe per name (tests/test_tiny_model.py checks the two agree).
+EmbeddedModel = Literal["arith", "arith-retain"]
+
+
 class ModelConfig(_Strict):
     """The policy model, the reference the KL penalty pulls toward, and how both are loaded
     (by the learner ranks with transformers and by the rollout engines with vLLM)."""
 
     path: str | None = Field(None, min_length=1, description="Hugging Face model directory (or hub "
-                             "name on a cluster). null: the embedded tiny arithmetic model, built "
-                             "once by `klrl init-model` and cached.")
+                             "name on a cluster). null: the embedded tiny arithmetic model named "
+                             "by `embedded`, built once by `klrl init-model` and cached.")
+    embedded: EmbeddedModel = Field("arith", description="Which embedded tiny model a null `path` "
+                                    "means: `arith` (the default, taught the task's addition "
+                                    "and subtraction) or `arith-retain` (also taught the "
+                                    "multiplication facts of the arithmetic task's `retained` "
+                                    "split, which no rewarded split holds, so that `eval.retained` "
+                                    "measures forgetting; docs/model.md). Refused beside a `path`.")
     ref_path: str | None = Field(None, min_length=1, description="Reference model of the KL "
                                  "penalty, when it is not the initial policy (e.g. an SFT model "
                                  "while the policy starts from another checkpoint): a Hugging "
@@ -49,6 +60,13 @@ class ModelConfig(_Strict):
                                     "model's own Python code (models whose architecture is not "
                                     "in transformers). Off by default: that code runs on every "
                                     "node.")
+
+    @model_validator(mode="after")
+    def _embedded_only_without_path(self) -> "ModelConfig":
+        if self.path is not None and "embedded" in self.model_fields_set:
+            raise ValueError("model.embedded names an embedded model, which model.path replaces: "
+                             "set one of them")
+        return self
 
 
 class DataConfig(_Strict):

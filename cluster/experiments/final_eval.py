@@ -21,8 +21,9 @@ from pathlib import Path
 
 from cluster.experiments.runs import FINAL_EVAL_FILE
 from cluster.train.run_log import config_path, final_dir, is_finished
+from rewards.config import EVAL_SETS
 
-OPTIONAL_SETS = ("out_of_domain", "far_out_of_domain")  # EvalConfig's sets besides in_domain
+OPTIONAL_SETS = tuple(s for s in EVAL_SETS if s != "in_domain")  # every set but in_domain
 
 
 def needs_evaluation(run_dir: Path, problems: int, seed: int, sets: Sequence[str]) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 # How reports name each evaluation set (rewards.config.EVAL_SETS).
 SET_LABELS = {"in_domain": "in-domain", "out_of_domain": "out-of-domain",
-              "far_out_of_domain": "far out-of-domain"}
+              "far_out_of_domain": "far out-of-domain", "retained": "retained"}
 
 # Config keys that differ between runs without making them different configurations.
 NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.")

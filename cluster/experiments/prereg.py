@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.runs import InstabilityRule
+from rewards.config import EvalSetName
 
 CLAIMS = ("k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
           "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs")
@@ -38,7 +39,7 @@ class FailureRule(_Strict):
     on `sets` (the last evaluation counts when `collapse_min_evals` is 1), a KL blow-up
     (drift), or a non-finite step."""
 
-    sets: list[Literal["in_domain", "out_of_domain", "far_out_of_domain"]] = Field(
+    sets: list[EvalSetName] = Field(
         default_factory=lambda: ["in_domain"], min_length=1, description="Evaluation sets "
         "whose greedy accuracy's collapse breaks a run (in-domain: the trained skill, far above "
         "the collapse level in a stable run).")
@@ -85,7 +86,7 @@ class Rules(_Strict):
     final_eval_seed: int = Field(1, ge=0, le=2**31 - 1, description="Fixes those problems: "
                                  "the same in every run, so configurations are compared on "
                                  "the same problems.")
-    final_sets: list[Literal["in_domain", "out_of_domain", "far_out_of_domain"]] = Field(
+    final_sets: list[EvalSetName] = Field(
         default_factory=lambda: ["in_domain", "out_of_domain"], min_length=1,
         description="The evaluation sets of the final checkpoint's evaluation (those the "
         "claims compare; a set the runs do not evaluate is left out).")

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.tiny.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
+from cluster.tiny.sft import (arithmetic_task, collate, encode_examples, exact_greedy_accuracy,
+                              greedy_accuracy)
 from learner.files import give_normal_modes
 
 # Architecture of the default model; `build_random_model(**size)` overrides any of these.
@@ -64,18 +66,49 @@ EVAL_PROBLEMS = 500  # problems per split for the accuracy figures stored with t
 METADATA_FILE = "klrl_model.json"
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """One embedded model's warm start. `arith` (the default) learns the task's addition and
+    subtraction alone. `arith-retain` also learns the multiplication facts of the arithmetic
+    task's `retained` split, which no rewarded split contains, so that an evaluation there
+    measures what RL makes the model forget (docs/model.md). Its stop rule asks both
+    accuracies and checks after every step: the teacher-forced check costs one forward pass,
+    and checking every step bounds the overshoot past the targets by one step's progress
+    instead of ten (the default's CHECK_EVERY is kept so that its cached builds stay valid)."""
+
+    name: str
+    version: int                   # bump when anything changes what this recipe builds
+    retained_share: float = 0.0    # share of each SFT batch drawn from the retained facts
+    retained_target: float | None = None  # greedy accuracy on them the stop rule also asks
+    check_every: int = CHECK_EVERY
+
+    def model_name(self, seed: int) -> str:
+        return f"tiny-{self.name}-v{self.version}-seed{seed}"
+
+
+# The embedded models by `model.embedded` name (cluster/config/train_config.py's EmbeddedModel
+# lists the same names: cluster/config may not import this package, so a test checks them).
+RECIPES: dict[str, Recipe] = {
+    "arith": Recipe("arith", RECIPE_VERSION),
+    "arith-retain": Recipe("arith-retain", 1, retained_share=0.25, retained_target=0.6,
+                           check_every=1),
+}
+
+
 def klrl_home() -> Path:
     """Root of klrl's caches: `$KLRL_HOME`, default `~/.cache/klrl`."""
     return Path(os.environ.get("KLRL_HOME") or Path.home() / ".cache" / "klrl")
 
 
-def default_model_name(seed: int = 0, target: float = TARGET_ACCURACY) -> str:
-    name = f"tiny-arith-v{RECIPE_VERSION}-seed{seed}"
+def default_model_name(seed: int = 0, target: float = TARGET_ACCURACY,
+                       recipe: str = "arith") -> str:
+    name = RECIPES[recipe].model_name(seed)
     return name if target == TARGET_ACCURACY else f"{name}-target{round(100 * target)}"
 
 
-def default_model_dir(seed: int = 0, target: float = TARGET_ACCURACY) -> Path:
-    return klrl_home() / "models" / default_model_name(seed, target)
+def default_model_dir(seed: int = 0, target: float = TARGET_ACCURACY,
+                      recipe: str = "arith") -> Path:
+    return klrl_home() / "models" / default_model_name(seed, target, recipe)
 
 
 @contextmanager
@@ -140,105 +173,54 @@ def build_random_model(out_dir: str | Path, seed: int = 0, **size) -> Path:
 # --------------------------------------------------------------------------- warm start
 
 
-def _arithmetic_task():
-    import rewards
-
-    return rewards.get_task("arithmetic")
-
-
-def _encode_examples(tokenizer, problems) -> list[tuple[list[int], int]]:
-    """(ids, prompt_length) for each problem: BOS + prompt + answer + EOS."""
-    out = []
-    for p in problems:
-        prompt = tokenizer(p.prompt)["input_ids"]  # BOS + prompt characters
-        answer = tokenizer(str(p.answer), add_special_tokens=False)["input_ids"]
-        out.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
-    return out
-
-
-def _collate(examples, pad_id: int):
-    """Right-padded batch; labels are -100 except on answer and EOS tokens."""
-    import torch
-
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(examples):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
-        mask[i, : len(ids)] = 1
-    return input_ids, labels, mask
-
-
-def greedy_accuracy(model, tokenizer, task, problems, max_new_tokens: int = 8) -> float:
-    """Greedy pass@1 with the HF model, scored by `task.scorer` (a quick in-process check;
-    `actors.evaluate` is the vLLM evaluation used everywhere else)."""
-    import torch
-
-    if not problems:
-        return 0.0
-    enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(float(task.scorer(t, p)) for t, p in zip(texts, problems)) / len(problems)
-
-
-def exact_greedy_accuracy(model, tokenizer, examples: list[tuple[list[int], int]]) -> float:
-    """Fraction of `examples` (from `_encode_examples`) whose answer + EOS is the model's greedy
-    continuation, token by token: one teacher-forced forward pass instead of a generation, so
-    checking it every few steps costs little. It equals greedy pass@1 except for answers the
-    scorer would also accept in another spelling (e.g. "+17"), which count as wrong here."""
-    import torch
-
-    input_ids, labels, mask = _collate(examples, tokenizer.pad_token_id)
-    with torch.no_grad():
-        predicted = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].argmax(-1)
-    target = labels[:, 1:]
-    scored = target != -100
-    correct = ((predicted == target) | ~scored).all(-1)
-    return float(correct.double().mean())
-
-
 @dataclass(frozen=True)
 class WarmStart:
     """What the warm start did: optimizer steps taken, the validation accuracy it stopped at,
-    and whether that reached the target (False: stopped at the step bound)."""
+    whether it reached the target (False: stopped at the step bound), and the accuracy on the
+    retained facts (None for a recipe that teaches none)."""
 
     steps: int
     validation_accuracy: float
     reached_target: bool
+    retained_accuracy: float | None = None
 
 
 def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACCURACY,
-               max_steps: int = MAX_SFT_STEPS, progress: bool = True) -> WarmStart:
+               max_steps: int = MAX_SFT_STEPS, progress: bool = True,
+               recipe: Recipe = RECIPES["arith"]) -> WarmStart:
     """Supervised training on arithmetic train problems (loss on answer + EOS only) until the
     greedy accuracy (`exact_greedy_accuracy`) on VALIDATION_PROBLEMS train-distribution
-    problems reaches `target` (checked every CHECK_EVERY steps), or for exactly `max_steps`
-    steps when `target` is None.
+    problems reaches `target` (checked every `recipe.check_every` steps), or for exactly
+    `max_steps` steps when `target` is None.
 
     AdamW with a linear warm-up to a constant learning rate; one fresh batch per step (the
     train split is large enough that nothing repeats much). The validation problems are drawn
     from the train distribution with their own seed; the in-domain split stays unseen.
+    A recipe with a `retained_share` fills that share of every batch with retained facts
+    (drawn with their own seed) and stops only once their accuracy reaches
+    `recipe.retained_target` too; with none, the batches are exactly the default's.
     """
+    import random
+
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    task = _arithmetic_task()
+    from rewards.arithmetic import make_problem, retained_facts
+
+    task = arithmetic_task()
     problems = task.problems("train", max_steps * SFT_BATCH_SIZE, seed)
-    validation = _encode_examples(
+    validation = encode_examples(
         tokenizer, task.problems("train", VALIDATION_PROBLEMS, seed + VALIDATION_SEED_OFFSET))
+    n_retained = round(recipe.retained_share * SFT_BATCH_SIZE)
+    facts = [make_problem(*f, split="retained") for f in retained_facts()]
+    retained_check = encode_examples(tokenizer, facts) if n_retained else []
+    draw = random.Random(f"retained:{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / SFT_WARMUP))
     goal = "fixed budget" if target is None else f"until {100 * target:.0f}% greedy validation"
+    if target is not None and recipe.retained_target is not None and n_retained:
+        goal += f" and {100 * recipe.retained_target:.0f}% on the retained facts"
     columns = [
         TextColumn(f"warm-start SFT ({goal})"),
         BarColumn(),
@@ -246,7 +228,7 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
                    "validation {task.fields[acc]:.1%}"),
         TimeElapsedColumn(),
     ]
-    accuracy, step = 0.0, 0
+    accuracy, retained, step = 0.0, None, 0
     live = progress and Console().is_terminal  # off a terminal rich draws only at the end
     plain = PlainLines(f"warm-start SFT ({goal})") if progress and not live else None
     with Progress(*columns, disable=not live, transient=False) as bar:
@@ -255,9 +237,11 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
             model.train()
             # Tokenized per batch: encoding all max_steps batches up front took longer than
             # the steps a build usually needs.
-            batch = _encode_examples(
-                tokenizer, problems[(step - 1) * SFT_BATCH_SIZE : step * SFT_BATCH_SIZE])
-            input_ids, labels, mask = _collate(batch, tokenizer.pad_token_id)
+            first = (step - 1) * SFT_BATCH_SIZE
+            chunk = problems[first : first + SFT_BATCH_SIZE - n_retained]
+            chunk += [draw.choice(facts) for _ in range(n_retained)]
+            batch = encode_examples(tokenizer, chunk)
+            input_ids, labels, mask = collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -265,18 +249,30 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
             opt.step()
             sched.step()
             bar.update(job, advance=1, loss=loss.item())
-            if target is not None and step % CHECK_EVERY == 0:
+            if target is not None and step % recipe.check_every == 0:
                 model.eval()
                 accuracy = exact_greedy_accuracy(model, tokenizer, validation)
                 bar.update(job, acc=accuracy)
-                if accuracy >= target:
+                if accuracy >= target and _retained_reached(model, tokenizer, retained_check,
+                                                            recipe):
                     break
             if plain:
                 plain.maybe(f"step {step}, loss {loss.item():.3f}, validation {accuracy:.1%}")
     model.eval()
     if target is None:
         accuracy = exact_greedy_accuracy(model, tokenizer, validation)
-    return WarmStart(step, accuracy, target is None or accuracy >= target)
+    if retained_check:
+        retained = exact_greedy_accuracy(model, tokenizer, retained_check)
+    reached = target is None or (accuracy >= target and (
+        retained is None or recipe.retained_target is None or retained >= recipe.retained_target))
+    return WarmStart(step, accuracy, reached, retained)
+
+
+def _retained_reached(model, tokenizer, retained_check, recipe: Recipe) -> bool:
+    """Whether the retained facts' target is met (always, for a recipe without one)."""
+    if not retained_check or recipe.retained_target is None:
+        return True
+    return exact_greedy_accuracy(model, tokenizer, retained_check) >= recipe.retained_target
 
 
 def _model_complete(path: Path) -> bool:
@@ -292,10 +288,12 @@ def init_default_model(
     max_steps: int = MAX_SFT_STEPS,
     progress: bool = True,
     threads: int | None = None,
+    recipe: str = "arith",
 ) -> Path:
-    """Build (or reuse) the warm-started default model and return its directory.
+    """Build (or reuse) a warm-started embedded model (`recipe`: RECIPES) and return its
+    directory.
 
-    `out_dir` defaults to `$KLRL_HOME/models/tiny-arith-v<recipe>-seed<seed>`. An existing
+    `out_dir` defaults to `$KLRL_HOME/models/tiny-<recipe>-v<version>-seed<seed>`. An existing
     complete model there is reused unless `force`. The model is built in a temporary sibling
     directory and renamed into place, so an interrupted build never leaves a half-written
     model behind. The warm start runs until the validation accuracy reaches `target` (None:
@@ -307,7 +305,7 @@ def init_default_model(
     """
     if out_dir is None and target is None:  # the cache is named by its target
         raise ValueError("a fixed-budget build (target=None) needs an out_dir")
-    out = Path(out_dir) if out_dir is not None else default_model_dir(seed, target)
+    out = Path(out_dir) if out_dir is not None else default_model_dir(seed, target, recipe)
     if _model_complete(out) and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -317,7 +315,7 @@ def init_default_model(
         if progress:
             print(f"building the embedded tiny model into {out} (first use only; about 2 "
                   "minutes on 2 idle cores)", flush=True)
-        _build(out, seed, target, max_steps, progress, threads)
+        _build(out, seed, target, max_steps, progress, threads, RECIPES[recipe])
     return out
 
 
@@ -370,7 +368,7 @@ class PlainLines:
 
 
 def _build(out: Path, seed: int, target: float | None, max_steps: int, progress: bool,
-           threads: int | None) -> None:
+           threads: int | None, recipe: Recipe) -> None:
     """Build the model into a temporary sibling of OUT and rename it into place."""
     import torch
 
@@ -382,22 +380,24 @@ def _build(out: Path, seed: int, target: float | None, max_steps: int, progress:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 done = warm_start(model, tokenizer, seed=seed, target=target,
-                                  max_steps=max_steps, progress=progress)
+                                  max_steps=max_steps, progress=progress, recipe=recipe)
             train_s = time.perf_counter() - t0
             if progress:
                 print(f"warm start done after {done.steps} steps ({train_s:.0f} s); measuring "
                       f"greedy accuracy on {EVAL_PROBLEMS} problems per split", flush=True)
-            task = _arithmetic_task()
+            task = arithmetic_task()
             accuracy = {
                 split: greedy_accuracy(
                     model, tokenizer, task, task.problems(split, EVAL_PROBLEMS, seed + 1)
                 )
                 for split in ("in_domain", "out_of_domain")
+                + (("retained",) if recipe.retained_share else ())
             }
         _save(model, tokenizer, tmp)
         meta = {
             "name": out.name,
-            "recipe_version": RECIPE_VERSION,
+            "recipe": recipe.name,
+            "recipe_version": recipe.version,
             "seed": seed,
             "target_accuracy": target,
             "reached_target": done.reached_target,
@@ -405,6 +405,10 @@ def _build(out: Path, seed: int, target: float | None, max_steps: int, progress:
             "validation_problems": VALIDATION_PROBLEMS,
             "sft_steps": done.steps,
             "sft_batch_size": SFT_BATCH_SIZE,
+            **({"retained_share": recipe.retained_share,
+                "retained_target": recipe.retained_target,
+                "retained_accuracy": round(done.retained_accuracy, 4)}
+               if done.retained_accuracy is not None else {}),
             "parameters": sum(p.numel() for p in model.parameters()),
             "build_seconds": round(time.perf_counter() - t0, 1),
             "train_seconds": round(train_s, 1),

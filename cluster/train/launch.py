@@ -43,7 +43,7 @@ def resolve_model(cfg: TrainConfig) -> Path:
     may be relative) so that every actor finds it."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    return Path(init_default_model()).absolute()
+    return Path(init_default_model(recipe=cfg.model.embedded)).absolute()
 
 
 def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | None = None,
