@@ -62,7 +62,7 @@ class ModelConfig(_Strict):
                                     "node.")
 
     @model_validator(mode="after")
-    def _embedded_only_without_path(self) -> "ModelConfig":
+    def _embedded_only_without_path(self) -> ModelConfig:
         if self.path is not None and "embedded" in self.model_fields_set:
             raise ValueError("model.embedded names an embedded model, which model.path replaces: "
                              "set one of them")
