@@ -364,16 +364,18 @@ def engine_options(cfg: RolloutConfig, sync_cfg: SyncConfig, seed: int, *,
     revision and trust_remote_code, the weight-reload extension, processed log-probs, and
     what the sync transport needs of the engine (nccl, cuda_ipc: vLLM's weight transfer), and
     what the generation mode sets (`GenerationMode.engine_options`: prefix caching, and for
-    continuous generation async scheduling off)."""
-    extra = transport(sync_cfg.transport).engine_options() | cfg.generation.engine_options(
-        cfg.enable_prefix_caching)
+    continuous generation async scheduling off). A key the mode sets that the user's
+    engine_kwargs also names (async_scheduling: false with in-flight updates) takes the mode's
+    value, once: the mode's `check` has already refused a user value that contradicts it."""
+    extra = (dict(cfg.engine_kwargs) | transport(sync_cfg.transport).engine_options()
+             | cfg.generation.engine_options(cfg.enable_prefix_caching))
     return dict(seed=seed, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                 dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
                 tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, revision=revision,
                 trust_remote_code=trust_remote_code, cpu_kvcache_gib=cfg.cpu_kv_cache_gib,
-                logprobs_mode=LOGPROBS_MODE, **extra, **cfg.engine_kwargs)
+                logprobs_mode=LOGPROBS_MODE, **extra)
 
 
 def configure_engine_process(cfg: RolloutConfig) -> None:

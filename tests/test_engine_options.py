@@ -97,6 +97,23 @@ def test_good_engine_options_load_and_reach_the_engine_arguments():
         assert left_to_vllm not in kwargs
 
 
+def test_a_setting_the_generation_mode_also_sets_reaches_the_engine_once():
+    """In-flight updates set async_scheduling false themselves; the user writing the same in
+    engine_kwargs (the natural knob on a GPU) gave the engine the key twice, a TypeError when
+    the worker started. It is one key, the mode's value, and a contradicting value is refused
+    at load."""
+    cfg = load_config(TrainConfig, TINY, [
+        "max_lag=1", "rollout.in_flight_updates=true",
+        "rollout.engine_kwargs.async_scheduling=false", "rollout.engine_kwargs.kv_cache_dtype=auto"])
+    options = engine_options(cfg.worker_rollout, cfg.sync, cfg.seed)
+    options.pop("cpu_kvcache_gib")
+    kwargs = llm_kwargs("model", cpu=True, **options)
+    assert kwargs["async_scheduling"] is False and kwargs["kv_cache_dtype"] == "auto"
+    with pytest.raises(ConfigError, match="async_scheduling=true is refused"):
+        load_config(TrainConfig, TINY, ["max_lag=1", "rollout.in_flight_updates=true",
+                                        "rollout.engine_kwargs.async_scheduling=true"])
+
+
 def test_unknown_engine_kwargs_are_refused_before_the_run_starts():
     """A key the installed vLLM's engine does not take fails the pre-flight (before Ray,
     the tiny model or any engine), with the closest key; known keys pass."""
