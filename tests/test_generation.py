@@ -102,3 +102,29 @@ def test_the_check_finds_each_read_and_lets_the_table_lookup_pass(tmp_path):
         "z = r.stale_kv == 'keep'\n")
     assert mode_reads(tmp_path / "m.py", tmp_path) == [
         "m.py:3: in_flight_updates", "m.py:5: _continuous", "m.py:6: stale_kv"]
+
+
+def test_a_batch_update_whose_prefix_cache_reset_fails_raises(tiny_llm):
+    """vLLM keeps its prefix cache, returning False with a warning klrl's log level hides, while
+    KV blocks are held; the batch driver's update then raises instead of letting the next
+    prompts reuse KV of the old weights (issue 43, item 9). The shared engine is left clean."""
+    import concurrent.futures
+
+    from vllm import SamplingParams
+
+    from actors.generation.batch import BatchDriver
+
+    engine = tiny_llm.llm_engine
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        driver = BatchDriver(tiny_llm, executor, version=0)
+        assert driver.update(lambda: {}, 1).result()["cache_reset"] >= 0  # nothing held: fine
+        engine.add_request("held", "12+34=", SamplingParams(max_tokens=40, ignore_eos=True))
+        engine.step()  # the request's KV blocks are now held
+        try:
+            with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+                driver.update(lambda: {}, 2).result()
+        finally:
+            engine.abort_request(["held"])
+            while engine.has_unfinished_requests():
+                engine.step()
+    assert tiny_llm.reset_prefix_cache()

@@ -83,9 +83,15 @@ class BatchDriver(EngineDriver):
     def update(self, reload, version):
         def job() -> dict[str, float]:
             seconds = dict(reload() or {})
-            # Cached prefix KV blocks were computed with the old weights.
+            # Cached prefix KV blocks were computed with the old weights. vLLM keeps them, and
+            # says so only in a warning klrl's log level hides, when blocks are still held
+            # (vLLM 0.26 returns False then): new prompts would reuse old-weight KV, so fail.
             t0 = time.perf_counter()
-            self.llm.reset_prefix_cache()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError(
+                    f"vLLM could not reset its prefix cache after the update to version "
+                    f"{version} (KV blocks still held): the next requests would reuse KV of "
+                    "the old weights")
             self.version = version
             return seconds | {"cache_reset": time.perf_counter() - t0}
 

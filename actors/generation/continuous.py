@@ -26,6 +26,12 @@ KV cache of that version. Without `recompute` ("keep") the running requests keep
 prefix was computed with, and later tokens are sampled by the new weights over that cache; the
 engine must then run without prefix caching, so that no new request reuses blocks of older
 weights (with recompute the reset empties the cache at every update).
+
+That is the CPU engine's model runner, which the tests run. On a GPU, vLLM 0.26 runs dense models
+on Model Runner V2 (read in its source, not yet run here): it samples with Gumbel noise keyed
+by (request seed, position) rather than a per-request generator, and re-sends a preempted request
+as a new one, so recompute there goes through code the CPU tests never reach. The gpu-marked
+tests/test_in_flight_gpu.py checks the per-token versions and log-probs on that path.
 """
 from __future__ import annotations
 
