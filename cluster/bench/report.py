@@ -203,7 +203,7 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
                 f"| {_share(off.get('engine_idle_share'))} "
                 f"| {_share(fly.get('engine_idle_share'))} "
                 f"| {_num(off.get('token_lag_mean'))} | {_num(fly.get('token_lag_mean'))} "
-                f"| {_share(fly.get('multi_version_share'))} "
+                f"| {_spanned(fly.get('multi_version_share'))} "
                 f"| {_num(off.get('response_tokens_mean'), '.1f')} / "
                 f"{_num(off.get('response_tokens_max'), '.0f')} |")
     if not rows:
@@ -219,6 +219,12 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
              "| token lag, in flight | samples over several versions | responses mean / "
              "longest |"),
             "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _spanned(x: float | None) -> str:
+    """The share of samples over several versions; none means nothing was in flight at an
+    update, whatever the speed-up says."""
+    return "0%: nothing was in flight" if x == 0 else _share(x)
 
 
 def _share(x: float | None) -> str:
