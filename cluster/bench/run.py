@@ -214,10 +214,12 @@ class WorkloadResult:
 # --------------------------------------------------------------------------- running
 
 
-def run_bench(plan: BenchPlan, work_dir: Path,
-              parts: Sequence[str] | None = None) -> dict[str, Any]:
+def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = None,
+              tests_timeout_s: float = gpu.GPU_TESTS_TIMEOUT_S) -> dict[str, Any]:
     """Run the measurements of `plan` in `parts` (default: every part of its device,
-    results.default_parts); returns the JSON-ready result."""
+    results.default_parts); returns the JSON-ready result. tests_timeout_s: how long the
+    gpu-marked tests may take (cluster/bench/gpu_check.py gives them what its budget has
+    left)."""
     parts = tuple(parts or default_parts(plan.device))
     work_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
@@ -248,7 +250,7 @@ def run_bench(plan: BenchPlan, work_dir: Path,
     tests = None
     if "tests" in parts:  # after Ray is down: the tests start their own
         print("[bench] the gpu-marked tests: pytest -m gpu -rs", flush=True)
-        tests = gpu.run_gpu_tests()
+        tests = gpu.run_gpu_tests(tests_timeout_s)
     return _to_json(plan, parts, results, outside, tests, copy, load_before, os.getloadavg())
 
 
