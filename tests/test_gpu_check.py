@@ -51,7 +51,9 @@ def test_parts_run_most_informative_first_within_the_budget_and_resume_next_call
     parts = Parts(path, {"tests": 300, "e2e": 460, "engines": 200, "sync": 100})
     record = run_check(path, BUDGET, parts, parts.clock)
     assert [name for name, _ in parts.seen] == ["tests", "sync"]
-    # the JSON was written after every part: sync started knowing what the others did
+    # the JSON was written before and after every part: sync started knowing what the others
+    # did, and a call killed in a part leaves it marked as running (run again next time)
+    assert parts.seen[0][1]["tests"]["status"] == "running"
     assert parts.seen[1][1]["tests"]["status"] == "passed"
     assert parts.seen[1][1]["e2e"]["status"] == "not started"
     assert "needs about 450 s, 150 s of the budget left" in record["parts"]["e2e"]["why"]
@@ -91,6 +93,9 @@ def test_a_failed_part_is_not_run_again_and_a_part_that_stopped_itself_is(tmp_pa
         "tests": "stopped", "e2e": "failed", "engines": "passed", "sync": "passed"}
     assert remaining(record) == ["tests"]
     assert "e2e failed in 100 s" in report._gpu_check_line(record)
+    killed = record | {"parts": record["parts"] | {"tests": {"status": "running"}}}
+    assert "tests was running when the call ended" in report._gpu_check_line(killed)
+    assert "tests" in remaining(killed)
 
 
 def test_the_parts_slice_the_gpu_plan_to_its_headline():

@@ -130,6 +130,11 @@ def run_check(json_path: Path, budget_s: float, run_part: Callable[[CheckPart, f
             continue
         print(f"[gpu-check] {part.name}: {part.what} (about {need:.0f} s, {left:.0f} s left)",
               flush=True)
+        # what a call killed from outside leaves: the part it was in (run again next time)
+        record["parts"][part.name] = {**{k: v for k, v in before.items()
+                                         if k == "stopped_after_s"},
+                                      "status": "running", "estimate_s": part.estimate_s}
+        save()
         t0 = clock()
         code = run_part(part, left)
         seconds = clock() - t0

@@ -122,6 +122,8 @@ def _gpu_check_line(record: dict[str, Any]) -> str:
     for name, r in record["parts"].items():
         if r["status"] == "not started":
             said.append(f"{name} not started ({r['why']})")
+        elif r["status"] == "running":
+            said.append(f"{name} was running when the call ended")
         elif r["status"] == "stopped":
             said.append(f"{name} stopped at the end of the budget after {r['seconds']:.0f} s")
         else:
