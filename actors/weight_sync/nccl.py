@@ -1,5 +1,5 @@
 """The nccl transport (GPU only; written against `vllm.distributed.weight_transfer` as vLLM
-0.26 and 0.32 have it, NOT exercised by the CPU test-suite): learner rank 0's
+0.26 and 0.32 have it; its broadcast has NOT run: it needs two GPUs): learner rank 0's
 `NcclWeightSender` opens the trainer end of vLLM's NCCL weight-transfer group; each worker joins
 it once (`RolloutWorker.init_weight_transfer` with `sender.worker_init_info(i)`; engines built
 with `weight_transfer_config={"backend": "nccl"}`). `publish` starts the packed broadcast on a
@@ -223,7 +223,9 @@ def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[st
 
 
 class NcclWeightSender:
-    """Learner rank 0's end of vLLM's NCCL weight-transfer group. GPU only; not tested on CPU.
+    """Learner rank 0's end of vLLM's NCCL weight-transfer group. GPU only; its rendezvous,
+    refusal of a disabled communicator and broadcast order are checked on CPU
+    (tests/test_weight_sync_nccl.py), the broadcast itself needs two GPUs.
 
     Rendezvous (once, all at the same time; `NcclTransport.connect` drives it):
         sender = NcclWeightSender(master_address, None, num_workers)   # learner rank 0
