@@ -42,20 +42,18 @@ GPU_PYTHON ?= $(BIN)/python
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -m gpu -rs $(PYTEST_ARGS)
 
-# `klrl bench --device cuda` on this machine's GPU, one part per call (each sized for 10
-# minutes), merged into one JSON: rollout and learner against raw vLLM / bare DeepSpeed, weight
-# sync against a device-to-device copy, end to end at max_lag 0 and 2, then the gpu-marked
-# tests. GPU_PYTHON as for test-gpu; the JSON is started afresh; a part that fails does not
-# stop the next ones, but the target fails (and stops at once where the bench is refused, e.g.
-# no CUDA). docs/bench.md, "On one GPU".
+# The GPU check (cluster/bench/gpu_check.py): the gpu-marked tests, then `klrl bench --device
+# cuda` part by part on the 0.5B-shaped headline (end to end at max_lag 0, 2 and 2 in flight;
+# engines against raw vLLM and the floor; weight sync), most informative first, each part
+# started only where its estimate fits in what is left of GPU_CHECK_BUDGET seconds and stopped
+# at its end, the JSON written after every part. Run it again with the same JSON to go on where
+# it stopped; delete the JSON to start afresh. Exit 0: every part passed; 1: a part failed;
+# 3: parts left for another run; 2: refused (no CUDA). GPU_PYTHON as for test-gpu. On a lent
+# machine without network: cluster/bench/gpu_payload.sh. docs/gpu.md, "The GPU check".
 GPU_CHECK_JSON ?= gpu-check.json
+GPU_CHECK_BUDGET ?= 480
 gpu-check:
-	rm -f $(GPU_CHECK_JSON)
-	status=0; for part in engines sync e2e tests; do \
-	  $(GPU_PYTHON) -m cluster.cli.main bench --device cuda --only $$part \
-	    --json $(GPU_CHECK_JSON) $(ARGS); rc=$$?; \
-	  if [ $$rc -eq 2 ]; then exit 2; elif [ $$rc -ne 0 ]; then status=1; fi; \
-	done; exit $$status
+	$(GPU_PYTHON) -m cluster.bench.gpu_check --json $(GPU_CHECK_JSON) --budget-s $(GPU_CHECK_BUDGET) $(ARGS)
 
 kl-table: $(STAMP)
 	$(BIN)/klrl kl-table $(ARGS)

@@ -15,7 +15,8 @@ EXTENSION = "actors.worker_extension.KlrlWorkerExtension"
 
 class KlrlWorkerExtension:
     """The rollout worker's hands inside vLLM's worker: reloading safetensors weights in place
-    (the shm and object_store transports, actors/weight_sync/) and naming its CUDA device."""
+    (the shm and object_store transports, actors/weight_sync/), naming its CUDA device, and
+    saying whether its NCCL weight-transfer group can move anything (the nccl transport)."""
 
     def klrl_reload_weights(self, source: str | bytes) -> dict[str, float]:
         """Replace the model's weights in place with the HF-named tensors in `source` (a
@@ -46,3 +47,12 @@ class KlrlWorkerExtension:
         import torch
 
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    def klrl_nccl_group_disabled(self) -> bool:
+        """Whether this engine rank's NCCL weight-transfer communicator is missing or disabled
+        (vLLM's `PyNcclCommunicator.disabled`: set without a word where libnccl does not load,
+        and then every broadcast is a no-op). The nccl transport refuses it after joining the
+        group (`NcclTransport.init_engine`)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        group = getattr(engine, "model_update_group", None)
+        return group is None or bool(group.disabled)

@@ -123,9 +123,11 @@ def _gpu_parts() -> list[dict]:
         if w["pipeline"]:
             p = w["pipeline"]
             runs = {(r["max_lag"], r.get("in_flight", False)): r for r in p["runs"]}
-            # the GPU plan's runs: max_lag 0 and 2, then 2 in flight
+            # the GPU plan's runs: max_lag 0 and 2, then 2 in flight, during which some
+            # samples span two versions (the GPU check requires it: nothing in flight on CPU)
             p |= {"reference": "max_lag 0", "cores": 1,
-                  "runs": [runs[0, False], runs[2, False], runs[2, True]]}
+                  "runs": [runs[0, False], runs[2, False],
+                           runs[2, True] | {"multi_version_share": 0.05}]}
     cfg = load_train_config(DEMO_CONFIG, list(gpu.gpu_overrides()))
     common = {"headline_workload": "random-25M", "device": "cuda", "dtype": "float32",
               "machine": cpu["machine"] | {"gpu": "NVIDIA H100 80GB HBM3"},

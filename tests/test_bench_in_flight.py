@@ -171,3 +171,28 @@ def test_the_long_tail_model_ends_a_response_with_about_the_asked_probability(tm
     assert 0.5 / 260 < float(plain.mean()) < 2 / 260
     tail = eos_probs(build_long_tail_model(tmp_path / "tail", 1 / 24, seed=0))
     assert 0.8 / 24 < float(tail.min()) and float(tail.max()) < 1.2 / 24, (tail.min(), tail.max())
+
+
+def test_an_in_flight_run_with_nothing_in_flight_says_so_and_fails_the_gpu_check():
+    """An in-flight run whose samples never spanned two versions measured no in-flight
+    update (every update found the engine idle): its row says so, the summary keeps the share
+    per max_lag, and on a GPU, where that is what the in-flight run is for, the check names
+    it."""
+    result = _result_with_in_flight()
+    assert result["in_flight_multi_version_share_lag2"] == 0.4
+    idle = copy.deepcopy(result)
+    head = idle["workloads"][idle["headline_workload"]]["pipeline"]
+    for r in head["runs"]:
+        if r["in_flight"] and r["max_lag"] == 2:
+            r["multi_version_share"] = 0.0
+    idle = summary(idle["workloads"], idle["headline_workload"], idle.get("outside_engine")) | {
+        k: v for k, v in idle.items() if not k.startswith("in_flight_")}
+    assert idle["in_flight_multi_version_share_lag2"] == 0.0
+    page = report.markdown(idle)
+    table = page[page.index("**In-flight weight updates**"):].splitlines()
+    rows = [line for line in table if line.startswith(f"| {idle['headline_workload']} | 2 |")]
+    assert len(rows) == 1 and "| 0%: nothing was in flight |" in rows[0], rows
+    assert check_result(idle) == []  # on CPU a figure like any other (docs/bench.md)
+    gpu = idle | {"device": "cuda"}
+    assert check_result(gpu) == ["in_flight_multi_version_share_lag2"]
+    assert check_result(result | {"device": "cuda"}) == []

@@ -7,6 +7,7 @@ A SentencePiece-style tokenizer built here checks the leading space after the pr
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -146,14 +147,39 @@ def test_the_cheap_output_path_on_a_gpu(tiny_model_dir):
     agree carry the same log-probs to float rounding and the same texts."""
     code = (f"import json, sys; from test_outputs import gpu_comparison; "
             f"print('RESULT', json.dumps(gpu_comparison({str(tiny_model_dir)!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = run_child(code, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["same_tokens"] >= 0.95 * result["samples"] > 0, result
     assert result["max_logprob_diff"] <= 1e-5 and result["text_mismatches"] == 0, result
     assert result["flat"], result
+
+
+def run_child(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -c code` in a process that imports this checkout's packages and tests/ (the
+    repository root and tests/ first on its PYTHONPATH): where klrl is not pip-installed, or
+    installed from another checkout, the child would otherwise not import this one's."""
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join(p for p in (str(tests.parent), str(tests),
+                                       os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", code], cwd=tests, env={**os.environ,
+                          "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def test_the_gpu_tests_child_imports_this_checkout(monkeypatch):
+    """The child of the GPU test imports klrl and test_outputs from this checkout, whatever
+    is installed, also without a PYTHONPATH (a checkout run from its path has no klrl on the
+    child's default path; an installed klrl may be another checkout's)."""
+    import actors
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    proc = run_child("import actors, importlib.util; "  # found, not run: vLLM's import is slow
+                     "print(actors.__file__, importlib.util.find_spec('test_outputs').origin)",
+                     timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [actors.__file__, __file__], proc.stdout
 
 
 def gpu_comparison(model_dir: str) -> dict:

@@ -119,15 +119,49 @@ def test_the_page_config_trains_on_cpu(user_dir, monkeypatch):
     assert (run_dir / "final" / "tokenizer.json").is_file()
 
 
+# On fewer GPUs than the page's command asks for (a GPU each for the worker and the learner
+# rank), the learner rank and the worker share one GPU, as docs/gpu.md runs them.
+ONE_GPU = ("rollout.num_gpus_per_worker=0.5", "learner.num_gpus_per_rank=0.5")
+
+
+def gpu_overrides(user_dir: Path, gpus: int) -> list[str]:
+    """The page's GPU command's overrides (its output_dir aside) of the page's config, on
+    `gpus` local GPUs: as written where the machine has the GPUs they request (the door
+    refuses more), else with the worker and the learner rank on one GPU (`ONE_GPU`); none
+    without a GPU."""
+    from cluster.train.door.resources import requests
+
+    overrides = [a for a in page_command("own-submit") if "=" in a and not a.startswith("--")
+                 and not a.startswith("output_dir=")]
+    cfg = load_train_config(user_dir / "my_run.yaml", overrides)
+    asked = sum(n * each for _, n, each in requests(cfg)["GPU"])
+    if asked <= gpus:
+        return overrides
+    return [*overrides, *ONE_GPU] if gpus >= 1 else []
+
+
+def test_the_gpu_test_fits_the_machines_gpus(user_dir):
+    """What the GPU test below trains with: the page's two GPUs where there are two, one GPU
+    shared where there is one (the door refuses a request above the machine's GPUs)."""
+    two = gpu_overrides(user_dir, 2)
+    assert "rollout.num_gpus_per_worker=1" in two and "learner.num_gpus_per_rank=1" in two
+    assert not set(ONE_GPU) & set(two)
+    assert gpu_overrides(user_dir, 1) == [*two, *ONE_GPU]
+    assert gpu_overrides(user_dir, 0) == []
+
+
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_the_page_config_trains_on_a_gpu(user_dir, monkeypatch):
+    import ray
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    overrides = [a for a in page_command("own-submit") if "=" in a and not a.startswith("--")
-                 and not a.startswith("output_dir=")]
+    if ray.is_initialized():  # the workers must inherit PYTHONPATH from a cluster started here
+        ray.shutdown()
     monkeypatch.setenv("PYTHONPATH", "")
+    overrides = gpu_overrides(user_dir, torch.cuda.device_count())
     run_dir, metrics = _train(user_dir, *overrides, "rollout.gpu_memory_utilization=0.3")
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
     assert (run_dir / "final" / "config.json").is_file()

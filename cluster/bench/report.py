@@ -25,6 +25,8 @@ def markdown(result: dict[str, Any]) -> str:
     tests. Tables without rows (parts not run) are left out."""
     cuda = result.get("device") == "cuda"
     lines = [_gpu_machine_line(result) if cuda else _machine_line(result)]
+    if cuda and result.get("gpu_check"):
+        lines += ["", _gpu_check_line(result["gpu_check"])]
     overheads = [(name, o) for name, w in result["workloads"].items()
                  for o in (w.get("rollout"), w.get("learner")) if o]
     # JSONs written before the floor was measured render without its columns.
@@ -112,12 +114,32 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"**{x:.1f}**"
 
 
+def _gpu_check_line(record: dict[str, Any]) -> str:
+    """What each part of `make gpu-check` did (cluster/bench/gpu_check.py), over its calls."""
+    calls = record.get("calls") or []
+    budgets = sorted({c["budget_s"] for c in calls})
+    said = []
+    for name, r in record["parts"].items():
+        if r["status"] == "not started":
+            said.append(f"{name} not started ({r['why']})")
+        elif r["status"] == "running":
+            said.append(f"{name} was running when the call ended")
+        elif r["status"] == "stopped":
+            said.append(f"{name} stopped at the end of the budget after {r['seconds']:.0f} s")
+        else:
+            said.append(f"{name} {r['status']} in {r['seconds']:.0f} s")
+    return (f"**GPU check** (`make gpu-check`, {len(calls)} call(s) with a budget of "
+            f"{' / '.join(f'{b:.0f}' for b in budgets)} s): {'; '.join(said)}.")
+
+
 def _gpu_tests(t: dict[str, Any]) -> list[str]:
-    if t.get("error") or t.get("timed_out"):
+    if t.get("error") or (t.get("timed_out") and "passed" not in t):
         return ["", f"**GPU tests** (`{t['command']}`): {t.get('error') or 'timed out'}"]
+    stopped = " (stopped at its time: the tests after these did not run)" if t.get(
+        "timed_out") else ""
     lines = ["", (f"**GPU tests** (`{t['command']}`): {t['passed']} passed, {t['skipped']} "
                   f"skipped, {t['failed']} failed, {t['errors']} errors in "
-                  f"{t['seconds']:.0f} s"), ""]
+                  f"{t['seconds']:.0f} s{stopped}"), ""]
     lines += [f"- skipped: {s['test']}: {s['reason']}" for s in t["skip_reasons"]]
     lines += [f"- failed: {f['test']}: {f['message']}" for f in t["failures"]]
     return lines if t["skip_reasons"] or t["failures"] else lines[:-1]
@@ -203,7 +225,7 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
                 f"| {_share(off.get('engine_idle_share'))} "
                 f"| {_share(fly.get('engine_idle_share'))} "
                 f"| {_num(off.get('token_lag_mean'))} | {_num(fly.get('token_lag_mean'))} "
-                f"| {_share(fly.get('multi_version_share'))} "
+                f"| {_spanned(fly.get('multi_version_share'))} "
                 f"| {_num(off.get('response_tokens_mean'), '.1f')} / "
                 f"{_num(off.get('response_tokens_max'), '.0f')} |")
     if not rows:
@@ -219,6 +241,12 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
              "| token lag, in flight | samples over several versions | responses mean / "
              "longest |"),
             "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _spanned(x: float | None) -> str:
+    """The share of samples over several versions; none means nothing was in flight at an
+    update, whatever the speed-up says."""
+    return "0%: nothing was in flight" if x == 0 else _share(x)
 
 
 def _share(x: float | None) -> str:

@@ -42,7 +42,8 @@ def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> 
     """The top-level figures: the headline workload's overhead ratios, its rollout against
     the floor, its generation and training tokens/s, its end-to-end figures per max_lag
     (batch-level: of bound at the best lag, overlap efficiency, engine idle share; in flight:
-    the speed-up over batch-level and the engine idle share), every weight sync's total
+    the speed-up over batch-level, the engine idle share and the share of samples over
+    several versions, 0 where nothing was in flight at an update), every weight sync's total
     seconds {transport: {workload: s}}, and the fixed-shape rollout's outside-engine ms; each
     only where it was measured."""
     out: dict[str, Any] = {}
@@ -85,12 +86,15 @@ def _pipeline_summary(runs: list[dict], best_lag: int) -> dict[str, Any]:
             if r.get("in_flight_speedup") is not None}
     out |= {f"in_flight_engine_idle_share_lag{lag}": r["engine_idle_share"]
             for lag, r in flying.items() if r.get("engine_idle_share") is not None}
+    # whether anything was in flight at an update: 0 means the speed-up measured nothing
+    out |= {f"in_flight_multi_version_share_lag{lag}": r["multi_version_share"]
+            for lag, r in flying.items() if r.get("multi_version_share") is not None}
     return out
 
 
 # Top-level keys per max_lag k: `<prefix><k>`.
 PIPELINE_PREFIXES = ("overlap_efficiency_lag", "engine_idle_share_lag", "in_flight_speedup_lag",
-                     "in_flight_engine_idle_share_lag")
+                     "in_flight_engine_idle_share_lag", "in_flight_multi_version_share_lag")
 
 
 def _is_summary(key: str) -> bool:
@@ -120,8 +124,9 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 def check_result(result: dict[str, Any]) -> list[str]:
     """Names of required figures that are missing, non-finite or not positive (engine idle
     shares: not in [0, 1]), for the parts the result holds (a JSON from before `--only`:
-    engines, sync, e2e); with the tests part, the gpu-marked tests unless they all passed or
-    skipped."""
+    engines, sync, e2e); on CUDA, an in-flight run whose samples never spanned two versions
+    (nothing was in flight at an update, so its speed-up measured no in-flight update); with
+    the tests part, the gpu-marked tests unless they all passed or skipped."""
     parts = result.get("parts") or dict.fromkeys(CPU_PARTS)
     required: list[str] = []
     shares: list[str] = []  # finite, in [0, 1]
@@ -134,6 +139,8 @@ def check_result(result: dict[str, Any]) -> list[str]:
         required += [f"overlap_efficiency_lag{lag}" for lag in lags or [1, 2]]
         flying = [r["max_lag"] for r in runs if r.get("in_flight")]
         required += [f"in_flight_speedup_lag{lag}" for lag in flying]
+        if result.get("device") == "cuda":  # what the GPU bench's in-flight runs are for
+            required += [f"in_flight_multi_version_share_lag{lag}" for lag in flying]
         if flying:  # a bench with in-flight runs measures every run's engine idle share
             shares += [f"engine_idle_share_lag{r['max_lag']}" for r in runs
                        if not r.get("in_flight")]

@@ -51,7 +51,7 @@ from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.tiny.model import build_random_model, init_default_model
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
-from cluster.train.launch import start_learner, start_ray
+from cluster.train.launch import start_engines_and_learner, start_learner, start_ray
 from cluster.train.worker_pool import start_worker
 from learner.group import get_all
 
@@ -214,10 +214,12 @@ class WorkloadResult:
 # --------------------------------------------------------------------------- running
 
 
-def run_bench(plan: BenchPlan, work_dir: Path,
-              parts: Sequence[str] | None = None) -> dict[str, Any]:
+def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = None,
+              tests_timeout_s: float = gpu.GPU_TESTS_TIMEOUT_S) -> dict[str, Any]:
     """Run the measurements of `plan` in `parts` (default: every part of its device,
-    results.default_parts); returns the JSON-ready result."""
+    results.default_parts); returns the JSON-ready result. tests_timeout_s: how long the
+    gpu-marked tests may take (cluster/bench/gpu_check.py gives them what its budget has
+    left)."""
     parts = tuple(parts or default_parts(plan.device))
     work_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
@@ -248,7 +250,7 @@ def run_bench(plan: BenchPlan, work_dir: Path,
     tests = None
     if "tests" in parts:  # after Ray is down: the tests start their own
         print("[bench] the gpu-marked tests: pytest -m gpu -rs", flush=True)
-        tests = gpu.run_gpu_tests()
+        tests = gpu.run_gpu_tests(tests_timeout_s)
     return _to_json(plan, parts, results, outside, tests, copy, load_before, os.getloadavg())
 
 
@@ -324,11 +326,19 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
     run_id = f"bench-{w.name}-{os.getpid()}"
     group = worker = None
     try:
-        worker = start_worker(cfg, Path(cfg.model.path), 0)  # its engine starts meanwhile
-        group = start_learner(cfg, Path(cfg.model.path), run_id=run_id)
+        def start_engine():
+            nonlocal worker
+            worker = start_worker(cfg, Path(cfg.model.path), 0)
+
+        def start_the_learner():
+            nonlocal group
+            group = start_learner(cfg, Path(cfg.model.path), run_id=run_id)
+
+        # As a run starts them: on one shared GPU the engine first (cluster/train/launch.py).
+        start_engines_and_learner(cfg, start_engine, lambda: ray.get(worker.version.remote()),
+                                  start_the_learner)
         result.parameters = group.rank_info[0]["parameters"]
         result.trainable_parameters = group.rank_info[0]["trainable_parameters"]
-        ray.get(worker.version.remote())
         # As a run's start-up does (GPU: cuda_ipc readies the worker's IPC weight transfer).
         transport(cfg.sync.transport).connect(group, [worker], get_all)
         problems = _problems(cfg)

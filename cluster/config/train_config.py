@@ -341,6 +341,18 @@ class TrainConfig(_Strict):
         r, lc = self.rollout, self.learner
         return r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
 
+    @property
+    def learner_may_share_a_gpu(self) -> bool:
+        """Whether Ray may put a learner rank on a GPU a rollout worker's engine uses: both
+        request a fraction of a GPU and the two fractions fit in one (Ray packs them), or the
+        learner is on a GPU and the worker requests none (Ray 2.60 does not hide the node's
+        GPUs from it, so a CUDA engine starts on one anyway). The run's start order reads it
+        (cluster/train/launch.py, `start_engines_and_learner`)."""
+        learner, worker = self.learner.num_gpus_per_rank, self.rollout.num_gpus_per_worker
+        if learner == 0:
+            return False
+        return worker == 0 or (learner < 1 and worker < 1 and learner + worker <= 1 + 1e-9)
+
     def _all_cpus_among(self, parts: int) -> int:
         """The thread rule's share (rollout.threads_per_worker, learner.threads_per_rank when
         null): every CPU the run reserves, among `parts`. At max_lag 0 generation and training

@@ -32,7 +32,7 @@ from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
 from cluster.train.deadlines import LearnerDeadlines
-from cluster.train.launch import start_learner
+from cluster.train.launch import start_engines_and_learner, start_learner
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
 from cluster.train.run_log import (
@@ -115,13 +115,17 @@ class Controller:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
         state = self._read_resume_state()
         self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
-        # The workers' engines and the learner's ranks start side by side (each start is
-        # mostly imports and model loading, in processes of their own).
-        self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self.weights.resync)
-        self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
-                                     steps=self._planned_steps(),
-                                     wait=LearnerDeadlines(self.cfg.faults))
-        self.pool.wait_started()
+        # Side by side, or on a GPU the learner may share, the engines first (launch.py).
+        def start_pool():
+            self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self.weights.resync)
+
+        def start_the_learner():
+            self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
+                                         steps=self._planned_steps(),
+                                         wait=LearnerDeadlines(self.cfg.faults))
+
+        start_engines_and_learner(self.cfg, start_pool, lambda: self.pool.wait_started(),
+                                  start_the_learner)
         self.weights.connect(self.learner, self.pool)
         if state is None:
             first = self._evaluate(self.step)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -65,6 +66,27 @@ def start_learner(cfg: TrainConfig, model_dir: Path, run_id: str, steps: int | N
                         total_optimizer_steps=optimizer_steps,
                         resources=cfg.ray.learner_resources, wait=wait,
                         collective_timeout_s=cfg.faults.learner_timeout_s)
+
+
+def start_engines_and_learner(cfg: TrainConfig, start_engines: Callable[[], None],
+                              engines_ready: Callable[[], None],
+                              start_learner: Callable[[], None]) -> None:
+    """Start the rollout workers' engines and the learner: side by side (each start is mostly
+    imports and model loading, in processes of their own), but where a learner rank may share
+    a GPU with an engine (`TrainConfig.learner_may_share_a_gpu`), the learner only once every
+    engine has reported ready. vLLM sizes its KV cache from the memory the whole GPU frees
+    and takes while it profiles (vLLM 0.26: vllm/utils/mem_utils.py, and the "Error in memory
+    profiling" assert of its GPU worker): a learner loading its model in that window shrinks
+    the cache or, freeing memory in it, fails the engine's start ("no memory for cache blocks"
+    at the sizes people train). The callables start, wait for and start the parts; the
+    caller keeps what each made, so that a failure of the next still stops it."""
+    start_engines()
+    if cfg.learner_may_share_a_gpu:
+        engines_ready()
+        start_learner()
+    else:
+        start_learner()
+        engines_ready()
 
 
 def learner_model_files(cfg: TrainConfig, model_dir: Path):
