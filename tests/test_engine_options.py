@@ -104,7 +104,8 @@ def test_a_setting_the_generation_mode_also_sets_reaches_the_engine_once():
     at load."""
     cfg = load_config(TrainConfig, TINY, [
         "max_lag=1", "rollout.in_flight_updates=true",
-        "rollout.engine_kwargs.async_scheduling=false", "rollout.engine_kwargs.kv_cache_dtype=auto"])
+        "rollout.engine_kwargs.async_scheduling=false",
+        "rollout.engine_kwargs.kv_cache_dtype=auto"])
     options = engine_options(cfg.worker_rollout, cfg.sync, cfg.seed)
     options.pop("cpu_kvcache_gib")
     kwargs = llm_kwargs("model", cpu=True, **options)
