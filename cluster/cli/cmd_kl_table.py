@@ -56,7 +56,7 @@ def print_trainer_table(trainer: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from learner.loss import TASK_OFF_POLICIES  # torch, loaded by the computation already
+    from learner.task_terms import TASK_OFF_POLICIES  # torch, loaded by the computation already
 
     cfg = trainer["config"]
     table = Table(title="The trainer's loss, exactly over every group of n of "
