@@ -1,6 +1,7 @@
 """`klrl kl-table` end to end: the printed tables, JSON and plot reproduce docs/design.md's table
 and the README's trainer-level forms."""
 import json
+from pathlib import Path
 
 from cluster.cli.main import main
 
@@ -58,6 +59,13 @@ def test_kl_table_command_writes_json_and_plot(tmp_path, capsys):
     assert row[("mis", 3.0)]["dropped"] > row[("seq_mask_prod", 3.0)]["dropped"] > 0
     assert row[("seq_mask_geo", 3.0)]["masked_samples"] == 0.0  # no mean leaves [0.5, 2] here
     assert "on-policy: 7 of 7 task terms" in printed
+    # docs/learner.md quotes these rows: the page cannot drift from the command
+    page = (Path(__file__).resolve().parent.parent / "docs" / "learner.md").read_text()
+    assert (f"IcePop at [0.5, 2] drops {row[('icepop', 3.0)]['dropped']:.1%} of the task "
+            "gradient's norm at lag 3") in page
+    for term in ("mis", "seq_mask_prod"):
+        assert f"drops {row[(term, 3.0)]['dropped']:.1%} (bias {row[(term, 3.0)]['bias']:.3f})" \
+            in " ".join(page.split()), term
 
 
 def test_kl_table_fails_when_a_trainer_row_stops_matching(monkeypatch, capsys):

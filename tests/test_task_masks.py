@@ -157,3 +157,15 @@ def test_mask_band_bounds_and_refusals():
                                                   f"learner.task_off_policy={off} masks nothing"):
             LearnerConfig(task_off_policy=off, mask_high=5.0)
     LearnerConfig(task_off_policy="tis", mask_low=0.5, mask_high=2.0)  # the defaults: fine
+
+
+def test_the_report_plots_the_masked_shares_a_mask_logs():
+    """`klrl report`'s importance-ratio figure has a panel for each share a mask logs (a
+    renamed metric would silently drop its panel)."""
+    from cluster.experiments.report_plots import FIGURES
+
+    panels = {p.key for f in FIGURES if f.file == "importance_ratio.png" for p in f.panels}
+    batch, logp, ref = _batch(seed=3)
+    logged = _grad(batch, logp, ref, NO_KL, lcfg=LearnerConfig(task_off_policy="icepop"))[2]
+    shares = {k for k in logged if k.startswith("is/masked_")}
+    assert shares == {"is/masked_token_frac", "is/masked_sample_frac"} and shares <= panels
