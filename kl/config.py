@@ -54,7 +54,8 @@ class KLConfig(BaseModel):
         "sum of the per-token estimate clamped to +-10, minus its group mean, times beta, "
         "subtracted from every token's advantage ((n-1)/n beta on-policy). Folded forms go "
         "through learner.task_off_policy: off-policy, tis weights and ppo_clip clips their "
-        "KL part too.")
+        "KL part too, and a mask drops it with its token (the separate KL term is never "
+        "masked).")
 
     @property
     def folds_into_advantage(self) -> bool:

@@ -53,6 +53,10 @@ class TrainerTableConfig(BaseModel):
         [2, 3], min_length=1, max_length=2, description="Samples per prompt n of the groups.")
     truncate: float = Field(1.2, gt=0, le=1e6, description="kl.truncate C of the capped "
                             "prefix rows (shown off-policy only: C >= 1 is inert on-policy).")
+    mask_low: float | None = Field(None, ge=0, lt=1, description="learner.mask_low of the "
+                                   "masking task terms' rows (null: the learner's default).")
+    mask_high: float | None = Field(None, gt=1, le=1e6, description="learner.mask_high of the "
+                                    "masking task terms' rows (null: the learner's default).")
 
 
 class KLTableConfig(BaseModel):

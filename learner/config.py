@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# learner.task_off_policy's names; learner.loss.TASK_TERMS holds what each one computes.
-TaskOffPolicy = Literal["none", "tis", "ppo_clip"]
+# learner.task_off_policy's names; learner.task_terms.TASK_TERMS holds what each one computes.
+TaskOffPolicy = Literal["none", "tis", "ppo_clip", "icepop", "mis", "seq_mask_geo",
+                        "seq_mask_prod"]
 
 
 class LoraSpec(BaseModel):
@@ -96,13 +97,25 @@ class LearnerConfig(BaseModel):
                               "groups (prompts per rank must be divisible by it).")
     task_off_policy: TaskOffPolicy = Field(
         "tis", description="Off-policy handling of the task policy-gradient term against the "
-        "behaviour (sampler) log-probs: none (-A logp), tis (truncated per-token importance "
-        "weight min(rho, tis_cap), detached) or ppo_clip (PPO clipped ratio objective). "
-        "On-policy with exact weight sync all three have the same gradient.")
+        "behaviour (sampler) log-probs, rho = pi/mu per token: none (-A logp), tis (truncated "
+        "weight min(rho, tis_cap), detached), ppo_clip (PPO clipped ratio objective), or a mask "
+        "that drops what leaves [mask_low, mask_high]: icepop (weight rho inside the band, 0 "
+        "outside, per token), mis (the sequence ratio prod rho as every token's weight inside "
+        "the band, 0 outside), seq_mask_geo / seq_mask_prod (tis weights, a sample dropped "
+        "when the geometric mean / product of its ratios leaves the band). On-policy with "
+        "exact weight sync all of them have the same gradient.")
     tis_cap: float = Field(2.0, gt=0.0, le=1e6, description="Cap C of the truncated importance "
-                           "weight min(rho_t, C) used by task_off_policy=tis.")
+                           "weight min(rho_t, C) used by task_off_policy=tis, seq_mask_geo and "
+                           "seq_mask_prod.")
     ppo_clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="Clip range eps of "
                                 "task_off_policy=ppo_clip: rho is clipped to [1-eps, 1+eps].")
+    mask_low: float = Field(0.5, ge=0.0, lt=1.0, description="Lower end of the band of the "
+                            "masks (task_off_policy icepop, mis, seq_mask_geo, seq_mask_prod): "
+                            "a token or sample whose ratio is below it loses its gradient. "
+                            "0: no lower end. Below 1, so that on-policy nothing is masked.")
+    mask_high: float = Field(2.0, gt=1.0, le=1e6, description="Upper end of the masks' band: a "
+                             "token or sample whose ratio is above it loses its gradient. "
+                             "Above 1, so that on-policy nothing is masked.")
     num_cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved per "
                                      "rank.")
     threads_per_rank: int | None = Field(None, ge=1, le=1024, description="torch threads of each "
@@ -169,10 +182,26 @@ class LearnerConfig(BaseModel):
             if self.zero_stage < needs:
                 raise ValueError(f"learner.{field} needs learner.zero_stage "
                                  f"{'>= 1' if needs == 1 else '3'} (got {self.zero_stage})")
+        self._check_mask_band()
         if self.min_lr_ratio != 0.0 and self.lr_schedule == "constant":
             raise ValueError("learner.min_lr_ratio is where a decay ends; with lr_schedule "
                              "constant there is none: set lr_schedule linear or cosine, or drop it")
         return self
+
+    def _check_mask_band(self) -> None:
+        """learner.mask_low / mask_high moved from their defaults act only on a masking task
+        term (the TASK_TERMS entry says which): elsewhere they would be silently ignored."""
+        from learner.task_terms import TASK_TERMS, MASKING_TERMS  # torch; the table's module
+
+        if TASK_TERMS[self.task_off_policy].masks:
+            return
+        moved = [f"learner.{f}={getattr(self, f):g}" for f in ("mask_low", "mask_high")
+                 if getattr(self, f) != type(self).model_fields[f].default]
+        if moved:
+            raise ValueError(f"{' and '.join(moved)} bound the masks, and "
+                             f"learner.task_off_policy={self.task_off_policy} masks nothing: "
+                             f"use one of {', '.join(MASKING_TERMS)}, or drop "
+                             f"{'them' if len(moved) > 1 else 'it'}")
 
     @property
     def updates_per_batch(self) -> int:

@@ -6,12 +6,11 @@ response token t of sequence i, logp_t (current policy, live), mu_t (behaviour =
 log-prob), rho_t = exp(logp_t - mu_t), A_i the task advantage from the controller (computed
 globally with kl.compute_advantages), sg() stop-gradient, N = num_sequences_global.
 
-Task term (learner.task_off_policy, one TASK_TERMS entry each), summed over response tokens,
-divided by N:
-    none      -A_i * logp_t
-    tis       -sg(min(rho_t, tis_cap)) * A_i * logp_t
-    ppo_clip  -min(rho_t A_i, clip(rho_t, 1-eps, 1+eps) A_i)        (rho_t live)
-On-policy (mu = pi) all three have the gradient -A_i grad logp_t.
+Task term (learner.task_off_policy, one learner.task_terms.TASK_TERMS entry each, whose module
+docstring has the formulas: none, tis, ppo_clip and the masks icepop, mis, seq_mask_geo,
+seq_mask_prod), summed over response tokens, divided by N. On-policy (mu = pi) every entry has
+the gradient -A_i grad logp_t. The masks act on the task term only: the KL term below never
+sees them (a KL reward folded into A_{i,t} is masked with its token, being part of A).
 
 KL term (kl.KLConfig, beta = kl.beta):
   * kl_in_advantage = "separate", or placement = "loss":
@@ -57,20 +56,19 @@ same N, has losses (and gradients) that add up to the whole batch's.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 import kl
 from kl.advantage import ADVANTAGE_ESTIMATORS
 from kl.config import AdvantageConfig, KLConfig, check_compatible
-from kl.registry import literal_names, lookup
+from kl.registry import lookup
 from kl.surrogate import PLACEMENT_FORMS
 from learner.batch import TrainBatch
-from learner.config import LearnerConfig, TaskOffPolicy
+from learner.config import LearnerConfig
 from learner.loss_metrics import step_metrics
+from learner.task_terms import TASK_TERMS, TermTokens
 
 
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -116,65 +114,12 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
 
 
-@dataclass(frozen=True)
-class TaskTerm:
-    """One learner.task_off_policy: the task policy-gradient term against the behaviour
-    (sampler) log-probs mu (the formulas are in the module docstring).
-
-    tokens: (lp, mu, adv, mask, cfg) -> the per-token loss [B, L] (its masked positions are
-        zeroed by the caller) and the mask of tokens whose ratio was clipped (None: it clips
-        nothing).
-    uses_ratio: it forms the ratios pi/mu, so they must be importance ratios (no truncated
-        sampling: cluster.config.train_config refuses top_k / top_p with it).
-    """
-
-    tokens: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-    uses_ratio: bool
-
-
-def _log_ratio(lp, mu, mask) -> torch.Tensor:
-    # Log-ratios in float64: exp() of a float32 log-ratio overflows above ~88 (inf * 0 = NaN
-    # in backward even on a clipped branch).
-    return torch.where(mask, lp.double() - mu.double(), 0.0)
-
-
-def _plain_tokens(lp, mu, adv, mask, cfg: LearnerConfig):
-    return -adv * lp, None
-
-
-def _tis_tokens(lp, mu, adv, mask, cfg: LearnerConfig):
-    log_rho = _log_ratio(lp, mu, mask).detach()
-    log_cap = math.log(cfg.tis_cap)
-    w = torch.exp(log_rho.clamp(max=log_cap)).to(lp.dtype)
-    return -w * adv * lp, (log_rho > log_cap) & mask
-
-
-def _ppo_clip_tokens(lp, mu, adv, mask, cfg: LearnerConfig):
-    rho = torch.exp(_log_ratio(lp, mu, mask))
-    a = adv.double()
-    eps = cfg.ppo_clip_eps
-    unclipped, clipped_obj = rho * a, rho.clamp(1 - eps, 1 + eps) * a
-    obj = torch.minimum(unclipped, clipped_obj)
-    clipped = (clipped_obj < unclipped) & mask  # the clipped (zero-gradient) branch was taken
-    return -obj.to(lp.dtype), clipped
-
-
-TASK_TERMS: dict[str, TaskTerm] = {
-    "none": TaskTerm(_plain_tokens, uses_ratio=False),
-    "tis": TaskTerm(_tis_tokens, uses_ratio=True),
-    "ppo_clip": TaskTerm(_ppo_clip_tokens, uses_ratio=True),
-}
-TASK_OFF_POLICIES: tuple[str, ...] = literal_names(
-    TaskOffPolicy, TASK_TERMS, table_name="learner.loss.TASK_TERMS",
-    literal_name="TaskOffPolicy", kind="task off-policy handlings")
-
-
-def _task_term(lp, mu, adv, mask, cfg: LearnerConfig):
-    """Per-token task loss [B, L] (0 off-response) and its clipping statistic."""
+def _task_term(lp, mu, adv, mask, cfg: LearnerConfig) -> TermTokens:
+    """The task term's TermTokens, its loss 0 off-response."""
     term = lookup(TASK_TERMS, cfg.task_off_policy, "learner.task_off_policy")
-    tokens, clipped = term.tokens(lp, mu, adv, mask, cfg)
+    out = term.tokens(lp, mu, adv, mask, cfg)
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    return torch.where(mask, tokens, zero), clipped
+    return replace(out, loss=torch.where(mask, out.loss, zero))
 
 
 @dataclass(frozen=True)
@@ -266,8 +211,8 @@ def policy_loss(
         adv = stats.token_advantages.to(dt)
     else:
         adv = batch.advantages.to(dt)[:, None].expand_as(lp)
-    task_tokens, task_clipped = _task_term(lp, mu, adv, mask, learner_cfg)
-    task = task_tokens.sum() / n
+    task_tokens = _task_term(lp, mu, adv, mask, learner_cfg)
+    task = task_tokens.loss.sum() / n
     terms = {"task": task, "kl": _kl_term(lp, ref, mu, mask, kl_cfg, stats, n, like=task)}
     loss = task + terms["kl"]
     coef = learner_cfg.entropy_coef
@@ -280,7 +225,8 @@ def policy_loss(
     fresh = None if batch.token_lags is None else mask & (batch.token_lags == 0)
     metrics = step_metrics(terms, lp=lp, ref=ref, mu=mu, mask=mask, entropy=entropy,
                            kl_cfg=kl_cfg, task_off_policy=learner_cfg.task_off_policy,
-                           task_clipped=task_clipped, fresh=fresh)
+                           task_clipped=task_tokens.clipped,
+                           task_masked=task_tokens.masked, fresh=fresh)
     return loss, metrics
 
 

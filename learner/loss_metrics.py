@@ -2,7 +2,8 @@
 
 `step_metrics` is the no-grad pass over the tensors one `learner.loss.policy_loss` call used:
 the loss terms, the importance ratios pi/mu, the KL estimates of kl.diagnostics, the response
-counts and, where they apply, the entropy and the fraction of tokens a cap or a clip touched.
+counts and, where they apply, the entropy, the fraction of tokens a cap or a clip touched and
+the fractions of tokens and of samples a mask dropped.
 
 `merge_metrics` combines the parts of one update (micro-batches of a rank, then ranks) and
 `merge_updates` the updates of one step. Both take each key's extreme or mean by one rule
@@ -25,6 +26,7 @@ def step_metrics(terms: dict[str, torch.Tensor], *, lp: torch.Tensor, ref: torch
                  mu: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor | None,
                  kl_cfg: KLConfig, task_off_policy: str,
                  task_clipped: torch.Tensor | None,
+                 task_masked: torch.Tensor | None = None,
                  fresh: torch.Tensor | None = None) -> dict[str, float]:
     """The metrics of one loss evaluation, computed without gradients.
 
@@ -33,6 +35,10 @@ def step_metrics(terms: dict[str, torch.Tensor], *, lp: torch.Tensor, ref: torch
     lp / ref / mu: [B, L] current, reference and behaviour log-probs, 0 off-response.
     mask: [B, L] response tokens. entropy: [B, L] per-token entropy (None: not logged).
     task_clipped: [B, L] tokens the task term's cap or clip touched (None: no such term).
+    task_masked: [B, L] response tokens whose task gradient a mask dropped (None: the term
+        masks nothing). Logged as is/masked_token_frac (of response tokens) and
+        is/masked_sample_frac (of samples with at least one masked token: under a sequence
+        mask, the samples dropped whole).
     fresh: [B, L] the response tokens sampled by the weights being trained (token lag 0; None:
         not known). On them |log pi - log mu| holds no policy drift: on update 0 it is the
         learner/sampler mismatch alone, plus, with rollout.stale_kv=keep, what sampling over
@@ -79,6 +85,9 @@ def step_metrics(terms: dict[str, torch.Tensor], *, lp: torch.Tensor, ref: torch
                                                  tokens)
         if task_clipped is not None:
             metrics[f"is/{task_off_policy}_clipped_frac"] = _frac(task_clipped, tokens)
+        if task_masked is not None:
+            metrics["is/masked_token_frac"] = _frac(task_masked, tokens)
+            metrics[MASKED_SAMPLES_KEY] = float(task_masked.any(-1).double().mean())
     return metrics
 
 
@@ -101,6 +110,8 @@ COUNT_KEYS = ("response/tokens", "response/sequences", "is/fresh_tokens")
 # The mean over the fresh tokens (step_metrics' `fresh`): weighted by their count, since a
 # part may hold none (its 0 then weighs nothing).
 FRESH_KEY = "is/abs_log_ratio_fresh_token_mean"
+# A share of samples (per sequence, though it ends in _frac): merged sequence-weighted.
+MASKED_SAMPLES_KEY = "is/masked_sample_frac"
 # Per-token averages without a *_frac or *_token_mean suffix: merged token-weighted like those.
 TOKEN_MEAN_KEYS = ("policy/entropy",)
 
@@ -109,8 +120,9 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """One update's metrics from its parts' (micro-batches of a rank, then ranks). loss/* are
     sums over tokens / N with the global N, so they add, and so do COUNT_KEYS; otherwise the
     shared rule, with *_frac, *_token_mean and TOKEN_MEAN_KEYS (per-token averages) weighted by
-    the parts' tokens and every other key (per-sequence means such as response/length_mean,
-    and rank-level scalars such as grad/norm, equal on every rank) by their sequences."""
+    the parts' tokens and every other key (per-sequence means such as response/length_mean and
+    MASKED_SAMPLES_KEY, and rank-level scalars such as grad/norm, equal on every rank) by their
+    sequences."""
     if not parts:
         return {}
     seqs = [p.get("response/sequences", 1.0) for p in parts]
@@ -121,7 +133,8 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         if key.startswith("loss/") or key in COUNT_KEYS:
             out[key] = sum(vals)
         else:
-            per_token = key.endswith(("_frac", "_token_mean")) or key in TOKEN_MEAN_KEYS
+            per_token = (key.endswith(("_frac", "_token_mean")) or key in TOKEN_MEAN_KEYS) \
+                and key != MASKED_SAMPLES_KEY
             weights = toks if per_token else seqs
             if key == FRESH_KEY:
                 weights = [p.get("is/fresh_tokens", 0.0) for p in parts]

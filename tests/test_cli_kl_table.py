@@ -1,6 +1,7 @@
 """`klrl kl-table` end to end: the printed tables, JSON and plot reproduce docs/design.md's table
 and the README's trainer-level forms."""
 import json
+from pathlib import Path
 
 from cluster.cli.main import main
 
@@ -34,7 +35,7 @@ def test_kl_table_command_writes_json_and_plot(tmp_path, capsys):
     trainer = result["trainer"]
     assert len(trainer["rows"]) == 6 * 5 * 2 and all(r["ok"] for r in trainer["rows"])
     claimed = [c for r in trainer["rows"] for c in r["cells"] if c["exact"]]
-    assert len(claimed) > 300 and max(c["rel_error"] for c in claimed) < 1e-12
+    assert len(claimed) > 800 and max(c["rel_error"] for c in claimed) < 1e-12
     cells = {(r["kl"], r["estimator"], r["n"], c["lag"], c["task_off_policy"]): c
              for r in trainer["rows"] for c in r["cells"]}
     assert cells[("separate/reward/k1", "grpo", 2, 3.0, "ppo_clip")]["exact"]
@@ -42,6 +43,29 @@ def test_kl_table_command_writes_json_and_plot(tmp_path, capsys):
     assert {(r["seed"], r["n"]) for r in trainer["kl_part_variance"]} == {
         (s, n) for s in range(4) for n in (2, 3)}
     assert "separate/reward+loss/k3  grpo/group  n=3" in printed
+    assert cells[("separate/reward/k1", "rloo", 3, 3.0, "seq_mask_prod")]["exact"]
+    # the task-term rows: on-policy every term is g_on; off-policy what each mask drops
+    masks = result["task_terms"]
+    assert masks["band"] == [0.5, 2.0] and all(r["ok"] for r in masks["rows"])
+    row = {(r["task_off_policy"], r["lag"]): r for r in masks["rows"]}
+    assert all(row[(o, 0.0)]["bias"] < 1e-12 for o in ("none", "icepop", "mis", "seq_mask_prod"))
+    assert row[("icepop", 3.0)]["masked_tokens"] > 0 and 0 < row[("icepop", 3.0)]["dropped"] < 0.5
+    assert row[("icepop", 3.0)]["bias"] > row[("tis", 3.0)]["bias"]
+    # nothing leaves the band at lag 1: icepop is then per-token importance sampling (tis's
+    # gradient, cap 2 not binding) and mis the sequence's, unbiased for this binary reward
+    assert row[("icepop", 1.0)]["dropped"] == 0.0
+    assert abs(row[("icepop", 1.0)]["bias"] - row[("tis", 1.0)]["bias"]) < 1e-12
+    assert row[("mis", 1.0)]["bias"] < 1e-12 < row[("tis", 1.0)]["bias"]
+    assert row[("mis", 3.0)]["dropped"] > row[("seq_mask_prod", 3.0)]["dropped"] > 0
+    assert row[("seq_mask_geo", 3.0)]["masked_samples"] == 0.0  # no mean leaves [0.5, 2] here
+    assert "on-policy: 7 of 7 task terms" in printed
+    # docs/learner.md quotes these rows: the page cannot drift from the command
+    page = (Path(__file__).resolve().parent.parent / "docs" / "learner.md").read_text()
+    assert (f"IcePop at [0.5, 2] drops {row[('icepop', 3.0)]['dropped']:.1%} of the task "
+            "gradient's norm at lag 3") in page
+    for term in ("mis", "seq_mask_prod"):
+        assert f"drops {row[(term, 3.0)]['dropped']:.1%} (bias {row[(term, 3.0)]['bias']:.3f})" \
+            in " ".join(page.split()), term
 
 
 def test_kl_table_fails_when_a_trainer_row_stops_matching(monkeypatch, capsys):
@@ -54,6 +78,18 @@ def test_kl_table_fails_when_a_trainer_row_stops_matching(monkeypatch, capsys):
     rc = main(["kl-table", "lags=[0]", "trainer.group_sizes=[2]", "trainer.lags=[0]"])
     assert rc == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_kl_table_fails_when_a_mask_drops_on_policy_tokens(monkeypatch, capsys):
+    """The task-term rows guard the on-policy claim: a band test that masks everything (as a
+    band without 1 would) fails the command, with the rows marked."""
+    import learner.task_terms
+
+    monkeypatch.setattr(learner.task_terms, "in_band", lambda x, cfg: x != x)
+    rc = main(["kl-table", "lags=[0]", "trainer.group_sizes=[2]", "trainer.lags=[0]"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "on-policy: 3 of 7 task terms" in out and out.count("MISMATCH") >= 4
 
 
 def test_kl_table_rejects_bad_override(capsys):

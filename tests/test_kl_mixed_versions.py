@@ -30,7 +30,7 @@ from kl.diagnostics import sequence_kl_estimates
 from learner.config import LearnerConfig
 from learner.exact import chain_to_logits, enumerate_groups, expected_grad
 from learner.exact_table import ADVANTAGES, KL_MODES, documented, task_reward
-from learner.loss import TASK_OFF_POLICIES
+from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -265,35 +265,57 @@ def test_trainer_kl_share_is_biased_by_one_versions_log_probs(mode):
 
 
 def _task_grad_by_hand(groups, sampler: T.MixedSampler, lcfg: LearnerConfig) -> torch.Tensor:
-    """E[grad] of docs/design.md's per-token task term, written here from its formula (not
-    learner.loss), with rho_t = pi / the row of the branch's table that drew the token (not the
-    batch's behaviour_logp): d loss / d logp_t = -c_t A / n with c_t = 1 (none),
-    min(rho_t, C) (tis), or rho_t where ppo_clip takes the unclipped branch and 0 where it
-    clips."""
+    """E[grad] of learner/task_terms.py's per-token task term, written here from its formula
+    (not learner.loss), with rho_t = pi / the row of the branch's table that drew the token (not
+    the batch's behaviour_logp): d loss / d logp_t = -c_t A / n with c_t = 1 (none),
+    min(rho_t, C) (tis), rho_t where ppo_clip takes the unclipped branch and 0 where it clips,
+    rho_t in the band (icepop), R = prod rho in the band (mis), min(rho_t, C) where the
+    sequence's geometric mean / product is in the band (seq_mask_geo / _prod), else 0."""
     b, sp = groups.batch, TOY3.space
+    m = b.response_mask[:, 1:]
     lp = T.token_logp(TOY3.logits, sp)[groups.rows]
     drew = torch.stack([T.token_logp(t, sp) for t in sampler.tables])
     mu = drew[groups.branch.repeat_interleave(groups.n), groups.rows]
-    rho = torch.exp(lp - mu) * b.response_mask[:, 1:]
+    log_rho = (lp - mu) * m
+    rho = torch.exp(log_rho) * m
     adv = b.advantages[:, None]
-    c = {"none": torch.ones_like(rho),
-         "tis": rho.clamp(max=lcfg.tis_cap),
+    R = torch.exp(log_rho.sum(-1, keepdim=True))
+    G = torch.exp(log_rho.sum(-1, keepdim=True) / m.sum(-1, keepdim=True))
+
+    def band(x):
+        return (x >= lcfg.mask_low) & (x <= lcfg.mask_high)
+
+    tis = rho.clamp(max=lcfg.tis_cap)
+    c = {"none": torch.ones_like(rho), "tis": tis,
          "ppo_clip": torch.where(rho.clamp(1 - lcfg.ppo_clip_eps, 1 + lcfg.ppo_clip_eps) * adv
-                                 < rho * adv, 0.0, rho)}[lcfg.task_off_policy]
-    coef = -c * adv / groups.n * b.response_mask[:, 1:]
+                                 < rho * adv, 0.0, rho),
+         "icepop": torch.where(band(rho), rho, 0.0),
+         "mis": torch.where(band(R), R, 0.0).expand_as(rho),
+         "seq_mask_geo": torch.where(band(G), tis, 0.0),
+         "seq_mask_prod": torch.where(band(R), tis, 0.0)}[lcfg.task_off_policy]
+    coef = -c * adv / groups.n * m
     return chain_to_logits(groups, coef * groups.weight.repeat_interleave(groups.n)[:, None])
+
+
+# A band narrow enough that the mixed samplers' ratios fall on both sides of it.
+NARROW = {"mask_low": 0.8, "mask_high": 1.1}
 
 
 @pytest.mark.parametrize("off", TASK_OFF_POLICIES)
 @pytest.mark.parametrize("name", list(SAMPLERS3))
 def test_trainer_task_term_uses_each_tokens_own_log_prob(name, off):
     """The task term's expected gradient is its per-token formula with rho_t = pi / mu_{v(t)};
-    with one version's log-probs it changes wherever the term forms the ratio (tis, ppo_clip)."""
+    with one version's log-probs it changes wherever the term forms the ratio (every term but
+    none). The masks' band is narrow enough that each of them drops part of the gradient."""
+    band = NARROW if off in MASKING_TERMS else {}
     adv_cfg, lcfg = AdvantageConfig(estimator="rloo", normalize="group"), \
-        LearnerConfig(task_off_policy=off)
+        LearnerConfig(task_off_policy=off, **band)
     g = _groups(name, 2).with_task_advantages(adv_cfg)
     task = expected_grad(g, KLConfig(beta=0.0), adv_cfg, lcfg)
     assert relative_error(task, _task_grad_by_hand(g, SAMPLERS3[name], lcfg)) < 1e-12
+    if band:
+        wide = LearnerConfig(task_off_policy=off, mask_low=0.0, mask_high=1e6)
+        assert relative_error(task, expected_grad(g, KLConfig(beta=0.0), adv_cfg, wide)) > 1e-2
     old = expected_grad(g.relabelled(OLD3), KLConfig(beta=0.0), adv_cfg, lcfg)
     if off == "none":
         assert relative_error(old, task) < 1e-15  # -A logp reads no behaviour log-prob

@@ -151,10 +151,14 @@ def test_group_mean_estimators_refuse_one_sample_per_prompt(est):
 @pytest.mark.parametrize("sampling", [["rollout.top_k=2"], ["rollout.top_p=0.9"]])
 def test_truncated_sampling_refuses_importance_corrections(sampling):
     """Issue #22, 4: top-k / top-p sample a mu with no mass where pi has some; no ratio pi/mu
-    recovers pi, so kl.importance and the task term's tis / ppo_clip are refused with them."""
+    recovers pi, so kl.importance and every task term that forms the ratio (tis, ppo_clip and the
+    masks, which would drop tokens even on-policy) are refused with them."""
+    from learner.task_terms import TASK_TERMS
+
     with pytest.raises(ConfigError, match="kl.importance=prefix with rollout.top"):
         _train_config(*sampling, "kl.importance=prefix", "learner.task_off_policy=none")
-    for off in ("tis", "ppo_clip"):
+    assert len([n for n, t in TASK_TERMS.items() if t.uses_ratio]) == 6
+    for off in (n for n, t in TASK_TERMS.items() if t.uses_ratio):
         with pytest.raises(ConfigError, match=f"learner.task_off_policy={off} with rollout.top"):
             _train_config(*sampling, f"learner.task_off_policy={off}")
     cfg = _train_config(*sampling, "learner.task_off_policy=none")

@@ -2,6 +2,7 @@
 off-policy task handling, normalized vs separate KL advantage, sharding (micro-batches and
 merging: test_learner_microbatches.py)."""
 import math
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loss import policy_loss, sequence_logprobs
 from learner.loss_metrics import merge_metrics
+from learner.task_terms import TASK_OFF_POLICIES
 
 N_GLOBAL = 10.0  # a constant normaliser deliberately different from the batch size
 
@@ -68,7 +70,7 @@ KL_CASES = [
 
 @pytest.mark.parametrize("kl_cfg", KL_CASES,
                          ids=lambda c: f"{c.estimator}-{c.placement}-{c.importance}-{c.truncate}")
-@pytest.mark.parametrize("off_policy", ["none", "tis", "ppo_clip"])
+@pytest.mark.parametrize("off_policy", TASK_OFF_POLICIES)
 def test_kl_gradient_is_beta_times_surrogate_gradient(kl_cfg, off_policy):
     batch, logp, ref = _batch()
     batch = _with(batch, advantages=torch.zeros_like(batch.advantages))  # isolate the KL term
@@ -198,10 +200,11 @@ def test_on_policy_all_task_modes_agree(kl_cfg):
     batch, logp, ref = _batch(seed=2)
     batch = _with(batch, behaviour_logp=torch.where(batch.response_mask, logp, 0.0))
     grads = [_grad(batch, logp, ref, kl_cfg, lcfg=LearnerConfig(task_off_policy=o))
-             for o in ("none", "tis", "ppo_clip")]
+             for o in TASK_OFF_POLICIES]
     for _, g, m in grads[1:]:
         torch.testing.assert_close(g, grads[0][1], rtol=1e-12, atol=1e-14)
         assert m["is/ratio_min"] == m["is/ratio_max"] == 1.0
+        assert m.get("is/masked_token_frac", 0.0) == m.get("is/masked_sample_frac", 0.0) == 0.0
 
 
 def test_ppo_clip_survives_extreme_log_ratios():
@@ -256,13 +259,18 @@ def test_normalized_with_ignored_options_is_rejected():
                     N_GLOBAL)
 
 
-def test_split_batch_losses_gradients_and_metrics_add_up():
+@pytest.mark.parametrize("lcfg", [
+    LearnerConfig(task_off_policy="tis", tis_cap=1.2),
+    LearnerConfig(task_off_policy="seq_mask_geo", mask_high=1.5),
+    LearnerConfig(task_off_policy="icepop", mask_low=0.3, mask_high=3.0)],
+    ids=lambda c: c.task_off_policy)
+def test_split_batch_losses_gradients_and_metrics_add_up(lcfg):
     """What shards and micro-batches rely on: with the same N, the parts' losses and gradients
-    sum to the whole batch's, and merge_metrics reproduces the whole batch's metrics."""
+    sum to the whole batch's, and merge_metrics reproduces the whole batch's metrics (the masked
+    share of samples weighted by the parts' samples, of tokens by their tokens)."""
     batch, logp, ref = _batch(groups=(2, 2, 3, 3))
     cfg = KLConfig(estimator="k3", placement="reward+loss", importance="prefix", truncate=1.5,
                    beta=0.3)
-    lcfg = LearnerConfig(task_off_policy="tis", tis_cap=1.2)
     loss, grad, m = _grad(batch, logp, ref, cfg, lcfg=lcfg)
     parts, total, g_sum = [], 0.0, torch.zeros_like(grad)
     for r in range(2):
@@ -277,6 +285,10 @@ def test_split_batch_losses_gradients_and_metrics_add_up():
     torch.testing.assert_close(g_sum, grad, rtol=1e-12, atol=1e-14)
     merged = merge_metrics(parts)
     assert merged.keys() == m.keys()
+    if lcfg.task_off_policy != "tis":  # the seed masks some but not all in each part
+        assert all(0 < p["is/masked_sample_frac"] < 1 for p in parts)
+        assert parts[0]["response/tokens"] / parts[0]["response/sequences"] != \
+            parts[1]["response/tokens"] / parts[1]["response/sequences"]
     for key in m:
         assert merged[key] == pytest.approx(m[key], rel=1e-9, abs=1e-12), key
 
@@ -387,12 +399,12 @@ def test_the_task_term_table_names_exactly_the_configs_choices():
     from typing import get_args
 
     from learner.config import TaskOffPolicy
-    from learner.loss import TASK_OFF_POLICIES, TASK_TERMS
+    from learner.task_terms import TASK_TERMS
 
     assert TASK_OFF_POLICIES == tuple(TASK_TERMS) == get_args(TaskOffPolicy)
     assert [n for n, t in TASK_TERMS.items() if not t.uses_ratio] == ["none"]
     batch, logp, ref = _batch()
     unchecked = LearnerConfig.model_construct(task_off_policy="clip")
     with pytest.raises(ValueError, match=r"learner.task_off_policy must be one of "
-                                         r"\('none', 'tis', 'ppo_clip'\), got 'clip'"):
+                                         + re.escape(f"{TASK_OFF_POLICIES}, got 'clip'")):
         _grad(batch, logp, ref, KLConfig(beta=0.0), lcfg=unchecked)

@@ -6,9 +6,12 @@ variance, on-policy and off-policy, whether the exact expectation matches docs/d
 table, and a sweep of the bias against the behaviour policy's lag. Then the trainer-level
 rows: the KL's share of the learner's whole expected update (every placement x
 kl_in_advantage x advantage estimator x normalize x task_off_policy, groups of 2 and 3)
-against the form docs/kl.md gives. Everything is exact enumeration (no sampling), so the numbers are
+against the form docs/kl.md gives; and the task-term rows: each learner.task_off_policy's bias and
+variance of the task gradient at the trainer rows' lags, and what each mask drops (docs/learner.md).
+Everything is exact enumeration (no sampling), so the numbers are
 deterministic for a seed; it runs in seconds on CPU and exits 1 if a row stops matching. The
-numbers come from kl/table.py and learner/exact_table.py; this module parses, prints and plots.
+numbers come from kl/table.py, learner/exact_table.py and learner/exact_masks.py; this module
+parses, prints and plots.
 """
 from __future__ import annotations
 
@@ -56,23 +59,26 @@ def print_trainer_table(trainer: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from learner.loss import TASK_OFF_POLICIES  # torch, loaded by the computation already
+    from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES  # torch: loaded already
 
     cfg = trainer["config"]
     table = Table(title="The trainer's loss, exactly over every group of n of "
                         f"{trainer['num_sequences']} toy sequences (beta {cfg['beta']:g}): "
                         "rel.err of the KL's share of E\\[update] against the documented form; "
-                        "(x): no exact claim, distance from the on-policy form")
+                        "(x): no exact claim, distance from the on-policy form; masks: the "
+                        f"worst of {', '.join(MASKING_TERMS)}")
     table.add_column("kl / estimator / normalize / n", no_wrap=True)
     table.add_column("max|A| (bound)", justify="right")
     lags = cfg["lags"]
-    opts = TASK_OFF_POLICIES
+    # One column per task term that masks nothing, one for the masks together (the widest).
+    opts = [(o, (o,)) for o in TASK_OFF_POLICIES if o not in MASKING_TERMS]
+    opts.append(("masks", MASKING_TERMS))
     for lag in lags:
         if lag == 0:
             table.add_column("on-policy", justify="right")
         else:
-            for o in opts:
-                table.add_column(f"lag {lag:g}: {o}", justify="right")
+            for name, _ in opts:
+                table.add_column(f"lag {lag:g}: {name}", justify="right")
     table.add_column("", no_wrap=True)
 
     def fmt(cells):
@@ -92,9 +98,10 @@ def print_trainer_table(trainer: dict) -> None:
             if lag == 0:
                 cols.append(fmt(at))  # on-policy every task_off_policy has the same update
             else:
-                cols += [fmt([c for c in at if c["task_off_policy"] == o]) for o in opts]
+                cols += [fmt([c for c in at if c["task_off_policy"] in terms])
+                         for _, terms in opts]
         table.add_row(r["config"], adv, *cols, "ok" if r["ok"] else "MISMATCH")
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else 176)
     console.print(table)
     claimed = [c["rel_error"] for r in trainer["rows"] for c in r["cells"] if c["exact"]]
     console.print(f"{len(claimed)} claimed cells, largest relative error {max(claimed):.1e} "
@@ -108,6 +115,37 @@ def print_trainer_table(trainer: dict) -> None:
         var.add_row(str(v["seed"]), str(v["n"]), f"{v['centered'] / v['separate']:.2f}",
                     f"{v['centered_scaled'] / v['separate_scaled']:.2f}")
     console.print(var)
+
+
+def print_mask_table(masks: dict) -> None:
+    """The task-term rows (learner/exact_masks.py): bias and variance of each task term's
+    expected gradient off-policy, and what the masks drop."""
+    from rich.console import Console
+    from rich.table import Table
+
+    low, high = masks["band"]
+    table = Table(title=f"The task gradient off-policy, exactly over every group of "
+                        f"n={masks['n']} ({masks['advantage']}, beta 0; masks' band "
+                        f"[{low:g}, {high:g}], tis_cap {masks['tis_cap']:g}): bias |E g - g_on| "
+                        "/ |g_on| and per-group variance / |g_on|^2 against g_on, the same "
+                        "policy's on-policy gradient; dropped: the share of the unmasked "
+                        "gradient's norm the band removes")
+    for col in ("task_off_policy", "lag", "bias", "variance", "dropped", "masked tokens",
+                "masked samples", ""):
+        table.add_column(col, justify="left" if col == "task_off_policy" else "right",
+                         no_wrap=True)
+    for r in masks["rows"]:
+        if r["lag"] == 0 and r["ok"]:
+            continue  # on-policy every term is g_on with nothing masked (checked)
+        dropped = "-" if r["dropped"] is None else f"{r['dropped']:.1%}"
+        table.add_row(r["task_off_policy"], f"{r['lag']:g}", f"{r['bias']:.3f}",
+                      f"{r['variance']:.3f}", dropped, f"{r['masked_tokens']:.1%}",
+                      f"{r['masked_samples']:.1%}", "ok" if r["ok"] else "MISMATCH")
+    console = Console(width=None if Console().is_terminal else 140)
+    console.print(table)
+    on = [r for r in masks["rows"] if r["lag"] == 0]
+    console.print(f"on-policy: {sum(r['ok'] for r in on)} of {len(on)} task terms have the "
+                  f"on-policy gradient and mask nothing (tolerance {masks['tolerance']:.0e})")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -136,6 +174,7 @@ def plot(result: dict, path: Path) -> None:
 
 def run(args) -> int:
     from kl.table import KLTableConfig, compute_table  # torch: not at `klrl --help`
+    from learner.exact_masks import compute_mask_rows
     from learner.exact_table import compute_trainer_rows, kl_part_variance
 
     try:
@@ -146,8 +185,10 @@ def run(args) -> int:
     result = compute_table(cfg)
     result["trainer"] = compute_trainer_rows(cfg.trainer)
     result["trainer"]["kl_part_variance"] = kl_part_variance(length=cfg.trainer.length)
+    result["task_terms"] = compute_mask_rows(cfg.trainer)
     print_table(result)
     print_trainer_table(result["trainer"])
+    print_mask_table(result["task_terms"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -156,7 +197,8 @@ def run(args) -> int:
         plot(result, Path(args.plot))
         print(f"wrote {args.plot}")
     ok = all(r["matches_design_table"] for r in result["rows"])
-    return 0 if ok and all(r["ok"] for r in result["trainer"]["rows"]) else 1
+    ok = ok and all(r["ok"] for r in result["trainer"]["rows"])
+    return 0 if ok and all(r["ok"] for r in result["task_terms"]["rows"]) else 1
 
 
 def register(subparsers) -> None:

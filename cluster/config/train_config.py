@@ -19,7 +19,7 @@ from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from kl.surrogate import IMPORTANCE_CORRECTIONS
 from learner.config import LearnerConfig
-from learner.loss import TASK_TERMS
+from learner.task_terms import TASK_TERMS
 from rewards.config import EvalConfig, TaskConfig
 from rewards.records import Task
 from rewards.registry import get_task, is_plugin

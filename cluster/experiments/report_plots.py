@@ -62,7 +62,8 @@ FIGURES = (
             Panel("kl/mu_ref", "Sampler's KL(mu || ref)", "KL per sequence (nats)", log="auto"))),
     Figure("importance_ratio.png", "How off-policy the training data was", "Extremes of the "
            "per-token ratio pi/mu of the learner's policy to the sampler's (1 = on-policy), "
-           "the fraction of tokens whose importance weight was clipped or truncated, and the "
+           "the fraction of tokens whose importance weight was clipped or truncated (and of "
+           "tokens and samples a mask dropped), and the "
            "batch's mean lag in policy versions.",
            (Panel("is/ratio_max", "Largest token ratio pi/mu", "ratio (log scale)", log=True,
                   ref=1.0),
@@ -71,6 +72,11 @@ FIGURES = (
             Panel("is/tis_clipped_frac", "Task term: tokens with rho > tis_cap", _TOK,
                   y_from_0=0.0),
             Panel("is/ppo_clip_clipped_frac", "Task term: PPO-clipped tokens", _TOK, y_from_0=0.0),
+            # learner.task_off_policy icepop, mis, seq_mask_*: what the band dropped
+            Panel("is/masked_token_frac", "Task term: tokens a mask dropped", _TOK,
+                  y_from_0=0.0),
+            Panel("is/masked_sample_frac", "Task term: samples with a masked token",
+                  "fraction of samples", y_from_0=0.0),
             Panel("is/truncated_frac", "KL term: truncated prefix weights", _TOK, y_from_0=0.0),
             Panel("lag/mean", "Mean lag of the batch", "policy versions", smooth=False))),
     Figure("grad_norm.png", "Gradient norm", "Global L2 norm of the gradient before clipping; "
