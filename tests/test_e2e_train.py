@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from scorers import short_answers
+from wandb_records import config as wandb_config
 
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.train import checkpoint as ckpt
 from cluster.train.run import train
-from cluster.train.run_log import SAMPLE_COLUMNS, read_metrics, read_samples
+from cluster.train.run_log import FILTER_KEYS, SAMPLE_COLUMNS, read_metrics, read_samples
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,12 @@ def test_samples_table_in_samples_jsonl_and_wandb(lag0):
     assert table["data"] == [[r[c] for c in SAMPLE_COLUMNS] for r in rows]
     run = _wandb_run_record(run_dir)
     assert (run.entity, run.display_name) == ("klrl-tests", "lag zero")
+    # the KL setting, lag and seed as flat config keys, to filter and group runs by in wandb
+    logged = wandb_config(run)
+    assert {k: logged[k] for k in FILTER_KEYS} == {"estimator": "k1", "placement": "reward",
+                                                   "importance": "none", "beta": 0.05,
+                                                   "lag": 0, "seed": 0}
+    assert logged["kl"]["estimator"] == "k1"  # beside the nested config, which stays whole
 
 
 def _wandb_run_record(run_dir: Path):
