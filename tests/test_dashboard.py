@@ -5,6 +5,7 @@ The runs are synthetic run directories (tests/test_report.py's `write_run`)."""
 import csv
 import json
 
+import pytest
 import yaml
 from test_report import write_run
 from wandb_records import config, history, records, run_record
@@ -26,12 +27,27 @@ def _sweep(root, mode="offline"):
     return root
 
 
-def test_report_logs_one_offline_summary_run_with_its_tables_charts_and_figures(
-        tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    sweep = _sweep(tmp_path / "grid")
-    assert main(["report", str(sweep)]) == 0
-    printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def summarised(tmp_path_factory):
+    """A sweep of synthetic runs and `klrl report` on it: its summary run (one wandb start,
+    shared by the tests below)."""
+    import contextlib
+    import io
+    import os
+
+    sweep = _sweep(tmp_path_factory.mktemp("dashboard") / "grid")
+    mode = os.environ.pop("WANDB_MODE", None)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main(["report", str(sweep)]) == 0
+    finally:
+        if mode is not None:
+            os.environ["WANDB_MODE"] = mode
+    return sweep, printed.getvalue()
+
+
+def test_report_logs_one_offline_summary_run_with_its_tables_charts_and_figures(summarised):
+    sweep, printed = summarised
     offline = list((sweep / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, offline
     assert f"wandb sync {offline[0]}" in printed
@@ -78,14 +94,17 @@ def test_report_logs_one_offline_summary_run_with_its_tables_charts_and_figures(
         assert (offline[0] / "files" / image["path"]).stat().st_size > 10_000
 
 
-def test_no_summary_for_runs_without_wandb_or_when_asked(tmp_path, monkeypatch):
+def test_no_summary_for_runs_without_wandb_or_when_asked(summarised, tmp_path, monkeypatch):
+    from cluster.experiments.dashboard import log_summary
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    sweep = _sweep(tmp_path / "quiet", mode="disabled")
-    assert main(["report", str(sweep)]) == 0
-    assert not (sweep / "wandb").exists()
-    sweep = _sweep(tmp_path / "grid")
-    assert main(["report", str(sweep), "--no-wandb"]) == 0
-    assert not (sweep / "wandb").exists()
+    sweep, _ = summarised
+    quiet = _sweep(tmp_path / "quiet", mode="disabled")
+    assert log_summary(quiet, sweep / "report" / "report.md") is None
+    assert not (quiet / "wandb").exists()
+    asked = _sweep(tmp_path / "grid")
+    assert main(["report", str(asked), "--no-wandb"]) == 0
+    assert (asked / "report" / "report.md").is_file() and not (asked / "wandb").exists()
 
 
 def test_measures_average_each_configuration_and_tables_keep_their_cells(tmp_path):
@@ -104,3 +123,38 @@ def test_measures_average_each_configuration_and_tables_keep_their_cells(tmp_pat
     assert tables["findings"].columns == ["claim", "verdict"]
     assert tables["findings"].rows == [["K1 loss | off-policy", "reproduced"]]
     assert report_figures(tmp_path / "report.md") == []  # kl.png is not there
+
+
+def test_workspace_groups_by_configuration_and_shows_the_summary_runs_keys(summarised, capsys):
+    """The workspace built with wandb-workspaces (not saved: that needs a wandb server): runs
+    of the sweep's group, grouped by the flat config keys but the seed, a line plot per metric
+    the runs logged, and the verdict panels on keys the summary run really logged."""
+    pytest.importorskip("wandb_workspaces", reason="the `dashboard` extra is not installed")
+    from cluster.experiments.workspace import build_workspace, logged_keys
+    from cluster.train.run_log import FILTER_KEYS
+
+    sweep, _ = summarised
+    summary = history(next((sweep / "wandb").glob("offline-run-*")))
+    figures = [k for k in summary if k.startswith("figures/")]
+    runs = logged_keys(sweep)
+    workspace = build_workspace("team", "klrl-test", "grid", runs, figures)
+
+    assert [g.name for g in workspace.runset_settings.groupby] == [
+        k for k in FILTER_KEYS if k != "seed"]
+    assert str(workspace.runset_settings.filters) == "Metric(\"Group\") == 'grid'"
+    sections = {s.name: s.panels for s in workspace.sections}
+    plotted = {k for name, panels in sections.items() if name.startswith("Verdict") is False
+               for p in panels for k in p.y}
+    assert plotted <= runs and {"kl/pi_ref", "kl/pi_ref_k3", "reward/mean", "lag/mean",
+                                "is/ratio_max", "eval/in_domain/accuracy"} <= plotted
+    verdict = sections["Verdict (summary run)"]
+    tables = [p.table_name for p in verdict if hasattr(p, "table_name")]
+    assert tables and set(tables) <= summary.keys()  # each one a table the summary logged
+    media = next(p for p in verdict if hasattr(p, "media_keys"))
+    assert sorted(media.media_keys) == sorted(figures) and len(figures) >= 4
+    view = workspace._to_model()  # what save() would send, made without a server
+    assert view.project == "klrl-test" and view.display_name == "klrl: grid"
+
+    assert main(["dashboard", str(sweep)]) == 0  # the command prints the layout, saves nothing
+    out = capsys.readouterr().out
+    assert "runs of group 'grid'" in out and "not saved" in out and "KL to the reference" in out

@@ -187,3 +187,20 @@ def test_lag2_is_asynchronous_and_bounded(lag2):
                for m in stale)
     # lagged batches hold no token of the trained weights: no fresh reading to merge in
     assert all(m["is/fresh_tokens"] == 0 for m in steps if m["lag/max"] == m["lag/mean"] > 0)
+
+
+def test_the_wandb_workspace_plots_metric_keys_klrl_logs(lag0, lag2):
+    """Every curve of the workspace (cluster/experiments/workspace.py) is a metric a real run
+    logs: a renamed metric would leave an empty panel in every researcher's dashboard. Only
+    the evaluation sets these runs do not have (far out-of-domain) may be missing."""
+    pytest.importorskip("wandb_workspaces", reason="the `dashboard` extra is not installed")
+    from cluster.experiments.runs import ACCURACY_KEYS
+    from cluster.experiments.workspace import CURVES, build_workspace, logged_keys
+
+    logged = logged_keys(lag0[0]) | logged_keys(lag2[0])
+    wanted = {k for _, panels in CURVES for _, keys in panels for k in keys}
+    unevaluated = {k for k, _ in ACCURACY_KEYS if "/far_out_of_domain/" in k}
+    assert wanted - logged <= unevaluated, wanted - logged - unevaluated
+    workspace = build_workspace("team", "project", None, logged)
+    plotted = {k for s in workspace.sections for p in s.panels for k in getattr(p, "y", [])}
+    assert plotted == wanted - unevaluated

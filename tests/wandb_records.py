@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 
-def records(offline_run: Path) -> list:
-    """Every protobuf Record of the offline run directory `offline_run` (offline-run-*)."""
+def records(offline_run: Path, timeout_s: float = 60) -> list:
+    """Every protobuf Record of the offline run directory `offline_run` (offline-run-*), once
+    the file is whole: wandb's service may still be writing it after `finish()` returned, and
+    its last record is the `exit` one."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := _read(offline_run)) or found[-1].WhichOneof("record_type") != "exit":
+        assert time.monotonic() < deadline, f"{offline_run}: no exit record"
+        time.sleep(0.2)
+    return found
+
+
+def _read(offline_run: Path) -> list:
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = next(offline_run.glob("run-*.wandb")).read_bytes()
@@ -19,6 +30,8 @@ def records(offline_run: Path) -> list:
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:  # zeros: the end of what was written so far
+            break
         chunk += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
