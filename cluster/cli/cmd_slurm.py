@@ -48,7 +48,8 @@ def _job(args):
             ray_start_args=args.ray_start_arg)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+        raise ConfigError(f"--{str(err['loc'][0]).replace('_', '-')}: "
+                          f"{err['msg'].removeprefix('Value error, ')}") from None
 
 
 def _run_slurm(args) -> int:
