@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick test-durations test-gpu gpu-check venv kl-table figures results docs clean-venv
+.PHONY: demo test test-quick test-durations test-gpu gpu-check venv kl-table figures results docs clean-venv slurm-packages
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
@@ -20,8 +20,21 @@ demo: $(STAMP)
 # DeepSpeed (one after another within a group; tests/conftest.py), and the other tests around
 # them. The JUnit report feeds `make test-durations`.
 JUNIT := .cache/pytest-junit.xml
-test: $(STAMP)
+test: $(STAMP) slurm-packages
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 --junitxml=$(JUNIT) $(PYTEST_ARGS)
+
+# Debian's SLURM daemons for tests/test_slurm.py, which starts a one-node cluster of its own on
+# loopback (as root). Installed when missing where this runs as root with apt-get; anywhere else
+# (or if apt fails) nothing happens and that test skips, saying why. Never fails the target.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+slurm-packages:
+	@if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] \
+	    && command -v sbatch >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $(SLURM_PACKAGES) for tests/test_slurm.py"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    $(SLURM_PACKAGES)) >/dev/null 2>&1 || echo "not installed: tests/test_slurm.py skips"; \
+	fi
 
 # The tests that need no Ray, vLLM or DeepSpeed (kl/, rewards/, configs, docs, CLI refusals):
 # under 2 minutes, for the edit-test loop. They run on both cores, as `make test` runs them:
@@ -86,7 +99,7 @@ docs: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/pip install --quiet -e '.[cpu,dev,dashboard]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 

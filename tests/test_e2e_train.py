@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from scorers import short_answers
+from wandb_records import config as wandb_config
 
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 from cluster.train import checkpoint as ckpt
 from cluster.train.run import train
-from cluster.train.run_log import SAMPLE_COLUMNS, read_metrics, read_samples
+from cluster.train.run_log import FILTER_KEYS, SAMPLE_COLUMNS, read_metrics, read_samples
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,12 @@ def test_samples_table_in_samples_jsonl_and_wandb(lag0):
     assert table["data"] == [[r[c] for c in SAMPLE_COLUMNS] for r in rows]
     run = _wandb_run_record(run_dir)
     assert (run.entity, run.display_name) == ("klrl-tests", "lag zero")
+    # the KL setting, lag and seed as flat config keys, to filter and group runs by in wandb
+    logged = wandb_config(run)
+    assert {k: logged[k] for k in FILTER_KEYS} == {"estimator": "k1", "placement": "reward",
+                                                   "importance": "none", "beta": 0.05,
+                                                   "lag": 0, "seed": 0}
+    assert logged["kl"]["estimator"] == "k1"  # beside the nested config, which stays whole
 
 
 def _wandb_run_record(run_dir: Path):
@@ -180,3 +187,20 @@ def test_lag2_is_asynchronous_and_bounded(lag2):
                for m in stale)
     # lagged batches hold no token of the trained weights: no fresh reading to merge in
     assert all(m["is/fresh_tokens"] == 0 for m in steps if m["lag/max"] == m["lag/mean"] > 0)
+
+
+def test_the_wandb_workspace_plots_metric_keys_klrl_logs(lag0, lag2):
+    """Every curve of the workspace (cluster/experiments/workspace.py) is a metric a real run
+    logs: a renamed metric would leave an empty panel in every researcher's dashboard. Only
+    the evaluation sets these runs do not have (far out-of-domain) may be missing."""
+    pytest.importorskip("wandb_workspaces", reason="the `dashboard` extra is not installed")
+    from cluster.experiments.runs import ACCURACY_KEYS
+    from cluster.experiments.workspace import CURVES, build_workspace, logged_keys
+
+    logged = logged_keys(lag0[0]) | logged_keys(lag2[0])
+    wanted = {k for _, panels in CURVES for _, keys in panels for k in keys}
+    unevaluated = {k for k, _ in ACCURACY_KEYS if "/far_out_of_domain/" in k}
+    assert wanted - logged <= unevaluated, wanted - logged - unevaluated
+    workspace = build_workspace("team", "project", None, logged)
+    plotted = {k for s in workspace.sections for p in s.panels for k in getattr(p, "y", [])}
+    assert plotted == wanted - unevaluated

@@ -39,7 +39,8 @@ PACKAGES = tuple(ALLOWED)
 # cluster/'s subpackages and the subpackages each may import (docs/layout.md).
 SUBPACKAGES: dict[str, set[str]] = {
     "cluster.cli": {"cluster.config", "cluster.train", "cluster.experiments", "cluster.bench",
-                    "cluster.tiny"},
+                    "cluster.tiny", "cluster.slurm"},
+    "cluster.slurm": {"cluster.config", "cluster.train"},
     "cluster.bench": {"cluster.config", "cluster.train", "cluster.tiny"},
     "cluster.experiments": {"cluster.config", "cluster.train", "cluster.tiny"},
     "cluster.train": {"cluster.config", "cluster.tiny"},

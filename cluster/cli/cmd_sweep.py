@@ -73,7 +73,9 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
           f"{len(runs) - len(outcomes)} not started; directory {sweep_dir(cfg)}")
     if write and count["finished"] + count["skipped"] + count["stopped"]:
         try:
-            print(f"report: {write_report(sweep_dir(cfg), cfg.report)}")
+            report = write_report(sweep_dir(cfg), cfg.report)
+            print(f"report: {report}")
+            _wandb_summary(sweep_dir(cfg), report)
         except ConfigError as exc:  # e.g. a report.kl_metric no run logged: the runs stand
             print(f"report not written: {exc}; fix it and run `klrl report {sweep_dir(cfg)}`",
                   file=sys.stderr)
@@ -103,7 +105,25 @@ def _run_report(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"report: {report}")
+    if not args.no_wandb and not (path / "metrics.jsonl").is_file():  # a directory of runs
+        _wandb_summary(path, report)
     return 0
+
+
+def _wandb_summary(runs_dir: Path, report: Path) -> None:
+    """The report as one summary run in the runs' wandb project (experiments/dashboard.py);
+    a wandb failure is a warning: the report on disk stands."""
+    from cluster.experiments.dashboard import log_summary
+
+    try:
+        where = log_summary(runs_dir, report)
+    except Exception as exc:  # noqa: BLE001 - wandb's errors are many; the report is written
+        print(f"warning: the wandb summary was not logged: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return
+    if where is not None:
+        offline = where.name.startswith("offline-")
+        print(f"wandb summary: {where}" + (f" (upload: wandb sync {where})" if offline else ""))
 
 
 def register(subparsers) -> None:
@@ -127,4 +147,7 @@ def register(subparsers) -> None:
                    "kl_max=50 smooth=1 (default: the sweep's `report:` section)")
     p.add_argument("--out", default=None, metavar="DIR", help="write report.md and its plots "
                    "here (default DIR/report), e.g. docs/sweeps/offpolicy_tiny for the docs")
+    p.add_argument("--no-wandb", action="store_true", help="do not log the report as a summary "
+                   "run in the runs' wandb project (a directory of runs logs one by default, "
+                   "unless the runs had wandb disabled)")
     p.set_defaults(func=_run_report)

@@ -12,17 +12,20 @@ import sys
 
 from cluster.cli import (
     cmd_bench,
+    cmd_dashboard,
     cmd_figures,
     cmd_kl_table,
     cmd_model,
     cmd_options,
+    cmd_slurm,
     cmd_sweep,
     cmd_train,
 )
 from cluster.train.provenance import version_line
 
 # Order is the order shown in `klrl --help`.
-COMMANDS = [cmd_train, cmd_options, cmd_model, cmd_kl_table, cmd_sweep, cmd_bench, cmd_figures]
+COMMANDS = [cmd_train, cmd_options, cmd_model, cmd_kl_table, cmd_sweep, cmd_dashboard, cmd_slurm,
+            cmd_bench, cmd_figures]
 
 
 class _Version(argparse.Action):

@@ -40,6 +40,17 @@ FINAL_DIR = "final"
 SAMPLE_COLUMNS = ("step", "policy_version", "lag", "prompt", "response", "reward", "answer",
                   "finish_reason")
 SAMPLES_KEY = "samples"  # the wandb key of the table
+# Flat wandb config keys beside the nested config, so that a project's runs filter and group
+# by them in one click (wandb nests kl.estimator under kl); the dashboard groups by them
+# (cluster/experiments/workspace.py).
+FILTER_KEYS = ("estimator", "placement", "importance", "beta", "lag", "seed")
+
+
+def filter_config(cfg) -> dict:
+    """The FILTER_KEYS of a TrainConfig: its KL setting, max_lag and seed."""
+    k = cfg.kl
+    return dict(zip(FILTER_KEYS, (k.estimator, k.placement, k.importance, k.beta, cfg.max_lag,
+                                  cfg.seed), strict=True))
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -110,7 +121,7 @@ class RunLog:
         self._wandb = wandb.init(
             entity=lg.wandb_entity, project=lg.wandb_project, group=lg.wandb_group,
             tags=lg.tags or None, mode=mode, name=lg.wandb_name or self.dir.name,
-            dir=str(self.dir), config=self.cfg.model_dump(mode="json"),
+            dir=str(self.dir), config=self.cfg.model_dump(mode="json") | filter_config(self.cfg),
             id=self.wandb_id, resume="allow" if self.wandb_id else None)
         self.wandb_id = self._wandb.id
 
