@@ -1,12 +1,15 @@
 """docs/own-model.md, run as written: a Hugging Face model directory, a local jsonl dataset with
 its own column names and a reward function from the user's own package; the page's config
 passes every pre-flight check, its reward scores the rows, `klrl submit` takes the page's GPU
-command (dry run), and one real run trains it on CPU (slow). The GPU run is `gpu`-marked."""
+command (dry run), and one real run trains it on CPU, which the page's `klrl eval` then
+evaluates (slow). The GPU run is `gpu`-marked."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,8 +94,6 @@ def test_the_page_gpu_command_is_a_valid_submission(user_dir, capsys, monkeypatc
 
 
 def _train(user_dir, *extra):
-    import os
-
     from cluster.train.run import train
     from cluster.train.run_log import read_metrics
 
@@ -117,6 +118,16 @@ def test_the_page_config_trains_on_cpu(user_dir, monkeypatch):
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
     assert (run_dir / "final" / "config.json").is_file()
     assert (run_dir / "final" / "tokenizer.json").is_file()
+    # The page's `klrl eval` of the trained model, as written (in a process of its own: vLLM
+    # keeps an in-process engine's state in globals); issue 48: it failed on the columns.
+    argv = page_command("own-eval")
+    assert argv[:3] == ["klrl", "eval", str(run_dir / "final")]
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", *argv[1:]], cwd=user_dir,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{user_dir}"},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if "in_domain" in line)
+    assert re.search(r"in_domain\W+3\W", row), row  # the page's three problems
 
 
 # On fewer GPUs than the page's command asks for (a GPU each for the worker and the learner

@@ -220,29 +220,37 @@ def test_short_runs_are_drawn_unsmoothed_and_the_raw_values_stay_visible(tmp_pat
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    from cluster.experiments.report_plots import FIGURES, _aggregate, effective_window, plot_figure
+    from cluster.experiments.report_plots import (
+        FIGURES,
+        _aggregate,
+        effective_window,
+        plot_figure,
+        report_window,
+    )
 
-    assert [effective_window(25, n) for n in (3, 10, 60, 300)] == [1, 2, 12, 25]
+    # at most a fifth of the run, and odd: the centred window drawn is the one stated
+    assert [effective_window(25, n) for n in (3, 10, 60, 300)] == [1, 1, 11, 25]
     rewards = {1: {"reward/mean": 0.117}, 2: {"reward/mean": 0.059}, 3: {"reward/mean": 0.113}}
     run = load_run(write_run(tmp_path / "short", steps=3, extra=rewards))
-    assert _aggregate([run], FIGURES[0].panels[0], 25)[1] == [0.117, 0.059, 0.113]
+    window = report_window([run], 25)
+    assert _aggregate([run], FIGURES[0].panels[0], window)[1] == [0.117, 0.059, 0.113]
 
     long = load_run(write_run(tmp_path / "long", steps=40))
     drawn = []
-    real_subplots = plt.subplots
+    real_subplots = Figure.subplots
 
     def keep_axes(*args, **kwargs):
-        fig, axes = real_subplots(*args, **kwargs)
+        axes = real_subplots(*args, **kwargs)
         drawn.append(axes)
-        return fig, axes
+        return axes
 
-    plt.subplots = keep_axes
+    Figure.subplots = keep_axes
     try:
         assert plot_figure(FIGURES[0], {"k1": [long]}, [long], CFG, tmp_path) == "reward.png"
     finally:
-        plt.subplots = real_subplots
+        Figure.subplots = real_subplots
     ax = drawn[0].flat[0]
     raw, smoothed = ax.get_lines()[:2]
     assert list(raw.get_ydata()) == [long.rows[s]["reward/mean"] for s in range(1, 41)]

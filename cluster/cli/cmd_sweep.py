@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -89,24 +90,37 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
     return 1 if failed else 0
 
 
+def _is_override(arg: str) -> bool:
+    """`key=value` (a report option) rather than a directory; a directory that exists wins."""
+    return bool(re.match(r"^[A-Za-z_][\w.]*=", arg)) and not Path(arg).is_dir()
+
+
 def _run_report(args) -> int:
     from cluster.train.door.commands import check_report_dir
 
-    path = Path(args.dir)
+    overrides = [a for a in args.dirs if _is_override(a)] + args.overrides
+    paths = [Path(a) for a in args.dirs if not _is_override(a)]
     try:
-        check_report_dir(path, args.out)  # the door: runs with metrics, --out not a file
+        if not paths:
+            raise ConfigError("give a run directory or a directory of runs (a sweep's) to "
+                              "report on, e.g. `klrl report runs/r1` or `klrl report runs/r1 "
+                              "runs/r2` to compare runs")
+        for path in paths:  # the door: runs with metrics, --out not a file
+            check_report_dir(path, args.out)
         base = {}
-        if (path / "sweep.yaml").is_file():  # the sweep's own thresholds, under the overrides
-            base = load_config(SweepConfig, path / "sweep.yaml").report.model_dump()
-        cfg = validate(ReportConfig, merge(base, args.overrides), source="report options",
-                       overrides=args.overrides)
-        report = write_report(path, cfg, out=args.out)
+        sweep = paths[0] / "sweep.yaml"
+        if len(paths) == 1 and sweep.is_file():  # the sweep's thresholds, under the overrides
+            base = load_config(SweepConfig, sweep).report.model_dump()
+        cfg = validate(ReportConfig, merge(base, overrides), source="report options",
+                       overrides=overrides)
+        report = write_report(paths[0] if len(paths) == 1 else paths, cfg, out=args.out)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"report: {report}")
-    if not args.no_wandb and not (path / "metrics.jsonl").is_file():  # a directory of runs
-        _wandb_summary(path, report)
+    # One directory of runs (a sweep's) gets its summary run; a comparison of several does not.
+    if not args.no_wandb and len(paths) == 1 and not (paths[0] / "metrics.jsonl").is_file():
+        _wandb_summary(paths[0], report)
     return 0
 
 
@@ -141,12 +155,16 @@ def register(subparsers) -> None:
     p.set_defaults(func=_run_sweep)
 
     p = subparsers.add_parser("report", help="plots, accuracy table and instability flags of a "
-                              "run or a sweep directory")
-    p.add_argument("dir", help="a run directory, or a directory of runs (a sweep)")
+                              "run or a sweep directory, or of several compared")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="a run directory, or a directory of "
+                   "runs (a sweep); several: their runs compared in one report, each labelled "
+                   "by the config keys in which the runs differ")
     p.add_argument("overrides", nargs="*", help="report options, e.g. collapse_fraction=0.3 "
-                   "kl_max=50 smooth=1 (default: the sweep's `report:` section)")
+                   "kl_max=50 smooth=1 (default: the sweep's `report:` section, for one sweep "
+                   "directory)")
     p.add_argument("--out", default=None, metavar="DIR", help="write report.md and its plots "
-                   "here (default DIR/report), e.g. docs/sweeps/offpolicy_tiny for the docs")
+                   "here (default DIR/report; for several directories report-A-vs-B beside "
+                   "them), e.g. docs/sweeps/offpolicy_tiny for the docs")
     p.add_argument("--no-wandb", action="store_true", help="do not log the report as a summary "
                    "run in the runs' wandb project (a directory of runs logs one by default, "
                    "unless the runs had wandb disabled)")

@@ -16,8 +16,14 @@ from typing import Any
 SET_LABELS = {"in_domain": "in-domain", "out_of_domain": "out-of-domain",
               "far_out_of_domain": "far out-of-domain", "retained": "retained"}
 
-# Config keys that differ between runs without making them different configurations.
-NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.")
+# Config keys (or prefixes, ending in '.') that differ between runs without making them
+# different configurations: the seed (a configuration's runs are its seeds), names, and
+# bookkeeping that changes neither what is trained nor what is measured (where files go, how
+# often a checkpoint or an export is written and how many are kept, logging, fault deadlines,
+# Ray placement). A label made of them could not tell two configurations apart.
+NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.", "checkpoint_every",
+                     "keep_checkpoints", "hf_every", "keep_hf", "learner.lora.save_merged",
+                     "faults.", "ray.", "sync.timeout_s", "sync.shm_dir")
 ALWAYS_NAMED = ("kl.estimator", "kl.placement")
 # Label order: the KL configuration first, then the async lag, then anything else.
 KEY_ORDER = ["kl.estimator", "kl.placement", "kl.importance", "kl.truncate", "kl.beta",
@@ -48,14 +54,54 @@ def value_token(key: str, value: Any) -> str:
     return re.sub(r"[^\w.\-]", "_", prefix + text)
 
 
+def label_value(config: dict[str, Any], key: str) -> Any:
+    """`key`'s value in a flattened config; "on" for a section the run has (a LoRA run's
+    `learner.lora`, whose values are its sub-keys), None where it has neither."""
+    if key in config:
+        return config[key]
+    return "on" if any(k.startswith(key + ".") for k in config) else None
+
+
+def _sections(runs: Sequence[Any]) -> set[str]:
+    """Optional config sections that some runs have and others leave null (`learner.lora`
+    with and without LoRA): one key, `lora_on` / `lora_off`, rather than every sub-key."""
+    null = {k for r in runs for k, v in r.config.items() if v is None}
+    return {k for k in null if any(label_value(r.config, k) == "on" for r in runs)}
+
+
+def _differs(runs: Sequence[Any], key: str) -> bool:
+    return len({json.dumps(label_value(r.config, key), sort_keys=True) for r in runs}) > 1
+
+
 def configuration_keys(runs: Sequence[Any]) -> list[str]:
     """The KL estimator and placement (what "a configuration" means here, always named), then
-    the config keys whose values differ between the runs (seed, names and logging aside).
+    the config keys whose values differ between the runs (seed, names and bookkeeping aside).
     kl.beta is also named when a run has none (0): its estimator and placement then mean
-    nothing, and a label without `b0` would pass a no-KL control off as a KL configuration."""
-    keys = {k for r in runs for k in r.config if not k.startswith(NOT_CONFIGURATION)}
+    nothing, and a label without `b0` would pass a no-KL control off as a KL configuration. A
+    section some runs leave null is one key; its sub-keys are named only where they differ
+    among the runs that have it."""
+    sections = _sections(runs)
+    keys = {k for r in runs for k in r.config if not k.startswith(NOT_CONFIGURATION)} | sections
     no_kl = any(r.config.get("kl.beta") == 0 for r in runs)
-    chosen = [k for k in keys if k in ALWAYS_NAMED or (k == "kl.beta" and no_kl)
-              or len({json.dumps(r.config.get(k), sort_keys=True) for r in runs}) > 1]
-    return sorted(chosen,
+
+    def named(key: str) -> bool:
+        if key in ALWAYS_NAMED or (key == "kl.beta" and no_kl):
+            return True
+        section = next((s for s in sections if key.startswith(s + ".")), None)
+        having = [r for r in runs if section is None or label_value(r.config, section) == "on"]
+        return _differs(having, key)
+
+    return sorted((k for k in keys if named(k)),
                   key=lambda k: (KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER), k))
+
+
+def configuration_labels(runs: Sequence[Any]) -> list[str]:
+    """Each run's configuration label (`k1-reward-lag2`, `k1-reward-lora_on-lr0.001`): the
+    values of `configuration_keys`, in their order; "" when no key differs."""
+    keys, sections = configuration_keys(runs), _sections(runs)
+
+    def token(config: dict[str, Any], key: str) -> str:
+        value = label_value(config, key)
+        return value_token(key, ("on" if value == "on" else "off") if key in sections else value)
+
+    return ["-".join(token(r.config, k) for k in keys) for r in runs]

@@ -27,6 +27,7 @@ from cluster.experiments.report_plots import (
     FIGURES,
     plot_accuracy_against_kl,
     plot_figure,
+    report_window,
 )
 from cluster.experiments.runs import (  # noqa: F401 (re-exported: the report's readers)
     ACCURACY_KEYS,
@@ -100,20 +101,62 @@ def accuracy_table(groups: dict[str, list[RunData]], flags: list[Flag]) -> list[
     return lines
 
 
-def write_report(path: str | Path, cfg: ReportConfig | None = None,
+def gather_runs(paths: list[Path]) -> list[RunData]:
+    """The runs of every path (a run directory or a directory of runs), each once. Runs of
+    the same name from different directories are named by their parent too (`sweepA/r1`), so
+    the report's tables and flags tell them apart."""
+    runs, seen = [], set()
+    for path in paths:
+        found = find_runs(path)
+        if not found:
+            raise FileNotFoundError(f"{path}: no run directory (with metrics.jsonl) here or "
+                                    "directly inside")
+        for run in found:
+            if run.dir.resolve() not in seen:
+                seen.add(run.dir.resolve())
+                runs.append(run)
+    names = [r.name for r in runs]
+    for run in runs:
+        if names.count(run.name) > 1:
+            run.name = f"{run.dir.resolve().parent.name}/{run.name}"
+    return runs
+
+
+def comparison_dir(paths: list[Path]) -> Path:
+    """Where `klrl report A B ...` writes by default: report-A-vs-B (the directories' names)
+    in the directory that holds them all."""
+    resolved = [p.resolve() for p in paths]
+    parent = Path(*Path(resolved[0]).parts[:len(_common_parts(resolved))])
+    names = "-vs-".join(p.name for p in resolved)
+    if len(names) > 80:
+        names = f"{resolved[0].name}-and-{len(resolved) - 1}-more"
+    return parent / f"report-{names}"
+
+
+def _common_parts(paths: list[Path]) -> tuple[str, ...]:
+    common = paths[0].parent.parts
+    for path in paths[1:]:
+        parts = path.parent.parts
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return common
+
+
+def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None = None,
                  out: str | Path | None = None) -> Path:
-    """Write report.md, runs.csv and the plots into `out` (default PATH/report); returns
-    report.md's path."""
+    """Write report.md, runs.csv and the plots into `out` (default PATH/report; for several
+    paths, compared: comparison_dir); returns report.md's path. PATH: a run directory or a
+    directory of runs (a sweep), or a list of them."""
     cfg = cfg or ReportConfig()
-    path = Path(path)
-    runs = find_runs(path)
-    if not runs:
-        raise FileNotFoundError(f"{path}: no run directory (with metrics.jsonl) here or "
-                                "directly inside")
+    paths = [Path(p) for p in path] if isinstance(path, list | tuple) else [Path(path)]
+    runs = gather_runs(paths)
+    path = paths[0] if len(paths) == 1 else Path(out or comparison_dir(paths))
     check_kl_metric(runs, cfg)
     groups = group_runs(runs)
     flags = [f for r in runs for f in instability_flags(r, cfg)]
-    out = Path(out) if out is not None else path / "report"
+    out = Path(out) if out is not None else path if len(paths) > 1 else path / "report"
     out.mkdir(parents=True, exist_ok=True)
     findings_md, measures, quote = findings_section(path, runs, groups, cfg, out)
     figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
@@ -121,10 +164,13 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
         figures.append((ACCURACY_AGAINST_KL, name))
     keys = configuration_keys(runs)
     seeds = sorted({str(r.config.get("seed")) for r in runs})
-    md = [f"# Report: {path.resolve().name}", "",
+    title = (path.resolve().name if len(paths) == 1
+             else " vs ".join(p.resolve().name for p in paths))
+    md = [f"# Report: {title}", "",
           f"{len(runs)} run(s), {sum(r.finished for r in runs)} finished, in {len(groups)} "
           f"configuration(s)"
           + (f" labelled by {', '.join(f'`{k}`' for k in keys)}" if keys else "")
+          + (f", from {', '.join(f'`{p}`' for p in paths)}" if len(paths) > 1 else "")
           + f"; seeds {', '.join(seeds)}. Written {time.strftime('%Y-%m-%d %H:%M')} by "
           "`klrl report`.",
           "", *provenance_lines(runs), "", *findings_md, "## Final accuracy", "",
@@ -145,8 +191,9 @@ def write_report(path: str | Path, cfg: ReportConfig | None = None,
         md += [f"No run was flagged ({len(runs)} checked)."]
     md += ["", _flag_definitions(cfg), "", "## Plots", "",
            "Lines: mean over a configuration's runs (seeds); shaded: min to max over them. "
-           + (f"Per-step curves are moving averages over {cfg.smooth} steps."
-              if cfg.smooth > 1 else ""), ""]
+           + (f"Per-step curves are centred moving averages over {window} steps, drawn "
+              "over the raw values (faint)." if (window := report_window(runs, cfg.smooth)) > 1
+              else "Per-step curves are the raw values (no moving average)."), ""]
     md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n"
            + (_correlation_text(measures) if fig is ACCURACY_AGAINST_KL else "")
            for fig, name in figures]

@@ -3,16 +3,31 @@ for a configuration in every figure. A line is the mean over the configuration's
 at each step; the band is their min-max. Per-step training metrics are smoothed by a centred
 moving average (ReportConfig.smooth, shortened on short runs: `effective_window`) drawn over the
 raw values, which stay visible, faintly; evaluations are plotted as they are. Steps are whole
-numbers on every axis."""
+numbers on every axis.
+
+Every figure is sized for a paper: a one-panel figure for a column (COLUMN_WIDTH_IN), one of
+several panels for the page's text width (PAGE_WIDTH_IN), its legend under the panels and its
+text laid out inside the canvas by matplotlib's constrained layout (tests/test_report.py checks
+every figure a report writes)."""
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments.labels import SET_LABELS, configuration_keys
+from cluster.experiments.labels import SET_LABELS, configuration_keys, label_value
 from rewards.config import EVAL_SETS
+
+COLUMN_WIDTH_IN = 3.4   # one column of a two-column paper
+PAGE_WIDTH_IN = 7.0     # the text width of a two-column paper (a one-column page is narrower
+                        # than 7 in only in its margins)
+DPI = 200               # 1400 px across a page-wide figure
+_FONT = {"font.size": 7.5, "axes.titlesize": 8, "axes.labelsize": 7.5, "xtick.labelsize": 7,
+         "ytick.labelsize": 7, "legend.fontsize": 7, "legend.title_fontsize": 7,
+         "figure.titlesize": 9.5}
+_CHAR_IN = 0.55 * 7 / 72  # the width of an average character of the legend's 7-point text
 
 
 @dataclass(frozen=True)
@@ -111,32 +126,104 @@ def plot_accuracy_against_kl(measures, groups: dict, out_dir: Path) -> str | Non
     if not points:
         return None
     styles = _styles(groups, plt)
-    fig, axes = plt.subplots(1, 2, figsize=(13.4, 4.4), squeeze=False)
     markers = {"-": "o", "--": "s", ":": "^", "-.": "D"}
-    for ax, (name, label) in zip(axes.flat, sets):
-        for config in groups:
-            ms = [m for m in points if m.configuration == config
-                  and math.isfinite(m.accuracy.get(name, math.nan))]
-            if ms:
-                color, linestyle = styles[config]
-                ax.scatter([m.kl_end for m in ms], [m.accuracy[name] for m in ms], s=28,
-                           color=color, marker=markers.get(linestyle, "o"), label=config,
-                           alpha=0.85)
-        ax.set_xscale("log")
-        ax.set_xlabel("KL(pi || ref) at the end (nats per sequence, log scale)")
-        ax.set_ylabel("final greedy accuracy")
-        ax.set_title(f"{label.capitalize()}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left",
-               bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5), fontsize=8,
-               title="configuration", title_fontsize=9, frameon=False)
-    right = 1 - 2.5 / fig.get_figwidth()
-    fig.suptitle(ACCURACY_AGAINST_KL.title + " (one point per run)", fontsize=12, x=right / 2)
-    fig.tight_layout(rect=(0, 0, right, 0.95))
-    fig.savefig(out_dir / ACCURACY_AGAINST_KL.file, dpi=110)
-    plt.close(fig)
+    kls = [m.kl_end for m in points]
+    with plt.rc_context(_FONT):
+        fig, axes = _new_figure(plt, len(sets), list(groups))
+        for ax, (name, label) in zip(axes.flat, sets):
+            for config in groups:
+                ms = [m for m in points if m.configuration == config
+                      and math.isfinite(m.accuracy.get(name, math.nan))]
+                if ms:
+                    color, linestyle = styles[config]
+                    ax.scatter([m.kl_end for m in ms], [m.accuracy[name] for m in ms], s=16,
+                               color=color, marker=markers.get(linestyle, "o"), label=config,
+                               alpha=0.85)
+            log = _log_or_linear(ax.xaxis, ax.set_xscale, min(kls), max(kls))
+            ax.set_xlabel("KL(pi || ref) at the end (nats per sequence"
+                          + (", log scale)" if log else ")"))
+            ax.set_ylabel("final greedy accuracy")
+            ax.set_title(f"{label.capitalize()}")
+            ax.grid(True, alpha=0.3)
+        _finish(fig, axes, ACCURACY_AGAINST_KL.title + " (one point per run)", "",
+                out_dir / ACCURACY_AGAINST_KL.file, plt)
     return ACCURACY_AGAINST_KL.file
+
+
+def _new_figure(plt, panels: int, labels: list[str]):
+    """A figure of `panels` panels (two or three across) for a column (one panel) or the page,
+    tall enough for its title, its panels and a legend of `labels` under them."""
+    ncols = 1 if panels == 1 else 2 if panels in (2, 4) else 3
+    nrows = math.ceil(panels / ncols)
+    width = COLUMN_WIDTH_IN if ncols == 1 else PAGE_WIDTH_IN
+    columns, lines = _legend_shape(labels, width)
+    legend_rows = math.ceil(len(labels) / columns) * lines + 3  # + the note above the entries
+    height = 0.35 + nrows * (2.3 if ncols > 1 else 2.1) + 0.13 * legend_rows
+    fig = plt.figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def _legend_shape(labels: list[str], width: float) -> tuple[int, int]:
+    """(columns, lines per label) of a legend of `labels` across `width` inches: as many
+    columns as the longest label allows, a label too long for the width wrapped at its '-'."""
+    per_line = int((width - 0.5) / _CHAR_IN)
+    wrapped = [_wrap_label(label, per_line) for label in labels] or [""]
+    longest = max(len(line) for w in wrapped for line in w.split("\n"))
+    columns = max(1, min(len(labels), int(width / (longest * _CHAR_IN + 0.45))))
+    return columns, max(w.count("\n") + 1 for w in wrapped)
+
+
+def _wrap_label(label: str, chars: int) -> str:
+    """A configuration label broken after a '-' into lines of at most `chars` characters
+    (a part longer than that stays whole)."""
+    lines = [""]
+    for part in label.split("-"):
+        piece = part if not lines[-1] else "-" + part
+        if lines[-1] and len(lines[-1]) + len(piece) > chars:
+            lines[-1] += "-"
+            lines.append(part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
+
+
+def _fit_axis_text(fig, axes) -> None:
+    """Each panel's title and axis labels wrapped to the panel's width (height for the y
+    label): a panel two inches wide holds about thirty characters of its title."""
+    nrows, ncols = axes.shape
+    across = fig.get_figwidth() / ncols - 0.45
+    down = (fig.get_figheight() - 1.0) / nrows - 0.5
+    for ax in axes.flat:
+        if not ax.get_visible():
+            continue
+        for text, room in ((ax.title, across), (ax.xaxis.label, across), (ax.yaxis.label, down)):
+            chars = max(12, int(room / (0.55 * text.get_fontsize() / 72)))
+            text.set_text("\n".join(textwrap.wrap(text.get_text(), chars)))
+
+
+def _finish(fig, axes, title: str, note: str, path: Path, plt, bands: dict | None = None
+            ) -> None:
+    """Title above the panels; the legend under them (each configuration's line over its
+    band), with the note (what lines and bands are) as its heading, both wrapped to the
+    figure's width; then save and close."""
+    width = fig.get_figwidth()
+    lines = {}
+    for ax in axes.flat:  # a configuration may be missing from the first panel
+        lines |= dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    labels = [label for label in lines if not label.startswith("_")]
+    handles = [(bands[label], lines[label]) if label in (bands or {}) else lines[label]
+               for label in labels]
+    columns, _ = _legend_shape(labels, width)
+    per_line = int((width - 0.5) / _CHAR_IN)
+    heading = "\n".join(textwrap.wrap("configuration" + (f" ({note})" if note else ""),
+                                      per_line))
+    _fit_axis_text(fig, axes)
+    fig.suptitle(title)
+    fig.legend(handles, [_wrap_label(label, per_line) for label in labels],
+               loc="outside lower center", ncols=columns, title=heading, frameon=False,
+               alignment="left")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -151,20 +238,28 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def effective_window(smooth: int, steps: int) -> int:
-    """The moving-average window for a run of `steps` logged steps: the configured one, but at
-    most a fifth of the run, so that a short run is not averaged into a flat line (a 3-step
-    run is drawn unsmoothed)."""
-    return max(1, min(smooth, steps // 5))
+    """The centred moving-average window drawn for runs of `steps` logged steps: the
+    configured one, but at most a fifth of the run, so that a short run is not averaged into
+    a flat line (a 3-step run is drawn unsmoothed), and odd (a centred window is: an even one
+    is drawn as the odd one below it), so that the window the report states is the one drawn."""
+    window = max(1, min(smooth, steps // 5))
+    return window if window % 2 else window - 1
 
 
-def _aggregate(runs, panel: Panel, smooth: int, x_axis: str = "step"):
+def report_window(runs, smooth: int) -> int:
+    """The one window of a report's per-step curves: effective_window of its longest run."""
+    return effective_window(smooth, max((sum(s > 0 for s in r.rows) for r in runs), default=0))
+
+
+def _aggregate(runs, panel: Panel, window: int, x_axis: str = "step"):
     """(x, mean, min, max) over the runs at each x any of them logged (x: ReportConfig.x_axis
-    for per-step metrics, the step for evaluations)."""
+    for per-step metrics, the step for evaluations), per-step metrics smoothed over `window`
+    (an odd number of steps: report_window)."""
     by_step: dict[float, list[float]] = {}
     for run in runs:
         steps, values = run.series(panel.key, x_axis if panel.per_step else "step")
         if panel.smooth:
-            values = _smooth(values, effective_window(smooth, len(values)))
+            values = _smooth(values, window)
         for s, v in zip(steps, values):
             if math.isfinite(v):
                 by_step.setdefault(s, []).append(v)
@@ -185,45 +280,41 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
               if any(p.key in row for r in runs for row in r.rows.values())]
     if not panels:
         return None
-    ncols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
-    nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(max(5.4 * ncols, 7.0) + 2.6, 3.9 * nrows + 0.3),
-                             squeeze=False)
+    window = report_window(runs, cfg.smooth)
     styles = _styles(groups, plt)
-    for ax, panel in zip(axes.flat, panels):
-        top, bottom, typical = 0.0, math.inf, []
-        for label, group in groups.items():
-            steps, mean, lo, hi = _aggregate(group, panel, cfg.smooth, cfg.x_axis)
-            if not steps:
-                continue
-            top, bottom = max(top, *hi), min(bottom, *lo)
-            typical += [abs(v) for v in mean]
-            color, linestyle = styles[label]
-            if panel.smooth and cfg.smooth > 1:  # the raw values, faintly, behind the average
-                raw_steps, raw, _, _ = _aggregate(group, panel, 1, cfg.x_axis)
-                ax.plot(raw_steps, raw, color=color, ls=linestyle, lw=0.8, alpha=0.3)
-            ax.plot(steps, mean, color=color, ls=linestyle, lw=1.6, label=label,
-                    marker=None if panel.per_step else "o", ms=3.5)
-            if len(group) > 1:
-                ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
-        refs = {r.config.get(fig_spec.ref_key) for r in runs} if fig_spec.ref_key else set()
-        _style_axis(ax, panel, (bottom, top), typical, fig_spec.ref_key, refs - {None, 0})
-        if panel.per_step and cfg.x_axis == "policy_version":
-            ax.set_xlabel("policy version that sampled the batch")
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left",
-               bbox_to_anchor=(1 - 2.4 / fig.get_figwidth(), 0.5),
-               fontsize=8, title="configuration", title_fontsize=9, frameon=False)
-    right = 1 - 2.5 / fig.get_figwidth()  # the legend's column
-    fig.suptitle(fig_spec.title, fontsize=12, x=right / 2, y=0.99, va="top")
-    fig.text(right / 2, 0.99 - 0.3 / fig.get_figheight(), _spread_note(groups, cfg, panels),
-             ha="center", va="top", fontsize=9, color="0.3")
-    fig.tight_layout(rect=(0, 0, right, 1 - 0.25 / fig.get_figheight()))  # room for the note
-    fig.savefig(out_dir / fig_spec.file, dpi=110)
-    plt.close(fig)
+    with plt.rc_context(_FONT):
+        fig, axes = _new_figure(plt, len(panels), list(groups))
+        bands: dict[str, object] = {}  # label -> its band, shown beside its line in the legend
+        for ax, panel in zip(axes.flat, panels):
+            top, bottom, typical = 0.0, math.inf, []
+            for index, (label, group) in enumerate(groups.items()):
+                steps, mean, lo, hi = _aggregate(group, panel, window, cfg.x_axis)
+                if not steps:
+                    continue
+                top, bottom = max(top, *hi), min(bottom, *lo)
+                typical += [abs(v) for v in mean]
+                color, linestyle = styles[label]
+                if panel.smooth and window > 1:  # the raw values, faintly, behind the average
+                    raw_steps, raw, _, _ = _aggregate(group, panel, 1, cfg.x_axis)
+                    ax.plot(raw_steps, raw, color=color, ls=linestyle, lw=0.6, alpha=0.3)
+                ax.plot(steps, mean, color=color, ls=linestyle, lw=1.2, label=label,
+                        marker=None if panel.per_step else "o", ms=2.5)
+                if len(group) > 1:  # a hatch of its own: overlapping bands stay apart
+                    bands[label] = ax.fill_between(steps, lo, hi, facecolor=(*color[:3], 0.12),
+                                                   edgecolor=(*color[:3], 0.5), lw=0,
+                                                   hatch=_HATCHES[index % len(_HATCHES)])
+            refs = {r.config.get(fig_spec.ref_key) for r in runs} if fig_spec.ref_key else set()
+            _style_axis(ax, panel, (bottom, top), typical, fig_spec.ref_key, refs - {None, 0})
+            if panel.per_step and cfg.x_axis == "policy_version":
+                ax.set_xlabel("policy version that sampled the batch")
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        _finish(fig, axes, fig_spec.title, _spread_note(groups, window, panels),
+                out_dir / fig_spec.file, plt, bands)
     return fig_spec.file
+
+
+_HATCHES = ("////", "\\\\\\\\", "....", "xxxx", "||||", "----", "++++", "oo")
 
 
 def _styles(groups: dict, plt) -> dict[str, tuple]:
@@ -235,12 +326,15 @@ def _styles(groups: dict, plt) -> dict[str, tuple]:
     lags = sorted({c.get("max_lag", 0) for c in first.values()})
     by_lag = "max_lag" in keys and len(keys) > 1 and len(lags) <= len(_LAG_STYLES)
     colour_keys = [k for k in keys if not (by_lag and k == "max_lag")]
+
+    def colour_of(config) -> str:
+        return json.dumps([label_value(config, k) for k in colour_keys], sort_keys=True)
+
     colour_index: dict[str, int] = {}
     for config in first.values():
-        colour_index.setdefault(json.dumps([config.get(k) for k in colour_keys]), len(colour_index))
+        colour_index.setdefault(colour_of(config), len(colour_index))
     colours = plt.get_cmap("tab10" if len(colour_index) <= 10 else "tab20").colors
-    return {label: (colours[colour_index[json.dumps([c.get(k) for k in colour_keys])]
-                            % len(colours)],
+    return {label: (colours[colour_index[colour_of(c)] % len(colours)],
                     _LAG_STYLES[lags.index(c.get("max_lag", 0))] if by_lag else "-")
             for label, c in first.items()}
 
@@ -252,11 +346,7 @@ def _style_axis(ax, panel: Panel, span: tuple[float, float], typical: list[float
                 refs) -> None:
     """Scale, limits, reference lines and labels of one panel. `span`: (lowest, highest) value
     drawn (min and max of the bands)."""
-    from matplotlib.ticker import FuncFormatter, LogFormatter, MaxNLocator
-
-    class _PlainLog(LogFormatter):  # LogFormatter picks which ticks to label; print them as %g
-        def _num_to_string(self, x, vmin, vmax):
-            return f"{x:g}"
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     plain = FuncFormatter(lambda y, _: f"{y:g}")  # 1000 rather than 10^3
     bottom, top = span
@@ -266,17 +356,9 @@ def _style_axis(ax, panel: Panel, span: tuple[float, float], typical: list[float
     for value in refs:
         ax.axhline(value, color="0.3", lw=1, ls="--")
         ax.annotate(ref_key, (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
-                    textcoords="offset points", fontsize=8, color="0.3")
-    if panel.log is True and 0 < bottom and top < 10 * bottom:
-        # Less than a decade (ratios near 1 on-policy): a log axis would label every tick "1";
-        # a linear one with full-precision labels and no offset reads 0.9999, 1, 1.0001.
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.10g}"))
+                    textcoords="offset points", fontsize=6.5, color="0.3")
+    if panel.log is True and not _log_or_linear(ax.yaxis, ax.set_yscale, bottom, top):
         ylabel = ylabel.replace(" (log scale)", "")
-    elif panel.log is True:
-        ax.set_yscale("log")
-        # plain numbers (2, 0.5) instead of 2x10^0; minor ticks labelled only on short ranges
-        ax.yaxis.set_major_formatter(_PlainLog())
-        ax.yaxis.set_minor_formatter(_PlainLog(minor_thresholds=(1, 0.5)))
     elif panel.log == "auto" and typical:
         usual = sorted(typical)[int(0.75 * (len(typical) - 1))]
         if top > 30 * max(usual, 1e-6):  # linear up to the usual range, log beyond it
@@ -287,19 +369,38 @@ def _style_axis(ax, panel: Panel, span: tuple[float, float], typical: list[float
     if panel.y_from_0 is not None:
         ax.set_ylim(0, max(top * 1.08, panel.y_from_0) or 0.05)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are whole
-    ax.set_title(panel.title, fontsize=10)
+    ax.set_title(panel.title)
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
 
 
-def _spread_note(groups: dict, cfg, panels) -> str:
-    """What a line and a band are, under the title."""
+def _log_or_linear(axis, set_scale, low: float, high: float) -> bool:
+    """A log scale for values from `low` to `high` when they span a decade or more, labelled
+    with plain numbers (2, 0.5, not 2x10^0); else a linear one with plain full-precision
+    labels and no offset (a log axis over 0.0101-0.0105 prints 1.01x10^-2 at every tick, and
+    one near 1 labels each "1"). True when the scale is log."""
+    from matplotlib.ticker import FuncFormatter, LogFormatter
+
+    class _PlainLog(LogFormatter):  # LogFormatter picks which ticks to label; print them as %g
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:g}"
+
+    if 0 < low and high < 10 * low:
+        axis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.10g}"))
+        return False
+    set_scale("log")
+    axis.set_major_formatter(_PlainLog())  # minor ticks labelled only on short ranges
+    axis.set_minor_formatter(_PlainLog(minor_thresholds=(1, 0.5)))
+    return True
+
+
+def _spread_note(groups: dict, window: int, panels) -> str:
+    """What a line and a band are, and the moving-average window drawn (report_window)."""
     seeds = max(len(g) for g in groups.values())
-    parts = [f"line: mean over a configuration's runs (up to {seeds}), band: min to max"
-             if seeds > 1 else "one run per configuration"]
-    longest = max((sum(s > 0 for s in r.rows) for g in groups.values() for r in g), default=0)
-    window = effective_window(cfg.smooth, longest)
+    parts = [f"line: mean over its runs (up to {seeds}), band: min to max"
+             if seeds > 1 else "one run each"]
     if window > 1 and any(p.smooth for p in panels):
-        parts.append(f"per-step values: {window}-step moving average over the raw values (faint)")
+        parts.append(f"per-step values: {window}-step centred moving average over the raw "
+                     "values (faint)")
     return "; ".join(parts)

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.experiments.labels import SET_LABELS, configuration_keys, flatten, value_token
+from cluster.experiments.labels import SET_LABELS, configuration_labels, flatten
 from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
 from rewards.config import EVAL_SETS
 
@@ -68,8 +68,9 @@ class InstabilityRule(BaseModel):
                                  "smoothed KL exceeds this (nats per sequence); null: no "
                                  "absolute limit.")
     smooth: int = Field(5, ge=1, le=10_000, description="Window in steps: trailing median of "
-                        "the KL test, and moving average of the per-step curves in the plots "
-                        "(1: raw values; at most a fifth of a run's steps in the plots).")
+                        "the KL test, and centred moving average of the per-step curves in "
+                        "the plots (1: raw values; in the plots at most a fifth of the longest "
+                        "run's steps, and odd: an even window is drawn one step shorter).")
 
 
 @dataclass
@@ -144,10 +145,8 @@ def find_runs(path: Path) -> list[RunData]:
 def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
     """Configuration label (e.g. `k1-reward-lag2`) -> its runs (runs without a config.yaml:
     their directory's name for a single run, else `all runs`)."""
-    keys = configuration_keys(runs)
     groups: dict[str, list[RunData]] = {}
-    for run in runs:
-        label = "-".join(value_token(k, run.config.get(k)) for k in keys)
+    for run, label in zip(runs, configuration_labels(runs)):
         groups.setdefault(label or (run.name if len(runs) == 1 else "all runs"), []).append(run)
     return dict(sorted(groups.items()))
 
