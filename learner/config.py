@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # learner.task_off_policy's names; learner.task_terms.TASK_TERMS holds what each one computes.
 TaskOffPolicy = Literal["none", "tis", "ppo_clip", "icepop", "mis", "seq_mask_geo",
                         "seq_mask_prod"]
+# The ones that mask (drop tokens or samples outside [mask_low, mask_high]): named here, where
+# the config's rule on the band reads them, because learner.task_terms imports this module;
+# task_terms checks at import that its table's `masks` flags say the same.
+MASKING_TERMS: tuple[str, ...] = ("icepop", "mis", "seq_mask_geo", "seq_mask_prod")
 
 
 class LoraSpec(BaseModel):
@@ -191,9 +195,7 @@ class LearnerConfig(BaseModel):
     def _check_mask_band(self) -> None:
         """learner.mask_low / mask_high moved from their defaults act only on a masking task
         term (the TASK_TERMS entry says which): elsewhere they would be silently ignored."""
-        from learner.task_terms import TASK_TERMS, MASKING_TERMS  # torch; the table's module
-
-        if TASK_TERMS[self.task_off_policy].masks:
+        if self.task_off_policy in MASKING_TERMS:
             return
         moved = [f"learner.{f}={getattr(self, f):g}" for f in ("mask_low", "mask_high")
                  if getattr(self, f) != type(self).model_fields[f].default]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kl.registry import literal_names
-from learner.config import LearnerConfig, TaskOffPolicy
+from learner.config import MASKING_TERMS, LearnerConfig, TaskOffPolicy
 
 
 @dataclass(frozen=True)
@@ -153,4 +153,6 @@ TASK_TERMS: dict[str, TaskTerm] = {
 TASK_OFF_POLICIES: tuple[str, ...] = literal_names(
     TaskOffPolicy, TASK_TERMS, table_name="learner.task_terms.TASK_TERMS",
     literal_name="TaskOffPolicy", kind="task off-policy handlings")
-MASKING_TERMS: tuple[str, ...] = tuple(n for n, t in TASK_TERMS.items() if t.masks)
+if {n for n, t in TASK_TERMS.items() if t.masks} != set(MASKING_TERMS):
+    raise AssertionError("learner.config.MASKING_TERMS must name exactly the TASK_TERMS entries "
+                         "that mask")

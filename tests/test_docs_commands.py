@@ -12,7 +12,8 @@ and sweep directories that `klrl report` reads: synthetic run logs). How each ru
   start Ray (the model would load): an unknown or misspelt key, a bad value, a plug-in that
   does not import, a missing file fails here. The training itself runs in the tests named in
   TRAINED_BY for the shapes the pages train (on CPU, with shortened runs);
-- `klrl submit` and `klrl sweep`: with `--dry-run` (everything is checked, nothing starts);
+- `klrl submit`, `klrl sweep` and `klrl slurm`: with `--dry-run` (everything is checked,
+  nothing starts or is submitted);
 - `klrl report`, `kl-table`, `options`, `--help`: run to the end;
 - a transcript's command: its output must be the one the page shows (`...` elides).
 
@@ -275,7 +276,7 @@ def _as_run(command: Command) -> list[str]:
     """The klrl arguments run for a page's line: a submission or a sweep dry (`--dry-run`),
     a new run's directory under fresh-runs/."""
     argv = _argv(command)
-    if argv[:1] in (["submit"], ["sweep"]) and "--dry-run" not in argv:
+    if argv[:1] in (["submit"], ["sweep"], ["slurm"]) and "--dry-run" not in argv:
         argv.append("--dry-run")
     fresh = argv[:1] in (["train"], ["demo"]) and "--resume" not in argv
     if fresh and not any(a.startswith("output_dir=") for a in argv):

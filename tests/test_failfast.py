@@ -203,7 +203,7 @@ def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: {DEMO_CONFIG} with overrides: invalid configuration",
         ("  task.train_split: task 'arithmetic' has no split 'trian' (did you mean 'train'?); its "
-         "splits are train, in_domain, zero_padded, out_of_domain "
+         "splits are train, in_domain, zero_padded, out_of_domain, retained "
          "(from the override task.train_split=trian)")]
     assert not out.exists() and time.monotonic() - t0 < 60
 
