@@ -107,5 +107,5 @@ def test_requeued_job_resumes_by_itself_and_ends_as_one_uninterrupted_run(
     assert max(m.get("grad/norm", 0) for m in read_metrics(straight)) > 0  # it did train
 
     ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    left = [line for line in ps.splitlines() if f"klrl-ray-{job_id}-" in line]
+    left = [line for line in ps.splitlines() if f"/tmp/klrl-job-{job_id}-" in line]
     assert not left, left  # the launcher killed its Ray on both attempts
