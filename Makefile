@@ -23,7 +23,7 @@ JUNIT := .cache/pytest-junit.xml
 test: $(STAMP) slurm-packages
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 --junitxml=$(JUNIT) $(PYTEST_ARGS)
 
-# Debian's SLURM daemons for tests/test_slurm.py, which starts a one-node cluster of its own on
+# Debian's SLURM daemons for the SLURM test (tests/test_resume.py), which starts a one-node cluster of its own on
 # loopback (as root). Installed when missing where this runs as root with apt-get; anywhere else
 # (or if apt fails) nothing happens and that test skips, saying why. Never fails the target.
 SLURM_PACKAGES := slurmctld slurmd slurm-client munge
@@ -31,9 +31,9 @@ slurm-packages:
 	@if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] \
 	    && command -v sbatch >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing $(SLURM_PACKAGES) for tests/test_slurm.py"; \
+	  echo "installing $(SLURM_PACKAGES) for the SLURM test"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    $(SLURM_PACKAGES)) >/dev/null 2>&1 || echo "not installed: tests/test_slurm.py skips"; \
+	    $(SLURM_PACKAGES)) >/dev/null 2>&1 || echo "not installed: the SLURM test skips"; \
 	fi
 
 # The tests that need no Ray, vLLM or DeepSpeed (kl/, rewards/, configs, docs, CLI refusals):

@@ -127,3 +127,14 @@ def test_a_process_started_with_sigterm_blocked_outlives_sigterm():
     plain.send_signal(signal.SIGTERM)
     assert plain.stdout.readline().split() == ["SIGTERM"]
     plain.wait()
+
+
+def test_a_sweep_runs_as_one_job_named_after_it(tmp_path, capsys, monkeypatch):
+    from cluster.config.loader import REPO_ROOT
+
+    monkeypatch.chdir(tmp_path)
+    sweep = REPO_ROOT / "configs" / "sweeps" / "offpolicy_tiny.yaml"
+    assert main(["slurm", str(sweep), "--sweep", "output_dir=/shared/x", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --output=/shared/x/slurm/offpolicy_tiny-%j.out" in script
+    assert script.rstrip().endswith(f"-- sweep {sweep} output_dir=/shared/x")  # no run_name

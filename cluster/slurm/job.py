@@ -47,7 +47,8 @@ def hostnames(nodelist: str) -> list[str]:
     return out.split()
 
 
-def driver_command(python: str, command: str, config: str, overrides: list[str]) -> list[str]:
+def driver_command(python: str, command: str, config: str,
+                   overrides: list[str]) -> list[str] | None:
     """The klrl command of this attempt. `train`: with --resume once the run has started (its
     directory holds metrics), so a requeued job continues its run; None when that run has
     finished already (a job requeued after its run's end has nothing left to do)."""
@@ -126,7 +127,8 @@ class JobRay:
         cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
         self.head = ray_node.ray_start(ray_node.ray_command(
             ["--head", f"--port={port}", f"--node-ip-address={ip}", "--include-dashboard=false",
-             f"--ray-client-server-port={ray_node.free_port()}"],
+             f"--ray-client-server-port={ray_node.free_port()}",
+             f"--dashboard-port={ray_node.free_port()}"],  # its job API runs even so
             cpus, self.gpus, {"head": 1}, self.temp_dir, self.extra), log)
         ray_node.wait_started(self.head, log, RAY_START_TIMEOUT_S)
         say(f"Ray head at {self.address} ({cpus} CPUs, {self.gpus} GPUs)")
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ.pop("RAY_ADDRESS", None)
-    cluster = JobRay(hosts, Path(f"/tmp/klrl-ray-{job_id}-{restarts}"),  # short: socket paths
+    cluster = JobRay(hosts, Path(f"/tmp/klrl-job-{job_id}-{restarts}"),  # short: socket paths
                      args.gpus_per_node, args.ray_start_arg)
     try:
         cluster.start(stop)
