@@ -189,7 +189,7 @@ def test_make_gpu_check_runs_the_check_and_the_payload_builds_the_gpu_extras_vll
     script = gpu.REPO_ROOT / "cluster" / "bench" / "gpu_payload.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
-    assert usage.returncode == 2 and "usage:" in usage.stderr
+    assert usage.returncode == 2 and "usage:" in usage.stderr and "chunks" in usage.stderr
     pin = re.search(r'gpu = \["(vllm==[^"]+)"\]', (gpu.REPO_ROOT / "pyproject.toml").read_text())
     assert pin.group(1) in re.findall(r"[\w.-]+==[\w.]+", script.read_text())
     assert f"check {gpu_check.DEFAULT_BUDGET_S}" in (gpu.REPO_ROOT / "docs" / "gpu.md").read_text()

@@ -4,6 +4,7 @@
 # it lacks, built here into one payload, and the one command that runs the check there.
 #
 #   bash cluster/bench/gpu_payload.sh build            # here: writes .gpu/ (git-ignored)
+#   bash cluster/bench/gpu_payload.sh chunks           # here: cuts it again (seconds)
 #   bash cluster/bench/gpu_payload.sh check [BUDGET_S] # there, from the repository root
 #
 # build: the wheels the machine lacks (vllm 0.26.0, the gpu extra's pin and the newest vLLM
@@ -14,7 +15,8 @@
 # builds never mix unnoticed), compressed with xz -9e, and cut into chunks that each fit one
 # call beside the working tree (a call carries at most 64 MiB). It also copies the demo model,
 # which the check's outside-engine part would otherwise build there (about two minutes).
-# It prints the sizes and the device calls, in order.
+# It prints the sizes and the device calls, in order. chunks does that last part alone: run it
+# when the working tree has grown since the build (the chunks must leave room for it).
 #
 # check: copies the chunk this call carries next to those earlier calls left in /root/up,
 # checks the whole against the build's sha256, unpacks it into /tmp/site once per machine,
@@ -101,7 +103,12 @@ build() {
     xz -9e -T0 > $G/payload.tar.xz.tmp
   mv $G/payload.tar.xz.tmp $G/payload.tar.xz
   (cd $G && sha256sum payload.tar.xz) > $G/check/payload.sha256
+  chunks
+}
 
+chunks() {
+  local py=${PY:-.venv/bin/python} call_bytes=${CALL_BYTES:-67108864}
+  [ -f $G/payload.tar.xz ] || { echo "no $G/payload.tar.xz: run build first" >&2; exit 1; }
   # The demo model, from klrl's cache (built there if missing).
   local model
   model=$("$py" -c "from cluster.tiny.model import init_default_model; print(init_default_model())")
@@ -166,6 +173,7 @@ check() {
 
 case "${1:-}" in
   build) build ;;
+  chunks) chunks ;;
   check) shift; check "$@" ;;
-  *) echo "usage: $0 build | check [BUDGET_S]" >&2; exit 2 ;;
+  *) echo "usage: $0 build | chunks | check [BUDGET_S]" >&2; exit 2 ;;
 esac
