@@ -189,7 +189,54 @@ def test_make_gpu_check_runs_the_check_and_the_payload_builds_the_gpu_extras_vll
     script = gpu.REPO_ROOT / "cluster" / "bench" / "gpu_payload.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
-    assert usage.returncode == 2 and "usage:" in usage.stderr
+    assert usage.returncode == 2 and "usage:" in usage.stderr and "chunks" in usage.stderr
     pin = re.search(r'gpu = \["(vllm==[^"]+)"\]', (gpu.REPO_ROOT / "pyproject.toml").read_text())
     assert pin.group(1) in re.findall(r"[\w.-]+==[\w.]+", script.read_text())
     assert f"check {gpu_check.DEFAULT_BUDGET_S}" in (gpu.REPO_ROOT / "docs" / "gpu.md").read_text()
+
+
+def test_the_device_script_joins_checks_and_unpacks_the_chunks_then_runs_the_check(tmp_path):
+    """`gpu_payload.sh check`, as the last call of a window runs it, on a made-up payload in
+    two chunks: the one an earlier call left in CHUNKS and the one this call carries. It
+    checks their sha256, unpacks them into SITE and runs the check, which here, without CUDA,
+    refuses (exit 2) once the payload is in place; chunks of two builds are refused first."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    script = gpu.REPO_ROOT / "cluster" / "bench" / "gpu_payload.sh"
+    src, g, chunks, site = (tmp_path / n for n in ("src", "gpu", "up", "site"))
+    (src / "fakepkg").mkdir(parents=True)
+    (src / "fakepkg" / "__init__.py").write_text("X = 1\n")
+    tarball = tmp_path / "payload.tar.xz"
+    subprocess.run(f"tar -C {src} -cf - . | xz -1 > {tarball}", shell=True, check=True)
+    data = tarball.read_bytes()
+    half = len(data) // 2
+    for i, chunk in ((1, data[:half]), (2, data[half:])):
+        (g / f"up{i}").mkdir(parents=True)
+        (g / f"up{i}" / f"part.0{i - 1}").write_bytes(chunk)
+    (g / "check" / "klrl_home" / "models").mkdir(parents=True)
+    (g / "check" / "parts.txt").write_text("part.00\npart.01\n")
+    sha = hashlib.sha256(data).hexdigest()
+    (g / "check" / "payload.sha256").write_text(f"{sha}  payload.tar.xz\n")
+    chunks.mkdir()
+    shutil.copy(g / "up1" / "part.00", chunks)  # what the window's first call did
+    shutil.rmtree(g / "up1")                     # the last call carries its own chunk only
+    env = {**os.environ, "GPU_DIR": str(g), "SITE": str(site), "CHUNKS": str(chunks),
+           "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "KLRL_HOME": str(tmp_path / "home")}
+
+    def check():
+        return subprocess.run(["bash", str(script), "check", "60"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = check()
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+    assert (site / "fakepkg" / "__init__.py").read_text() == "X = 1\n"
+    assert (site / ".payload").read_text().strip() == sha
+    assert (tmp_path / "home" / "models").is_dir()
+    (site / ".payload").unlink()
+    (chunks / "part.00").write_bytes(b"x" + data[1:half])  # a chunk of another build
+    (g / "up2" / "part.01").unlink()
+    proc = check()
+    assert proc.returncode == 3 and "chunks of two builds" in proc.stderr, proc.stderr[-2000:]

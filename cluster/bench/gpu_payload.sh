@@ -4,6 +4,7 @@
 # it lacks, built here into one payload, and the one command that runs the check there.
 #
 #   bash cluster/bench/gpu_payload.sh build            # here: writes .gpu/ (git-ignored)
+#   bash cluster/bench/gpu_payload.sh chunks           # here: cuts it again (seconds)
 #   bash cluster/bench/gpu_payload.sh check [BUDGET_S] # there, from the repository root
 #
 # build: the wheels the machine lacks (vllm 0.26.0, the gpu extra's pin and the newest vLLM
@@ -14,7 +15,8 @@
 # builds never mix unnoticed), compressed with xz -9e, and cut into chunks that each fit one
 # call beside the working tree (a call carries at most 64 MiB). It also copies the demo model,
 # which the check's outside-engine part would otherwise build there (about two minutes).
-# It prints the sizes and the device calls, in order.
+# It prints the sizes and the device calls, in order. chunks does that last part alone: run it
+# when the working tree has grown since the build (the chunks must leave room for it).
 #
 # check: copies the chunk this call carries next to those earlier calls left in /root/up,
 # checks the whole against the build's sha256, unpacks it into /tmp/site once per machine,
@@ -24,11 +26,13 @@
 # stopped).
 #
 # Knobs: PY (the Python that builds DeepSpeed's wheel; default .venv/bin/python),
-# CALL_BYTES (what one call may carry; default 64 MiB).
+# CALL_BYTES (what one call may carry; default 64 MiB); for check, PYTHON (default python3),
+# SITE (where the payload is unpacked; default /tmp/site) and CHUNKS (where the chunks of
+# earlier calls wait; default /root/up). GPU_DIR: the payload's folder (default .gpu).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
-G=.gpu
+G=${GPU_DIR:-.gpu}
 
 WHEELS="vllm==0.26.0 ray==2.60.0
   pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
@@ -99,7 +103,12 @@ build() {
     xz -9e -T0 > $G/payload.tar.xz.tmp
   mv $G/payload.tar.xz.tmp $G/payload.tar.xz
   (cd $G && sha256sum payload.tar.xz) > $G/check/payload.sha256
+  chunks
+}
 
+chunks() {
+  local py=${PY:-.venv/bin/python} call_bytes=${CALL_BYTES:-67108864}
+  [ -f $G/payload.tar.xz ] || { echo "no $G/payload.tar.xz: run build first" >&2; exit 1; }
   # The demo model, from klrl's cache (built there if missing).
   local model
   model=$("$py" -c "from cluster.tiny.model import init_default_model; print(init_default_model())")
@@ -134,35 +143,37 @@ build() {
 
 check() {
   local budget=${1:-480} out=${OUT:-$ROOT/gpu-check-out} want got p parts=()
-  mkdir -p /root/up "$out"
-  for p in $G/up*/part.*; do [ -f "$p" ] && cp -f "$p" /root/up/; done
+  local site=${SITE:-/tmp/site} chunks=${CHUNKS:-/root/up}
+  mkdir -p "$chunks" "$out"
+  for p in $G/up*/part.*; do [ -f "$p" ] && cp -f "$p" "$chunks/"; done
   want=$(cut -d' ' -f1 $G/check/payload.sha256)
-  if [ "$(cat /tmp/site/.payload 2>/dev/null)" != "$want" ]; then
+  if [ "$(cat "$site/.payload" 2>/dev/null)" != "$want" ]; then
     for p in $(cat $G/check/parts.txt); do
-      [ -f "/root/up/$p" ] || { echo "chunk $p is missing: this is a fresh machine; make every chunk's call again, back to back" >&2; exit 3; }
-      parts+=("/root/up/$p")
+      [ -f "$chunks/$p" ] || { echo "chunk $p is missing: this is a fresh machine; make every chunk's call again, back to back" >&2; exit 3; }
+      parts+=("$chunks/$p")
     done
     got=$(cat "${parts[@]}" | sha256sum | cut -d' ' -f1)
     [ "$got" = "$want" ] || { echo "the chunks' sha256 is $got, the build's $want: chunks of two builds" >&2; exit 3; }
-    rm -rf /tmp/site && mkdir -p /tmp/site
-    cat "${parts[@]}" | xz -d -T0 | tar -x -C /tmp/site
-    echo "$want" > /tmp/site/.payload
-    say "payload unpacked into /tmp/site ($(du -sm /tmp/site | cut -f1) MB)"
+    rm -rf "$site" && mkdir -p "$site"
+    cat "${parts[@]}" | xz -d -T0 | tar -x -C "$site"
+    echo "$want" > "$site/.payload"
+    say "payload unpacked into $site ($(du -sm "$site" | cut -f1) MB)"
   fi
-  export PYTHONPATH=/tmp/site KLRL_HOME=/tmp/klrl_home
-  mkdir -p $KLRL_HOME && cp -r --update=none $G/check/klrl_home/. $KLRL_HOME/
+  export PYTHONPATH=$site KLRL_HOME=${KLRL_HOME:-/tmp/klrl_home}
+  [ -d "$KLRL_HOME/models" ] || { mkdir -p "$KLRL_HOME" && cp -r $G/check/klrl_home/. "$KLRL_HOME/"; }
   # vLLM 0.26's GPU sampler imports FlashInfer unless told not to; it is not carried.
   export VLLM_USE_FLASHINFER_SAMPLER=0 WANDB_MODE=disabled HF_HUB_OFFLINE=1
   export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   [ -f $G/check/gpu-check.json ] && [ ! -f "$out/gpu-check.json" ] &&
     cp $G/check/gpu-check.json "$out/gpu-check.json"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  python3 -m cluster.bench.gpu_check --budget-s "$budget" --json "$out/gpu-check.json" \
-    --log "$out/gpu-check.log"
+  "${PYTHON:-python3}" -m cluster.bench.gpu_check --budget-s "$budget" \
+    --json "$out/gpu-check.json" --log "$out/gpu-check.log"
 }
 
 case "${1:-}" in
   build) build ;;
+  chunks) chunks ;;
   check) shift; check "$@" ;;
-  *) echo "usage: $0 build | check [BUDGET_S]" >&2; exit 2 ;;
+  *) echo "usage: $0 build | chunks | check [BUDGET_S]" >&2; exit 2 ;;
 esac
