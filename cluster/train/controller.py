@@ -195,13 +195,17 @@ class Controller:
         self.weights = WeightSyncState(self.cfg.sync, self.run_dir.name)
         self.log.rewind(back_to)
         ckpt.drop_hf_exports_after(self.run_dir, back_to)
-        self._start_parts()
-        self.pool.restarts = worker_restarts
-        if state is not None:
-            self._restore(state, checkpoint)
-        else:  # no checkpoint yet: the new group holds the starting weights, as at step 0
-            self.step, self.prompts.position, self.dropped_stale = 0, 0, 0
-            self.nonfinite_total = self.nonfinite_run = 0
+        try:
+            self._start_parts()
+            self.pool.restarts = worker_restarts
+            if state is not None:
+                self._restore(state, checkpoint)
+            else:  # no checkpoint yet: the new group holds the starting weights, as at step 0
+                self.step, self.prompts.position, self.dropped_stale = 0, 0, 0
+                self.nonfinite_total = self.nonfinite_run = 0
+        except RunStopped as stop:  # e.g. a new worker hung in its start: the new group does
+            stop.write_checkpoint = False  # not hold the run's state; the last one is kept
+            raise
         print(self.learner_restarts.describe(checkpoint.name if checkpoint else "step 0",
                                              lost_from, back_to, time.perf_counter() - t0),
               file=sys.stderr, flush=True)
