@@ -1,12 +1,12 @@
 """Faults injected into real `klrl train` processes (Ray + vLLM + DeepSpeed on loopback).
 
 Each test starts the real command line in a subprocess, injects faults from outside (SIGKILL
-or SIGSTOP of a rollout worker while Ray shows it running `generate`, SIGSTOP of a learner
-rank, SIGTERM to the driver, a scorer made slow on purpose) and checks the outcome: the run
-goes on, or stops with a clear message, the right exit code and a loadable checkpoint, and
-never leaves a process behind. Each run costs a Ray + vLLM + DeepSpeed start, so each carries
-several faults; its docstring lists what it asserts. The deadline arithmetic itself is tested
-without processes in tests/test_deadlines.py.
+or SIGSTOP of a rollout worker while Ray shows it running `generate`, SIGSTOP and SIGKILL of a
+learner rank, SIGTERM to the driver, a scorer made slow on purpose) and checks the outcome: the
+run goes on (a part replaced or restarted), or stops with a clear message, the right exit code
+and a loadable checkpoint, and never leaves a process behind. Each run costs a Ray + vLLM +
+DeepSpeed start, so each carries several faults; its docstring lists what it asserts. The
+deadline arithmetic itself is tested without processes in tests/test_deadlines.py.
 """
 from __future__ import annotations
 
