@@ -61,6 +61,7 @@ class LearnerGroup:
         self._version = 0  # mirrors every rank's own count (`version`)
         self._wait = wait or (lambda _group, refs, _method: get_all(refs))
         self.broken = False  # a call failed or hung: ranks may be blocked in a collective
+        self.failure: str | None = None  # the call that broke it, and its failed ranks
         world = learner_cfg.num_ranks
         # "health": a thread of its own in each rank, so `health` answers while a call runs;
         # every other method runs in the default group, one at a time (the lockstep above).
@@ -206,7 +207,25 @@ class LearnerGroup:
             return self._wait(self, refs, method)
         except BaseException:
             self.broken = True
+            try:
+                failed = failed_ranks(refs)
+            except Exception:  # noqa: BLE001 - naming the ranks must not hide the failure
+                failed = []
+            self.failure = method + (f" on rank {', '.join(map(str, failed))}" if failed else "")
             raise
+
+
+def failed_ranks(refs: list) -> list[int]:
+    """The indices of `refs` (one per rank) whose call has already failed; waits for none."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    failed = []
+    for rank, ref in enumerate(refs):
+        if ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                failed.append(rank)
+    return failed
 
 
 def get_all(refs: list) -> list:

@@ -163,3 +163,46 @@ def test_a_load_past_its_timeout_on_a_live_worker_fails_the_run(tmp_path):
     with pytest.raises(TimeoutError, match="worker 0 did not load weights version 6 within "
                                            "sync.timeout_s=2 of being able to start"):
         _late_load(tmp_path, None)
+
+
+def test_learner_restarts_count_the_steps_they_cost_and_stop_past_the_limit():
+    from cluster.train.learner_restarts import LearnerRestarts, LearnerRestartsExhausted
+
+    restarts = LearnerRestarts(limit=2)
+    restarts.take("rank 0 died", step=11, back_to=8)
+    assert "steps 9-11 are redone (3 lost; 3 over the run)" in restarts.describe(
+        "step_000000008", 11, 8, 1.0)
+    restarts.take("rank 0 died", step=8, back_to=8)  # died again before a step was done
+    assert restarts.metrics() == {"faults/learner_restarts": 2, "faults/learner_steps_lost": 3}
+    with pytest.raises(LearnerRestartsExhausted) as stop:
+        restarts.take("rank 1 died", step=9, back_to=8)
+    assert str(stop.value) == ("rank 1 died; all faults.max_learner_restarts=2 learner restarts "
+                               "are used up, so the run stops here")
+    assert not stop.value.write_checkpoint  # a broken group cannot write one: the last is kept
+    assert restarts.count == 2
+
+
+def test_only_a_broken_learner_group_is_restarted_and_never_on_a_broken_invariant():
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayTaskError
+
+    from cluster.train.deadlines import LearnerHung
+    from cluster.train.learner_restarts import failure_line, heals
+    from cluster.train.stopping import RunStopped
+
+    broken, whole = SimpleNamespace(broken=True, failure="train_step on rank 1"), \
+        SimpleNamespace(broken=False, failure=None)
+    oom = RayTaskError("train_step", "traceback", RuntimeError("CUDA out of memory")) \
+        .as_instanceof_cause()
+    invariant = RayTaskError("train_step", "traceback", AssertionError("lag bound")) \
+        .as_instanceof_cause()
+    hung = LearnerHung("learner rank 0 did not finish train step 3 within 70 s: it does not "
+                       "answer; its last complete checkpoint is kept")
+    assert heals(oom, broken) and heals(hung, broken)
+    assert not heals(oom, whole)  # e.g. a worker's error while the learner is fine
+    assert not heals(invariant, broken) and not heals(RunStopped("SIGTERM"), broken)
+    assert not heals(ValueError("x"), broken) and not heals(oom, None)
+    assert failure_line(hung, broken) == ("learner rank 0 did not finish train step 3 within "
+                                          "70 s: it does not answer")
+    assert failure_line(oom, broken).startswith("the learner failed (train_step on rank 1): ")

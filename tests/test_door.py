@@ -62,7 +62,7 @@ def work(monkeypatch, tmp_path) -> Path:
     for target, name in ((run, "resolve_model"), (run, "start_ray"),
                          (actors.evaluate, "evaluate"), (PromptRenderer, "from_pretrained"),
                          (cmd_model, "init_default_model"), (cmd_train, "submit"),
-                         (cmd_train, "job_client"), (cmd_sweep, "run_sweep"),
+                         (cmd_train, "follow_resubmitting"), (cmd_sweep, "run_sweep"),
                          (cmd_sweep, "write_report")):
         monkeypatch.setattr(target, name, _refuse)
     for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL",

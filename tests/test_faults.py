@@ -1,12 +1,12 @@
 """Faults injected into real `klrl train` processes (Ray + vLLM + DeepSpeed on loopback).
 
 Each test starts the real command line in a subprocess, injects faults from outside (SIGKILL
-or SIGSTOP of a rollout worker while Ray shows it running `generate`, SIGSTOP of a learner
-rank, SIGTERM to the driver, a scorer made slow on purpose) and checks the outcome: the run
-goes on, or stops with a clear message, the right exit code and a loadable checkpoint, and
-never leaves a process behind. Each run costs a Ray + vLLM + DeepSpeed start, so each carries
-several faults; its docstring lists what it asserts. The deadline arithmetic itself is tested
-without processes in tests/test_deadlines.py.
+or SIGSTOP of a rollout worker while Ray shows it running `generate`, SIGSTOP and SIGKILL of a
+learner rank, SIGTERM to the driver, a scorer made slow on purpose) and checks the outcome: the
+run goes on (a part replaced or restarted), or stops with a clear message, the right exit code
+and a loadable checkpoint, and never leaves a process behind. Each run costs a Ray + vLLM +
+DeepSpeed start, so each carries several faults; its docstring lists what it asserts. The
+deadline arithmetic itself is tested without processes in tests/test_deadlines.py.
 """
 from __future__ import annotations
 
@@ -96,6 +96,17 @@ class TrainProcess:
                 except psutil.Error:
                     continue
             time.sleep(0.01)
+
+    def wait_for_output(self, text: str, timeout: float = 240) -> str:
+        """The first line of the command's output that holds `text`, once there is one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [ln for ln in self.output().splitlines() if text in ln]
+            if found:
+                return found[0]
+            assert self.proc.poll() is None, f"exited early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout}s:\n{self.output()}"
+            time.sleep(0.1)
 
     def finish(self, timeout: float = 300) -> int:
         try:
@@ -258,52 +269,69 @@ def _shm_buffers_of(run: TrainProcess) -> set[str]:
     return found
 
 
-def test_killed_learner_rank_tears_everything_down_and_exits_nonzero(tmp_path, tiny_model_dir):
-    """A learner rank killed mid-run (SIGKILL: a crash, not a hang) ends the run at once on
-    the error path: one line saying the run failed and was torn down, exit 1, no process left,
-    and the killed rank's /dev/shm buffers (RAM, which it could not free itself) removed.
-    Before that, a scorer that hangs on some items is timed out, scores them 0 and counts
-    them: the run goes on."""
-    run = TrainProcess(tmp_path, "crash", *tiny_args(
-        tiny_model_dir, tmp_path, "crash", 50, "task.scorer_timeout_s=1",
-        "task.reward=scorers:short_answers_hanging_on_some"))
+def test_frozen_learner_rank_is_restarted_in_the_run_and_a_kill_past_the_limit_stops_it(
+        tmp_path, tiny_model_dir):
+    """max_lag 2, faults.max_learner_restarts=1 (each run costs a Ray + vLLM + DeepSpeed start,
+    so one run carries both learner faults).
+    1. Before them, a scorer that hangs on some items is timed out, scores them 0 and counts
+       them: the run goes on.
+    2. A learner rank frozen mid-run (SIGSTOP: what a stuck collective or a wedged GPU leaves)
+       is caught within its deadline (one line naming the rank and the call), the learner
+       group and the workers are started again from the last complete checkpoint, and the run
+       goes on; the frozen rank is gone and its /dev/shm buffers (RAM, which it cannot free
+       itself) removed.
+    3. The new rank killed (SIGKILL: a crash) uses up the restarts: the run stops at once with
+       one line, keeps its last checkpoint, prints the --resume command, exits 1, and leaves
+       no process and none of the killed rank's buffers behind.
+    Through both, the guarantees of resume hold in the run: each step's row once (the lost
+    steps' rows replaced), the lag bound, each batch's data position once."""
+    run = TrainProcess(tmp_path, "learner", *tiny_args(
+        tiny_model_dir, tmp_path, "learner", 50, "max_lag=2", "checkpoint_every=2",
+        "faults.max_learner_restarts=1", "task.scorer_timeout_s=1",
+        "task.reward=scorers:short_answers_hanging_on_some", *FAST_DEADLINES))
     run.wait_for_step(4)
     assert sum(m.get("reward/score_failures", 0) for m in read_metrics(run.run_dir)) > 0
-    buffers = _shm_buffers_of(run)
-    assert buffers, "the learner made no /dev/shm buffer to check"
-    run.kill_titled("ray::LearnerRank")
-    code = run.finish()
-    assert code == 1, run.output()
-    assert "torn down" in run.output()
-    assert not run.leftovers()
-    assert not [b for b in buffers if Path(b).exists()], "the killed rank's buffers were left"
-
-
-def test_frozen_learner_rank_stops_the_run_within_its_deadline_keeping_its_checkpoint(
-        tmp_path, tiny_model_dir):
-    """A learner rank frozen mid-run (SIGSTOP: what a stuck collective or a wedged GPU leaves)
-    stops the run within its deadline with one line naming the rank and the call, keeps the
-    last complete checkpoint and prints the --resume command, exits 1, and tears everything
-    down: no process left (the frozen rank included), and its /dev/shm buffers (RAM, which it
-    cannot free itself) removed."""
-    run = TrainProcess(tmp_path, "learner", *tiny_args(
-        tiny_model_dir, tmp_path, "learner", 50, "checkpoint_every=2", *FAST_DEADLINES))
-    run.wait_for_step(3)
-    buffers = _shm_buffers_of(run)
-    assert buffers, "the learner made no /dev/shm buffer to check"
+    frozen_buffers = _shm_buffers_of(run)
+    assert frozen_buffers, "the learner made no /dev/shm buffer to check"
     run.kill_titled("ray::LearnerRank", sig=signal.SIGSTOP)
-    frozen_at, frozen_after = time.monotonic(), run.steps_done()
-    code = run.finish()
-    stopped_in = time.monotonic() - frozen_at
-    assert code == 1, run.output()
-    assert not run.leftovers()
-    assert not [b for b in buffers if Path(b).exists()], "the frozen rank's buffers were left"
+    frozen_after = run.steps_done()
+    restarted = run.wait_for_output("learner restarted from ", timeout=600)  # a whole start
     out = run.output()
     assert caught_within(out, "learner rank 0") <= CAUGHT_WITHIN_S
-    assert stopped_in < CAUGHT_WITHIN_S + 60, (stopped_in, out)  # + the teardown
     [line] = [ln for ln in out.splitlines() if "learner rank 0 did not finish" in ln]
-    assert line.startswith("run stopped: learner rank 0 did not finish ") and "deadline:" in line
+    assert "deadline:" in line and line.endswith("; restarting the learner"), line
+    back_to = int(re.search(r"from step_0*(\d+) ", restarted).group(1))
+    assert 2 <= back_to <= frozen_after + 1 and back_to % 2 == 0, restarted
+    assert "(restart 1/1)" in restarted, restarted
+    run.wait_for_step(frozen_after + 2)
+    assert not [b for b in frozen_buffers if Path(b).exists()], "the frozen rank's buffers left"
+
+    killed_buffers = _shm_buffers_of(run)
+    assert killed_buffers, "the new learner made no /dev/shm buffer to check"
+    run.kill_titled("ray::LearnerRank", times=2)
+    assert run.finish() == 1, run.output()
+    assert not run.leftovers()
+    assert not [b for b in killed_buffers if Path(b).exists()], "the killed rank's buffers left"
+    out = run.output()
+    [line] = [ln for ln in out.splitlines() if ln.startswith("run stopped: ")]
+    assert "the learner failed" in line and "rank 0" in line, line
+    assert line.endswith("all faults.max_learner_restarts=1 learner restarts are used up, so "
+                         "the run stops here"), line
     latest = ckpt.latest_checkpoint(run.run_dir)
     assert latest is not None and f"checkpoint: {latest}" in out
     assert f"continue with: klrl train --resume {run.run_dir}" in out
-    assert 2 <= ckpt.read_checkpoint(latest).step <= frozen_after + 1
+    state = ckpt.read_checkpoint(latest)
+    assert state.learner_restarts == 1 and state.prompt_position == 4 * state.step
+
+    steps = [m for m in read_metrics(run.run_dir) if m["step"] > 0]
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1))  # each once
+    assert len(steps) >= frozen_after + 2
+    assert max(m["lag/max"] for m in steps) <= 2
+    assert [m["rollout/policy_version"] for m in steps] == [m["step"] - 1 - m["lag/mean"]
+                                                            for m in steps]
+    redone = [m for m in steps if m["step"] > back_to]
+    assert all(m["faults/learner_restarts"] == 1 for m in redone)
+    # the steps trained after the checkpoint: those logged, and one more if the rank froze
+    # after its train step returned (in the weight publish, before the row was written)
+    [lost] = {m["faults/learner_steps_lost"] for m in redone}
+    assert lost in (frozen_after - back_to, frozen_after + 1 - back_to), (lost, frozen_after)

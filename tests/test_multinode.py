@@ -12,18 +12,26 @@ repository (uploaded with the job), and the scorer's reward is made of variables
 `--env` and `--runtime-env`, so the run's rewards show that they arrived. Checked: where each
 actor ran (the dashboard's state API), the lag bound, exact weight sync across nodes
 (importance ratios 1 within 1e-4 at max_lag 0), secrets never printed, a job name that is
-taken, and a resource that no node has. Nothing is left running afterwards.
+taken, and a resource that no node has. Nothing is left running afterwards. The job is
+submitted with `--max-resubmits 1` and its first driver SIGKILLed as soon as it appears (a lost
+driver, killed early so that the loss costs little): klrl submit sees it, submits the job again
+(`NAME-r1`, `--resume-if-started`), and that job does the run.
 """
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 import uuid
 from contextlib import redirect_stderr, redirect_stdout
 from io import StringIO
+from pathlib import Path
 
+import psutil
 import pytest
 from ray_nodes import REPO, short_temp_dir, start_head, start_worker
 
@@ -64,9 +72,36 @@ def cluster():
         assert not left, f"processes of the test's Ray nodes still running: {left}"
 
 
+class DriverKiller(threading.Thread):
+    """SIGKILLs the first job driver (`python -m cluster.cli.job_entry ...`) that appears in the
+    head node's process tree (this test's own Ray cluster), once."""
+
+    def __init__(self, head):
+        super().__init__(daemon=True)
+        self.head, self.killed, self.done = head, [], threading.Event()
+
+    def run(self):
+        while not self.done.is_set() and not self.killed:
+            try:
+                tree = psutil.Process(self.head.proc.pid).children(recursive=True)
+            except psutil.Error:
+                return
+            for p in tree:
+                try:
+                    cmdline = p.cmdline()
+                    if "cluster.cli.job_entry" in cmdline and "python" in Path(cmdline[0]).name:
+                        p.send_signal(signal.SIGKILL)
+                        self.killed.append(" ".join(cmdline))
+                        break
+                except psutil.Error:
+                    continue
+            time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def submitted(cluster, tiny_model_dir, tmp_path_factory):
-    """`klrl submit` of a 2-step run from a config and a scorer outside the repository."""
+    """`klrl submit --max-resubmits 1` of a 2-step run from a config and a scorer outside the
+    repository, its first driver killed."""
     outside = tmp_path_factory.mktemp("outside")
     (outside / "klrl_probe_scorer.py").write_text(SCORER)
     config = outside / "two_nodes.yaml"
@@ -90,17 +125,22 @@ logging: {{wandb_mode: disabled}}
     mp.setenv("KLRL_PROBE_A", "0.25")
     mp.syspath_prepend(str(outside))  # klrl submit uploads what it finds here
     mp.delenv("RAY_ADDRESS", raising=False)
+    killer = DriverKiller(cluster)
+    killer.start()
     try:  # the job's logs, followed by main(), are part of what is checked for the secret
         stdout, stderr = StringIO(), StringIO()
         with redirect_stdout(stdout), redirect_stderr(stderr):
             rc = main(["submit", str(config), "--address", cluster.dashboard,
                        "--env", "KLRL_PROBE_A", "--env", f"KLRL_PROBE_SECRET={SECRET}",
                        "--runtime-env", str(runtime_env), "--job-name", name,
+                       "--max-resubmits", "1",
                        f"model.path={tiny_model_dir}", f"output_dir={out}", "run_name=two"])
     finally:
         mp.undo()
+        killer.done.set()
+        killer.join()
     return {"rc": rc, "out": stdout.getvalue(), "err": stderr.getvalue(), "name": name,
-            "run_dir": out / "two", "config": config}
+            "run_dir": out / "two", "config": config, "killed": killer.killed}
 
 
 def _state(head, path: str) -> list[dict]:
@@ -108,6 +148,17 @@ def _state(head, path: str) -> list[dict]:
     request = urllib.request.Request(f"{head.dashboard}/api/v0/{path}", headers=auth_headers())
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())["data"]["result"]["result"]
+
+
+def test_a_job_whose_driver_is_lost_is_resubmitted_and_finishes_its_run(submitted):
+    assert submitted["killed"], "the first job's driver was never seen"
+    out = submitted["out"]
+    assert submitted["rc"] == 0, out[-3000:] + submitted["err"][-3000:]
+    [line] = [ln for ln in out.splitlines() if "resubmitting it" in ln]
+    assert line.startswith(f"job {submitted['name']}: its driver was killed (SIGKILL"), line
+    assert line.endswith("(resubmission 1/1)"), line
+    assert f"submitted {submitted['name']}-r1: " in out and "--resume-if-started" in out, out
+    assert f"job {submitted['name']}-r1: SUCCEEDED" in out, out[-3000:]
 
 
 def test_submitted_job_gets_its_env_runtime_env_and_outside_files(submitted):

@@ -61,6 +61,9 @@ def test_submit_rejects_a_bad_config_before_submitting(capsys):
     (["task.reward=klrl_no_such_module:score"], None,
      "task.reward=klrl_no_such_module:score: module 'klrl_no_such_module' is not importable here"),
     (["--job-name", "two words"], None, "--job-name 'two words'"),
+    (["--max-resubmits", "1", "--no-wait", "output_dir=/shared/runs"], None,
+     "--max-resubmits: klrl submit resubmits a job it follows; drop --no-wait"),
+    (["--max-resubmits", "1"], None, "--max-resubmits: output_dir=runs is relative"),
 ])
 def test_refusals_come_before_the_cluster_is_contacted(args, runtime_env, expected, silent_server,
                                                        tmp_path, capsys):
@@ -168,3 +171,64 @@ def test_plugin_tasks_travel_with_the_job_as_scorers_do(tmp_path, monkeypatch):
     with pytest.raises(jobs.SubmitError, match="task.name=klrl_nope:T: module 'klrl_nope' is "
                                                "not importable here"):
         jobs.job_spec("configs/tiny_cpu.yaml", [], plugins={"task.name": "klrl_nope:T"})
+
+
+def _job(status: str, code: int | None = None, error: str | None = None):
+    from ray.job_submission import JobInfo, JobStatus
+
+    from ray.dashboard.modules.job.common import JobErrorType
+
+    return JobInfo(status=JobStatus(status), entrypoint="python -m cluster.cli train x.yaml",
+                   driver_exit_code=code, error_type=error and JobErrorType(error))
+
+
+@pytest.mark.parametrize(("info", "why"), [
+    (("FAILED", -9, "JOB_ENTRYPOINT_COMMAND_ERROR"),
+     "its driver was killed (SIGKILL, exit code -9)"),
+    (("FAILED", 137, "JOB_ENTRYPOINT_COMMAND_ERROR"),
+     "its driver was killed (SIGKILL, exit code 137)"),
+    (("FAILED", None, "JOB_SUPERVISOR_ACTOR_DIED"),
+     "Ray lost its driver (JOB_SUPERVISOR_ACTOR_DIED)"),
+    # klrl's own ends: the run finished, failed or stopped with its checkpoint, was refused
+    (("FAILED", 1, "JOB_ENTRYPOINT_COMMAND_ERROR"), None),
+    (("FAILED", 2, "JOB_ENTRYPOINT_COMMAND_ERROR"), None),
+    (("FAILED", 143, "JOB_ENTRYPOINT_COMMAND_ERROR"), None),
+    # a resubmission would fail alike; a stop asked for; success
+    (("FAILED", None, "RUNTIME_ENV_SETUP_FAILURE"), None),
+    (("FAILED", None, "JOB_ENTRYPOINT_COMMAND_START_ERROR"), None),
+    (("STOPPED", -15, None), None),
+    (("SUCCEEDED", 0, None), None),
+])
+def test_only_a_lost_driver_is_resubmitted(info, why):
+    assert jobs.driver_lost(_job(*info)) == why
+
+
+def test_a_resubmission_continues_the_run_under_a_new_name():
+    spec = jobs.job_spec("configs/tiny_cpu.yaml", ["run_name=r1", "output_dir=/shared"],
+                         job_name="k1-s0")
+    again = jobs.resubmission(spec, 1)
+    assert again.entrypoint == spec.entrypoint + " --resume-if-started"
+    assert again.job_name == "k1-s0-r1" and again.runtime_env == spec.runtime_env
+    twice = jobs.resubmission(spec, 2)
+    assert twice.entrypoint == again.entrypoint and twice.job_name == "k1-s0-r2"
+    assert jobs.resubmission(jobs.job_spec("configs/tiny_cpu.yaml", []), 1).job_name is None
+
+
+def test_resume_if_started_resumes_a_run_that_exists_and_starts_one_that_does_not(tmp_path,
+                                                                                  capsys):
+    """What a resubmitted job runs decides by the run's directory: --resume when the lost
+    driver made it, a fresh start when it died before that."""
+    from cluster.cli.cmd_train import _started
+    from cluster.config.loader import ConfigError
+    from cluster.config.train_config import load_train_config
+
+    (tmp_path / "r1").mkdir()
+    def cfg(*extra):
+        return load_train_config("configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", *extra])
+
+    assert _started(cfg("run_name=r1"), True) and not _started(cfg("run_name=r2"), True)
+    assert not _started(cfg("run_name=r1"), False)  # without the flag: as asked
+    with pytest.raises(ConfigError, match="--resume-if-started needs run_name"):
+        _started(cfg(), True)
+    assert main(["train", "configs/tiny_cpu.yaml", "--resume-if-started"]) == 2
+    assert "--resume-if-started needs run_name" in _one_error_line(capsys.readouterr().err)

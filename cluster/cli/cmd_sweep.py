@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError, load_config, merge, validate
+from cluster.cli.cmd_train import count_arg
 from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
 from cluster.experiments.report import ReportConfig, write_report
 from cluster.experiments.sweep import (
@@ -28,6 +29,10 @@ def _run_sweep(args) -> int:
         cfg = load_sweep(args.sweep, args.overrides)
         runs = expand(cfg)
         configs = validate_runs(cfg, runs)
+        if args.max_resubmits and not args.address:
+            raise ConfigError("--max-resubmits resubmits Ray jobs: it needs --address (a local "
+                              "sweep's runs are its own processes; run the sweep again to "
+                              "resume them)")
         if args.address and not Path(cfg.output_dir).is_absolute():
             raise ConfigError(f"output_dir={cfg.output_dir!r}: with --address the runs are "
                               "written on the cluster; give an absolute path on storage shared "
@@ -54,7 +59,7 @@ def _run_sweep(args) -> int:
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
               f"machine has {cores}: they will share cores and each will run slower",
               file=sys.stderr)
-    launcher = (RayJobLauncher(args.address, args.python) if args.address
+    launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits) if args.address
                 else LocalLauncher(root / "logs"))
     outcomes, signum = run_sweep(cfg, runs, configs, launcher)
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
@@ -149,6 +154,10 @@ def register(subparsers) -> None:
     p.add_argument("--address", default=None, help="Ray dashboard address: one Ray job per run "
                    "on that cluster (default: local processes)")
     p.add_argument("--python", default="python", help="with --address: the cluster's Python")
+    p.add_argument("--max-resubmits", type=count_arg, default=0, metavar="N",
+                   help="with --address: resubmit a run's job, up to N times per run, when its "
+                   "driver is lost (killed, or its node gone; not when the run fails or stops by "
+                   "itself); the run resumes from its last checkpoint")
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and "
                    "commands; run nothing")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")

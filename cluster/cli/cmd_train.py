@@ -10,8 +10,8 @@ from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.train.jobs import (
     JobFailed,
     SubmitError,
-    follow,
-    job_client,
+    check_resubmittable,
+    follow_resubmitting,
     job_spec,
     parse_env,
     plugin_specs,
@@ -70,10 +70,22 @@ def _report_stop(stop) -> int:
 def _run_train(args) -> int:
     try:
         cfg = _config_for(args)
+        resume = bool(args.resume) or _started(cfg, args.resume_if_started)
     except (ConfigError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return _train_and_report(cfg, bool(args.resume), args.verbose, "run finished")
+    return _train_and_report(cfg, resume, args.verbose, "run finished")
+
+
+def _started(cfg, resume_if_started: bool) -> bool:
+    """--resume-if-started (what a resubmitted job runs): whether the run's directory exists,
+    so that the run is continued, or started when the lost driver never got that far."""
+    if not resume_if_started:
+        return False
+    if cfg.run_name is None:
+        raise ConfigError("--resume-if-started needs run_name (in the config or as an "
+                          "override) to know which run to continue")
+    return (Path(cfg.output_dir) / cfg.run_name).is_dir()
 
 
 def _run_demo(args) -> int:
@@ -118,6 +130,9 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
     if not verbose:
         print(f"run {cfg.run_name}: {run_dir}; other programs' output goes to its train.log "
               "(--verbose shows it here)", flush=True)
+    # The one command that continues the run if this process is lost (docs/checkpoints.md).
+    print(f"if this process is lost, continue the run with: klrl train --resume {run_dir}",
+          flush=True)
     output = nullcontext() if verbose else quiet_output(log)
     try:
         with output:
@@ -165,23 +180,31 @@ def _run_submit(args) -> int:
         source = f"--runtime-env {args.runtime_env}"
         env = parse_env(args.env)
         runtime_env = read_runtime_env(args.runtime_env) if args.runtime_env else None
-        spec = job_spec(args.config, args.overrides, plugins=plugin_specs(cfg), python=args.python,
+        check_resubmittable(cfg, args.max_resubmits, wait=not args.no_wait)
+        overrides = list(args.overrides)
+        if args.max_resubmits and cfg.run_name is None:  # named here: a resubmission finds it
+            from cluster.train.run_log import default_run_name
+
+            cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
+            overrides.append(f"run_name={cfg.run_name}")
+        spec = job_spec(args.config, overrides, plugins=plugin_specs(cfg), python=args.python,
                         env=env, job_name=args.job_name, runtime_env_source=source,
                         runtime_env=runtime_env)
         check_submission(cfg, spec.runtime_env.get("env_vars", {}))  # the door, on this side
         if args.dry_run:
             print(spec.describe())
             return 0
-        job_id = submit(args.config, args.address, args.overrides, wait=False, spec=spec)
+        job_id = submit(args.config, args.address, overrides, wait=False, spec=spec)
     except (ConfigError, SubmitError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.no_wait:
         return 0
     try:
-        follow(job_client(args.address), job_id)
+        job_id = follow_resubmitting(args.address, job_id, spec, args.max_resubmits)
     except JobFailed as exc:
-        print(f"error: {exc}; its logs: ray job logs {job_id} --address {args.address}",
+        print(f"error: {exc}; its logs: ray job logs {exc.job_id or job_id} --address "
+              f"{args.address}",
               file=sys.stderr)
         return 1
     except SubmitError as exc:  # the dashboard could not be reached again to follow the job
@@ -192,6 +215,16 @@ def _run_submit(args) -> int:
               f"`ray job stop {job_id} --address {args.address}`)", file=sys.stderr)
         return 130
     return 0
+
+
+def count_arg(text: str) -> int:
+    """A non-negative count from the command line (argparse's error otherwise)."""
+    import argparse
+
+    value = int(text) if text.isdigit() else -1
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 0 to 1000")
+    return value
 
 
 VERBOSE_HELP = ("show every program's output (Ray, vLLM, DeepSpeed, wandb, warnings) as well as "
@@ -209,6 +242,9 @@ def register(subparsers) -> None:
                    "or the run the config's run_name names; starts an unfinished run afresh if "
                    "it has no checkpoint yet (anywhere on the line: `klrl train --resume RUN_DIR "
                    "total_steps=600`)")
+    p.add_argument("--resume-if-started", action="store_true",
+                   help="--resume if the run's directory exists, else start the run (what a job "
+                   "resubmitted by `klrl submit --max-resubmits` runs)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_run_train)
 
@@ -235,5 +271,10 @@ def register(subparsers) -> None:
                    "cluster, finished jobs included); default: one Ray chooses")
     p.add_argument("--dry-run", action="store_true", help="print the job (entrypoint, "
                    "runtime_env with env values as ***) and submit nothing")
+    p.add_argument("--max-resubmits", type=count_arg, default=0, metavar="N",
+                   help="resubmit the job, up to N times, when its driver is lost (killed, or "
+                   "its node gone; not when the run itself fails or stops): each resubmission "
+                   "continues the run from its last checkpoint. Needs an absolute output_dir "
+                   "the cluster keeps, and this command following the job (not --no-wait)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_run_submit)

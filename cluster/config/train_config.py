@@ -152,6 +152,14 @@ class FaultConfig(_Strict):
                                      "allowed over the whole run (a worker that dies or hangs is "
                                      "replaced and re-synced); one more failure stops the run with "
                                      "a checkpoint.")
+    max_learner_restarts: int = Field(2, ge=0, le=1000, description="Learner restarts allowed "
+                                      "over the whole run: a rank that dies, hangs or fails a "
+                                      "call tears the learner group down, and the run goes on "
+                                      "from its last complete checkpoint (from step 0 without "
+                                      "one) with a new group and re-synced rollout workers. One "
+                                      "more failure stops the run. Low because at max_lag 0 a "
+                                      "replay is exact: a fault the data causes (an OOM on one "
+                                      "long batch) recurs on every replay.")
     hang_multiple: float = Field(5.0, ge=1.5, le=1000, description="A wait's deadline is this "
                                  "multiple of the median duration of the recent waits of its "
                                  "kind (train step, weight publish, checkpoint, generate, "
@@ -172,8 +180,8 @@ class FaultConfig(_Strict):
     learner_timeout_s: float = Field(3600.0, gt=0, le=86_400, description="Ceiling of the "
                                      "learner's deadlines (set-up, train step, weight publish, "
                                      "checkpoint): a call that takes longer, live or not, "
-                                     "stops the run. Also the process group's timeout, so a "
-                                     "stuck collective raises in the ranks.")
+                                     "is hung (a learner restart). Also the process group's "
+                                     "timeout, so a stuck collective raises in the ranks.")
 
 
 # Resources Ray defines itself, and the options that request them (None: klrl does not).

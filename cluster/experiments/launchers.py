@@ -5,10 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments.sweep import RunSpec, RunState, SweepConfig, train_command
-from cluster.train.jobs import job_client, submit
+from cluster.experiments.sweep import (
+    RunSpec,
+    RunState,
+    SweepConfig,
+    run_state,
+    sweep_dir,
+    train_command,
+)
+from cluster.train.jobs import driver_lost, job_client, submit
 
 
 class LocalLauncher:
@@ -44,28 +52,54 @@ class LocalLauncher:
         return f"log: {handle[2]}"
 
 
+@dataclass
+class RunJob:
+    """A run's current Ray job, and how often it was resubmitted after losing its driver."""
+
+    cfg: SweepConfig
+    run: RunSpec
+    job_id: str
+    resubmits: int = 0
+
+
 class RayJobLauncher:
     """One Ray job per run (`klrl submit --no-wait`), polled for its status. The run
-    directories must be on storage this machine shares with the cluster (see SweepConfig)."""
+    directories must be on storage this machine shares with the cluster (see SweepConfig).
+    A job whose driver is lost (jobs.driver_lost: killed, or its node gone) is submitted
+    again, up to `max_resubmits` times per run, with `--resume` once its directory exists:
+    the run goes on from its last checkpoint; one that failed or stopped by itself is not."""
 
-    def __init__(self, address: str, python: str = "python"):
-        self.address, self.python = address, python
+    def __init__(self, address: str, python: str = "python", max_resubmits: int = 0):
+        self.address, self.python, self.max_resubmits = address, python, max_resubmits
         self.client = job_client(address)
 
-    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
+    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> RunJob:
+        return RunJob(cfg, run, self._submit(cfg, run, state))
+
+    def _submit(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
         args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
         return submit(cfg.train_config, self.address, args, wait=False, python=self.python)
 
-    def poll(self, job_id: str) -> int | None:
+    def poll(self, job: RunJob) -> int | None:
         from ray.job_submission import JobStatus  # Ray: only once a cluster sweep runs
 
-        status = self.client.get_job_status(job_id)
+        status = self.client.get_job_status(job.job_id)
         if not status.is_terminal():
             return None
-        return 0 if status == JobStatus.SUCCEEDED else 1
+        if status == JobStatus.SUCCEEDED:
+            return 0
+        why = driver_lost(self.client.get_job_info(job.job_id))
+        if why is None or job.resubmits >= self.max_resubmits:
+            return 1
+        job.resubmits += 1
+        state = run_state(sweep_dir(job.cfg) / job.run.name)
+        lost, job.job_id = job.job_id, self._submit(job.cfg, job.run, state)
+        print(f"{job.run.name}: job {lost}: {why}; resubmitted as {job.job_id} (resubmission "
+              f"{job.resubmits}/{self.max_resubmits})", flush=True)
+        return None
 
-    def stop(self, job_id: str, signum: int) -> None:
-        self.client.stop_job(job_id)  # Ray sends SIGTERM (the run checkpoints), later SIGKILL
+    def stop(self, job: RunJob, signum: int) -> None:
+        self.client.stop_job(job.job_id)  # Ray sends SIGTERM (the run checkpoints), then SIGKILL
 
-    def where(self, job_id: str) -> str:
-        return f"logs: ray job logs {job_id} --address {self.address}"
+    def where(self, job: RunJob) -> str:
+        return f"logs: ray job logs {job.job_id} --address {self.address}"

@@ -49,6 +49,8 @@ class ControllerState:
     nonfinite_run: int = 0
     dropped_stale: int = 0
     worker_restarts: int = 0
+    learner_restarts: int = 0
+    learner_steps_lost: int = 0   # steps trained, then redone from a checkpoint by a restart
     wandb_id: str | None = None
     reference_sha256: str = ""  # identity of the initial policy = KL reference
     config: dict = field(default_factory=dict)

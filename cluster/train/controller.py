@@ -33,6 +33,7 @@ from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
 from cluster.train.deadlines import LearnerDeadlines
 from cluster.train.launch import start_engines_and_learner, start_learner
+from cluster.train.learner_restarts import LearnerRestarts, failure_line, heals
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
 from cluster.train.run_log import (
@@ -69,6 +70,7 @@ class Controller:
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
+        self.learner_restarts = LearnerRestarts(cfg.faults.max_learner_restarts)
         self._reference_sha256: str | None = None
 
     # ---------------------------------------------------------------- main loop
@@ -80,26 +82,16 @@ class Controller:
             last = self._start()
             with TrainProgress(self._planned_steps(), self.step) as progress:
                 progress.show_evaluation(self.step, last)
-                while self._another_step():
-                    self._honour_stop_request()
-                    t0 = time.perf_counter()
-                    self._fill_pipeline()
-                    batch, gen_metrics = self._take_batch()
-                    trained_by = self.step  # the learner version that trains this batch
-                    metrics = self._train(batch) | gen_metrics
-                    metrics |= self._publish()
-                    metrics |= self._maybe_evaluate()
-                    self._maybe_checkpoint()
-                    self._maybe_export_hf()
-                    metrics |= {"time/step": time.perf_counter() - t0,
-                                "faults/worker_restarts": self.pool.restarts,
-                                "faults/reissued_samples": self._reissued_this_step(),
-                                **self.prompts.metrics(self._trained_position)}
-                    self.log.log({"step": self.step, "policy_version": self.step, **metrics})
-                    self._maybe_log_samples(batch, trained_by)
-                    progress.update(self.step, metrics)
-                    last = metrics
-            self._finish()
+                while True:
+                    try:
+                        while self._another_step():
+                            last = self._take_step(progress)
+                        self._finish()
+                        break
+                    except Exception as failure:  # noqa: BLE001 - re-raised unless it heals
+                        if not heals(failure, self.learner):
+                            raise
+                        self._restart_learner(failure)
             completed = True
             return last
         except RunStopped as stop:
@@ -111,11 +103,48 @@ class Controller:
             self._shutdown(raise_errors=completed)
 
     # ---------------------------------------------------------------- steps
+    def _take_step(self, progress: TrainProgress) -> dict:
+        """One step: generate (under max_lag), train, publish, evaluate, checkpoint, log."""
+        self._honour_stop_request()
+        t0 = time.perf_counter()
+        self._fill_pipeline()
+        batch, gen_metrics = self._take_batch()
+        trained_by = self.step  # the learner version that trains this batch
+        metrics = self._train(batch) | gen_metrics
+        metrics |= self._publish()
+        metrics |= self._maybe_evaluate()
+        self._maybe_checkpoint()
+        self._maybe_export_hf()
+        metrics |= {"time/step": time.perf_counter() - t0,
+                    "faults/worker_restarts": self.pool.restarts,
+                    "faults/reissued_samples": self._reissued_this_step(),
+                    **self.learner_restarts.metrics(),
+                    **self.prompts.metrics(self._trained_position)}
+        self.log.log({"step": self.step, "policy_version": self.step, **metrics})
+        self._maybe_log_samples(batch, trained_by)
+        progress.update(self.step, metrics)
+        return metrics
+
     def _start(self) -> dict:
         """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
         state = self._read_resume_state()
-        self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id)
-        # Side by side, or on a GPU the learner may share, the engines first (launch.py).
+        self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id,
+                          rewind_to=state and state.step)
+        self._start_parts()
+        if state is None:
+            first = self._evaluate(self.step)
+            self.log.log({"step": 0, "policy_version": 0, **first})
+            return first
+        self._restore(state, self.resume_from)
+        self.pool.restarts = state.worker_restarts
+        self.learner_restarts.count = state.learner_restarts
+        self.learner_restarts.steps_lost = state.learner_steps_lost
+        print(f"resumed {self.run_dir} at step {self.step} from {self.resume_from.name}")
+        return {}
+
+    def _start_parts(self) -> None:
+        """Start the rollout workers and the learner group, and join them for the weight sync:
+        side by side, or on a GPU the learner may share, the engines first (launch.py)."""
         def start_pool():
             self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self.weights.resync)
 
@@ -127,19 +156,54 @@ class Controller:
         start_engines_and_learner(self.cfg, start_pool, lambda: self.pool.wait_started(),
                                   start_the_learner)
         self.weights.connect(self.learner, self.pool)
-        if state is None:
-            first = self._evaluate(self.step)
-            self.log.log({"step": 0, "policy_version": 0, **first})
-            return first
-        self.step = self.learner.load_checkpoint(self.resume_from, ckpt.LEARNER_TAG)
+
+    def _restore(self, state: ckpt.ControllerState, checkpoint: Path) -> None:
+        """Put the new learner and the schedule where the complete `checkpoint` left them, and
+        give every worker its weights; the batches that were in flight are generated again
+        from `prompt_position` on (same prompts, same seeds)."""
+        self.step = self.learner.load_checkpoint(checkpoint, ckpt.LEARNER_TAG)
         assert self.step == state.step, \
             f"learner restored step {self.step}, controller {state.step}"
         self.prompts.position = state.prompt_position
         self.nonfinite_total, self.nonfinite_run = state.nonfinite_total, state.nonfinite_run
-        self.dropped_stale, self.pool.restarts = state.dropped_stale, state.worker_restarts
+        self.dropped_stale = state.dropped_stale
         self.weights.resume()
-        print(f"resumed {self.run_dir} at step {self.step} from {self.resume_from.name}")
-        return {}
+
+    def _restart_learner(self, failure: Exception) -> None:
+        """The learner group broke (learner_restarts.heals): do in the run what `--resume`
+        does after it (cluster/train/learner_restarts.py). Every part but the log is stopped
+        and started again, the rollout workers too: a worker refuses weights older than its
+        own, and its generate calls in flight belong to the lost steps. Counts faults (worker
+        and learner restarts) on; everything the steps decide goes back to the checkpoint.
+        LearnerRestartsExhausted when no restart is left."""
+        t0 = time.perf_counter()
+        checkpoint = ckpt.latest_checkpoint(self.run_dir)
+        state = ckpt.read_checkpoint(checkpoint) if checkpoint is not None else None
+        back_to = state.step if state is not None else 0
+        why = failure_line(failure, self.learner)
+        self.learner_restarts.take(why, self.step, back_to)
+        lost_from, worker_restarts = self.step, self.pool.restarts
+        print(f"{why}; restarting the learner", file=sys.stderr, flush=True)
+        self._shutdown(raise_errors=True, keep_log=True)
+        self.pending.clear()
+        self.last_batches, self.reissued_logged = {}, 0
+        self.weights = WeightSyncState(self.cfg.sync, self.run_dir.name)
+        self.log.rewind(back_to)
+        ckpt.drop_hf_exports_after(self.run_dir, back_to)
+        try:
+            self._start_parts()
+            self.pool.restarts = worker_restarts
+            if state is not None:
+                self._restore(state, checkpoint)
+            else:  # no checkpoint yet: the new group holds the starting weights, as at step 0
+                self.step, self.prompts.position, self.dropped_stale = 0, 0, 0
+                self.nonfinite_total = self.nonfinite_run = 0
+        except RunStopped as stop:  # e.g. a new worker hung in its start: the new group does
+            stop.write_checkpoint = False  # not hold the run's state; the last one is kept
+            raise
+        print(self.learner_restarts.describe(checkpoint.name if checkpoint else "step 0",
+                                             lost_from, back_to, time.perf_counter() - t0),
+              file=sys.stderr, flush=True)
 
     def _read_resume_state(self) -> ckpt.ControllerState | None:
         """The checkpoint's controller state (after checking the reference model is the one
@@ -324,7 +388,9 @@ class Controller:
             step=self.step, prompt_position=self._trained_position,
             nonfinite_total=self.nonfinite_total, nonfinite_run=self.nonfinite_run,
             dropped_stale=self.dropped_stale,
-            worker_restarts=self.pool.restarts if self.pool else 0, wandb_id=self.log.wandb_id,
+            worker_restarts=self.pool.restarts if self.pool else 0,
+            learner_restarts=self.learner_restarts.count,
+            learner_steps_lost=self.learner_restarts.steps_lost, wandb_id=self.log.wandb_id,
             reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
         return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
                                      keep=self.cfg.keep_checkpoints)
@@ -347,12 +413,14 @@ class Controller:
             self._checkpoint()
         self.learner.save_hf(final_dir(self.run_dir))
 
-    def _shutdown(self, raise_errors: bool = True) -> None:
-        """Stop every part, each on its own: a part that fails (a log that cannot be closed)
-        must not keep the others (workers, learner ranks, shm files) alive. Every failure is
-        printed; once all parts have run, the first is raised (when `raise_errors`)."""
+    def _shutdown(self, raise_errors: bool = True, keep_log: bool = False) -> None:
+        """Stop every part (but the log when `keep_log`: a learner restart), each on its own:
+        a part that fails (a log that cannot be closed) must not keep the others (workers,
+        learner ranks, shm files) alive. Every failure is printed; once all parts have run,
+        the first is raised (when `raise_errors`)."""
         parts = [(name, getattr(part, method)) for name, part, method in (
-            ("metrics log", self.log, "close"), ("rollout workers", self.pool, "kill_all"),
+            ("metrics log", None if keep_log else self.log, "close"),
+            ("rollout workers", self.pool, "kill_all"),
             ("learner", self.learner, "shutdown")) if part is not None]
         parts.append(("published weights", self.weights.cleanup))  # shm: /dev/shm is RAM
         errors = []

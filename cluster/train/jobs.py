@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import REPO_ROOT, read_yaml
+from cluster.train.stopping import HANDLED
 from rewards.config import EVAL_SETS
 
 # Never uploaded with the repository: environments, run outputs, caches.
@@ -54,7 +55,77 @@ class SubmitError(Exception):
 
 
 class JobFailed(Exception):
-    """The submitted job ended other than SUCCEEDED (exit 1)."""
+    """The submitted job ended other than SUCCEEDED (exit 1); `info` is its JobInfo."""
+
+    def __init__(self, message: str, info=None, job_id: str | None = None):
+        super().__init__(message)
+        self.info, self.job_id = info, job_id
+
+
+# The exit codes `klrl train` chooses itself (cluster/cli/cmd_train.py): 0 finished, 1 failed
+# or stopped with its checkpoint, 2 refused before the start, 128 + a signal it handles (a
+# stop asked for). A driver that ends with one of them decided to: a resubmission would not
+# help. Any other code means it was killed (a signal: the OOM killer, a lost node's SIGKILL).
+OWN_EXIT_CODES = frozenset({0, 1, 2, *(128 + s for s in HANDLED)})
+# Ray's job errors where the driver went with Ray's job supervisor (its node lost, say).
+_SUPERVISOR_LOST = ("JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE")
+# What a resubmitted job adds to the command: continue the run if the first job started it.
+RESUME_IF_STARTED = "--resume-if-started"
+
+
+def driver_lost(info) -> str | None:
+    """Why the job of `info` (a Ray JobInfo) lost its driver: FAILED with an exit code that
+    klrl train never chooses (killed by a signal), or with Ray's job supervisor lost. None
+    for any other end: klrl's own exit codes, a runtime_env or entrypoint that failed to
+    start (a resubmission would fail alike), STOPPED (`ray job stop`), SUCCEEDED."""
+    status, error = str(info.status), getattr(info, "error_type", None)
+    error = getattr(error, "value", error)
+    if status != "FAILED":
+        return None
+    code = getattr(info, "driver_exit_code", None)
+    if error == "JOB_ENTRYPOINT_COMMAND_ERROR" and code is not None and code not in OWN_EXIT_CODES:
+        return f"its driver was killed ({_exit_description(code)})"
+    if error in _SUPERVISOR_LOST:
+        return f"Ray lost its driver ({error})"
+    return None
+
+
+def _exit_description(code: int) -> str:
+    """-9 or 137 -> 'SIGKILL'; another code as itself."""
+    import signal
+
+    number = -code if code < 0 else code - 128 if code > 128 else None
+    try:
+        return f"{signal.Signals(number).name}, exit code {code}" if number else f"exit code {code}"
+    except ValueError:
+        return f"exit code {code}"
+
+
+def resubmission(spec: JobSpec, attempt: int) -> JobSpec:
+    """The first job `spec` again, resubmission `attempt`, to continue its run:
+    `--resume-if-started` added (the run resumes from its last checkpoint, or starts if the
+    lost driver never created it) and, with a job name, a new one (`NAME-r1`, `NAME-r2`: Ray
+    keeps the names of ended jobs)."""
+    entrypoint = f"{spec.entrypoint} {RESUME_IF_STARTED}"
+    name = spec.job_name and f"{spec.job_name}-r{attempt}"
+    return JobSpec(entrypoint, spec.runtime_env, name, spec.metadata, spec.staging,
+                   spec.staged_from)
+
+
+def check_resubmittable(cfg, max_resubmits: int, wait: bool) -> None:
+    """A job may be resubmitted only if its run can be found again: it is followed here (not
+    --no-wait), and its output_dir is absolute (a relative one lies in the job's unpacked
+    working_dir, which Ray deletes once no job uses it). SubmitError otherwise."""
+    if not max_resubmits:
+        return
+    if not wait:
+        raise SubmitError("--max-resubmits: klrl submit resubmits a job it follows; drop "
+                          "--no-wait (or --max-resubmits)")
+    if not Path(cfg.output_dir).is_absolute():
+        raise SubmitError(f"--max-resubmits: output_dir={cfg.output_dir} is relative, so the run "
+                          "would live in the job's unpacked working_dir, which Ray deletes when "
+                          "the job ends; give output_dir=/ABSOLUTE/PATH on storage the cluster "
+                          "keeps")
 
 
 def auth_headers() -> dict:
@@ -338,7 +409,27 @@ def follow(client, job_id: str) -> None:
     print(f"job {job_id}: {info.status}")
     if info.status != JobStatus.SUCCEEDED:
         raise JobFailed(f"job {job_id} ended {info.status}"
-                        + (f": {_last_line(info.message)}" if info.message else ""))
+                        + (f": {_last_line(info.message)}" if info.message else ""), info, job_id)
+
+
+def follow_resubmitting(address: str, job_id: str, spec: JobSpec, max_resubmits: int) -> str:
+    """`follow` the job; while it ends with its driver lost (`driver_lost`) and fewer than
+    `max_resubmits` resubmissions were made, submit it again to continue its run
+    (`resubmission`) and follow that. Returns the last job's id; JobFailed as `follow`."""
+    for attempt in range(1, max_resubmits + 2):
+        try:
+            follow(job_client(address), job_id)
+            return job_id
+        except JobFailed as failed:
+            why = driver_lost(failed.info) if failed.info is not None else None
+            if why is None or attempt > max_resubmits:
+                raise
+        again = resubmission(spec, attempt)
+        print(f"job {job_id}: {why}; resubmitting it to continue its run (resubmission "
+              f"{attempt}/{max_resubmits})", flush=True)
+        job_id = submit(again.metadata.get("klrl_config", ""), address, [], wait=False,
+                        spec=again)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _check_name_free(client, name: str) -> None:

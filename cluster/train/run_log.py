@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -98,7 +99,10 @@ def wandb_mode(cfg) -> str:
 class RunLog:
     """Owns runs/<name>/ and the metrics sinks. Use as a context manager."""
 
-    def __init__(self, cfg, run_dir: Path, resume_wandb_id: str | None = None):
+    def __init__(self, cfg, run_dir: Path, resume_wandb_id: str | None = None,
+                 rewind_to: int | None = None):
+        """`resume_wandb_id`: the wandb run to continue; `rewind_to`: the step it continues
+        after (a resume's checkpoint: the rows of later steps are redone, `_start_wandb`)."""
         self.cfg, self.dir = cfg, Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, config_path(self.dir))
@@ -109,21 +113,52 @@ class RunLog:
         self._samples = None  # samples.jsonl, opened by the first rows (none: no file)
         self._wandb = None
         self.wandb_id = resume_wandb_id
-        self._start_wandb()
+        self._start_wandb(rewind_to)
 
-    def _start_wandb(self) -> None:
+    def _start_wandb(self, rewind_to: int | None = None) -> None:
+        """Start (or continue: `wandb_id`) the wandb run. wandb keeps one row per step and
+        ignores a step at or below the last it has, so the rows of redone steps (after
+        `rewind_to`) would keep their first attempt's values: online, the run is rewound to
+        `rewind_to` (W&B's rewind, `resume_from`: the later rows go, the redone ones replace
+        them); where W&B refuses that (a preview feature of theirs), and offline, it is
+        continued as it stands, with a warning. metrics.jsonl always holds the redone rows."""
         mode = wandb_mode(self.cfg)
         if mode == "disabled":
             return
         import wandb
 
         lg = self.cfg.logging
-        self._wandb = wandb.init(
-            entity=lg.wandb_entity, project=lg.wandb_project, group=lg.wandb_group,
-            tags=lg.tags or None, mode=mode, name=lg.wandb_name or self.dir.name,
-            dir=str(self.dir), config=self.cfg.model_dump(mode="json") | filter_config(self.cfg),
-            id=self.wandb_id, resume="allow" if self.wandb_id else None)
+        settings = {"entity": lg.wandb_entity, "project": lg.wandb_project,
+                    "group": lg.wandb_group, "tags": lg.tags or None, "mode": mode,
+                    "name": lg.wandb_name or self.dir.name, "dir": str(self.dir),
+                    "config": self.cfg.model_dump(mode="json") | filter_config(self.cfg)}
+        if self.wandb_id and rewind_to is not None and mode == "online":
+            try:
+                self._wandb = wandb.init(**settings,
+                                         resume_from=f"{self.wandb_id}?_step={rewind_to + 1}")
+            except Exception as exc:  # noqa: BLE001 - the run goes on; wandb is a mirror
+                print(f"wandb: could not rewind run {self.wandb_id} to step {rewind_to} "
+                      f"({type(exc).__name__}: {exc}); continuing it, so wandb keeps the first "
+                      f"rows of steps after {rewind_to} (metrics.jsonl holds the redone ones)",
+                      file=sys.stderr)
+        if self._wandb is None:
+            self._wandb = wandb.init(**settings, id=self.wandb_id,
+                                     resume="allow" if self.wandb_id else None)
         self.wandb_id = self._wandb.id
+
+    def rewind(self, step: int) -> None:
+        """Cut the logs back to `step` (a learner restart redoes the later steps, so each step
+        keeps one row: keep_logs_through) and rewind the wandb run to it (`_start_wandb`)."""
+        self._metrics.close()
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
+        keep_logs_through(self.dir, step)
+        self._metrics = open(metrics_path(self.dir), "a", buffering=1)  # noqa: SIM115 - open for the run
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+            self._start_wandb(rewind_to=step)
 
     def log(self, metrics: dict) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
