@@ -190,7 +190,8 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
     else:
         md += [f"No run was flagged ({len(runs)} checked)."]
     md += ["", _flag_definitions(cfg), "", "## Plots", "",
-           "Lines: mean over a configuration's runs (seeds); shaded: min to max over them. "
+           "Lines: mean over a configuration's runs (seeds); band (shaded, hatched in the "
+           "configuration's own pattern): min to max over them. "
            + (f"Per-step curves are centred moving averages over {window} steps, drawn "
               "over the raw values (faint)." if (window := report_window(runs, cfg.smooth)) > 1
               else "Per-step curves are the raw values (no moving average)."), ""]

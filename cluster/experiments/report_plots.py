@@ -105,7 +105,8 @@ FIGURES = (
 ACCURACY_AGAINST_KL = Figure(
     "accuracy_vs_kl.png", "Accuracy against the distance to the reference",
     "Each run's final greedy accuracy (the final checkpoint's evaluation where there is one) "
-    "against its KL(pi || pi_ref) at the end (mean over the last steps, log scale): a "
+    "against its KL(pi || pi_ref) at the end (mean over the last steps; a log scale where the "
+    "runs span a decade or more): a "
     "configuration that scores higher out-of-domain only because it moved further from the "
     "reference lies to the right of the others, one that generalises lies above them at the "
     "same distance.", ())
