@@ -1,7 +1,7 @@
 """The train config of the short end-to-end runs on the tiny random model (test_resume.py,
-test_lora.py, and the SLURM job of test_resume.py): a few steps of 4 prompts x 4 samples at max_lag 0, rewarded for
-short answers (tests/scorers.py) so that the random model has a signal, no evaluation but the
-required one."""
+its SLURM job included, and test_lora.py): a few steps of 4 prompts x 4 samples at max_lag 0,
+rewarded for short answers (tests/scorers.py) so that the random model has a signal, no
+evaluation but the required one."""
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
 
