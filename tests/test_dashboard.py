@@ -11,6 +11,7 @@ from test_report import write_run
 from wandb_records import config, history, records, run_record
 
 from cluster.cli.main import main
+from cluster.config.loader import DEMO_CONFIG
 from cluster.experiments.dashboard import configuration_measures, report_figures, report_tables
 
 
@@ -158,3 +159,23 @@ def test_workspace_groups_by_configuration_and_shows_the_summary_runs_keys(summa
     assert main(["dashboard", str(sweep)]) == 0  # the command prints the layout, saves nothing
     out = capsys.readouterr().out
     assert "runs of group 'grid'" in out and "not saved" in out and "KL to the reference" in out
+
+
+def test_the_end_of_a_sweep_logs_its_summary_run(tmp_path, capsys, monkeypatch):
+    """`klrl sweep`'s last act (`_summarise`, after its runs) writes the report and logs the
+    summary run, as `klrl report` does."""
+    from cluster.cli.cmd_sweep import _summarise
+    from cluster.experiments.sweep import Outcome, SweepConfig, expand
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    _sweep(tmp_path / "grid")
+    cfg = SweepConfig.model_validate({"name": "grid", "train_config": str(DEMO_CONFIG),
+                                      "output_dir": str(tmp_path),
+                                      "grid": {"seed": [0, 1]}})
+    runs = expand(cfg)
+    assert _summarise(cfg, runs, [Outcome(r, "finished") for r in runs], None, write=True) == 0
+    offline = list((tmp_path / "grid" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and f"wandb sync {offline[0]}" in capsys.readouterr().out
+    run = run_record(offline[0])
+    assert (run.run_group, run.job_type) == ("grid", "summary")
+    assert "findings" in history(offline[0])
