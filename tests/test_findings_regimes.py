@@ -123,3 +123,24 @@ def test_a_paired_grid_with_a_collapsing_configuration_reads_as_before(tmp_path)
     v = verdicts(tmp_path)
     assert v[("K1 in the loss is unstable", "beta 0.05, max_lag 4")] == "reproduced"
     assert v[("K1 in the loss is unstable", "beta 0.05, max_lag 0")] == "contradicted"
+
+
+def test_a_committed_runs_csv_is_reread_under_the_current_rules():
+    """The first confirmation's runs.csv (its run directories are gone): K1 in the loss's
+    collapses stay breaks, K3 in the reward's KL blow-ups become drift, and the accuracy
+    claims are paired by seed."""
+    from pathlib import Path
+
+    from cluster.experiments.recheck import read_runs_csv, reread
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "docs" / "sweeps" / "offpolicy_tiny_confirm" / "runs.csv"
+    runs = read_runs_csv(path)
+    k1l = [m for m in runs if m.configuration == "k1-loss-is_none-b0.3-lag8"]
+    k3r = [m for m in runs if m.configuration == "k3-reward-is_none-b0.3-lag8"]
+    assert len(k1l) == 8 and all("accuracy collapse" in m.broken[PRIMARY] for m in k1l)
+    assert all(m.broken[PRIMARY] == "" and m.drifted for m in k3r)
+    md = "\n".join(reread(path, "docs/sweeps/preregistration.yaml", "offpolicy_tiny_confirm"))
+    assert "| K1 in the loss is unstable | klrl (off-policy extension) | beta 0.3, max_lag 8 | " \
+        "**reproduced**" in md
+    assert "paired t =" in md and "**Unknown here:** 8 run(s) drifted" in md
