@@ -16,14 +16,14 @@ import json
 import platform
 from pathlib import Path
 
-DEFAULTS = {"beta": 0.3, "lags": [0, 2, 8], "steps": 2000, "lr": 2.0, "samples": 8,
-            "seed": 0, "vocab": 3, "length": 3}
+DEFAULTS = {"beta": 0.3, "lags": [0, 2, 8], "steps": 800, "lr": 4.0, "samples": 8,
+            "sampled_lr": 0.5, "seed": 0, "vocab": 3, "length": 2}
 
 
 def anchor(configuration: str, lag: int) -> str:
     """The table row's anchor: docs link `sweeps/toy/table.md#<anchor>`."""
-    return "".join(c if c.isalnum() else "-" for c in configuration.lower()).strip("-") \
-        + f"-lag-{lag}"
+    words = "".join(c if c.isalnum() else " " for c in configuration.lower()).split()
+    return "-".join([*words, "lag", str(lag)])
 
 
 def compute(opts: dict) -> dict:
@@ -39,9 +39,9 @@ def compute(opts: dict) -> dict:
     for cfg in D.CONFIGURATIONS:
         for lag in opts["lags"]:
             row = {"configuration": cfg.name, "lag": lag, "anchor": anchor(cfg.name, lag)}
-            for mode, samples in (("exact", None), ("sampled", opts["samples"])):
-                tr = D.train(task, cfg, beta, lag, opts["steps"], opts["lr"], samples,
-                             opts["seed"])
+            for mode, samples, lr in (("exact", None, opts["lr"]),
+                                      ("sampled", opts["samples"], opts["sampled_lr"])):
+                tr = D.train(task, cfg, beta, lag, opts["steps"], lr, samples, opts["seed"])
                 row[mode] = {"kl_to_optimum": tr.kl_to_optimum, "reward": tr.reward,
                              "kl_to_ref": tr.kl_to_ref, "top_mass": tr.top_mass,
                              "max_grad_norm": tr.max_grad_norm, "finite": tr.finite,
@@ -76,7 +76,8 @@ def table_markdown(result: dict) -> str:
         f"reference {result['optimum']['kl_to_ref']:.3f}; the best sequence has reward "
         f"{result['max_reward']:.3f}. Exact: every update is the exact expectation under mu; "
         f"n = {s['samples']}: {s['samples']} sequences drawn from mu per update, leave-one-out "
-        "baselines. The method: [KL regularisation](../../kl.md#where-each-configuration-leads).",
+        f"baselines, steps of size {s['sampled_lr']:g}. The method: "
+        "[KL regularisation](../../kl.md#where-each-configuration-leads).",
         "",
         "| configuration | lag | ends at (exact) | KL(pi‖pi*) | reward | KL(pi‖ref) | "
         "top sequence's mass | largest gradient norm | ends at (n samples) | KL(pi‖pi*), n | "
@@ -120,7 +121,7 @@ def plot(result: dict, path: Path) -> None:
 
 def run(args) -> int:
     opts = dict(DEFAULTS)
-    for key in ("beta", "steps", "lr", "samples", "seed"):
+    for key in ("beta", "steps", "lr", "samples", "sampled_lr", "seed"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     if args.lags:
@@ -146,5 +147,7 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=None, help=f"step size (default {DEFAULTS['lr']})")
     p.add_argument("--samples", type=int, default=None,
                    help=f"sequences per sampled update (default {DEFAULTS['samples']})")
+    p.add_argument("--sampled-lr", type=float, default=None, dest="sampled_lr",
+                   help=f"step size of the sampled runs (default {DEFAULTS['sampled_lr']})")
     p.add_argument("--seed", type=int, default=None, help="seed of the toy and the samples")
     p.set_defaults(func=run)

@@ -4,7 +4,7 @@
 
 Pairing: every configuration of a sweep runs the same seeds, and the seed is a block (it sets
 the data order, the sampling and, through both, much of where a run ends: on the confirmation
-of seeds 101-108 it explained 80% of the out-of-domain variance). An accuracy comparison is
+of seeds 101-108 it explained 76% of the out-of-domain variance). An accuracy comparison is
 therefore a paired t-test on the per-seed differences over the seeds both arms finished, and
 Welch's test only where fewer than two seeds pair. The KL to the reference at the end, a
 distance that moves with accuracy, is compared beside every accuracy the same way (log KL,

@@ -200,6 +200,24 @@ class Design(_Strict):
                                                    "contradicted at break rate 0.1.")
     holm_family_wise: float = Field(..., ge=0, le=1, description="Any claim of the family "
                                     "reproduced when none holds (independent tests).")
+    # The second pre-registration's paired, dose and equivalence rules (null in the first).
+    seed_block_sd: float | None = Field(None, gt=0, description="Assumed sd of the seed's "
+                                        "effect shared by every configuration (the block the "
+                                        "paired tests remove); seed_sd is then the residual.")
+    kl_pair_sd: float | None = Field(None, gt=0, description="Assumed sd over seeds of the "
+                                     "paired difference of log KL at the end.")
+    paired_power_2sd: float | None = Field(None, ge=0, le=1, description="One paired comparison "
+                                           "reproduced at a lead of 2 residual seed-sd.")
+    equivalence_power: float | None = Field(None, ge=0, le=1, description="'K1 in the loss "
+                                            "regularises nothing' reproduced when its log KL "
+                                            "equals no KL's (sd: kl_pair_sd).")
+    equivalence_false_positive: float | None = Field(None, ge=0, le=1, description="... "
+                                                     "reproduced when the ratio is at the margin.")
+    trend_false_positive: float | None = Field(None, ge=0, le=1, description="A dose trend "
+                                               "reproduced at an equal break rate 0.3 over "
+                                               "three doses.")
+    trend_power: float | None = Field(None, ge=0, le=1, description="... reproduced at break "
+                                      "rates 0, 0.5 and 1 over three doses.")
 
 
 class Preregistration(_Strict):

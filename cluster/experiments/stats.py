@@ -1,6 +1,6 @@
 """The tests behind the findings (findings.py), each with the numbers a reader needs to recheck
 it: the paired t-test by seed (a claim's configurations share their seeds, and the seed is a
-block: on the confirmation it explained 80% of the out-of-domain variance), Welch's t-test
+block: on the confirmation it explained 76% of the out-of-domain variance), Welch's t-test
 (its own Welch-Satterthwaite degrees of freedom) where runs cannot be paired, the
 Cochran-Armitage test of a trend in break rates over ordered doses, Fisher's exact test for
 counts of broken runs, the exact binomial test for one configuration's break rate, and Holm's
