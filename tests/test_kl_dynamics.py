@@ -77,3 +77,20 @@ def test_sampled_training_reproduces_the_exact_endpoint_within_its_noise():
     control = D.train(TASK, NO_KL, BETA, lag=0, steps=200, lr=0.5, samples=8, seed=1)
     assert sampled.finite and 1e-5 < sampled.kl_to_optimum < 0.05
     assert sampled.kl_to_optimum < control.kl_to_optimum / 1.5
+
+
+def test_every_toy_row_the_docs_link_is_one_the_command_writes():
+    """docs/sweeps.md and docs/kl.md link claims to rows of `klrl kl-fixed-points`'s table by
+    anchor; each must be a row the command writes (a short run: the rows, not their values)."""
+    import re
+    from pathlib import Path
+
+    from cluster.cli.cmd_kl_fixed_points import DEFAULTS, compute, table_markdown
+
+    root = Path(__file__).resolve().parents[1]
+    linked = {a for page in ("docs/sweeps.md", "docs/kl.md")
+              for a in re.findall(r"sweeps/toy/table\.md#([a-z0-9-]+)", (root / page).read_text())}
+    result = compute(DEFAULTS | {"steps": 2})
+    written = {r["anchor"] for r in result["rows"]}
+    assert linked and linked <= written, linked - written
+    assert all(f'<a id="{a}"></a>' in table_markdown(result) for a in linked)
