@@ -13,6 +13,7 @@ on one CPU core.
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -39,19 +40,23 @@ def compute(opts: dict) -> dict:
     for cfg in D.CONFIGURATIONS:
         for lag in opts["lags"]:
             row = {"configuration": cfg.name, "lag": lag, "anchor": anchor(cfg.name, lag)}
+            ends = {}
             for mode, samples, lr in (("exact", None, opts["lr"]),
                                       ("sampled", opts["samples"], opts["sampled_lr"])):
                 tr = D.train(task, cfg, beta, lag, opts["steps"], lr, samples, opts["seed"])
+                ends[mode] = D.T.sequence_prob(tr.final_logits, task.space)
                 row[mode] = {"kl_to_optimum": tr.kl_to_optimum, "reward": tr.reward,
                              "kl_to_ref": tr.kl_to_ref, "top_mass": tr.top_mass,
                              "max_grad_norm": tr.max_grad_norm, "finite": tr.finite,
-                             "last_update": tr.last_update,
-                             "ends_at": D.ends_at(tr, task, beta),
+                             "last_update": tr.last_update, "ends_at": D.ends_at(tr, task, beta),
                              "kl_to_optimum_curve": list(tr.kl_to_optimum_curve)}
+            # Sampling noise keeps a sampled run off any fixed point: it gets a distance to
+            # where the exact run ended, not a label.
+            row["sampled"]["kl_to_exact_end"] = D.reverse_kl(ends["sampled"], ends["exact"])
             rows.append(row)
     ref = D.T.sequence_prob(task.ref_logits, task.space)
     return {"settings": opts, "machine": f"{platform.node()} ({platform.machine()}, "
-            f"{platform.processor() or 'cpu'}), torch {torch.__version__}",
+            f"{os.cpu_count()} cores, {platform.system()}), torch {torch.__version__}",
             "optimum": {"reward": float(star @ task.reward),
                         "kl_to_ref": D.reverse_kl(star, ref)},
             "max_reward": float(task.reward.max()), "sequences": int(task.reward.numel()),
@@ -76,12 +81,17 @@ def table_markdown(result: dict) -> str:
         f"reference {result['optimum']['kl_to_ref']:.3f}; the best sequence has reward "
         f"{result['max_reward']:.3f}. Exact: every update is the exact expectation under mu; "
         f"n = {s['samples']}: {s['samples']} sequences drawn from mu per update, leave-one-out "
-        f"baselines, steps of size {s['sampled_lr']:g}. The method: "
+        f"baselines, steps of size {s['sampled_lr']:g}: sampling noise keeps such a run off "
+        "any fixed point, so it gets its distance to where the exact run ended, which is "
+        "small where that end is a fixed point and large where there is none (no KL, K1 in "
+        "the loss: the sampled run, at its smaller steps, is only part of the way). "
+        "*Diverged*: a non-finite step (the plot's curve stops there; the row's values are "
+        "the last finite ones). The method: "
         "[KL regularisation](../../kl.md#where-each-configuration-leads).",
         "",
         "| configuration | lag | ends at (exact) | KL(pi‖pi*) | reward | KL(pi‖ref) | "
-        "top sequence's mass | largest gradient norm | ends at (n samples) | KL(pi‖pi*), n | "
-        "KL(pi‖ref), n |",
+        "top sequence's mass | largest gradient norm | n samples: KL to the exact end | "
+        "KL(pi‖pi*), n | KL(pi‖ref), n |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
@@ -90,7 +100,8 @@ def table_markdown(result: dict) -> str:
             f"| <a id=\"{r['anchor']}\"></a>{r['configuration']} | {r['lag']} | "
             f"**{e['ends_at']}** | {_num(e['kl_to_optimum'])} | {_num(e['reward'])} | "
             f"{_num(e['kl_to_ref'])} | {_num(e['top_mass'])} | {_num(e['max_grad_norm'])} | "
-            f"{n['ends_at']} | {_num(n['kl_to_optimum'])} | {_num(n['kl_to_ref'])} |")
+            f"{_num(n['kl_to_exact_end'])} | {_num(n['kl_to_optimum'])} | "
+            f"{_num(n['kl_to_ref'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +116,12 @@ def plot(result: dict, path: Path) -> None:
     for ax, lag in zip(axes, lags):
         for r in (r for r in result["rows"] if r["lag"] == lag):
             curve = r["exact"]["kl_to_optimum_curve"]
-            ax.plot([i * every for i in range(len(curve))], curve, label=r["configuration"])
+            # Curves that coincide (no KL and K1 in the loss on-policy; prefix variants) stay
+            # visible: the no-KL control thick and faint underneath, prefix variants dashed.
+            name = r["configuration"]
+            style = {"lw": 5, "alpha": 0.35} if name == "no KL" else \
+                {"ls": "--"} if "prefix" in name else {}
+            ax.plot([i * every for i in range(len(curve))], curve, label=name, **style)
         ax.set_yscale("log")
         ax.set_title(f"lag {lag} (exact expectation)")
         ax.set_xlabel("step")
