@@ -14,6 +14,7 @@ from cluster.cli import (
     cmd_bench,
     cmd_dashboard,
     cmd_figures,
+    cmd_kl_fixed_points,
     cmd_kl_table,
     cmd_model,
     cmd_options,
@@ -24,8 +25,8 @@ from cluster.cli import (
 from cluster.train.provenance import version_line
 
 # Order is the order shown in `klrl --help`.
-COMMANDS = [cmd_train, cmd_options, cmd_model, cmd_kl_table, cmd_sweep, cmd_dashboard, cmd_slurm,
-            cmd_bench, cmd_figures]
+COMMANDS = [cmd_train, cmd_options, cmd_model, cmd_kl_table, cmd_kl_fixed_points, cmd_sweep,
+            cmd_dashboard, cmd_slurm, cmd_bench, cmd_figures]
 
 
 class _Version(argparse.Action):

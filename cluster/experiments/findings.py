@@ -4,15 +4,20 @@ known error rate (stats.py), with Holm's correction across the claims of a sweep
 `klrl report` measures every finished run (measures.py) and writes the verdicts into
 report.md. A claim compares *configurations* (KL estimator, placement, `kl.importance`, beta,
 async lag), each a set of runs that differ in their seed; a configuration's measures are the
-final greedy accuracy in-domain and out-of-domain, and how many of its runs broke (one failure
-definition for every claim: prereg.FailureRule).
+final greedy accuracy on each set, compared paired by seed (arms.py), the KL to the reference
+at the end beside every accuracy, and how many of its runs broke (one failure definition for
+every claim, instability and not distance: prereg.FailureRule). Each claim is labelled with
+whose it is: the paper makes its claims on-policy, so the same claim tested at max_lag > 0 is
+klrl's off-policy extension of it, and says so.
 
 Each claim gives two p-values (`Outcome`): one for the evidence it predicts (`reproduce`), one
 for the opposite beyond an equivalence bound (`contradict`: an accuracy lead shown to be smaller
 than `Rules.accuracy_margin`, or a break rate shown on the wrong side of `Rules.break_rate`).
 A claim made of several comparisons is reproduced only when each is (intersection-union: its
 p-value is the largest), and contradicted when any one is (Bonferroni within the claim). Holm's
-correction then runs across the claims, separately for the two, at `Rules.alpha`:
+correction then runs across the claims, over both directions in one family (2 x claims
+p-values), so that the family-wise error of a sweep's verdicts, "reproduced" and
+"contradicted" together, is at most `Rules.alpha`:
 
 - *reproduced*: the Holm-adjusted reproduction p-value is at most alpha;
 - *contradicted*: otherwise, the Holm-adjusted contradiction p-value is at most alpha;
@@ -26,155 +31,59 @@ The rules of each claim are in its function's docstring and in docs/sweeps.md.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from cluster.experiments import stats
+from cluster.experiments import dose, stats
+from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' vocabulary)
+    ARM_KEYS,
+    IN,
+    OUT,
+    Arm,
+    ArmKey,
+    Outcome,
+    Study,
+    accuracy_lines,
+    arm_name,
+    not_run,
+    outcome,
+)
 from cluster.experiments.measures import PRIMARY, Measures
 from cluster.experiments.prereg import Preregistration, Rules
 
-IN, OUT = "in_domain", "out_of_domain"
-ArmKey = tuple  # (estimator, placement, importance, beta, max_lag); no KL: (None, None, ...)
-# The config keys an ArmKey is made of: runs that differ in any other key (bar the seed) share
-# an arm, and the claims pool them (the report says so: report_findings.pooled_keys).
-ARM_KEYS = ("kl.estimator", "kl.placement", "kl.importance", "kl.beta", "max_lag")
+def _label(rules: Rules) -> str:
+    """How the claims name the set of rules.retained."""
+    return "out-of-domain" if rules.retained == OUT else rules.retained.replace("_", " ")
 
 
-@dataclass(frozen=True)
-class Arm:
-    """One configuration's finished runs: their final accuracies and how many broke."""
-
-    name: str
-    accuracy: dict[str, tuple[float, ...]]
-    broken: int
-    n: int
-    kl_end: tuple[float, ...] = ()  # KL to the reference at the end, per run
-
-    def text(self, key: str) -> str:
-        values = self.accuracy.get(key, ())
-        if not values:
-            return f"{self.name} -"
-        se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-        return f"{self.name} {statistics.fmean(values):.3f}" + (
-            f" ± {se:.3f}" if math.isfinite(se) else "") + f" (n={len(values)})"
-
-    def flags(self) -> str:
-        kl = [v for v in self.kl_end if math.isfinite(v)]
-        at_end = f", KL at the end {statistics.median(kl):.3g} (median)" if kl else ""
-        return f"{self.name}: {self.broken}/{self.n} broken{at_end}"
-
-
-def arm_name(key: ArmKey) -> str:
-    estimator, placement, importance, _, _ = key
-    if estimator is None:
-        return "no KL"
-    return f"{estimator.upper()} in {placement}" + (
-        f" + importance {importance}" if importance != "none" else "")
-
-
-class Study:
-    """The configurations of a directory (or simulated ones), by ArmKey."""
-
-    def __init__(self, arms: dict[ArmKey, Arm]):
-        self.arms = arms
-
-    @classmethod
-    def of(cls, measures: Sequence[Measures], variant: str = PRIMARY) -> Study:
-        """The finished runs' arms, a run broken as the failure definition (or `variant`)
-        says."""
-        runs: dict[ArmKey, list[Measures]] = {}
-        for m in measures:
-            if m.finished:
-                runs.setdefault(_key(m.config), []).append(m)
-        return cls({key: Arm(arm_name(key), {s: tuple(v for m in ms if math.isfinite(
-            v := m.accuracy.get(s, math.nan))) for s in (IN, OUT)},
-            sum(bool(m.broken[variant]) for m in ms), len(ms), tuple(m.kl_end for m in ms))
-            for key, ms in runs.items()})
-
-    def arm(self, estimator: str | None, placement: str | None, beta: float, lag: int,
-            importance: str = "none") -> Arm | None:
-        if beta == 0:
-            return self.arms.get((None, None, "none", 0.0, lag))
-        return self.arms.get((estimator, placement, importance, float(beta), lag))
-
-    def settings(self) -> list[tuple[float, int]]:
-        """(beta, lag) pairs of an exploratory report: each positive beta at its largest lag."""
-        lags: dict[float, int] = {}
-        for _, _, _, beta, lag in self.arms:
-            if beta > 0:
-                lags[beta] = max(lag, lags.get(beta, lag))
-        return sorted(lags.items())
-
-
-def _key(config: dict) -> ArmKey:
-    beta, lag = float(config.get("kl.beta", 0) or 0), config.get("max_lag", 0)
-    if beta == 0:
-        return (None, None, "none", 0.0, lag)
-    return (config.get("kl.estimator"), config.get("kl.placement"),
-            config.get("kl.importance", "none"), beta, lag)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One claim at one setting, before Holm's correction."""
-
-    claim: str
-    source: str              # "paper" or "klrl"
-    setting: str
-    reproduce: float         # p-value of the claim's evidence (NaN: cannot be tested)
-    contradict: float        # p-value of the opposite beyond the equivalence bound
-    evidence: str
-    status: str = "tested"   # or "not testable here", "not run here"
-    verdict: str = ""        # set by `decide`
-    fragile: bool = False    # the verdict differs under a threshold variant (`robust`)
-    adjusted: tuple[float, float] = (math.nan, math.nan)  # Holm-adjusted (reproduce, contradict)
-
-
-def _not_run(claim: str, source: str, setting: str, needs: str) -> Outcome:
-    return Outcome(claim, source, setting, math.nan, math.nan, needs, "not run here")
-
-
-def _outcome(claim, source, setting, rep: Sequence[stats.Test], con: Sequence[stats.Test],
-             alpha: float, evidence: list[str]) -> Outcome:
-    """Intersection-union over `rep` (every test must pass: the largest p), Bonferroni over
-    `con` (any one suffices). A side none of whose tests can reach alpha is not testable."""
-    rep_ok = bool(rep) and all(t.testable and stats.reaches(t.min_p, alpha) for t in rep)
-    con = [t for t in con if t.testable and stats.reaches(t.min_p, alpha / max(1, len(con)))]
-    p_rep = max(t.p for t in rep) if rep_ok else math.nan
-    p_con = min(1.0, len(con) * min(t.p for t in con)) if con else math.nan
-    status = "tested" if rep_ok or con else "not testable here"
-    return Outcome(claim, source, setting, p_rep, p_con, "; ".join(evidence), status)
-
-
-def _welch_lines(a: Arm, b: Arm, key: str, label: str, margin: float) -> tuple:
-    """(a ahead of b, a's lead below the margin, the evidence line with both tests)."""
-    ahead, short = stats.welch(a.accuracy[key], b.accuracy[key], "greater"), \
-        stats.welch(a.accuracy[key], b.accuracy[key], "less", margin)
-    return ahead, short, (f"{label}: {a.text(key)} vs {b.text(key)}, {ahead.effect}; "
-                          f"ahead: {ahead.text}; lead below {margin:g}: {short.text}")
+def _regime(lag: int, on_policy_source: str = "paper") -> str:
+    """Whose claim a test at this lag is: the paper makes its claims on-policy; the same claim
+    at max_lag > 0 is klrl's off-policy extension of it."""
+    return on_policy_source if lag == 0 else "klrl (off-policy extension)"
 
 
 def k1_reward_best(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
     """Paper: K1 in the reward gives the best in- and out-of-domain accuracy. Reproduced: it
-    is ahead of each of the three other KL configurations on both sets (six one-sided Welch
-    tests, intersection-union). Contradicted: its lead over one of them on one set is shown
-    to be below the margin (non-superiority Welch, Bonferroni over the six)."""
-    claim = "K1 in the reward is best in- and out-of-domain"
-    setting = f"beta {beta:g}, max_lag {lag}"
+    is ahead of each of the three other KL configurations in-domain and on rules.retained (six
+    one-sided paired t-tests by seed, intersection-union). Contradicted: its lead over one of
+    them on one set is shown to be below the margin (non-superiority, Bonferroni over the
+    six)."""
+    claim = "K1 in the reward is best " + (
+        "in- and out-of-domain" if rules.retained == OUT else f"in-domain and on {_label(rules)}")
+    setting, source = f"beta {beta:g}, max_lag {lag}", _regime(lag)
     best = study.arm("k1", "reward", beta, lag)
     others = [a for e, p in (("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
               if (a := study.arm(e, p, beta, lag))]
     if best is None or len(others) < 3:
-        return _not_run(claim, "paper", setting, "needs the four KL configurations")
+        return not_run(claim, source, setting, "needs the four KL configurations")
     rep, con, lines = [], [], []
-    for key, label in ((IN, "in-domain"), (OUT, "out-of-domain")):
+    for key, label in ((IN, "in-domain"), (rules.retained, _label(rules))):
         for other in others:
-            ahead, short, line = _welch_lines(best, other, key, label, rules.accuracy_margin)
+            ahead, short, line = accuracy_lines(best, other, key, label, rules.accuracy_margin)
             rep.append(ahead)
             con.append(short)
             lines.append(line)
-    return _outcome(claim, "paper", setting, rep, con, rules.alpha, lines)
+    return outcome(claim, source, setting, rep, con, rules.alpha, lines)
 
 
 def _breaks_more(claim: str, source: str, setting: str, a: Arm, b: Arm, rules: Rules) -> Outcome:
@@ -182,20 +91,21 @@ def _breaks_more(claim: str, source: str, setting: str, a: Arm, b: Arm, rules: R
     shown below rules.break_rate (exact binomial)."""
     more = stats.fisher(a.broken, a.n, b.broken, b.n)
     stable = stats.binomial(a.broken, a.n, rules.break_rate, "less")
-    return _outcome(claim, source, setting, [more], [stable], rules.alpha,
+    return outcome(claim, source, setting, [more], [stable], rules.alpha,
                     [f"{a.flags()}, {b.flags()}: {more.text}, {more.effect}",
                      f"{a.name}: {stable.text}"])
 
 
 def k1_loss_unstable(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
-    """Paper: K1 in the loss is unstable off-policy. Reproduced: it breaks in more of its runs
-    than K1 in the reward (Fisher, one-sided). Contradicted: its break rate is shown below
+    """Paper (on-policy; at max_lag > 0 klrl's off-policy extension, a different mechanism:
+    E_mu[grad log pi] != 0): K1 in the loss is unstable. Reproduced: it breaks in more of its
+    runs than K1 in the reward (Fisher, one-sided). Contradicted: its break rate is shown below
     rules.break_rate (exact binomial)."""
-    claim, setting = "K1 in the loss is unstable off-policy", f"beta {beta:g}, max_lag {lag}"
+    claim, setting = "K1 in the loss is unstable", f"beta {beta:g}, max_lag {lag}"
     k1l, k1r = study.arm("k1", "loss", beta, lag), study.arm("k1", "reward", beta, lag)
-    if k1l is None or k1r is None or lag == 0:
-        return _not_run(claim, "paper", setting, "needs K1 in loss and in reward at a lag")
-    return _breaks_more(claim, "paper", setting, k1l, k1r, rules)
+    if k1l is None or k1r is None:
+        return not_run(claim, _regime(lag), setting, "needs K1 in loss and in reward")
+    return _breaks_more(claim, _regime(lag), setting, k1l, k1r, rules)
 
 
 def k3_reward_breaks(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
@@ -205,25 +115,27 @@ def k3_reward_breaks(study: Study, beta: float, lag: int, rules: Rules) -> Outco
     claim, setting = "K3 in the reward breaks off-policy", f"beta {beta:g}, max_lag {lag}"
     k3r, k1r = study.arm("k3", "reward", beta, lag), study.arm("k1", "reward", beta, lag)
     if k3r is None or k1r is None or lag == 0:
-        return _not_run(claim, "klrl", setting, "needs K3 and K1 in reward at a lag")
+        return not_run(claim, "klrl", setting, "needs K3 and K1 in reward at a lag")
     return _breaks_more(claim, "klrl", setting, k3r, k1r, rules)
 
 
 def k3_loss_stable_worse_ood(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
     """Paper: K3 in the loss is stable but generalises worse than K1 in the reward.
     Reproduced: its break rate is shown below rules.break_rate (binomial) and K1 in the
-    reward is ahead of it out-of-domain (Welch), both. Contradicted: its break rate is shown
-    above rules.break_rate, or K1 in the reward's out-of-domain lead is shown below the margin
+    reward is ahead of it on rules.retained (paired t), both. Contradicted: its break rate is
+    shown above rules.break_rate, or K1 in the reward's lead there is shown below the margin
     (Bonferroni over the two)."""
-    claim = "K3 in the loss is stable but worse out-of-domain"
-    setting = f"beta {beta:g}, max_lag {lag}"
+    claim = "K3 in the loss is stable but worse " + (
+        "out-of-domain" if rules.retained == OUT else f"on {_label(rules)}")
+    setting, source = f"beta {beta:g}, max_lag {lag}", _regime(lag)
     k3l, k1r = study.arm("k3", "loss", beta, lag), study.arm("k1", "reward", beta, lag)
     if k3l is None or k1r is None:
-        return _not_run(claim, "paper", setting, "needs K3 in loss and K1 in reward")
+        return not_run(claim, source, setting, "needs K3 in loss and K1 in reward")
     stable = stats.binomial(k3l.broken, k3l.n, rules.break_rate, "less")
     unstable = stats.binomial(k3l.broken, k3l.n, rules.break_rate, "greater")
-    ahead, short, line = _welch_lines(k1r, k3l, OUT, "out-of-domain", rules.accuracy_margin)
-    return _outcome(claim, "paper", setting, [stable, ahead], [unstable, short], rules.alpha,
+    ahead, short, line = accuracy_lines(k1r, k3l, rules.retained, _label(rules),
+                                        rules.accuracy_margin)
+    return outcome(claim, source, setting, [stable, ahead], [unstable, short], rules.alpha,
                     [f"{k3l.name}: {stable.text}", line])
 
 
@@ -237,14 +149,14 @@ def kl_stabilises_async(study: Study, beta: float, lag: int, rules: Rules) -> Ou
                       f"beta {beta:g} against beta 0, max_lag {lag}")
     nokl, k1r = study.arm(None, None, 0.0, lag), study.arm("k1", "reward", beta, lag)
     if nokl is None or k1r is None or lag == 0:
-        return _not_run(claim, "paper", setting,
+        return not_run(claim, "paper", setting,
                         "needs the no-KL control (kl.beta 0) and K1 in reward at a lag")
     more = stats.fisher(nokl.broken, nokl.n, k1r.broken, k1r.n)
     breaks = stats.binomial(k1r.broken, k1r.n, rules.break_rate, "greater")
     evidence = [(f"{nokl.flags()}, {k1r.flags()}: {more.text}, {more.effect} (smallest reachable p "
                 f"{more.min_p:.2g}; 95% upper bound on no KL's break rate "
                 f"{stats.rate_bound(nokl.broken, nokl.n):.2f})"), f"{k1r.name}: {breaks.text}"]
-    return _outcome(claim, "paper", setting, [more],
+    return outcome(claim, "paper", setting, [more],
                     [breaks] if stats.reaches(more.min_p, rules.alpha) else [], rules.alpha,
                     evidence)
 
@@ -262,7 +174,7 @@ def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
              if (plain := study.arm(*name.split("-"), beta, lag))
              and (fixed := study.arm(*name.split("-"), beta, lag, "prefix"))]
     if not pairs or lag == 0:
-        return _not_run(claim, "klrl", setting,
+        return not_run(claim, "klrl", setting,
                         "needs configurations with and without kl.importance prefix at a lag")
     rep, con, lines = [], [], []
     for plain, fixed in pairs:
@@ -272,19 +184,26 @@ def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
             rep.append(more)
             con.append(stats.binomial(fixed.broken, fixed.n, rules.break_rate, "greater"))
             lines.append(f"{fixed.name}: {con[-1].text}")
-    return _outcome(claim, "klrl", setting, rep, con, rules.alpha, lines)
+    return outcome(claim, "klrl", setting, rep, con, rules.alpha, lines)
 
 
 CLAIMS: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,
-    k3_reward_breaks, prefix_repairs)}
+    k3_reward_breaks, prefix_repairs, dose.k1_loss_regularises_nothing, dose.breaks_with_dose)}
+# What an exploratory report tests at each beta's largest lag (and, where the directory ran
+# them, the paper's on-policy claims at max_lag 0): the dose claims need a pre-registered grid.
+EXPLORATORY = (k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,
+               k3_reward_breaks, prefix_repairs)
+ON_POLICY = (k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood,
+             dose.k1_loss_regularises_nothing)
 
 
 def decide(outcomes: Sequence[Outcome], alpha: float) -> list[Outcome]:
-    """Verdicts after Holm's correction across `outcomes` (the family; claims not run or not
-    testable count in it with p = 1)."""
-    rep = stats.holm([o.reproduce for o in outcomes])
-    con = stats.holm([o.contradict for o in outcomes])
+    """Verdicts after Holm's correction across `outcomes` and both directions (one family of
+    2 x len(outcomes) p-values: "reproduced" and "contradicted" together keep the family-wise
+    error at alpha; claims not run or not testable count in it with p = 1)."""
+    both = stats.holm([o.reproduce for o in outcomes] + [o.contradict for o in outcomes])
+    rep, con = both[:len(outcomes)], both[len(outcomes):]
     out = []
     for o, r, c in zip(outcomes, rep, con):
         verdict = o.status if o.status != "tested" else "reproduced" if stats.reaches(r, alpha) \
@@ -295,18 +214,28 @@ def decide(outcomes: Sequence[Outcome], alpha: float) -> list[Outcome]:
 
 def plan(study: Study, prereg: Preregistration | None, sweep: str) -> list[tuple]:
     """(claim function, beta, lag, extra arguments) to test: the pre-registration's claims for
-    `sweep`, else (exploratory) every claim at each beta's largest lag, K1-in-reward-best also
-    on-policy."""
+    `sweep`, else (exploratory) every claim of EXPLORATORY at each beta's largest lag and, where
+    the directory ran them on-policy too, the paper's on-policy claims (ON_POLICY) there."""
     if prereg is not None:
         sweep_plan = prereg.sweeps[sweep]
-        return [(CLAIMS[c.claim], prereg.beta, c.max_lag,
-                 {"repaired": sweep_plan.repaired} if c.claim == "prefix_repairs" else {})
+
+        def extra(c):
+            if c.claim == "prefix_repairs":
+                return {"repaired": sweep_plan.repaired}
+            if c.claim == "breaks_with_dose":
+                return {"configuration": c.configuration, "over": c.over, "doses": c.doses,
+                        "direction": c.direction}
+            return {}
+
+        return [(CLAIMS[c.claim], c.beta or prereg.beta, c.max_lag, extra(c))
                 for c in sweep_plan.claims]
     out = []
     for beta, lag in study.settings():
         if lag > 0 and study.arm("k1", "reward", beta, 0):
-            out.append((k1_reward_best, beta, 0, {}))
-        out += [(claim, beta, lag, {}) for claim in CLAIMS.values()]
+            out += [(claim, beta, 0, {}) for claim in ON_POLICY
+                    if claim is not dose.k1_loss_regularises_nothing
+                    or study.arm(None, None, 0.0, 0)]
+        out += [(claim, beta, lag, {}) for claim in EXPLORATORY]
     return out
 
 

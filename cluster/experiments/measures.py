@@ -6,9 +6,11 @@ during training, which the report says), the last evaluation during training, th
 the accuracy curve (mean accuracy over the run: trapezoids between evaluations over the steps
 they span), the KL to the reference at the end (mean `kl/pi_ref` over the last TAIL_STEPS
 steps), how off-policy its data was (the mean over its steps of the batch's mean lag,
-`lag/mean`: at max_lag > 0 it depends on timing, so the report shows it), and whether the
-run broke under the failure definition (prereg.FailureRule) and under each threshold variant
-of the sensitivity table.
+`lag/mean`: at max_lag > 0 it depends on timing, so the report shows it), whether the
+run broke under the failure definition (prereg.FailureRule: instability, not distance) and
+under each variant of the sensitivity table, the step it broke at (time-to-break), and whether
+its KL drifted (a KL blow-up: reported beside the breaks, never one unless the definition
+lists "kl_drift").
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments.prereg import Rules
+from cluster.experiments.prereg import FailureKind, Rules
 from cluster.experiments.runs import (
     RunData,
     accuracy_collapse,
+    grad_blowup,
     kl_blowup,
     nonfinite_steps,
+    reward_collapse,
 )
 from rewards.config import EVAL_SETS
 
@@ -52,6 +56,8 @@ class Measures:
     kl_end: float
     lag_mean: float                # mean over the steps of the batch's mean lag
     broken: dict[str, str]         # PRIMARY or variant name -> why it broke ("": it did not)
+    break_step: int | None = None  # the step it broke at under PRIMARY (None: it did not)
+    drifted: str = ""              # why its KL counts as blown up ("": it did not), a flag
 
 
 def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
@@ -88,18 +94,38 @@ def mean_lag(run: RunData) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
-def why_broken(run: RunData, rules: Rules, changes: dict | None = None) -> str:
-    """Why the run broke under the failure definition (with a variant's `changes` to its
-    thresholds), or "" when it did not."""
+def first_break(run: RunData, rules: Rules, changes: dict | None = None,
+                kinds: list[FailureKind] | None = None) -> tuple[str, int | None]:
+    """(why the run broke, the step) under the failure definition (with a variant's `changes`
+    to its thresholds and `kinds`), the earliest of its kinds; ("", None) when it did not."""
     cfg = rules.failure.thresholds.model_copy(update=changes or {})
-    for name in rules.failure.sets:
-        if hit := accuracy_collapse(*run.series(f"eval/{name}/accuracy"), cfg):
-            return f"{name} accuracy collapse at step {hit[0]}"
-    if hit := kl_blowup(*run.series(cfg.kl_metric), cfg):
-        return f"KL blow-up at step {hit[0]}"
-    if hit := nonfinite_steps(run):
-        return f"non-finite at step {hit[0]}"
-    return ""
+    hits: list[tuple[int, str]] = []
+    for kind in kinds or rules.failure.kinds:
+        if kind == "accuracy_collapse":
+            for name in rules.failure.sets:
+                if hit := accuracy_collapse(*run.series(f"eval/{name}/accuracy"), cfg):
+                    hits.append((hit[0], f"{name} accuracy collapse at step {hit[0]}"))
+        elif kind == "reward_collapse":
+            if hit := reward_collapse(*run.series(cfg.reward_metric), cfg):
+                hits.append((hit[0], f"reward collapse at step {hit[0]}"))
+        elif kind == "grad_blowup":
+            if hit := grad_blowup(*run.series(cfg.grad_metric), cfg):
+                hits.append((hit[0], f"gradient-norm blow-up at step {hit[0]}"))
+        elif kind == "kl_drift":
+            if hit := kl_blowup(*run.series(cfg.kl_metric), cfg):
+                hits.append((hit[0], f"KL blow-up at step {hit[0]}"))
+        elif hit := nonfinite_steps(run):
+            hits.append((hit[0], f"non-finite at step {hit[0]}"))
+    if not hits:
+        return "", None
+    step, why = min(hits)
+    return why, step
+
+
+def why_broken(run: RunData, rules: Rules, changes: dict | None = None,
+               kinds: list[FailureKind] | None = None) -> str:
+    """Why the run broke (first_break), or "" when it did not."""
+    return first_break(run, rules, changes, kinds)[0]
 
 
 def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Measures:
@@ -107,12 +133,15 @@ def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Meas
     last = {name: values[-1] for name in EVAL_SETS
             if (values := run.series(f"eval/{name}/accuracy")[1])}
     auc = {name: area_under_curve(*run.series(f"eval/{name}/accuracy")) for name in last}
-    broken = {PRIMARY: why_broken(run, rules)}
-    broken |= {v.name: why_broken(run, rules, v.changes) for v in rules.sensitivity}
+    why, step = first_break(run, rules)
+    broken = {PRIMARY: why}
+    broken |= {v.name: why_broken(run, rules, v.changes, v.kinds) for v in rules.sensitivity}
+    drift = kl_blowup(*run.series(rules.failure.thresholds.kl_metric), rules.failure.thresholds)
     seed = run.config.get("seed")
     return Measures(run.name, configuration, seed if isinstance(seed, int) else None,
                     run.finished, run.config, commit, accuracy, source, last, auc,
-                    kl_at_end(run), mean_lag(run), broken)
+                    kl_at_end(run), mean_lag(run), broken, step,
+                    f"KL blow-up at step {drift[0]}" if drift else "")
 
 
 def trained(measures: Sequence[Measures]) -> list[Measures]:
@@ -157,7 +186,7 @@ def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str])
     head = ["run", "configuration", "seed", "finished", "commit", "accuracy_source",
             *(f"final_{s}" for s in sets), *(f"last_eval_{s}" for s in sets),
             *(f"auc_{s}" for s in sets), "kl_end", "lag_mean", "broken",
-            *(f"broken_{v.replace(' ', '_').replace('/', 'over_')}" for v in variants)]
+            *(variant_column(v) for v in variants), "break_step", "drifted"]
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(head)
@@ -166,8 +195,15 @@ def write_csv(measures: Sequence[Measures], path: Path, variants: Sequence[str])
                           *(_num(m.accuracy.get(s)) for s in sets),
                           *(_num(m.last_eval.get(s)) for s in sets),
                           *(_num(m.auc.get(s)) for s in sets), _num(m.kl_end), _num(m.lag_mean),
-                          m.broken[PRIMARY], *(m.broken[v] for v in variants)])
+                          m.broken[PRIMARY], *(m.broken[v] for v in variants),
+                          "" if m.break_step is None else m.break_step, m.drifted])
     return path
+
+
+def variant_column(variant: str) -> str:
+    """runs.csv's column of a sensitivity variant's breaks."""
+    return "broken_" + "".join(c if c.isalnum() else "_" for c in
+                               variant.replace("/", "over_")).strip("_").replace("__", "_")
 
 
 def _num(value: float | None) -> str:

@@ -22,9 +22,11 @@ from cluster.experiments.runs import InstabilityRule
 from rewards.config import EvalSetName
 
 CLAIMS = ("k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
-          "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs")
+          "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
+          "k1_loss_regularises_nothing", "breaks_with_dose")
 ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
-                  "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs"]
+                  "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
+                  "k1_loss_regularises_nothing", "breaks_with_dose"]
 # The configurations whose breaks per-decision weights are expected to repair (exploratory:
 # the two that broke at beta 0.3, max_lag 8), as "<estimator>-<placement>".
 REPAIRED = ("k1-loss", "k3-reward")
@@ -34,11 +36,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class FailureRule(_Strict):
-    """What counts as a broken run, for every claim alike: a collapse of the greedy accuracy
-    on `sets` (the last evaluation counts when `collapse_min_evals` is 1), a KL blow-up
-    (drift), or a non-finite step."""
+# What can break a run (runs.py has each rule). "kl_drift" (a KL blow-up: a distance) is
+# listed only by a definition that counts drift as failure, as the first pre-registration did.
+FailureKind = Literal["accuracy_collapse", "reward_collapse", "nonfinite", "grad_blowup",
+                      "kl_drift"]
+INSTABILITY: tuple[FailureKind, ...] = ("accuracy_collapse", "reward_collapse", "nonfinite",
+                                        "grad_blowup")
 
+
+class FailureRule(_Strict):
+    """What counts as a broken run, for every claim alike: instability, i.e. a collapse of the
+    greedy accuracy on `sets` (the last evaluation counts when `collapse_min_evals` is 1) or of
+    the training reward, a non-finite step, or a gradient-norm blow-up. The KL to the reference
+    is a distance, analysed as a continuous outcome beside every accuracy; a KL blow-up breaks
+    a run only when `kinds` lists "kl_drift"."""
+
+    kinds: list[FailureKind] = Field(
+        default_factory=lambda: list(INSTABILITY), min_length=1, description="The rules that "
+        "break a run (runs.py). The first pre-registration (seeds 101-108) predates this field "
+        "and was decided with accuracy_collapse, kl_drift and nonfinite.")
     sets: list[EvalSetName] = Field(
         default_factory=lambda: ["in_domain"], min_length=1, description="Evaluation sets "
         "whose greedy accuracy's collapse breaks a run (in-domain: the trained skill, far above "
@@ -53,8 +69,10 @@ class Variant(_Strict):
     that differs under one is fragile."""
 
     name: str = Field(..., min_length=1, max_length=80, description="How the report names it.")
-    changes: dict[str, Any] = Field(..., min_length=1, description="InstabilityRule fields "
+    changes: dict[str, Any] = Field(default_factory=dict, description="InstabilityRule fields "
                                     "and their values under this variant.")
+    kinds: list[FailureKind] | None = Field(None, min_length=1, description="The failure "
+                                            "kinds under this variant (null: the rule's).")
 
     @field_validator("changes")
     @classmethod
@@ -62,11 +80,19 @@ class Variant(_Strict):
         InstabilityRule(**changes)  # a typo or a bad value fails here, naming the field
         return changes
 
+    @model_validator(mode="after")
+    def _changes_something(self) -> Variant:
+        if not self.changes and self.kinds is None:
+            raise ValueError(f"variant {self.name!r} changes nothing (give changes or kinds)")
+        return self
+
 
 def _default_variants() -> list[Variant]:
-    return [Variant(name="drift threshold x2", changes={"kl_growth": 40.0}),
-            Variant(name="drift threshold /2", changes={"kl_growth": 10.0}),
-            Variant(name="collapse over two evaluations", changes={"collapse_min_evals": 2})]
+    return [Variant(name="gradient threshold x2", changes={"grad_growth": 40.0}),
+            Variant(name="gradient threshold /2", changes={"grad_growth": 10.0}),
+            Variant(name="collapse over two evaluations", changes={"collapse_min_evals": 2}),
+            Variant(name="drift counted as a break (the first rule)",
+                    kinds=[*INSTABILITY, "kl_drift"])]
 
 
 class Rules(_Strict):
@@ -78,6 +104,17 @@ class Rules(_Strict):
     accuracy_margin: float = Field(0.02, gt=0, lt=1, description="Equivalence margin of an "
                                    "accuracy: a lead shown to be smaller than this contradicts "
                                    "a claim that one configuration is ahead.")
+    kl_log_margin: float = Field(0.405, gt=0, le=5, description="Equivalence margin of the KL "
+                                 "to the reference at the end, on the log scale (0.405: a "
+                                 "ratio within 1.5x either way; K1 in the reward ends 2.6x "
+                                 "closer than no KL at beta 0.3, so it is regularisation this "
+                                 "margin can tell from none).")
+    retained: str = Field("out_of_domain", min_length=1, max_length=80, description="The "
+                          "evaluation set the claims about what training keeps compare ('best "
+                          "in- and out-of-domain', 'worse out-of-domain'): the first "
+                          "pre-registration's out_of_domain (a format transfer that training "
+                          "improves); the second's `retained`, a capability the base model has "
+                          "and the task never rewards, which can be forgotten.")
     break_rate: float = Field(0.5, gt=0, lt=1, description="A configuration 'breaks' when its "
                               "break rate is shown above this, is 'stable' when shown below.")
     final_problems: int = Field(1000, ge=1, le=100_000, description="Problems per evaluation "
@@ -86,7 +123,7 @@ class Rules(_Strict):
     final_eval_seed: int = Field(1, ge=0, le=2**31 - 1, description="Fixes those problems: "
                                  "the same in every run, so configurations are compared on "
                                  "the same problems.")
-    final_sets: list[EvalSetName] = Field(
+    final_sets: list[str] = Field(
         default_factory=lambda: ["in_domain", "out_of_domain"], min_length=1,
         description="The evaluation sets of the final checkpoint's evaluation (those the "
         "claims compare; a set the runs do not evaluate is left out).")
@@ -98,10 +135,32 @@ class Rules(_Strict):
 
 
 class ClaimSpec(_Strict):
-    """One confirmatory claim: a claim of findings.py at one async lag."""
+    """One confirmatory claim: a claim of findings.py (or dose.py) at one async lag."""
 
     claim: ClaimId
-    max_lag: int = Field(..., ge=0, le=10_000)
+    max_lag: int = Field(..., ge=0, le=10_000, description="The lag of its configurations "
+                         "(breaks_with_dose over beta: the lag every dose runs at).")
+    beta: float | None = Field(None, gt=0, description="kl.beta of its configurations (null: "
+                               "the pre-registration's).")
+    configuration: str | None = Field(None, pattern=r"^(none-none|(k1|k2|k3)-(reward|loss|"
+                                      r"reward\+loss)(-(token|sequence|prefix))?)$",
+                                      description="breaks_with_dose: which configuration "
+                                      "(<estimator>-<placement>[-<importance>]; none-none: no "
+                                      "KL).")
+    over: Literal["beta", "max_lag"] | None = Field(None, description="breaks_with_dose: the "
+                                                    "dose.")
+    doses: list[float] | None = Field(None, min_length=3, max_length=10, description="breaks_"
+                                      "with_dose: its values (at least three).")
+    direction: Literal["rises", "falls"] = Field("rises", description="breaks_with_dose: "
+                                                 "whether breaks rise or fall with the dose.")
+
+    @model_validator(mode="after")
+    def _dose_fields(self) -> ClaimSpec:
+        dose = (self.configuration, self.over, self.doses)
+        if (self.claim == "breaks_with_dose") != all(v is not None for v in dose):
+            raise ValueError(f"{self.claim}: configuration, over and doses are given for "
+                             "breaks_with_dose, and only for it")
+        return self
 
 
 class SweepPlan(_Strict):
@@ -142,12 +201,32 @@ class Design(_Strict):
                                                    "contradicted at break rate 0.1.")
     holm_family_wise: float = Field(..., ge=0, le=1, description="Any claim of the family "
                                     "reproduced when none holds (independent tests).")
+    # The second pre-registration's paired, dose and equivalence rules (null in the first).
+    seed_block_sd: float | None = Field(None, gt=0, description="Assumed sd of the seed's "
+                                        "effect shared by every configuration (the block the "
+                                        "paired tests remove); seed_sd is then the residual.")
+    kl_pair_sd: float | None = Field(None, gt=0, description="Assumed sd over seeds of the "
+                                     "paired difference of log KL at the end.")
+    paired_power_2sd: float | None = Field(None, ge=0, le=1, description="One paired comparison "
+                                           "reproduced at a lead of 2 residual seed-sd.")
+    equivalence_power: float | None = Field(None, ge=0, le=1, description="'K1 in the loss "
+                                            "regularises nothing' reproduced when its log KL "
+                                            "equals no KL's (sd: kl_pair_sd).")
+    equivalence_false_positive: float | None = Field(None, ge=0, le=1, description="... "
+                                                     "reproduced when the ratio is at the margin.")
+    trend_false_positive: float | None = Field(None, ge=0, le=1, description="A dose trend "
+                                               "reproduced at an equal break rate 0.3 over "
+                                               "three doses.")
+    trend_power: float | None = Field(None, ge=0, le=1, description="... reproduced at break "
+                                      "rates 0, 0.5 and 1 over three doses.")
 
 
 class Preregistration(_Strict):
-    """docs/sweeps/preregistration.yaml."""
+    """docs/sweeps/preregistration.yaml (and preregistration_regimes.yaml)."""
 
     title: str = Field(..., min_length=1)
+    model: str | None = Field(None, min_length=1, description="The model and how it is built "
+                              "(null: the embedded default of the sweep files).")
     beta: float = Field(..., gt=0, description="kl.beta of every claim's configurations.")
     seeds: list[int] = Field(..., min_length=2, description="The runs' seeds; runs with other "
                              "seeds are left out of the findings.")

@@ -198,25 +198,41 @@ def _seed_sd_lines(used: list[Measures], prereg: Preregistration) -> list[str]:
              "stated: an accuracy claim on it needs a proportionally larger lead."), ""]
 
 
+_KINDS = {"accuracy_collapse": "its {sets} greedy accuracy collapses (below {fraction:g} x "
+           "its best earlier value, over at least {evals} evaluation(s), the last one "
+           "counting)",
+           "reward_collapse": "its training reward collapses (the {smooth}-step mean below "
+           "{fraction:g} x its best earlier value, to the end)",
+           "grad_blowup": "its gradient norm blows up (the {smooth}-step median above "
+           "{grad:g} x its early level)",
+           "kl_drift": "its KL blows up (above {kl:g} x its early level: drift, counted here "
+           "as a break)",
+           "nonfinite": "a step is non-finite"}
+
+
 def _rules_text(rules: Rules, m: int) -> list[str]:
-    return [(f"Rules (docs/sweeps.md, Findings): accuracy differences by one-sided Welch t-tests "
-            f"(Welch-Satterthwaite df), break counts by Fisher's exact test, a break rate "
-            f"against {rules.break_rate:g} by the exact binomial test; Holm's correction across "
-            f"the {m} claims of the family at alpha = {rules.alpha:g}, for 'reproduced' and for "
-            f"'contradicted' each; 'contradicted' needs an accuracy lead shown below "
-            f"{rules.accuracy_margin:g} or a break rate shown on the wrong side of "
-            f"{rules.break_rate:g}. A run is broken when its "
-            f"{', '.join(rules.failure.sets)} greedy accuracy collapses (below "
-            f"{rules.failure.thresholds.collapse_fraction:g} x its best earlier value, over at "
-            f"least {rules.failure.thresholds.collapse_min_evals} evaluation(s), the last one "
-            f"counting), its KL blows up (above {rules.failure.thresholds.kl_growth:g} x its "
-            "early level) or a step is non-finite.")]
+    t = rules.failure.thresholds
+    kinds = [_KINDS[k].format(sets=", ".join(rules.failure.sets), fraction=t.collapse_fraction,
+                              evals=t.collapse_min_evals, smooth=t.smooth, grad=t.grad_growth,
+                              kl=t.kl_growth) for k in rules.failure.kinds]
+    drift = "" if "kl_drift" in rules.failure.kinds else (
+        " A KL blow-up alone is drift, not a break: it is counted as *drifted*, and the KL at "
+        "the end is compared beside every accuracy.")
+    return [(f"Rules (docs/sweeps.md, Findings): accuracy differences by one-sided paired "
+            f"t-tests over the seeds both configurations finished (Welch's where fewer than two "
+            f"pair), break counts by Fisher's exact test, a break rate against "
+            f"{rules.break_rate:g} by the exact binomial test, a dose trend by the "
+            f"Cochran-Armitage test; Holm's correction across the {m} claims of the family and "
+            f"both directions ({2 * m} p-values) at alpha = {rules.alpha:g}; 'contradicted' "
+            f"needs an accuracy lead shown below {rules.accuracy_margin:g} or a break rate "
+            f"shown on the wrong side of {rules.break_rate:g}. A run is broken when "
+            f"{'; or '.join(kinds)}.{drift}")]
 
 
 def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
     head = ["configuration", "runs", "accuracy from", "final in-domain", "final out-of-domain",
             "AUC in-domain", "AUC out-of-domain", "KL at the end", "mean lag",
-            f"broken ({PRIMARY})"]
+            f"broken ({PRIMARY})", "time-to-break (median step)", "drifted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in groups:
         ms = [m for m in measures if m.configuration == label and m.finished]
@@ -230,9 +246,16 @@ def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
         lines.append("| " + " | ".join([f"`{label}`", str(len(ms)), "; ".join(sources), *cells,
                                         mean_sd([m.kl_end for m in ms]),
                                         mean_sd([m.lag_mean for m in ms]),
-                                        f"{sum(bool(m.broken[PRIMARY]) for m in ms)}/{len(ms)}"])
+                                        f"{sum(bool(m.broken[PRIMARY]) for m in ms)}/{len(ms)}",
+                                        _median_step(ms),
+                                        f"{sum(bool(m.drifted) for m in ms)}/{len(ms)}"])
                      + " |")
     return lines
+
+
+def _median_step(ms: list[Measures]) -> str:
+    steps = [m.break_step for m in ms if m.broken[PRIMARY] and m.break_step is not None]
+    return f"{statistics.median(steps):g}" if steps else "-"
 
 
 def mean_sd(values: list[float]) -> str:

@@ -12,6 +12,16 @@ Instability (per run; thresholds are `InstabilityRule` fields, documented in doc
   early level (median of the first `kl_early_fraction` of steps, at least `kl_floor`), or
   exceeds `kl_max` when set.
 - non-finite: a step the learner refused (NaN/inf gradient) or any logged NaN/inf value.
+- reward collapse: the training batch's mean reward (`reward_metric`), as a trailing mean over
+  `smooth` steps, falls below `collapse_fraction` x its best earlier value (once that is at
+  least `collapse_min_peak`) and stays below to the end, over at least `smooth` steps.
+- gradient-norm blow-up: the gradient norm before clipping (`grad_metric`), as a trailing median
+  over `smooth` steps, exceeds `grad_growth` x its early level (median of the first
+  `kl_early_fraction` of steps).
+
+A KL blow-up is a distance, not an instability: a run that moves far from the reference while
+its accuracy, reward and gradients stay sound has drifted, and the findings' failure definition
+(prereg.FailureRule) counts it only where it lists "kl_drift".
 """
 from __future__ import annotations
 
@@ -67,6 +77,14 @@ class InstabilityRule(BaseModel):
     kl_max: float | None = Field(None, gt=0, le=1e9, description="KL blow-up also when the "
                                  "smoothed KL exceeds this (nats per sequence); null: no "
                                  "absolute limit.")
+    grad_metric: str = Field("grad/norm", min_length=1, description="Gradient-norm metric "
+                             "watched for blow-ups (the learner's norm before clipping).")
+    grad_growth: float = Field(20.0, gt=1, le=1e12, description="Gradient-norm blow-up: its "
+                               "smoothed value exceeds this factor times its early level (in "
+                               "the confirmation's stable runs the 5-step median stayed within "
+                               "3x of its start; K3 in the reward at max_lag 8 rose 100-1e6x).")
+    reward_metric: str = Field("reward/mean", min_length=1, description="Training-batch reward "
+                               "watched for a collapse.")
     smooth: int = Field(5, ge=1, le=10_000, description="Window in steps: trailing median of "
                         "the KL test, and centred moving average of the per-step curves in "
                         "the plots (1: raw values; in the plots at most a fifth of the longest "
@@ -194,6 +212,42 @@ def kl_blowup(steps: list[int], values: list[float],
     return None
 
 
+def grad_blowup(steps: list[int], values: list[float],
+                cfg: InstabilityRule) -> tuple[int, str] | None:
+    """First step where the trailing median gradient norm exceeds grad_growth x its early
+    level (the median of the first kl_early_fraction of steps, at least `smooth` of them)."""
+    finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v) and s > 0]
+    if not finite:
+        return None
+    norms = [v for _, v in finite]
+    early_n = max(cfg.smooth, math.ceil(cfg.kl_early_fraction * len(norms)))
+    early = statistics.median(norms[:early_n])
+    if early <= 0:
+        return None
+    for i, (step, _) in enumerate(finite):
+        smoothed = statistics.median(norms[max(0, i + 1 - cfg.smooth):i + 1])
+        if smoothed > cfg.grad_growth * early:
+            return step, (f"{cfg.grad_metric} median of {cfg.smooth} steps {smoothed:.3g} > "
+                          f"{cfg.grad_growth:g} x early level {early:.3g}")
+    return None
+
+
+def reward_collapse(steps: list[int], values: list[float],
+                    cfg: InstabilityRule) -> tuple[int, str] | None:
+    """First step where the trailing mean reward over `smooth` steps falls below
+    collapse_fraction x its best earlier value and stays below to the end, at least `smooth`
+    steps in all (accuracy_collapse's rule on the smoothed per-step series)."""
+    pts = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    if len(pts) <= cfg.smooth:
+        return None
+    vals = [v for _, v in pts]
+    smoothed = [statistics.fmean(vals[i + 1 - cfg.smooth:i + 1])
+                for i in range(cfg.smooth - 1, len(vals))]
+    hit = accuracy_collapse([s for s, _ in pts][cfg.smooth - 1:], smoothed,
+                            cfg.model_copy(update={"collapse_min_evals": cfg.smooth}))
+    return (hit[0], f"{cfg.reward_metric} mean of {cfg.smooth} steps {hit[1]}") if hit else None
+
+
 def nonfinite_steps(run: RunData) -> tuple[int, str] | None:
     """First step the learner refused (`nonfinite` = 1) or that logged a NaN/inf value."""
     bad = {}
@@ -214,6 +268,10 @@ def instability_flags(run: RunData, cfg: InstabilityRule) -> list[Flag]:
     for key, label in ACCURACY_KEYS:
         if hit := accuracy_collapse(*run.series(key), cfg):
             flags.append(Flag(run.name, f"accuracy collapse ({label})", *hit))
+    if hit := reward_collapse(*run.series(cfg.reward_metric), cfg):
+        flags.append(Flag(run.name, "reward collapse", *hit))
+    if hit := grad_blowup(*run.series(cfg.grad_metric), cfg):
+        flags.append(Flag(run.name, "gradient-norm blow-up", *hit))
     if hit := kl_blowup(*run.series(cfg.kl_metric), cfg):
         flags.append(Flag(run.name, "KL blow-up", *hit))
     if hit := nonfinite_steps(run):

@@ -1,0 +1,146 @@
+"""The second pre-registration's rules on synthetic run directories: a run breaks by
+instability (a collapse of accuracy or reward, a gradient-norm blow-up, a non-finite step) and
+never by its distance to the reference alone; claims are paired by seed; "K1 in the loss
+regularises nothing on-policy" is an equivalence on the KL at the end; break rates trend with
+a dose."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from test_findings import COLLAPSE, EIGHT, grid, verdicts
+from test_report import write_run
+
+from cluster.experiments import arms, stats
+from cluster.experiments.dose import breaks_with_dose, k1_loss_regularises_nothing
+from cluster.experiments.measures import PRIMARY, measure
+from cluster.experiments.prereg import Rules
+from cluster.experiments.runs import load_run
+
+RULES = Rules()
+
+
+def test_drift_alone_is_a_flag_not_a_break(tmp_path):
+    """KL growing to 40 x its early level with accuracy, reward and gradients sound: drifted,
+    not broken (the first pre-registration's rule counted it; its variant still does)."""
+    run = load_run(write_run(tmp_path / "far", kl=lambda s: 0.05 if s < 5 else 2.0))
+    m = measure(run, "far", "c", RULES)
+    assert m.broken[PRIMARY] == "" and m.drifted.startswith("KL blow-up at step")
+    assert m.broken["drift counted as a break (the first rule)"].startswith("KL blow-up")
+
+
+def test_collapse_of_reward_a_gradient_blow_up_and_a_nonfinite_step_break_a_run(tmp_path):
+    reward = {s: {"reward/mean": 0.5 if s < 20 else 0.05} for s in range(1, 41)}
+    grads = {s: {"grad/norm": 2.0 if s < 25 else 500.0} for s in range(1, 41)}
+    nan = {30: {"nonfinite": 1.0}}
+    for name, extra, why, step in (("r", reward, "reward collapse", 22),
+                                   ("g", grads, "gradient-norm blow-up", 27),
+                                   ("n", nan, "non-finite", 30)):
+        m = measure(load_run(write_run(tmp_path / name, extra=extra)), name, "c", RULES)
+        assert m.broken[PRIMARY].startswith(why) and m.break_step == step, m.broken
+    # a noisy but sound run breaks by nothing
+    assert measure(load_run(write_run(tmp_path / "ok")), "ok", "c", RULES).broken[PRIMARY] == ""
+
+
+def _arm(name, values, seeds, kl=None):
+    return arms.Arm(name, {arms.IN: tuple(values)}, 0, len(values),
+                    tuple(kl if kl is not None else [0.1] * len(values)),
+                    {arms.IN: tuple(seeds)}, tuple(seeds))
+
+
+def test_pairing_by_seed_sees_through_a_shared_seed_effect():
+    """A lead of 0.02 under a seed effect of sd 0.06 shared by both arms: Welch's test sees the
+    seed noise, the paired test the lead."""
+    rng = np.random.default_rng(0)
+    block = rng.normal(0, 0.06, 8)
+    a = 0.62 + block + rng.normal(0, 0.005, 8)
+    b = 0.60 + block + rng.normal(0, 0.005, 8)
+    paired = arms.compare(_arm("a", a, EIGHT), _arm("b", b, EIGHT), arms.IN, "greater")
+    welch = arms.compare(_arm("a", a, [None] * 8), _arm("b", b, [None] * 8), arms.IN, "greater")
+    assert paired.kind == "paired" and paired.p < 1e-4
+    assert welch.kind == "welch" and welch.p > 0.2
+    from scipy import stats as st
+    ref = st.ttest_rel(a, b, alternative="greater")
+    assert math.isclose(paired.p, ref.pvalue, rel_tol=1e-9)
+    # only the seeds both arms finished pair
+    assert "over 6 seeds" in arms.compare(_arm("a", a[:6], EIGHT[:6]), _arm("b", b, EIGHT),
+                                          arms.IN, "greater").effect
+
+
+def _study(k1_loss_kl, nokl_kl, seeds=EIGHT):
+    return arms.Study({
+        ("k1", "loss", "none", 0.3, 0): _arm("K1 in loss", [0.6] * len(seeds), seeds, k1_loss_kl),
+        (None, None, "none", 0.0, 0): _arm("no KL", [0.6] * len(seeds), seeds, nokl_kl)})
+
+
+def test_k1_in_the_loss_regularising_nothing_is_an_equivalence_on_the_kl():
+    rng = np.random.default_rng(1)
+    seed_kl = np.exp(rng.normal(-0.9, 0.15, 8))
+    same = k1_loss_regularises_nothing(_study(seed_kl * np.exp(rng.normal(0, 0.05, 8)), seed_kl),
+                                       0.3, 0, RULES)
+    assert same.reproduce < 1e-3 and not math.isfinite(same.contradict) or same.contradict > 0.5
+    closer = k1_loss_regularises_nothing(_study(seed_kl / 2.6, seed_kl), 0.3, 0, RULES)
+    assert closer.contradict < 1e-3 and not closer.reproduce <= 0.05
+    assert k1_loss_regularises_nothing(_study(seed_kl, seed_kl), 0.3, 8, RULES).status == \
+        "not run here"  # an on-policy claim, tested on-policy only
+
+
+def test_break_rates_that_rise_with_the_lag_reproduce_a_dose_response():
+    def study(counts):
+        return arms.Study({("k1", "loss", "none", 0.3, lag): arms.Arm(
+            "K1 in loss", {}, k, 8, break_steps=tuple(range(40, 40 + k)))
+            for lag, k in zip((0, 2, 8), counts)})
+
+    rises = breaks_with_dose(study((0, 3, 8)), 0.3, 0, RULES, "k1-loss", "max_lag", (0, 2, 8))
+    assert rises.reproduce < 0.001 and "time-to-break median step" in rises.evidence
+    flat = breaks_with_dose(study((0, 0, 0)), 0.3, 0, RULES, "k1-loss", "max_lag", (0, 2, 8))
+    assert flat.status == "tested" and flat.contradict < 0.01  # 0/8 at the largest lag
+    assert breaks_with_dose(study((0, 3, 8)), 0.3, 0, RULES, "k1-loss", "max_lag",
+                            (0, 2, 16)).status == "not run here"
+
+
+def test_cochran_armitage_matches_its_definition_and_keeps_its_level():
+    # hand-computed: rates 0/8, 4/8, 8/8 at scores 1, 2, 3: Z = 4 / sqrt(0.25 * 16 / 1) ...
+    t = stats.trend([0, 4, 8], [8, 8, 8], [0, 1, 2])
+    p_hat, s = 0.5, np.array([1.0, 2.0, 3.0])
+    z = (s * (np.array([0, 4, 8]) - 4)).sum() / math.sqrt(
+        p_hat * (1 - p_hat) * (8 * (s ** 2).sum() - (8 * s.sum()) ** 2 / 24))
+    assert math.isclose(t.p, float(__import__("scipy").stats.norm.sf(z)), rel_tol=1e-12)
+    rng = np.random.default_rng(2)
+    draws = 4000
+    false = np.mean([stats.trend(list(rng.binomial(8, 0.3, 3)), [8] * 3, [0, 1, 2]).p <= 0.05
+                     for _ in range(draws)])
+    assert false <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / draws)
+
+
+def test_a_paired_grid_with_a_collapsing_configuration_reads_as_before(tmp_path):
+    """The directory-level path: paired verdicts on 8 seeds, K1 in the loss unstable at the
+    lag (the paper's claim, tested off-policy here: labelled klrl's extension)."""
+    grid(tmp_path, accuracy={("k1", "reward"): 0.7}, broken={("k1", "loss")}, seeds=EIGHT)
+    for seed in EIGHT:
+        write_run(tmp_path / f"nokl-lag0-s{seed}", "k1", "reward", 0, seed, acc=COLLAPSE,
+                  beta=0.0)
+    v = verdicts(tmp_path)
+    assert v[("K1 in the loss is unstable", "beta 0.05, max_lag 4")] == "reproduced"
+    assert v[("K1 in the loss is unstable", "beta 0.05, max_lag 0")] == "contradicted"
+
+
+def test_a_committed_runs_csv_is_reread_under_the_current_rules():
+    """The first confirmation's runs.csv (its run directories are gone): K1 in the loss's
+    collapses stay breaks, K3 in the reward's KL blow-ups become drift, and the accuracy
+    claims are paired by seed."""
+    from pathlib import Path
+
+    from cluster.experiments.recheck import read_runs_csv, reread
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "docs" / "sweeps" / "offpolicy_tiny_confirm" / "runs.csv"
+    runs = read_runs_csv(path)
+    k1l = [m for m in runs if m.configuration == "k1-loss-is_none-b0.3-lag8"]
+    k3r = [m for m in runs if m.configuration == "k3-reward-is_none-b0.3-lag8"]
+    assert len(k1l) == 8 and all("accuracy collapse" in m.broken[PRIMARY] for m in k1l)
+    assert all(m.broken[PRIMARY] == "" and m.drifted for m in k3r)
+    md = "\n".join(reread(path, "docs/sweeps/preregistration.yaml", "offpolicy_tiny_confirm"))
+    assert "| K1 in the loss is unstable | klrl (off-policy extension) | beta 0.3, max_lag 8 | " \
+        "**reproduced**" in md
+    assert "paired t =" in md and "**Unknown here:** 8 run(s) drifted" in md
