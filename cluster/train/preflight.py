@@ -28,6 +28,7 @@ from cluster.train.door.models import check_context, check_hub_name, check_model
 from cluster.train.door.paths import check_output_dir, check_shm_dir, resolve_paths
 from cluster.train.door.resources import check_cluster_resources, check_local_resources
 from cluster.train.door.resume import check_checkpoint, check_run_exists
+from cluster.train.run_meaning import check_resume_meaning
 from cluster.train.run_log import check_wandb, default_run_name, has_metrics, is_finished
 
 __all__ = ["check_cluster_resources", "check_environment", "check_lora", "check_output_dir",
@@ -189,12 +190,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None
 
 def _check_resumable(cfg: TrainConfig, run_dir: Path, resume_from: Path,
                      state: ckpt.ControllerState) -> None:
-    if changes := ckpt.objective_changes(state.config, cfg.model_dump(mode="json")):
-        raise ConfigError(
-            f"cannot resume {run_dir} from {resume_from.name}: the config changed "
-            f"{'; '.join(changes)}. A resumed run trains the same objective "
-            f"({', '.join(ckpt.OBJECTIVE_SECTIONS)}) from the same state: drop those "
-            "overrides, or start a new run (another run_name)")
+    check_resume_meaning(run_dir, resume_from, state.config, cfg.model_dump(mode="json"))
     if is_finished(run_dir) and state.step >= cfg.total_steps:
         raise ConfigError(
             f"cannot resume {run_dir}: it finished at step {state.step} (total_steps: "
