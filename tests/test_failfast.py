@@ -351,7 +351,8 @@ def test_klrl_eval_takes_a_lora_adapter_and_names_the_model_of_a_checkpoint(
     export.mkdir(parents=True)
     code, err, seconds = _klrl(capsys, "eval", str(step))
     assert code == 2 and seconds < 20
-    assert err.startswith(f"error: MODEL_DIR {step} is a training checkpoint") and str(export) in err
+    assert err.startswith(f"error: MODEL_DIR {step} is a training checkpoint")
+    assert str(export) in err
     code, err, _ = _klrl(capsys, "eval", "default", "--reward", "no_such_module:score")
     assert code == 2 and err.startswith("error: --reward: ") and "no_such_module" in err
     final = run / "final"
