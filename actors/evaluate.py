@@ -16,7 +16,10 @@ the same budget, `max_tokens`; `truncated` counts those it cut (finish_reason "l
 
 Rewards come from the task's scorer, run through `rewards.ScoringPool` (process pool with
 timeouts) when that exists. A scorer failure counts as reward 0 and is reported in
-`failures`, never raised.
+`failures`, never raised. With a plug-in scorer (`reward`, a run's `task.reward`) every
+completion is scored by it as well: `greedy_reward` and `sampled_reward` are its means, beside
+the task scorer's accuracies, which stay accuracy (a shaped or partial-credit reward is not
+one), so both what the run optimises and what it solves are measured on the same completions.
 """
 from __future__ import annotations
 
@@ -35,6 +38,25 @@ DEFAULT_SPLITS = ("in_domain", "out_of_domain")  # `klrl eval`'s splits when non
 CHUNK = 128  # prompts per vLLM call: the granularity of the progress bar
 
 
+class Completion(BaseModel):
+    """One completion of an evaluation, as scored."""
+
+    text: str
+    reward: float = Field(description="the task scorer's reward (0 when scoring failed)")
+    plugin_reward: float | None = Field(None, description="the plug-in scorer's, if any")
+    finish_reason: str = Field(description="stop (EOS or a stop string) or length (the budget)")
+
+
+class ProblemRecord(BaseModel):
+    """One problem of an evaluation and its completions (`evaluate(keep_completions=True)`)."""
+
+    uid: str
+    prompt: str = Field(description="the problem's prompt text, before the chat template")
+    answer: str
+    greedy: Completion
+    samples: list[Completion] = Field(default_factory=list)
+
+
 class SplitResult(BaseModel):
     """Accuracy of one split."""
 
@@ -49,12 +71,19 @@ class SplitResult(BaseModel):
         default=None, description="share of problems with at least one sample scoring > 0"
     )
     failures: int = Field(0, description="completions whose scoring failed (scored 0)")
+    greedy_reward: float | None = Field(None, description="mean plug-in reward (`reward`) of "
+                                        "the greedy completions (None without one)")
+    sampled_reward: float | None = Field(None, description="mean plug-in reward of the sampled "
+                                         "completions (None without one, or samples == 0)")
+    reward_failures: int = Field(0, description="completions whose plug-in scoring failed")
     completions: int = Field(0, description="completions generated: problems x (1 + samples)")
     truncated: int = Field(0, description="completions that hit max_tokens before EOS")
     mean_response_tokens: float = Field(0.0, description="mean completion length, all completions")
     mean_prompt_tokens: float = Field(0.0, description="mean rendered prompt length in tokens")
     problem_ids: list[str] = Field(default_factory=list, description="uids of the problems "
                                    "evaluated, in order")
+    records: list[ProblemRecord] | None = Field(None, description="each problem with its "
+                                                "completions (keep_completions=True)")
 
     @computed_field
     @property
@@ -68,6 +97,8 @@ class EvalResult(BaseModel):
 
     task: str
     model: str | None = None
+    reward: str | None = Field(None, description="the plug-in scorer of greedy_reward and "
+                               "sampled_reward ('package.module:function'), if any")
     seed: int
     max_tokens: int = Field(description="completion budget of every completion")
     splits: dict[str, SplitResult]
@@ -89,6 +120,8 @@ def evaluate(
     renderer: PromptRenderer | None = None,
     progress: bool = True,
     scoring_pool: Any = None,
+    reward: str | None = None,
+    keep_completions: bool = False,
 ) -> EvalResult:
     """Evaluate a policy on `splits` of `task`.
 
@@ -103,6 +136,9 @@ def evaluate(
     renderer: prompts to token ids, and stop strings; default the engine's tokenizer with
         its chat template if it has one (`PromptRenderer(chat_template="auto")`).
     scoring_pool: a `rewards.ScoringPool` to reuse; by default one is made for this call.
+    reward: a plug-in scorer 'package.module:function' (as task.reward) that scores every
+        completion too (greedy_reward, sampled_reward); accuracy stays the task scorer's.
+    keep_completions: each split's `records` hold every problem with its completions.
     """
     task_obj = _get_task(task)
     task_name = getattr(task_obj, "name", task if isinstance(task, str) else type(task).__name__)
@@ -115,11 +151,13 @@ def evaluate(
         if renderer is None:
             renderer = PromptRenderer(llm.get_tokenizer())
         sampler = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-        with _Scorer(task_obj, scoring_pool) as scorer, _progress(progress) as bar:
+        plugin = _load_plugin(reward)
+        with _Scorer(task_obj, scoring_pool, plugin) as scorer, _progress(progress) as bar:
             results = {
                 split: _evaluate_split(
                     llm, task_obj, split, n=n, samples=samples, seed=seed, sampler=sampler,
                     max_tokens=max_tokens, renderer=renderer, scorer=scorer, bar=bar,
+                    keep=keep_completions,
                 )
                 for split in splits
             }
@@ -129,6 +167,7 @@ def evaluate(
     return EvalResult(
         task=str(task_name),
         model=model_name,
+        reward=reward,
         seed=seed,
         max_tokens=max_tokens,
         splits=results,
@@ -148,12 +187,17 @@ class EvalReport(BaseModel):
     def metrics(self) -> dict[str, float]:
         """The trainer's logged metrics: eval/<set>/accuracy (greedy pass@1),
         eval/<set>/sampled_accuracy (when sampling), eval/<set>/truncated (fraction of
-        completions cut by the budget) and eval/<set>/mean_response_tokens."""
+        completions cut by the budget) and eval/<set>/mean_response_tokens; with a plug-in
+        scorer eval/<set>/reward and eval/<set>/sampled_reward (its mean rewards)."""
         out: dict[str, float] = {}
         for name, r in self.sets.items():
             out[f"eval/{name}/accuracy"] = r.greedy_accuracy
             if r.sampled_accuracy is not None:
                 out[f"eval/{name}/sampled_accuracy"] = r.sampled_accuracy
+            if r.greedy_reward is not None:
+                out[f"eval/{name}/reward"] = r.greedy_reward
+            if r.sampled_reward is not None:
+                out[f"eval/{name}/sampled_reward"] = r.sampled_reward
             out[f"eval/{name}/truncated"] = r.truncated_fraction
             out[f"eval/{name}/mean_response_tokens"] = r.mean_response_tokens
         return out
@@ -166,6 +210,8 @@ def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_ma
 
     default_max_tokens: the budget when cfg.max_new_tokens is null (the rollout budget).
     renderer: the training prompts' renderer, so that evaluation prompts are rendered alike.
+    A set of the training task (same task and options) is scored by `training.reward` too,
+    when the run has one: a plug-in written for the training task's problems.
     """
     import rewards
 
@@ -173,18 +219,19 @@ def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_ma
     budget = cfg.max_new_tokens or default_max_tokens
     sets = {}
     for name, s in cfg.sets(training).items():
+        own_task = (s.task, s.options) == (training.name, dict(training.options))
         result = evaluate(llm, rewards.get_task(s.task, **s.options), [s.split],
                           n=cfg.num_problems, samples=cfg.samples, seed=cfg.seed,
                           max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, renderer=renderer, progress=False,
-                          scoring_pool=scoring_pool)
+                          scoring_pool=scoring_pool, reward=training.reward if own_task else None)
         sets[name] = result.splits[s.split]
     return EvalReport(sets=sets, seed=cfg.seed, max_tokens=budget,
                       seconds=round(time.perf_counter() - t0, 2))
 
 
 def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, renderer,
-                    scorer, bar) -> SplitResult:
+                    scorer, bar, keep=False) -> SplitResult:
     problems = list(task.problems(split, n, seed))
     prompts = renderer.prompts(problems)  # rendered once, for the greedy and sampled passes
     stop = renderer.stop
@@ -194,8 +241,11 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
     greedy_rewards, greedy_fail = scorer(greedy_texts, problems)
     all_outputs = [c[0] for c in greedy]
     failures = greedy_fail
+    plugin = scorer.plugin(greedy_texts, problems)  # (rewards, failures) or None
+    greedy_reward, reward_fail = (_mean(plugin[0]), plugin[1]) if plugin else (None, 0)
 
-    sampled_acc = pass_k = None
+    sampled_acc = pass_k = sampled_reward = None
+    sampled, rewards, sampled_plugin = [[] for _ in problems], [], None
     if samples > 0:
         # One seed per problem: reproducible, and independent streams across problems.
         params = [
@@ -212,6 +262,8 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
         sampled_acc = _mean(rewards)
         per_problem = [rewards[i * samples : (i + 1) * samples] for i in range(len(problems))]
         pass_k = _mean([float(any(r > 0 for r in rs)) for rs in per_problem])
+        if sampled_plugin := scorer.plugin(texts, owners):
+            sampled_reward, reward_fail = _mean(sampled_plugin[0]), reward_fail + sampled_plugin[1]
 
     truncated = sum(c.finish_reason == "length" for c in all_outputs)
     return SplitResult(
@@ -222,12 +274,43 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
         sampled_accuracy=sampled_acc,
         pass_at_k=pass_k,
         failures=failures,
+        greedy_reward=greedy_reward,
+        sampled_reward=sampled_reward,
+        reward_failures=reward_fail,
         completions=len(all_outputs),
         truncated=truncated,
         mean_response_tokens=_mean([len(c.token_ids) for c in all_outputs]),
         mean_prompt_tokens=_mean([len(p["prompt_token_ids"]) for p in prompts]),
         problem_ids=[p.uid for p in problems],
+        records=_records(problems, greedy, greedy_rewards, plugin, sampled, rewards,
+                         sampled_plugin) if keep else None,
     )
+
+
+def _records(problems, greedy, greedy_rewards, greedy_plugin, sampled, rewards,
+             sampled_plugin) -> list[ProblemRecord]:
+    """Each problem with its completions and their rewards (the lists as `_evaluate_split`
+    has them: the samples flat, problem by problem)."""
+    def completion(output, reward, plugin) -> Completion:
+        return Completion(text=output.text, reward=reward, plugin_reward=plugin,
+                          finish_reason=str(output.finish_reason))
+
+    def plugin_of(scored, i: int) -> float | None:
+        return scored[0][i] if scored else None
+
+    flat = [c for comps in sampled for c in comps]
+    records, k = [], 0
+    for i, problem in enumerate(problems):
+        samples = []
+        for output in sampled[i]:
+            samples.append(completion(output, rewards[k], plugin_of(sampled_plugin, k)))
+            k += 1
+        records.append(ProblemRecord(
+            uid=problem.uid, prompt=problem.prompt, answer=str(problem.answer),
+            greedy=completion(greedy[i][0], greedy_rewards[i], plugin_of(greedy_plugin, i)),
+            samples=samples))
+    assert k == len(flat)  # every sample placed with its problem
+    return records
 
 
 def _generate(llm, prompts, params, bar, label):
@@ -246,10 +329,11 @@ def _generate(llm, prompts, params, bar, label):
 
 class _Scorer:
     """Scores completions through a `rewards.ScoringPool` (the caller's, or one owned for this
-    evaluation). Returns (rewards, failures); a failed score is 0.0 and counted."""
+    evaluation): by the task's scorer (call), and by the plug-in scorer if there is one
+    (`plugin`, None without). Returns (rewards, failures); a failed score is 0.0 and counted."""
 
-    def __init__(self, task, pool):
-        self.task, self.pool, self.owns_pool = task, pool, False
+    def __init__(self, task, pool, plugin=None):
+        self.task, self.pool, self.owns_pool, self._plugin = task, pool, False, plugin
 
     def __enter__(self):
         if self.pool is None:
@@ -263,8 +347,23 @@ class _Scorer:
             _close(self.pool)
 
     def __call__(self, completions, problems) -> tuple[list[float], int]:
-        results = self.pool.score(self.task.scorer, problems, completions)
+        return self._score(self.task.scorer, completions, problems)
+
+    def plugin(self, completions, problems) -> tuple[list[float], int] | None:
+        return None if self._plugin is None else self._score(self._plugin, completions, problems)
+
+    def _score(self, function, completions, problems) -> tuple[list[float], int]:
+        results = self.pool.score(function, problems, completions)
         return [r.reward for r in results], sum(r.failure is not None for r in results)
+
+
+def _load_plugin(spec: str | None):
+    """The plug-in scorer `spec` names, imported and checked as the pre-flight does."""
+    if spec is None:
+        return None
+    import rewards
+
+    return rewards.load_scorer(spec)
 
 
 def _close(pool) -> None:

@@ -84,6 +84,14 @@ class AdapterSlot:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def serving(llm, adapter_dir: str | Path):
+    """`llm` (built with `engine_options`) serving the PEFT adapter in `adapter_dir` in every
+    generate call: how `klrl eval` evaluates a LoRA run's final/ or hf/step_N/."""
+    from vllm.lora.request import LoRARequest
+
+    return _Serving(llm, LoRARequest("klrl-eval", 1, str(adapter_dir)))
+
+
 def sweep(parent: Path) -> list[Path]:
     """Remove the adapter directories under `parent` whose worker process is gone; returns
     them. Directories of live processes (this node's pids) stay."""
@@ -94,6 +102,28 @@ def sweep(parent: Path) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone
+
+
+def sweep_after_run(started: float, parent: Path | None = None, wait_s: float = 10.0) -> None:
+    """At a LoRA run's end (the driver, cluster/train/run.py): its workers are killed
+    (ray.kill), so none removed its directory, and the processes exit a moment after the kill
+    returns; remove the directories made since `started` (time.time()) as their processes go,
+    waiting at most `wait_s` (a directory of another live run on this node stays)."""
+    parent = Path(parent or tempfile.gettempdir())
+    deadline = time.monotonic() + wait_s
+    while True:
+        sweep(parent)
+        left = [d for d in parent.glob(PREFIX + "*") if _made_since(d, started)]
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+
+
+def _made_since(path: Path, started: float) -> bool:
+    try:
+        return path.stat().st_mtime >= started - 1.0
+    except OSError:  # removed meanwhile
+        return False
 
 
 def _alive(pid: int) -> bool:

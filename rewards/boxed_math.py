@@ -30,12 +30,23 @@ DEFAULT_SOURCES = {
 HUB_SPLITS = {"train": "train", "in_domain": "test", "out_of_domain": "test"}  # for bare names
 FIXTURE = DATA_DIR / "math_fixture.jsonl"
 PROMPT_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
+# How a problem is put and its answer read (MathTask's `template` option): boxed adds
+# PROMPT_SUFFIX and reads the last \boxed{}; plain sends the problem text as it is and reads
+# the completion's first line (e.g. "2+3=" -> "5"). Recorded in each Problem's metadata.
+TEMPLATES = ("boxed", "plain")
+ANSWER_IN = "answer_in"
 MAX_ANSWER_CHARS = 500    # a boxed answer longer than this is not an answer worth parsing
 MAX_ANSWER_DEPTH = 16     # brace nesting inside the box (MATH answers stay under 6)
 VERIFY_TIMEOUT_S = 2      # math-verify's own per-call alarm (whole seconds)
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _FINAL_LINE = re.compile(r"^####[ \t]*(\S.*?)[ \t]*$", re.MULTILINE)  # GSM8K: "#### 72"
+
+
+def first_line(text: str) -> str | None:
+    """The completion's first line, stripped (the answer of the plain template), or None."""
+    line = text.strip().split("\n", 1)[0].strip()
+    return line if line and len(line) <= MAX_ANSWER_CHARS else None
 
 
 def last_boxed(text: str) -> str | None:
@@ -74,8 +85,10 @@ def solution_answer(solution: str) -> str | None:
 
 
 def score_math(completion: str, problem: Problem) -> float:
-    """1.0 if the completion's last boxed answer is equivalent to problem.answer, else 0.0."""
-    predicted = last_boxed(completion)
+    """1.0 if the completion's answer is equivalent to problem.answer, else 0.0: its last
+    boxed answer, or with the plain template (problem.metadata ANSWER_IN) its first line."""
+    predicted = (first_line(completion) if problem.metadata.get(ANSWER_IN) == "first line"
+                 else last_boxed(completion))
     if predicted is None:
         return 0.0
     from math_verify import parse, verify  # imported here so `import rewards` stays light
@@ -89,8 +102,10 @@ def score_math(completion: str, problem: Problem) -> float:
     return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
 
 
-def math_row_to_problem(row: Any, index: int, split: str, source_label: str) -> Problem:
-    """A Problem from one dataset row (see the module docstring for the fields)."""
+def math_row_to_problem(row: Any, index: int, split: str, source_label: str,
+                        template: str = "boxed") -> Problem:
+    """A Problem from one dataset row (see the module docstring for the fields), put as
+    `template` says (TEMPLATES)."""
     if not isinstance(row, dict):
         raise TypeError(f"row is {type(row).__name__}, not an object")
     text = require_text(row, "problem")
@@ -101,9 +116,12 @@ def math_row_to_problem(row: Any, index: int, split: str, source_label: str) -> 
         if answer is None:
             raise ValueError("no answer field, and no \\boxed{} or '#### ' answer in the solution")
     uid = str(row.get("unique_id") or f"{source_label}#{index}")
+    metadata = {k: row[k] for k in ("level", "type", "subject") if k in row}
+    if template == "plain":
+        metadata[ANSWER_IN] = "first line"
     return Problem(uid=f"math/{split}/{uid}", task="math", split=split,
-                   prompt=text + PROMPT_SUFFIX, answer=answer,
-                   metadata={k: row[k] for k in ("level", "type", "subject") if k in row})
+                   prompt=text + (PROMPT_SUFFIX if template == "boxed" else ""), answer=answer,
+                   metadata=metadata)
 
 
 class MathTask(Task):
@@ -120,6 +138,10 @@ class MathTask(Task):
       sources given above (not the default hub sets, already in this schema), e.g. GSM8K's
       {question: problem, answer: solution}; a source given as a mapping may carry its own
       `columns` instead. Without it, rows in another schema are malformed.
+    - template: boxed (default): the problem with " Let's think step by step and output the
+      final answer within \\boxed{}.", answered by the completion's last \\boxed{}; plain:
+      the problem text as it is, answered by the completion's first line (one's own
+      question-answer data, e.g. "2+3=" answered "5"). Both checked with math-verify.
     Datasets are loaded when a split is first asked for. `skipped_rows[split]` counts the
     malformed rows left out.
     """
@@ -129,7 +151,11 @@ class MathTask(Task):
     max_new_tokens = 1024
 
     def __init__(self, train: Any = None, in_domain: Any = None, out_of_domain: Any = None,
-                 path: str | None = None, columns: dict[str, str] | None = None):
+                 path: str | None = None, columns: dict[str, str] | None = None,
+                 template: str = "boxed"):
+        if template not in TEMPLATES:
+            raise ValueError(f"math: template {template!r} is not one of {', '.join(TEMPLATES)}")
+        self.template = template
         if path is not None:
             local = str(FIXTURE) if path == "fixture" else str(path)
             train = train or local
@@ -152,5 +178,5 @@ class MathTask(Task):
             source = self.sources[split]
             label = source.short_label()
             self._loaded[split], self.skipped_rows[split] = load_problems(
-                source, lambda row, i: math_row_to_problem(row, i, split, label))
+                source, lambda row, i: math_row_to_problem(row, i, split, label, self.template))
         return sample_problems(self._loaded[split], split, n, rng)

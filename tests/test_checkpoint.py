@@ -8,7 +8,12 @@ import signal
 import pytest
 
 from cluster.train import checkpoint as ckpt
+from cluster.train.run_meaning import resume_changes
 from cluster.train.stopping import GracefulStop
+
+
+def _resume_changes(saved: dict, current: dict) -> list[str]:
+    return [str(c) for c in resume_changes(saved, current)]
 
 
 def _state(step: int) -> ckpt.ControllerState:
@@ -111,8 +116,41 @@ def test_a_checkpoint_from_before_an_option_existed_resumes_unless_it_is_set():
     current = TrainConfig().model_dump(mode="json")
     saved = json.loads(json.dumps(current))
     del saved["learner"]["entropy_coef"], saved["model"]["trust_remote_code"], saved["data"]
-    assert ckpt.objective_changes(saved, current) == []
+    assert _resume_changes(saved, current) == []
     changed = TrainConfig(learner={"entropy_coef": 0.01}).model_dump(mode="json")
-    assert ckpt.objective_changes(saved, changed) == ["learner.entropy_coef: 0.0 -> 0.01"]
+    assert _resume_changes(saved, changed) == ["learner.entropy_coef: 0.0 -> 0.01"]
     saved["kl"]["beta"] = 0.5
-    assert ckpt.objective_changes(saved, current) == ["kl.beta: 0.5 -> 0.1"]
+    assert _resume_changes(saved, current) == ["kl.beta: 0.5 -> 0.1"]
+
+
+def test_what_a_resume_and_a_sweep_may_change():
+    """cluster/train/run_meaning.py: every key changes a run's meaning unless listed FREE
+    (logging, cadence, paths, resources, fault limits). A resume refuses the sampler's
+    temperature or the evaluation's size as it refuses kl.beta (only the objective's sections
+    were checked before), may move the run's end, and keeps its checkpoint's layout."""
+    from cluster.config.train_config import TrainConfig
+    from cluster.experiments.labels import flatten
+    from cluster.train.run_meaning import FREE, RESUME_KEEPS, RESUME_MAY_CHANGE, meaning_changes
+
+    keys = flatten(TrainConfig().model_dump(mode="json"))
+    for key in (*FREE, *RESUME_KEEPS, *RESUME_MAY_CHANGE):  # each names a key or a section
+        assert any(k == key or k.startswith(key + ".") for k in keys), key
+    saved = TrainConfig().model_dump(mode="json")
+
+    def changed(**update) -> TrainConfig:
+        return TrainConfig.model_validate(saved | update).model_dump(mode="json")
+
+    meaning = changed(rollout={"temperature": 0.7}, eval={"num_problems": 50}, max_lag=2)
+    assert _resume_changes(saved, meaning) == [
+        "max_lag: 0 -> 2", "rollout.temperature: 1.0 -> 0.7", "eval.num_problems: 200 -> 50"]
+    free = changed(checkpoint_every=5, eval_every=3, output_dir="/elsewhere",
+                   logging={"wandb_mode": "offline"}, faults={"max_worker_restarts": 9},
+                   rollout={"threads_per_worker": 2}, learner={"threads_per_rank": 2})
+    assert _resume_changes(saved, free) == [] and meaning_changes(saved, free) == []
+    longer = changed(total_steps=500)
+    assert _resume_changes(saved, longer) == []  # a resume may extend the run ...
+    assert [str(c) for c in meaning_changes(saved, longer)] == ["total_steps: 100 -> 500"]
+    ranks = changed(learner={"num_ranks": 2, "zero_stage": 1})  # ... but not re-shard its state
+    assert _resume_changes(saved, ranks) == ["learner.num_ranks: 1 -> 2",
+                                             "learner.zero_stage: 0 -> 1"]
+    assert meaning_changes(saved, ranks) == []  # the same training on more ranks

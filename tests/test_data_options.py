@@ -14,13 +14,17 @@ import pytest
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.config.train_config import load_train_config
-from cluster.train import checkpoint as ckpt
 from cluster.train.controller import Controller, InFlight
 from cluster.train.progress import data_lines, print_summary
 from cluster.train.prompts import CHUNK, DataExhausted, PromptStream, rendered_length
+from cluster.train.run_meaning import resume_changes
 
 # Ten distinct countdown rows; 3-number rows render 3 tokens longer than 2-number rows.
 ROWS = [{"target": 20 + i, "nums": [i + 1, 7, 3][: 2 + i % 2]} for i in range(10)]
+
+
+def _resume_changes(saved: dict, current: dict) -> list[str]:
+    return [str(c) for c in resume_changes(saved, current)]
 
 
 @pytest.fixture
@@ -184,13 +188,13 @@ def test_the_summary_says_what_the_data_options_did(tmp_path, capsys):
 def test_resume_refuses_a_changed_stream_but_takes_more_epochs(rows_path):
     saved = config(rows_path, "data.epochs=1").model_dump(mode="json")
     more = config(rows_path, "data.epochs=3").model_dump(mode="json")
-    assert ckpt.objective_changes(saved, more) == []
+    assert _resume_changes(saved, more) == []
     for override, change in (("data.shuffle=false", "data.shuffle: True -> False"),
                              ("data.max_prompt_length=300", "data.max_prompt_length: None -> 300")):
-        assert ckpt.objective_changes(saved, config(rows_path, override).model_dump(
+        assert _resume_changes(saved, config(rows_path, override).model_dump(
             mode="json")) == [change]
     older = {k: v for k, v in saved.items() if k != "data"}  # a checkpoint from before `data`
-    assert ckpt.objective_changes(older, more) == []
+    assert _resume_changes(older, more) == []
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -8,6 +8,7 @@ samples.jsonl and wandb's offline files) and the periodic Hugging Face exports (
 """
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -80,7 +81,15 @@ def test_lag0_metrics_and_exact_sync(lag0):
     assert [m["step"] for m in evals] == [0, 2, 3]
     assert all(0 <= m["eval/out_of_domain/accuracy"] <= 1 for m in evals)
     assert all(0 <= m["eval/in_domain/sampled_accuracy"] <= 1 for m in evals)
+    # task.reward scores the evaluations of the training task too, beside their accuracy
+    assert all(0 <= m[f"eval/{s}/{k}"] <= 1 for m in evals for s in ("in_domain", "out_of_domain")
+               for k in ("reward", "sampled_reward"))
     assert (run_dir / "config.yaml").is_file()
+    # the README's table of a run's outputs names everything the run wrote (issue 48)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([\w.]+/?)` \|", readme, re.MULTILINE))
+    written = {p.name + "/" if p.is_dir() else p.name for p in run_dir.iterdir()}
+    assert written <= listed and {"provenance.jsonl", "hf/", "final/"} <= written, written - listed
 
 
 def test_weights_change_and_final_model_loads(lag0, tiny_model_dir):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from scorers import short_answers
 
 import rewards
 from actors.engine import greedy_params
@@ -76,14 +77,20 @@ def test_evaluate_arithmetic_on_tiny_model(tiny_llm):
 
 
 def test_evaluate_scores_exactly_what_vllm_generated(tiny_llm):
+    """... by the task's scorer, and by a plug-in scorer (`reward`, a run's task.reward) as
+    well: its mean beside the accuracy, which stays the task scorer's."""
     task = ArithmeticWith(odd_length)
-    result = evaluate(tiny_llm, task, ["in_domain"], n=20, samples=0, progress=True)
+    result = evaluate(tiny_llm, task, ["in_domain"], n=20, samples=0, progress=True,
+                      reward="scorers:short_answers")
     problems = task.problems("in_domain", 20, 0)
     outs = tiny_llm.generate([p.prompt for p in problems], greedy_params(8), use_tqdm=False)
     expected = sum(odd_length(o.outputs[0].text, None) for o in outs) / 20
     r = result.splits["in_domain"]
     assert r.greedy_accuracy == pytest.approx(expected)
     assert r.sampled_accuracy is None and r.pass_at_k is None and r.samples == 0
+    assert r.greedy_reward == pytest.approx(
+        sum(short_answers(o.outputs[0].text, None) for o in outs) / 20)
+    assert r.sampled_reward is None and result.reward == "scorers:short_answers"
 
 
 def test_evaluate_counts_scorer_failures(tiny_llm):
@@ -98,20 +105,58 @@ def test_evaluate_counts_scorer_failures(tiny_llm):
     assert r.failures >= sum(k != 2 for k in greedy_lengths) > 0
 
 
+def _lora_adapter(model_dir, out):
+    """A PEFT adapter on `model_dir` with random A and B (PEFT's init_lora_weights=False), so
+    that it changes the model's completions: what a LoRA run's final/ holds."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
-def test_klrl_eval_command(tiny_model_dir, tmp_path):
+def test_klrl_eval_command(tiny_model_dir, tmp_path, tiny_llm):
     """In a process of its own: its engine runs in-process (`actors.engine.make_llm`), and vLLM
-    keeps one engine's parallel state per process, which the session's `tiny_llm` holds here."""
-    out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(tiny_model_dir),
+    keeps one engine's parallel state per process, which the session's `tiny_llm` holds here.
+    Issue 48 rides on it: MODEL_DIR is a LoRA adapter (a LoRA run's final/), served on its base
+    model, whose completions differ from the base's; --reward scores them with a plug-in too;
+    --json holds every completion; vLLM's output goes to the log; the piped table is whole."""
+    adapter = _lora_adapter(tiny_model_dir, tmp_path / "final")
+    out, log = tmp_path / "eval.json", tmp_path / "eval.log"
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(adapter),
                            "--task", "arithmetic", "--splits", "in_domain", "--n", "8",
-                           "--samples", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+                           "--samples", "2", "--json", str(out), "--reward",
+                           "scorers:short_answers", "--log", str(log)],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={k: v for k, v in os.environ.items()  # pytest sets COLUMNS=80
+                               if k not in ("COLUMNS", "LINES")})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "in_domain" in proc.stdout
+    shown = proc.stdout + proc.stderr
+    header = [line for line in proc.stdout.splitlines() if "greedy pass@1" in line]
+    assert len(header) == 1, shown
+    header = header[0]
+    assert "sampled acc (K=2, T=1)" in header and "greedy reward" in header  # not squeezed
+    assert f"(LoRA adapter on {tiny_model_dir})" in " ".join(proc.stdout.split())
+    assert "vllm" not in shown.lower().replace("(vllm, triton, warnings)", "")
+    assert "vllm" in log.read_text().lower()  # ... its lines went to the log
     saved = EvalResult.model_validate(json.loads(out.read_text()))
-    assert saved.splits["in_domain"].problems == 8
-    assert saved.model == str(tiny_model_dir)
+    split = saved.splits["in_domain"]
+    assert split.problems == 8 and saved.model == str(adapter)
+    assert [r.uid for r in split.records] == split.problem_ids
+    for record in split.records:
+        assert len(record.samples) == 2
+        assert record.greedy.plugin_reward == short_answers(record.greedy.text, None)
+    assert split.greedy_reward == pytest.approx(
+        sum(r.greedy.plugin_reward for r in split.records) / 8)
+    base = evaluate(tiny_llm, "arithmetic", ["in_domain"], n=8, samples=0, progress=False,
+                    keep_completions=True).splits["in_domain"].records
+    assert [r.uid for r in base] == split.problem_ids
+    assert any(a.greedy.text != b.greedy.text for a, b in zip(base, split.records)), \
+        "the adapter changed no completion: was it served?"
 
 
 def test_evaluate_reports_the_budget_and_the_truncated_fraction(tiny_llm):

@@ -338,6 +338,33 @@ def test_klrl_eval_checks_task_and_splits_before_vllm(eval_guarded, capsys, argv
         assert err.startswith(message), err
 
 
+def test_klrl_eval_takes_a_lora_adapter_and_names_the_model_of_a_checkpoint(
+        eval_guarded, capsys, tmp_path):
+    """Issue 48: a LoRA run's final/ (an adapter) goes on to its base model (the embedded one
+    when the run's config says null); a checkpoint is refused naming the run's exports that
+    are models; --reward must import, as task.reward must."""
+    run = tmp_path / "r"
+    step = run / "checkpoints" / "step_000000004"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    export = run / "hf" / "step_000000004"
+    export.mkdir(parents=True)
+    code, err, seconds = _klrl(capsys, "eval", str(step))
+    assert code == 2 and seconds < 20
+    assert err.startswith(f"error: MODEL_DIR {step} is a training checkpoint")
+    assert str(export) in err
+    code, err, _ = _klrl(capsys, "eval", "default", "--reward", "no_such_module:score")
+    assert code == 2 and err.startswith("error: --reward: ") and "no_such_module" in err
+    final = run / "final"
+    final.mkdir()
+    (final / "adapter_config.json").write_text('{"r": 4, "base_model_name_or_path": "/gone"}')
+    code, err, _ = _klrl(capsys, "eval", str(final))
+    assert code == 2 and "is a LoRA adapter whose base model '/gone' is not here" in err
+    (run / "config.yaml").write_text("model: {path: null}\n")
+    with pytest.raises(GotPastPreflight):  # the embedded model is built: the door let it in
+        main(["eval", str(final)])
+
+
 @pytest.mark.parametrize("argv", [["--n", "0"], ["--n", "-3"], ["--samples", "-1"]])
 def test_klrl_eval_refuses_no_problems(eval_guarded, capsys, argv):
     with pytest.raises(SystemExit) as exc:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -222,10 +224,13 @@ def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_then_sigterm_and
     publishing: the transport keeps two versions). Then SIGTERM: the run checkpoints, stops
     with 128 + SIGTERM and no process left, and `--resume` finishes it with every step logged
     once and the restarts counted on (one run carries both: each costs a Ray + vLLM +
-    DeepSpeed start)."""
+    DeepSpeed start). Each process's local Ray cluster takes its session directory (logs,
+    sockets) away with it, stopped or finished: runs do not pile them up (issue 48)."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="klrl-ray-", dir="/tmp"))  # short: socket paths
+    env = {"RAY_TMPDIR": str(ray_tmp)}
     run = TrainProcess(tmp_path, "async", *tiny_args(
         tiny_model_dir, tmp_path, "async", 12, "max_lag=2", "sync.timeout_s=2",
-        "task.reward=scorers:short_answers_slowly", *FAST_DEADLINES))
+        "task.reward=scorers:short_answers_slowly", *FAST_DEADLINES), env=env)
     run.wait_for_step(3)  # the worker runs 2 batches behind the learner until it is killed
     run.kill_titled("ray::RolloutWorker.generate")
     run.wait_for_step(6)
@@ -240,9 +245,12 @@ def test_async_run_rides_out_a_worker_death_and_a_frozen_worker_then_sigterm_and
     assert caught_within(out, "rollout worker 0") <= CAUGHT_WITHIN_S
     stopped_at = ckpt.read_checkpoint(ckpt.latest_checkpoint(run.run_dir)).step
     assert 8 <= stopped_at < 12
+    assert not list((ray_tmp / "ray").glob("session_*")), "the stopped run left Ray's session"
 
-    resumed = TrainProcess(tmp_path, "async", "--resume", str(run.run_dir))
+    resumed = TrainProcess(tmp_path, "async", "--resume", str(run.run_dir), env=env)
     assert resumed.finish() == 0, resumed.output()
+    assert not list((ray_tmp / "ray").glob("session_*")), "the run left Ray's session"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     assert f"resumed {run.run_dir} at step {stopped_at}" in resumed.output()
     assert not resumed.leftovers()
     assert (run.run_dir / "final" / "config.json").exists()

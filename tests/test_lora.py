@@ -5,6 +5,7 @@ object_store, at ZeRO-0 and ZeRO-3; resume is bit-exact; final/ holds the adapte
 merged model loads in transformers and vLLM. And what is refused before anything starts."""
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_runs import tiny_run_config
 
+from actors import lora_serving
 from cluster.config.loader import ConfigError
 from cluster.train import checkpoint as ckpt
 from cluster.train.door.preflight import check_lora
@@ -42,6 +44,11 @@ def runs(tiny_model_dir, tmp_path_factory):
                        resume=True)
     zero3, _ = train(_cfg(tiny_model_dir, out, "zero3", 3, "learner.zero_stage=3",
                           "sync.transport=shm", "learner.lora.target_modules=[q_proj,v_proj]"))
+    # each run removed its workers' adapter directories at its end (issue 48: they stayed in
+    # the temp directory until the next LoRA run); any left must be another live run's
+    left = [d for d in Path(tempfile.gettempdir()).glob(lora_serving.PREFIX + "*")
+            if (m := lora_serving._OWNER.match(d.name)) and not lora_serving._alive(int(m[1]))]
+    assert not left, left
     return straight, resumed, zero3
 
 

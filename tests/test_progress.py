@@ -44,3 +44,21 @@ def test_summary_of_a_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "run finished" in out and "(step 0 -> 2)" in out
     assert "in_domain greedy" in out and "0.100 -> 0.300" in out and "0.050 -> 0.250" in out
+
+
+def test_on_a_terminal_every_evaluation_is_printed_and_logged(tmp_path, capsys):
+    """Issue 48: with the live bar (a terminal), evaluations after step 0 were only in the
+    status field, neither printed nor in train.log. Run under `klrl train`'s own output filter
+    (run_output.quiet_output), each evaluation's line reaches the screen and the log."""
+    from cluster.train.run_output import quiet_output
+
+    log = tmp_path / "train.log"
+    with quiet_output(log), TrainProgress(4, live=True) as progress:
+        progress.show_evaluation(0, {"eval/in_domain/accuracy": 0.25})
+        progress.update(1, {"reward/mean": 0.5})
+        progress.update(2, {"reward/mean": 0.5, "eval/in_domain/accuracy": 0.5,
+                            "eval/out_of_domain/accuracy": 0.125})
+    shown = capsys.readouterr().out
+    for text in (shown, log.read_text()):
+        assert "eval step 0: in_domain greedy 0.250" in text
+        assert "eval step 2: in_domain greedy 0.500 | out_of_domain greedy 0.125" in text

@@ -138,3 +138,24 @@ def test_sampling_from_a_loaded_split():
     first_epoch = train[: len(everything)]
     assert sorted(p.uid for p in first_epoch) == sorted(
         p.uid.replace("in_domain", "train") for p in everything)
+
+
+def test_the_plain_template_puts_ones_own_problems_as_they_are(tmp_path):
+    """Issue 48: one's own question-answer data (`a+b=` prompts) scored 0% under the boxed
+    template. template=plain sends the problem text unchanged and reads the first line."""
+    import json
+
+    rows = tmp_path / "sums.jsonl"
+    rows.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a, b in ((2, 3), (10, 7))))
+    plain = get_task("math", path=str(rows), template="plain")
+    problems = plain.problems("in_domain")
+    assert sorted(p.prompt for p in problems) == ["10+7=", "2+3="]
+    two = next(p for p in problems if p.prompt == "2+3=")
+    assert score_math("5\n2+4=6", two) == 1.0 and score_math(" 5 ", two) == 1.0
+    assert score_math("6\n5", two) == 0.0 and score_math("", two) == 0.0
+    boxed = get_task("math", path=str(rows)).problems("in_domain")
+    assert all(p.prompt.endswith("\\boxed{}.") for p in boxed)
+    assert score_math("5", boxed[0]) == 0.0  # the boxed template reads only a box
+    with pytest.raises(ValueError, match="template 'raw' is not one of boxed, plain"):
+        get_task("math", path=str(rows), template="raw")

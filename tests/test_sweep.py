@@ -16,10 +16,12 @@ from cluster.config.loader import ConfigError
 from cluster.experiments.labels import value_token
 from cluster.experiments.sweep import (
     SweepConfig,
+    changed_runs,
     expand,
     load_sweep,
     run_state,
     run_sweep,
+    set_aside,
     sweep_dir,
     train_command,
     validate_runs,
@@ -164,8 +166,9 @@ def test_run_state_and_resume_flag(tmp_path):
 
 
 class FakeLauncher:
-    """Runs nothing: a started run 'finishes' (writes final/config.json) at once, except those
-    named in `fail`, which exit 1 without a final model."""
+    """Runs nothing: a started run records its config as a real run does (resolved, in
+    config.yaml) and 'finishes' (writes final/config.json) at once, except those named in
+    `fail`, which exit 1 without a final model."""
 
     def __init__(self, fail=()):
         self.fail, self.started = set(fail), []
@@ -174,6 +177,7 @@ class FakeLauncher:
         self.started.append((run.name, state, train_command(cfg, run, state)))
         run_dir = sweep_dir(cfg) / run.name
         run_dir.mkdir(parents=True, exist_ok=True)
+        record(cfg, run, run_dir)
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         if run.name not in self.fail:
             (run_dir / "final").mkdir()
@@ -188,6 +192,16 @@ class FakeLauncher:
 
     def where(self, handle):
         return f"fake {handle}"
+
+
+def record(cfg, run, run_dir) -> None:
+    """RUN_DIR/config.yaml as `klrl train` writes it for this grid point (paths resolved)."""
+    from cluster.config.loader import dump_config
+    from cluster.config.train_config import load_train_config
+    from cluster.train.door.paths import resolve_paths
+
+    dump_config(resolve_paths(load_train_config(cfg.train_config, list(run.overrides))),
+                run_dir / "config.yaml")
 
 
 def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
@@ -278,6 +292,12 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     again = klrl("sweep", str(path), timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "0 finished, 2 skipped" in again.stdout and ": started" not in again.stdout
+    # ... because what the real runs recorded means what the sweep runs (no path or default
+    # differs); a changed setting is not skipped under it (issue 48)
+    cfg = load_sweep(path, ["overrides.kl.beta=0.5"])
+    changed = changed_runs(cfg, expand(cfg), validate_runs(cfg, expand(cfg)))
+    assert [(r.name, r.state, list(map(str, r.changes))) for r in changed] == [
+        (name, "finished", ["kl.beta: 0.05 -> 0.5"]) for name in ("k1-loss", "k3-loss")]
 
     report = klrl("report", str(root), timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
@@ -285,3 +305,72 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     assert "| `k1-loss` | 1 | 3 |" in md and "| `k3-loss` | 1 | 3 |" in md
     for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
         assert (root / "report" / png).stat().st_size > 10_000, png
+
+
+def test_runs_recorded_with_other_settings_never_count_as_the_sweeps(tmp_path, capsys):
+    """Issue 48: a rerun with changed overrides used to skip the old runs as 'finished' and
+    rewrite sweep.yaml with settings they never trained with. Now each run directory's
+    config.yaml is compared, key by key of what it means, with what the sweep would run; a
+    difference is refused (exit 2, naming the runs and keys) unless --rerun moves those runs
+    aside; keys that change nothing a run means (logging, cadence, resources) pass."""
+    from cluster.cli.main import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "b", "train_config": str(TINY),
+                                    "output_dir": str(tmp_path), "poll_s": 0.01,
+                                    "overrides": {"kl.beta": 0.05, "total_steps": 4},
+                                    "grid": {"seed": [0, 1]}}))
+
+    def sweep(*overrides):
+        cfg = load_sweep(path, list(overrides))
+        runs = expand(cfg)
+        return cfg, runs, validate_runs(cfg, runs)
+
+    cfg, runs, configs = sweep()
+    run_sweep(cfg, runs, configs, FakeLauncher(fail={"s1"}))  # s0 finished, s1 partial
+    root = sweep_dir(cfg)
+    written = (root / "sweep.yaml").read_text()
+    # Free keys: logging, cadence and resources change nothing a run means.
+    cfg, runs, configs = sweep("overrides.checkpoint_every=2", "overrides.logging.samples_every=1",
+                               "overrides.rollout.num_cpus_per_worker=0.5")
+    assert changed_runs(cfg, runs, configs) == []
+
+    cfg, runs, configs = sweep("overrides.kl.beta=0.5", "overrides.eval.num_problems=7")
+    changed = changed_runs(cfg, runs, configs)
+    assert [(r.name, r.state) for r in changed] == [("s0", "finished"), ("s1", "partial")]
+    assert [str(c) for c in changed[0].changes] == ["kl.beta: 0.05 -> 0.5",
+                                                    "eval.num_problems: 200 -> 7"]
+    with pytest.raises(ConfigError, match="s0 \\(finished\\), s1 \\(partial\\): kl.beta"):
+        run_sweep(cfg, runs, configs, FakeLauncher())  # the invariant holds whoever calls
+    assert main(["sweep", str(path), "overrides.kl.beta=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "s0 (finished), s1 (partial): kl.beta: 0.05 -> 0.5" in err
+    assert "add --rerun" in err and "add name=b-b0.5" in err
+    assert (root / "sweep.yaml").read_text() == written  # nothing claimed, nothing moved
+    assert main(["sweep", str(path), "overrides.kl.beta=0.5", "--rerun", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"s0 (finished; kl.beta: 0.05 -> 0.5): would move to {root / 'replaced'}/" in out
+    assert "[1/2] s0 (new): klrl train" in out and (root / "s0" / "final").is_dir()
+
+    # --rerun (as the CLI does it): the old runs kept under replaced/, both run again, and the
+    # sweep.yaml written now is true of every run in the directory.
+    cfg, runs, configs = sweep("overrides.kl.beta=0.5")
+    moved = set_aside(cfg, changed_runs(cfg, runs, configs))
+    assert [p.parent for p in moved] == [root / "replaced"] * 2
+    assert (moved[0] / "final" / "config.json").is_file()
+    again = FakeLauncher()
+    outcomes, _ = run_sweep(cfg, runs, configs, again)
+    assert [(name, state) for name, state, _ in again.started] == [("s0", "new"), ("s1", "new")]
+    assert yaml.safe_load((root / "sweep.yaml").read_text())["overrides"]["kl.beta"] == 0.5
+    assert {yaml.safe_load((root / n / "config.yaml").read_text())["kl"]["beta"]
+            for n in ("s0", "s1")} == {0.5}
+
+    # A run no grid point names now joins the report all the same: it is judged by what the
+    # sweep would run for its recorded grid values (here its seed), and refused if that differs.
+    cfg2, runs2, configs2 = sweep("grid.seed=[0]", "overrides.kl.beta=0.5")
+    assert changed_runs(cfg2, runs2, configs2) == []  # s1 matches at its seed
+    cfg2, runs2, configs2 = sweep("grid.seed=[0]", "overrides.kl.beta=0.5",
+                                  "overrides.total_steps=8")
+    assert [(r.name, r.state, [c.key for c in r.changes])
+            for r in changed_runs(cfg2, runs2, configs2)] == [
+        ("s0", "finished", ["total_steps"]), ("s1", "not in the grid", ["total_steps"])]

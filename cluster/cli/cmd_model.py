@@ -5,7 +5,13 @@ import argparse
 import os
 import sys
 
-from cluster.tiny.model import RECIPES, TARGET_ACCURACY, init_default_model, read_metadata
+from cluster.tiny.model import (
+    BUILD_TIME,
+    RECIPES,
+    TARGET_ACCURACY,
+    init_default_model,
+    read_metadata,
+)
 
 
 def register(subparsers) -> None:
@@ -14,7 +20,7 @@ def register(subparsers) -> None:
         help="build (or reuse) the warm-started tiny default model",
         description="Build the tiny Qwen2 + character tokenizer, warm-started by a "
         "supervised run on the arithmetic task that stops when the greedy accuracy on a "
-        "validation set reaches a target (2-3 minutes on 2 cores). Cached with its "
+        f"validation set reaches a target ({BUILD_TIME}). Cached with its "
         "figures: a second call prints them without rebuilding, unless --force.",
     )
     p.add_argument("--out", default=None, help="output directory "
@@ -38,7 +44,9 @@ def register(subparsers) -> None:
         "are rendered as training renders them (chat template, system prompt, stop strings).",
     )
     p.add_argument("model_dir", metavar="MODEL_DIR",
-                   help="model directory, or 'default' for the default model (built if missing)")
+                   help="model directory, a LoRA run's adapter (RUN_DIR/final, RUN_DIR/hf/"
+                   "step_N: served on its base model), or 'default' for the default model "
+                   "(built if missing)")
     p.add_argument("--task", default="arithmetic",
                    help="a task of rewards/ (rewards.TASKS) or a plug-in "
                    "'package.module:TaskClass', as in task.name (default arithmetic)")
@@ -68,7 +76,17 @@ def register(subparsers) -> None:
                    help="share of a local dataset file's rows that may be malformed (skipped, "
                    "and said) before the evaluation is refused, as task.max_malformed_fraction "
                    "(default 0)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    p.add_argument("--reward", default=None, metavar="MODULE:FUNCTION",
+                   help="a plug-in scorer, as task.reward: every completion is scored by it "
+                   "too, and the table adds its greedy and sampled mean reward (accuracy stays "
+                   "the task scorer's)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as "
+                   "JSON, with every problem's completions and their rewards (records)")
+    p.add_argument("--log", default=None, metavar="PATH", help="where other programs' output "
+                   "(vLLM, Triton, warnings) goes, kept (default: a temporary file, removed "
+                   "unless the evaluation fails)")
+    p.add_argument("--verbose", action="store_true", help="show other programs' output here "
+                   "instead")
     p.set_defaults(func=_eval)
 
 
@@ -159,64 +177,38 @@ def _print_metadata(console, path, meta: dict) -> None:
 
 def _eval_door(args: argparse.Namespace):
     """`klrl eval`'s door (cluster/train/door/), before vLLM or the model: the task takes its
-    options and has the splits, the model directory is one (weights, config, tokenizer; not
-    a run directory), and the local dataset files of those splits read within
-    --max-malformed-fraction. Returns (task, splits); ValueError (ConfigError) otherwise."""
-    from cluster.train.door.commands import check_eval_model
+    options and has the splits, --reward imports as a scorer, MODEL_DIR is a model or a LoRA
+    adapter on one here (not a run directory or a checkpoint: the refusal names the model to
+    give; cluster/cli/eval_target.py), and the local dataset files of those splits read
+    within --max-malformed-fraction. Returns (task, splits, target); ValueError (ConfigError)
+    otherwise."""
+    from cluster.cli.eval_target import eval_target
     from rewards.config import check_task_datasets
 
     task, splits = _check_task(args)
-    if args.model_dir != "default":
-        check_eval_model(args.model_dir)
+    if args.reward:
+        from rewards import load_scorer
+
+        try:
+            load_scorer(args.reward)  # imported and checked here, as the pre-flight does
+        except ValueError as exc:
+            raise ValueError(f"--reward: {exc}") from None
+    target = eval_target(args.model_dir)
     for note in check_task_datasets("--option", task, splits, args.max_malformed_fraction,
                                     "--max-malformed-fraction"):
         print(f"warning: {note}", file=sys.stderr, flush=True)
-    return task, splits
+    return task, splits, target
 
 
 def _eval(args: argparse.Namespace) -> int:
     # vLLM logs at INFO by default; keep the table readable unless asked otherwise.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
-        task, splits = _eval_door(args)
+        task, splits, target = _eval_door(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from rich.console import Console
-    from rich.table import Table
+    from cluster.cli.eval_run import run_eval
 
-    from actors.evaluate import evaluate  # vLLM: only once the door has let the model in
-    from actors.prompting import PromptRenderer
-
-    console = Console()
-    model = args.model_dir
-    if model == "default":
-        model = init_default_model()
-    renderer = PromptRenderer.from_pretrained(
-        model, chat_template=args.chat_template, system_prompt=args.system_prompt, stop=args.stop)
-    result = evaluate(
-        str(model), task, splits, n=args.n, samples=args.samples, seed=args.seed,
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, renderer=renderer,
-    )
-    table = Table(title=f"{result.task} - {model}")
-    for col in ("split", "problems", "greedy pass@1",
-                f"sampled acc (K={args.samples}, T={args.temperature:g})",
-                f"pass@{args.samples}", "failures", "truncated"):
-        if col == "split":  # never truncate the split name, whatever the terminal width
-            table.add_column(col, justify="left", no_wrap=True, min_width=13)
-        else:
-            table.add_column(col, justify="right")
-    for r in result.splits.values():
-        table.add_row(
-            r.split, str(r.problems), f"{100 * r.greedy_accuracy:.1f}%",
-            "-" if r.sampled_accuracy is None else f"{100 * r.sampled_accuracy:.1f}%",
-            "-" if r.pass_at_k is None else f"{100 * r.pass_at_k:.1f}%",
-            str(r.failures), str(r.truncated),
-        )
-    console.print(table)
-    console.print(f"{result.seconds:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(result.model_dump_json(indent=2) + "\n")
-    return 0
+    model = init_default_model() if target.model == "default" else target.model
+    return run_eval(args, task, splits, target, str(model))

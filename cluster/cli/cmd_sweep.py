@@ -12,12 +12,16 @@ from cluster.cli.cmd_train import count_arg
 from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
 from cluster.experiments.report import ReportConfig, write_report
 from cluster.experiments.sweep import (
+    SET_ASIDE_DIR,
     SweepConfig,
+    changed_runs,
+    describe_changed,
     expand,
     load_sweep,
     preflight_runs,
     run_state,
     run_sweep,
+    set_aside,
     sweep_dir,
     train_command,
     validate_runs,
@@ -37,23 +41,32 @@ def _run_sweep(args) -> int:
             raise ConfigError(f"output_dir={cfg.output_dir!r}: with --address the runs are "
                               "written on the cluster; give an absolute path on storage shared "
                               "with this machine (e.g. output_dir=/shared/runs)")
+        changed = changed_runs(cfg, runs, configs)  # runs recorded with other settings
+        if changed and not args.rerun:
+            raise ConfigError(describe_changed(cfg, changed))
+        rerun = frozenset(r.name for r in changed)
         if args.address:  # each job checks its paths where it runs; its plug-ins here
             from cluster.train.door.commands import check_submission
 
             for config in configs.values():
                 check_submission(config, {})
         else:
-            preflight_runs(cfg, runs, configs)
+            preflight_runs(cfg, runs, configs, rerun)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     root = sweep_dir(cfg)
     if args.dry_run:
+        for run in changed:
+            print(f"{run.name} ({run.state}; {run.describe()}): would move to "
+                  f"{root / SET_ASIDE_DIR}/")
         for run in runs:
-            state = run_state(root / run.name)
+            state = "new" if run.name in rerun else run_state(root / run.name)
             print(f"[{run.index}/{len(runs)}] {run.name} ({state}): "
                   + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
         return 0
+    for run, place in zip(changed, set_aside(cfg, changed), strict=True):
+        print(f"{run.name} ({run.state}; {run.describe()}): moved to {place}")
     need = max(c.reserved_cpus for c in configs.values())
     if not args.address and cfg.parallel * need > (cores := _cores()):
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
@@ -161,6 +174,9 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and "
                    "commands; run nothing")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--rerun", action="store_true", help="runs in the sweep directory recorded "
+                   "with settings other than the sweep's now (refused without this flag): move "
+                   "them to SWEEP_DIR/replaced/ and run the grid's again with the new settings")
     p.set_defaults(func=_run_sweep)
 
     p = subparsers.add_parser("report", help="plots, accuracy table and instability flags of a "

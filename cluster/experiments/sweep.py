@@ -7,6 +7,12 @@ the grid's Cartesian product, named from their grid values (`k1-reward-lag2-s0`)
 a run directory that exists but is unfinished is continued with `klrl train --resume`, and a
 missing one is started. Every configuration is validated before anything starts.
 
+Invariant: a run directory counts as one of the sweep's runs (skipped as finished, resumed
+as partial) only when the config it recorded has the meaning the sweep would give it now
+(cluster/train/run_meaning.py); so does every other run in the sweep directory, the report's
+input. Otherwise the sweep refuses (`changed_runs`), unless told to run them again
+(`set_aside`): the sweep.yaml it writes never claims a setting its runs did not train with.
+
 Runs are separate processes (`python -m cluster.cli train ...`, each with its own local Ray
 cluster, so one run's crash or leftover actors cannot touch another's), or one Ray job each on a
 cluster (`--address`); launchers.py starts them. A failed run does not stop the sweep: it is
@@ -33,7 +39,8 @@ from cluster.config.names import DirName
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.report import ReportConfig
 from cluster.train.progress import format_duration
-from cluster.train.run_log import is_finished, last_step
+from cluster.train.run_log import config_path, is_finished, last_step, read_config
+from cluster.train.run_meaning import Change, meaning_changes
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # Set by the sweep for every run (its place and its wandb grouping; wandb_name stays null, so
@@ -167,7 +174,6 @@ def override_value(value: Any) -> str:
 
 def expand(cfg: SweepConfig) -> list[RunSpec]:
     """The sweep's runs, in grid order. Raises ConfigError when two runs would share a name."""
-    shared = [f"{k}={override_value(v)}" for k, v in cfg.overrides.items()]
     runs, seen = [], {}
     combos = [dict(zip(grid, combo)) for grid in cfg.grids()
               for combo in itertools.product(*grid.values())]
@@ -178,13 +184,17 @@ def expand(cfg: SweepConfig) -> list[RunSpec]:
                 continue
             raise ConfigError(f"grid points {seen[name]} and {values} would both be named {name!r}")
         seen[name] = values
-        i = len(runs) + 1
-        tags = [f"{k}={v}"[:64] for k, v in values.items()]  # wandb caps a tag at 64 chars
-        run_overrides = [*shared, *(f"{k}={override_value(v)}" for k, v in values.items()),
-                         f"output_dir={sweep_dir(cfg)}", f"run_name={name}",
-                         f"logging.wandb_group={cfg.name}", f"logging.tags={json.dumps(tags)}"]
-        runs.append(RunSpec(i, name, values, tuple(run_overrides)))
+        runs.append(_spec(cfg, len(runs) + 1, name, values))
     return runs
+
+
+def _spec(cfg: SweepConfig, index: int, name: str, values: dict[str, Any]) -> RunSpec:
+    shared = [f"{k}={override_value(v)}" for k, v in cfg.overrides.items()]
+    tags = [f"{k}={v}"[:64] for k, v in values.items()]  # wandb caps a tag at 64 chars
+    run_overrides = [*shared, *(f"{k}={override_value(v)}" for k, v in values.items()),
+                     f"output_dir={sweep_dir(cfg)}", f"run_name={name}",
+                     f"logging.wandb_group={cfg.name}", f"logging.tags={json.dumps(tags)}"]
+    return RunSpec(index, name, values, tuple(run_overrides))
 
 
 def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
@@ -205,26 +215,133 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     return configs
 
 
-def preflight_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict[str, Any]) -> None:
+def preflight_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict[str, Any],
+                   rerun: frozenset[str] = frozenset()) -> None:
     """Each unfinished run's pre-flight (cluster/train/door/preflight.py: its model, plug-in scorer,
     wandb key, and for a run to resume its checkpoint's config) on this machine, before the
-    first run starts: a mistake common to every run is one message, not N failed runs.
-    Local sweeps only: on a cluster the jobs check themselves where they run."""
-    from cluster.train.door.preflight import preflight
+    first run starts: a mistake common to every run is one message, not N failed runs. The
+    runs in `rerun` (about to be set aside and started anew) get the checks of their
+    environment only: their directories are still there. Local sweeps only: on a cluster the
+    jobs check themselves where they run."""
+    from cluster.train.door.paths import resolve_paths
+    from cluster.train.door.preflight import check_environment, preflight
 
     failures: dict[str, list[str]] = {}
     for run in runs:
         state = run_state(sweep_dir(cfg) / run.name)
-        if state == "finished":
+        if state == "finished" and run.name not in rerun:
             continue
         try:
-            preflight(configs[run.name], resume=state == "partial")
+            if run.name in rerun:
+                check_environment(resolve_paths(configs[run.name]))
+            else:
+                preflight(configs[run.name], resume=state == "partial")
         except (ConfigError, FileExistsError) as exc:
             failures.setdefault(str(exc), []).append(run.name)
     if failures:
         raise ConfigError("runs that would fail before they start:\n" + "\n".join(
             f"  {', '.join(names) if len(names) < len(runs) else 'every run'}: {msg}"
             for msg, names in failures.items()))
+
+
+# ---- runs recorded with other settings -----------------------------------------------------
+
+SET_ASIDE_DIR = "replaced"  # SWEEP_DIR/replaced/<run>-<time>/: runs that --rerun moved away
+
+
+@dataclass(frozen=True)
+class ChangedRun:
+    """A run directory in the sweep directory whose recorded config means something else than
+    what the sweep would run for it now (`changes`), or that the sweep cannot judge (`why`)."""
+
+    name: str
+    state: str                 # finished, partial, or "not in the grid" (a run no grid point names)
+    changes: tuple[Change, ...] = ()
+    why: str = ""
+
+    def describe(self) -> str:
+        return self.why or "; ".join(map(str, self.changes))
+
+
+def changed_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict) -> list[ChangedRun]:
+    """The run directories under the sweep directory that cannot count as its runs: a grid
+    point's run whose recorded config.yaml differs in meaning from `configs[name]` (what the
+    sweep runs now), and any other run there that differs from what the sweep would run for
+    its recorded grid values (it would join the sweep's report under the sweep's settings).
+    A directory without config.yaml never started: nothing is recorded to differ."""
+    root = sweep_dir(cfg)
+    if not root.is_dir():
+        return []
+    by_name = {run.name: run for run in runs}
+    keys = list(dict.fromkeys(k for grid in cfg.grids() for k in grid))
+    changed = []
+    for run_dir in sorted(p for p in root.iterdir() if config_path(p).is_file()):
+        saved, run = read_config(run_dir), by_name.get(run_dir.name)
+        if run is not None:
+            state, config = run_state(run_dir), configs[run.name]
+        else:
+            state = "not in the grid"
+            try:
+                config = _config_at(cfg, run_dir.name, _recorded_values(saved, keys))
+            except ConfigError as exc:
+                changed.append(ChangedRun(run_dir.name, state, why="its recorded grid values "
+                                          f"are not a valid run of this sweep: {exc}"))
+                continue
+        if changes := meaning_changes(saved, _resolved(config)):
+            changed.append(ChangedRun(run_dir.name, state, tuple(changes)))
+    return changed
+
+
+def _recorded_values(saved: dict, keys: list[str]) -> dict[str, Any]:
+    from cluster.config.train_config import TrainConfig  # torch: not at `klrl --help`
+
+    recorded = flatten(TrainConfig().model_dump(mode="json")) | flatten(saved)
+    return {k: recorded[k] for k in keys if k in recorded}
+
+
+def _config_at(cfg: SweepConfig, name: str, values: dict[str, Any]):
+    from cluster.config.train_config import load_train_config
+
+    return load_train_config(cfg.train_config, list(_spec(cfg, 0, name, values).overrides))
+
+
+def _resolved(config) -> dict:
+    """A config as its run records it: its paths made absolute here, as `train()` does."""
+    from cluster.train.door.paths import resolve_paths
+
+    return resolve_paths(config).model_dump(mode="json")
+
+
+def describe_changed(cfg: SweepConfig, changed: list[ChangedRun]) -> str:
+    """The refusal: each run (grouped where the changes are the same) and the two ways on."""
+    groups: dict[str, list[ChangedRun]] = {}
+    for run in changed:
+        groups.setdefault(run.describe(), []).append(run)
+    lines = [f"  {', '.join(f'{r.name} ({r.state})' for r in group)}: {what}"
+             for what, group in groups.items()]
+    tokens = list(dict.fromkeys(value_token(c.key, c.new) for r in changed for c in r.changes
+                                if isinstance(c.new, str | int | float | None)))
+    apart = f"{cfg.name}-{'-'.join(tokens[:3])}" if tokens else f"{cfg.name}-2"
+    return (f"sweep {cfg.name}: {len(changed)} run(s) in {sweep_dir(cfg)} were trained with other "
+            "settings than the sweep gives them now, so they cannot count as its runs (a key "
+            "that changes what a run trains or measures; docs/sweeps.md):\n" + "\n".join(lines)
+            + f"\nEither run them again with the new settings, the old runs moved to "
+            f"{sweep_dir(cfg) / SET_ASIDE_DIR}/: add --rerun; or keep both, the new settings in "
+            f"a sweep directory of their own: add name={apart}")
+
+
+def set_aside(cfg: SweepConfig, changed: list[ChangedRun]) -> list[Path]:
+    """Move each changed run to SWEEP_DIR/replaced/<run>-<time>/ (kept, out of the report,
+    which reads the sweep directory's own run directories); returns the new places."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = sweep_dir(cfg) / SET_ASIDE_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for run in changed:
+        dest = target / f"{run.name}-{stamp}"
+        (sweep_dir(cfg) / run.name).rename(dest)
+        moved.append(dest)
+    return moved
 
 
 def run_state(run_dir: Path) -> RunState:
@@ -279,6 +396,8 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
     """Run every unfinished run, `cfg.parallel` at a time, showing progress. Returns the
     outcomes (in the order runs ended) and the signal that stopped the sweep, if one did."""
     root = sweep_dir(cfg)
+    if changed := changed_runs(cfg, runs, configs):  # the invariant, whoever calls
+        raise ConfigError(describe_changed(cfg, changed))
     root.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, root / "sweep.yaml")
     console, n = Console(), len(runs)

@@ -63,6 +63,10 @@ SFT_BATCH_SIZE = 128
 SFT_LR = 3e-3           # constant after warm-up: the schedule must not depend on where we stop
 SFT_WARMUP = 50
 EVAL_PROBLEMS = 500  # problems per split for the accuracy figures stored with the model
+# How long the build takes, said the same way wherever it is said (the CLI, README, the demo
+# page; docs/model.md gives the measured figure of one machine): the step count to reach the
+# target varies with the machine's kernels, as does the time per step.
+BUILD_TIME = "1-3 minutes on 2 cores"
 METADATA_FILE = "klrl_model.json"
 
 
@@ -313,8 +317,8 @@ def init_default_model(
         if waited and _model_complete(out) and not force:  # the build we waited for made it
             return out
         if progress:
-            print(f"building the embedded tiny model into {out} (first use only; about 2 "
-                  "minutes on 2 idle cores)", flush=True)
+            print(f"building the embedded tiny model into {out} (first use only; "
+                  f"{BUILD_TIME})", flush=True)
         _build(out, seed, target, max_steps, progress, threads, RECIPES[recipe])
     return out
 

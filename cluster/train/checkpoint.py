@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cluster.config.train_config import TrainConfig
-
 MARKER = "COMPLETE"
 LEARNER_TAG = "learner"
 HF_DIR = "hf"
@@ -161,53 +159,6 @@ def read_checkpoint(path: str | Path) -> ControllerState:
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     return ControllerState(**json.loads((path / "controller.json").read_text()))
-
-
-# The config keys a resumed run may not change: the objective and the state it starts from,
-# and what decides which prompt is at which data position (data.epochs may change: it only
-# says where the stream ends).
-OBJECTIVE_SECTIONS = ("model", "seed", "task", "kl", "advantage", "learner", "data.shuffle",
-                      "data.max_prompt_length")
-# Keys inside those sections that may change all the same: they decide what is refused at the
-# start, not what is trained.
-MAY_CHANGE = ("task.max_malformed_fraction",)
-_ABSENT = object()
-
-
-def objective_changes(saved: dict, current: dict) -> list[str]:
-    """`key: old -> new` for every value in OBJECTIVE_SECTIONS that differs between the config
-    a checkpoint was written with and the current one (both resolved, as plain dicts). A key
-    the saved config lacks (written before the option existed) had the option's default: a
-    change only if the current value is not that default."""
-    defaults = TrainConfig().model_dump(mode="json")
-    changes = []
-    for key in OBJECTIVE_SECTIONS:
-        old, new = _at(saved, key), _at(current, key)
-        if old is _ABSENT:
-            old = _at(defaults, key)
-        changes += _changes(old, new, key, _at(defaults, key))
-    return [c for c in changes if c.split(":")[0] not in MAY_CHANGE]
-
-
-def _at(config: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(config, dict) or part not in config:
-            return _ABSENT
-        config = config[part]
-    return config
-
-
-def _changes(old, new, key: str, default) -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = [*old, *(k for k in new if k not in old)]
-        sub = default if isinstance(default, dict) else {}
-        return [c for k in keys for c in _changes(old.get(k, sub.get(k, _ABSENT)),
-                                                  new.get(k, _ABSENT), f"{key}.{k}",
-                                                  sub.get(k, _ABSENT))]
-    if old == new:
-        return []
-    shown = ["(absent)" if v is _ABSENT else repr(v) for v in (old, new)]
-    return [f"{key}: {shown[0]} -> {shown[1]}"]
 
 
 def model_sha256(model_dir: str | Path) -> str:

@@ -13,11 +13,12 @@ from cluster.tiny.model import init_default_model
 from cluster.train.door.preflight import check_ray_address
 
 
-def start_ray(cfg: TrainConfig) -> bool:
+def start_ray(cfg: TrainConfig) -> Path | None:
     """Join RAY_ADDRESS / cfg.ray.address, or start a local loopback cluster sized for the run.
-    Returns True when this process started (and so must stop) the cluster."""
+    Returns the session directory of the cluster this process started (and so must stop,
+    `stop_ray`), None when it joined one."""
     if ray.is_initialized():
-        return False
+        return None
     address = os.environ.get("RAY_ADDRESS") or cfg.ray.address
     if address:
         check_ray_address(address)
@@ -29,13 +30,30 @@ def start_ray(cfg: TrainConfig) -> bool:
                 f"ray.address={address}: cannot join the Ray cluster ({reason}). Check that "
                 "`ray start --head` runs there (`ray status --address ...`); a cluster started "
                 "with token authentication also needs RAY_AUTH_MODE=token here") from None
-        return False
+        return None
     num_cpus = cfg.ray.num_cpus or max(int(cfg.reserved_cpus + 0.999), os.cpu_count() or 1)
     # address="local": a new cluster even if another one runs on this machine (ray.init's
     # default would join it, against `ray.address: null` meaning "start a local cluster").
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=True)
-    return True
+    context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                       _node_ip_address="127.0.0.1", log_to_driver=True)
+    return Path(context.address_info["session_dir"])
+
+
+def stop_ray(session_dir: Path, keep_logs: bool = False) -> None:
+    """Stop the local cluster `start_ray` started, and remove its session directory (Ray's
+    logs, sockets and spilled objects under Ray's temp directory, /tmp/ray by default: one
+    per run, which an 88-run sweep would leave 88 of) unless `keep_logs` (a run that failed:
+    Ray's own logs may say why). Only that directory: other clusters on the machine keep
+    theirs; Ray's `session_latest` link goes with it when it points there."""
+    import shutil
+
+    ray.shutdown()
+    if keep_logs or not session_dir.name.startswith("session_"):
+        return
+    shutil.rmtree(session_dir, ignore_errors=True)
+    latest = session_dir.parent / "session_latest"
+    if latest.is_symlink() and Path(os.readlink(latest)).name == session_dir.name:
+        latest.unlink(missing_ok=True)
 
 
 def resolve_model(cfg: TrainConfig) -> Path:

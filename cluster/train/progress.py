@@ -1,6 +1,7 @@
 """Training progress people can read anywhere.
 
-On a terminal: a rich progress bar with step, reward, KL, lag and eval accuracy. Anywhere else
+On a terminal: a rich progress bar with step, reward, KL, lag and eval accuracy, and a line
+above it for each evaluation (also in the run's train.log). Anywhere else
 (`ray job submit` logs, `klrl submit`, a sweep's log files, CI) a live display would only appear
 once, at the end, so plain lines are printed instead: one every `every` steps (step, reward,
 KL, lag, s/step, ETA) and one per evaluation.
@@ -22,6 +23,12 @@ from rich.progress import (
 
 from cluster.train.run_log import final_dir, read_config, read_metrics
 from rewards.config import EVAL_SETS
+
+
+# What an evaluation line and the summary show of each set: the task scorer's accuracies,
+# then (a run with task.reward) the plug-in's mean rewards on the same completions.
+ACCURACY_KINDS = (("greedy", "accuracy"), ("sampled", "sampled_accuracy"),
+                  ("reward", "reward"), ("sampled reward", "sampled_reward"))
 
 
 def default_every(total_steps: int) -> int:
@@ -48,9 +55,16 @@ class TrainProgress:
         """An evaluation logged outside a training step (the step-0 one): its line, and its
         accuracy in the status that follows."""
         self._remember_accuracy(metrics)
-        line = eval_line(step, metrics)
-        if line:
-            (self._progress.console.print if self.live else print)(line)
+        self._print_evaluation(step, metrics)
+
+    def _print_evaluation(self, step: int, metrics: dict) -> None:
+        """Its own line, on a terminal above the live bar: the rich console writes to
+        sys.stdout, which `klrl train` copies into train.log (run_output.py)."""
+        if line := eval_line(step, metrics):
+            if self.live:
+                self._progress.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, flush=True)
 
     def _remember_accuracy(self, metrics: dict) -> None:
         if "eval/in_domain/accuracy" in metrics:
@@ -63,16 +77,13 @@ class TrainProgress:
                   f"{self._acc}")
         if self.live:
             self._progress.update(self._task, completed=step, status=status)
-            return
-        if step % self.every == 0 or step == self.total:
+        elif step % self.every == 0 or step == self.total:
             done = step - self.start
             per_step = (time.monotonic() - self._t0) / done if done else math.nan
             eta = per_step * (self.total - step)
             print(f"step {step}/{self.total} {status} | {per_step:.2f} s/step "
                   f"eta {format_duration(eta)}", flush=True)
-        line = eval_line(step, metrics)
-        if line:
-            print(line, flush=True)
+        self._print_evaluation(step, metrics)  # live or not: every evaluation has its line
 
     def __enter__(self):
         if self.live:
@@ -88,8 +99,7 @@ def eval_line(step: int, metrics: dict) -> str | None:
     parts = []
     for name in EVAL_SETS:
         keys = [(kind, f"eval/{name}/{key}") for kind, key in
-                (("greedy", "accuracy"), ("sampled", "sampled_accuracy"),
-                 ("truncated", "truncated"))]
+                (*ACCURACY_KINDS, ("truncated", "truncated"))]
         shown = [f"{kind} {metrics[key]:.3f}" for kind, key in keys if key in metrics]
         if shown:
             parts.append(f"{name} " + " ".join(shown))
@@ -113,7 +123,7 @@ def print_summary(run_dir, title: str = "run finished", file=None) -> None:
         return
     first, last = evals[0], evals[-1]
     rows = [(f"{name} {kind}", f"eval/{name}/{key}") for name in EVAL_SETS
-            for kind, key in (("greedy", "accuracy"), ("sampled", "sampled_accuracy"))]
+            for kind, key in ACCURACY_KINDS]
     lines = [f"  {label:<26} {first[key]:.3f} -> {last[key]:.3f}"
              for label, key in rows if key in first and key in last]
     config = read_config(run_dir)

@@ -2,21 +2,20 @@
 `klrl train`, `klrl demo`, the sweeps' runs and the benchmarks' end-to-end measurements."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
-
-import ray
 
 from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
-from cluster.train.launch import resolve_model, start_ray
 from cluster.train.door.preflight import (
     check_cluster_resources,
     check_lora,
     preflight,
     resolve_paths,
 )
+from cluster.train.launch import resolve_model, start_ray, stop_ray
 from cluster.train.run_log import abandon_metrics, has_metrics
-from cluster.train.stopping import GracefulStop
+from cluster.train.stopping import GracefulStop, RunStopped
 
 
 def train(cfg: TrainConfig, resume: bool = False,
@@ -44,13 +43,23 @@ def train(cfg: TrainConfig, resume: bool = False,
         print(f"{run_dir} has no complete checkpoint: starting it afresh")
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
     check_lora(cfg, model_dir)
-    started = start_ray(cfg)
+    session, started = start_ray(cfg), time.time()
+    failed = True  # until the run returns or stops as asked (RunStopped)
     try:
         check_cluster_resources(cfg)  # needs Ray: a request no node can meet would hang the run
         with GracefulStop() as stop_requested:
             controller = Controller(cfg, run_dir, model_dir, resume_from=resume_from,
                                     stop_requested=stop_requested)
-            return given / run_dir.name, controller.run()
+            result = controller.run()
+        failed = False
+        return given / run_dir.name, result
+    except RunStopped:
+        failed = False
+        raise
     finally:
-        if started:
-            ray.shutdown()
+        if session is not None:
+            stop_ray(session, keep_logs=failed)
+        if cfg.learner.lora is not None:  # the workers were killed: none removed its adapter
+            from actors.lora_serving import sweep_after_run
+
+            sweep_after_run(started)

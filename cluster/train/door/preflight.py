@@ -37,6 +37,7 @@ from cluster.train.door.resume import check_checkpoint, check_run_exists
 from cluster.train.door.tasks import check_tasks
 from cluster.train.door.wandb import check_wandb
 from cluster.train.run_log import default_run_name, has_metrics, is_finished
+from cluster.train.run_meaning import check_resume_meaning
 
 __all__ = ["check_cluster_resources", "check_environment", "check_lora", "check_output_dir",
            "check_ray_address", "preflight", "resolve_paths"]
@@ -172,12 +173,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None
 
 def _check_resumable(cfg: TrainConfig, run_dir: Path, resume_from: Path,
                      state: ckpt.ControllerState) -> None:
-    if changes := ckpt.objective_changes(state.config, cfg.model_dump(mode="json")):
-        raise ConfigError(
-            f"cannot resume {run_dir} from {resume_from.name}: the config changed "
-            f"{'; '.join(changes)}. A resumed run trains the same objective "
-            f"({', '.join(ckpt.OBJECTIVE_SECTIONS)}) from the same state: drop those "
-            "overrides, or start a new run (another run_name)")
+    check_resume_meaning(run_dir, resume_from, state.config, cfg.model_dump(mode="json"))
     if is_finished(run_dir) and state.step >= cfg.total_steps:
         raise ConfigError(
             f"cannot resume {run_dir}: it finished at step {state.step} (total_steps: "

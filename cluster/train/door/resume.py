@@ -1,6 +1,6 @@
 """`--resume`: the run to continue must exist, and the checkpoint it resumes from must be whole
 (each of its files there and readable, the damaged one named) before anything is written to
-the run directory. What a resumed run may change is `checkpoint.objective_changes`."""
+the run directory. What a resumed run may change is `cluster.train.run_meaning.resume_changes`."""
 from __future__ import annotations
 
 import json
