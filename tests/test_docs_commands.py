@@ -218,14 +218,29 @@ def workspace(tmp_path_factory, tiny_model_dir):
     shutil.copytree(tiny_model_dir, run / "final")
     shutil.copytree(tiny_model_dir, root / "runs" / "my-first-run" / "final")  # own-model.md's
     for sweep, names in (("offpolicy_tiny", ("k1-loss-b0.3-lag8-s0", "k3-reward-b0.3-lag0-s0")),
-                         ("pilot_regime", ("k1-reward-s0",)),
-                         ("offpolicy_tiny_paper", ("k1-reward-s0",))):
+                         ("pilot_regime", ("b0.3-lag8-k1-reward-s0",)),
+                         ("offpolicy_tiny_paper", ("k1-reward-b0.3-lag8-s0",))):
         for name in names:
-            _reported_run(root / "runs" / sweep / name, estimator=name[:2])
+            _reported_run(root / "runs" / sweep / name, estimator=name.split("-")[-3][:2]
+                          if sweep == "pilot_regime" else name[:2])
+        _record_sweep_configs(root, sweep, names)
     _reported_run(root / "runs" / "r2")
     _reported_run(root / "runs" / "r3", beta=0.5)
     (root / "runtime_env.yaml").write_text("env_vars: {}\n")
     return root
+
+
+def _record_sweep_configs(root: Path, sweep: str, names: tuple[str, ...]) -> None:
+    """Give a sweep's synthetic runs the config the sweep gives them (as a real run records
+    it): `klrl sweep --dry-run` on the pages refuses runs trained with other settings."""
+    from cluster.experiments.sweep import expand, load_sweep, validate_runs
+
+    cfg = load_sweep(ROOT / "configs" / "sweeps" / f"{sweep}.yaml",
+                     [f"output_dir={root / 'runs'}"])
+    runs = [r for r in expand(cfg) if r.name in names]
+    for name, config in validate_runs(cfg, runs).items():
+        (root / "runs" / sweep / name / "config.yaml").write_text(
+            yaml.safe_dump(config.model_dump(mode="json")))
 
 
 def _reported_run(run_dir: Path, estimator: str = "k1", beta: float = 0.05) -> None:
