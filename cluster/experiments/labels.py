@@ -12,18 +12,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.train.run_meaning import is_free
+
 # How reports name each evaluation set (rewards.config.EVAL_SETS).
 SET_LABELS = {"in_domain": "in-domain", "out_of_domain": "out-of-domain",
               "far_out_of_domain": "far out-of-domain", "retained": "retained"}
 
-# Config keys (or prefixes, ending in '.') that differ between runs without making them
-# different configurations: the seed (a configuration's runs are its seeds), names, and
-# bookkeeping that changes neither what is trained nor what is measured (where files go, how
-# often a checkpoint or an export is written and how many are kept, logging, fault deadlines,
-# Ray placement). A label made of them could not tell two configurations apart.
-NOT_CONFIGURATION = ("seed", "run_name", "output_dir", "logging.", "checkpoint_every",
-                     "keep_checkpoints", "hf_every", "keep_hf", "learner.lora.save_merged",
-                     "faults.", "ray.", "sync.timeout_s", "sync.shm_dir")
+# Config keys that differ between runs without making them different configurations: the
+# seed (a configuration's runs are its seeds) and the keys that never change what a run trains
+# or measures (cluster/train/run_meaning.py's FREE, the rule `--resume` and `klrl sweep` apply
+# too). A label made of them could not tell two configurations apart.
 ALWAYS_NAMED = ("kl.estimator", "kl.placement")
 # Label order: the KL configuration first, then the async lag, then anything else.
 KEY_ORDER = ["kl.estimator", "kl.placement", "kl.importance", "kl.truncate", "kl.beta",
@@ -81,7 +79,7 @@ def configuration_keys(runs: Sequence[Any]) -> list[str]:
     section some runs leave null is one key; its sub-keys are named only where they differ
     among the runs that have it."""
     sections = _sections(runs)
-    keys = {k for r in runs for k in r.config if not k.startswith(NOT_CONFIGURATION)} | sections
+    keys = {k for r in runs for k in r.config if k != "seed" and not is_free(k)} | sections
     no_kl = any(r.config.get("kl.beta") == 0 for r in runs)
 
     def named(key: str) -> bool:

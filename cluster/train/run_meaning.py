@@ -26,8 +26,8 @@ from cluster.config.loader import ConfigError
 
 # Keys (a section name covers its keys) that never change what a run trains or measures.
 FREE = (
-    # where the run is written, what it is called, how it is logged
-    "run_name", "output_dir", "logging",
+    # where the run is written, what it is called, how it is logged, what else it writes
+    "run_name", "output_dir", "logging", "learner.lora.save_merged",
     # how often it keeps checkpoints and exports, and when it evaluates (each evaluation
     # measures the same thing; the cadence only says at which steps)
     "eval_every", "checkpoint_every", "keep_checkpoints", "hf_every", "keep_hf",
@@ -69,6 +69,12 @@ class Change:
 
 def _covered(key: str, keys: tuple[str, ...]) -> bool:
     return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def is_free(key: str) -> bool:
+    """Whether the dotted config key `key` is in FREE (itself or inside a FREE section): it
+    never changes what a run trains or measures. Reports label runs by the other keys."""
+    return _covered(key, FREE)
 
 
 def meaning_changes(saved: dict, current: dict, free: tuple[str, ...] = FREE) -> list[Change]:
