@@ -318,6 +318,15 @@ class TrainConfig(_Strict):
             learner_ranks=lc.num_ranks, learner_gpus=lc.num_gpus_per_rank,
             num_workers=r.num_workers, worker_gpus=r.num_gpus_per_worker,
             tensor_parallel_size=r.tensor_parallel_size, lora=lc.lora is not None))
+        restarts = self.faults.max_worker_restarts
+        if restarts and (why := transport(self.sync.transport).why_no_replacement()):
+            raise ValueError(
+                f"faults.max_worker_restarts={restarts} with sync.transport="
+                f"{self.sync.transport}: {why}, so no worker restart could happen. Set "
+                "faults.max_worker_restarts=0 (a worker fault then stops the run with its "
+                "checkpoint, and `klrl train --resume RUN_DIR` continues it), or use a transport "
+                "under which a replaced worker is re-synced: sync.transport: cuda_ipc (workers "
+                "on the learner's GPU), shm (one node) or object_store")
         last_step = self.total_steps * self.learner.updates_per_batch
         # The decay runs from step warmup_steps to the last step, total - 1: it needs one step.
         if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step - 1:

@@ -262,12 +262,14 @@ class WorkerPool:
     def restart(self, i: int, reason: str) -> None:
         """Replace worker i (dead or hung) and let the owner re-sync its weights."""
         limit = self.cfg.faults.max_worker_restarts
+        if why := transport(self.cfg.sync.transport).why_no_replacement():
+            # the config allowed no restart under this transport (TrainConfig): say why
+            raise WorkerRestartsExhausted(f"rollout worker {i} {reason}; {why}, so the run "
+                                          "stops here")
         if self.restarts >= limit:
             raise WorkerRestartsExhausted(
                 f"rollout worker {i} {reason}; all faults.max_worker_restarts={limit} restarts "
                 "are used up, so the run stops here")
-        if why := transport(self.cfg.sync.transport).why_no_replacement():
-            raise WorkerRestartsExhausted(f"rollout worker {i} {reason}; {why}")
         self.restarts += 1
         t0 = time.perf_counter()
         ray.kill(self.workers[i], no_restart=True)
