@@ -90,6 +90,10 @@ class RolloutBatch:
     # its engine sat idle (`engine_idle_share`).
     engine_busy_seconds: float = 0.0
     returned_at: float = 0.0
+    # Preemptions of this call's requests by weight updates while they ran (in-flight updates
+    # with stale_kv recompute: each update preempts every running request, whose KV the new
+    # weights recompute); 0 batch-level, where no request runs through an update.
+    preempted: int = 0
 
 
 def engine_idle_share(earlier: RolloutBatch, later: RolloutBatch) -> float | None:

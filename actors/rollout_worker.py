@@ -66,6 +66,7 @@ from actors.config import RolloutConfig, SyncConfig
 from actors.engine import request_params, sample_params
 from actors.evaluate import EvalReport, evaluate_sets
 from actors.generation import EngineDriver
+from actors.generation.progress import EngineProgress, StepWatch
 from actors.lora_serving import AdapterSlot
 from actors.outputs import completion_texts, decodes_texts_itself
 from actors.prompting import PromptRenderer
@@ -139,6 +140,9 @@ class RolloutWorker:
                                  trust_remote_code=trust_remote_code)
         on_thread = self._engine_thread.submit
         self.llm = on_thread(lambda: make_llm(model_dir, **options, **lora)).result()
+        # Engine steps counted and timed whatever the mode drives them with (its progress,
+        # which the controller reads apart from the probe: actors/generation/progress.py).
+        self._steps = StepWatch(self.llm.llm_engine)
         # The engine's own tokenizer: ids rendered here are the ids vLLM would have made.
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         # vLLM makes no text where the worker can decode it itself (actors/outputs.py).
@@ -185,7 +189,7 @@ class RolloutWorker:
                     score_failure=s.failure, worker=self.worker_index, token_versions=c.versions)
             for (p, g, ids, c), s in zip(samples, scores)]
         oldest = min((r.policy_version for r in rollouts), default=out.version)
-        return self._batch(rollouts, oldest, out.gen_seconds)
+        return self._batch(rollouts, oldest, out.gen_seconds, out.preempted)
 
     def _texts(self, prompt_ids: list[list[int]], completions) -> list[str]:
         """Each completion's text: decoded here in one batch where vLLM was asked for none
@@ -194,15 +198,15 @@ class RolloutWorker:
             return completion_texts(self.renderer.tokenizer, prompt_ids, completions)
         return [c.text for c in completions]
 
-    def _batch(self, rollouts: list[Rollout], policy_version: int,
-               gen_s: float) -> RolloutBatch:
+    def _batch(self, rollouts: list[Rollout], policy_version: int, gen_s: float,
+               preempted: int = 0) -> RolloutBatch:
         """The RolloutBatch of `rollouts`, with the engine's busy seconds and clock read now
         (records.py: engine_idle_share)."""
         return RolloutBatch(rollouts=rollouts, policy_version=policy_version,
                             worker=self.worker_index, gen_seconds=gen_s,
                             num_response_tokens=sum(len(r.response_ids) for r in rollouts),
                             engine_busy_seconds=self._driver.busy_seconds(),
-                            returned_at=time.monotonic())
+                            returned_at=time.monotonic(), preempted=preempted)
 
     def _score(self, problems, texts) -> list[ScoreResult]:
         """ScoreResults for the completions. A failure of the scoring pool itself scores every
@@ -304,6 +308,12 @@ class RolloutWorker:
     def version(self) -> int:
         """Policy version of the weights the engine holds."""
         return self._version
+
+    def engine_progress(self) -> EngineProgress:
+        """The engine's steps so far and how long the one under way has run: answered from the
+        health thread while the engine thread is busy (or wedged), so a hung engine shows as a
+        step that does not end (actors/generation/progress.py)."""
+        return self._steps.progress()
 
     def load_seconds(self) -> dict[str, float]:
         """Where the last successful `load_weights` spent its time (seconds by part)."""

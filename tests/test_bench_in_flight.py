@@ -24,7 +24,8 @@ def _run(lag: int, step_s: float, in_flight: bool = False, idle: float | None = 
     return LagRun(max_lag=lag, steps=3, step_seconds=step_s, samples_per_step=32,
                   gen_seconds=0.5, train_seconds=1.0, engine_gen_seconds=0.4,
                   in_flight=in_flight, engine_idle_share=idle, token_lag_mean=lag * 0.7,
-                  multi_version_share=0.3 if in_flight else 0.0, response_tokens_mean=25.0,
+                  multi_version_share=0.3 if in_flight else 0.0,
+                  preempted=6.0 if in_flight else 0.0, response_tokens_mean=25.0,
                   response_tokens_max=110.0)
 
 
@@ -76,12 +77,13 @@ def _result_with_in_flight() -> dict:
     head = result["workloads"][result["headline_workload"]]["pipeline"]
     for r in head["runs"]:
         r |= {"in_flight": False, "engine_idle_share": 0.5, "token_lag_mean": r["max_lag"],
-              "multi_version_share": 0.0, "response_tokens_mean": 30.0,
+              "multi_version_share": 0.0, "preempted": 0.0, "response_tokens_mean": 30.0,
               "response_tokens_max": 32.0}
     for lag in (1, 2):
         off = next(r for r in head["runs"] if r["max_lag"] == lag)
         head["runs"].append(off | {"in_flight": True, "samples_per_s": 1.25 * off["samples_per_s"],
                                    "engine_idle_share": 0.05, "multi_version_share": 0.4,
+                                   "preempted": 3.5,
                                    "in_flight_speedup": 1.25})
     return summary(result["workloads"], result["headline_workload"],
                    result.get("outside_engine")) | result
@@ -173,26 +175,42 @@ def test_the_long_tail_model_ends_a_response_with_about_the_asked_probability(tm
     assert 0.8 / 24 < float(tail.min()) and float(tail.max()) < 1.2 / 24, (tail.min(), tail.max())
 
 
-def test_an_in_flight_run_with_nothing_in_flight_says_so_and_fails_the_gpu_check():
-    """An in-flight run whose samples never spanned two versions measured no in-flight
-    update (every update found the engine idle): its row says so, the summary keeps the share
-    per max_lag, and on a GPU, where that is what the in-flight run is for, the check names
-    it."""
-    result = _result_with_in_flight()
-    assert result["in_flight_multi_version_share_lag2"] == 0.4
-    idle = copy.deepcopy(result)
-    head = idle["workloads"][idle["headline_workload"]]["pipeline"]
+def _with_lag2_in_flight(result: dict, **figures) -> dict:
+    """`result` with its in-flight max_lag 2 run's `figures` replaced, summarised again."""
+    changed = copy.deepcopy(result)
+    head = changed["workloads"][changed["headline_workload"]]["pipeline"]
     for r in head["runs"]:
         if r["in_flight"] and r["max_lag"] == 2:
-            r["multi_version_share"] = 0.0
-    idle = summary(idle["workloads"], idle["headline_workload"], idle.get("outside_engine")) | {
-        k: v for k, v in idle.items() if not k.startswith("in_flight_")}
-    assert idle["in_flight_multi_version_share_lag2"] == 0.0
-    page = report.markdown(idle)
+            r |= figures
+    return summary(changed["workloads"], changed["headline_workload"],
+                   changed.get("outside_engine")) | {
+        k: v for k, v in changed.items() if not k.startswith("in_flight_")}
+
+
+def _lag2_in_flight_row(result: dict) -> str:
+    page = report.markdown(result)
     table = page[page.index("**In-flight weight updates**"):].splitlines()
-    rows = [line for line in table if line.startswith(f"| {idle['headline_workload']} | 2 |")]
-    assert len(rows) == 1 and "| 0%: nothing was in flight |" in rows[0], rows
+    [row] = [line for line in table if line.startswith(f"| {result['headline_workload']} | 2 |")]
+    return row
+
+
+def test_an_in_flight_run_with_nothing_in_flight_says_so_and_fails_the_gpu_check():
+    """An in-flight run whose samples never spanned two versions and whose updates preempted
+    no request measured no in-flight update (every update found the engine idle): its row
+    says so, the summary keeps both figures per max_lag, and on a GPU, where that is what the
+    in-flight run is for, the check names it. Preemptions alone (a request preempted before
+    its first token spans one version) show that something was in flight."""
+    result = _result_with_in_flight()
+    assert result["in_flight_multi_version_share_lag2"] == 0.4
+    assert result["in_flight_preempted_lag2"] == 3.5
+    assert "| 40% | 3.5 |" in _lag2_in_flight_row(result)
+    idle = _with_lag2_in_flight(result, multi_version_share=0.0, preempted=0.0)
+    assert idle["in_flight_multi_version_share_lag2"] == idle["in_flight_preempted_lag2"] == 0.0
+    assert "| 0%: nothing was in flight | 0.0 |" in _lag2_in_flight_row(idle)
     assert check_result(idle) == []  # on CPU a figure like any other (docs/bench.md)
     gpu = idle | {"device": "cuda"}
     assert check_result(gpu) == ["in_flight_multi_version_share_lag2"]
     assert check_result(result | {"device": "cuda"}) == []
+    preempted_only = _with_lag2_in_flight(result, multi_version_share=0.0, preempted=2.0)
+    assert "| 0% | 2.0 |" in _lag2_in_flight_row(preempted_only)
+    assert check_result(preempted_only | {"device": "cuda"}) == []

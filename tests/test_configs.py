@@ -186,7 +186,8 @@ def test_nccl_is_refused_when_two_group_members_could_share_a_gpu(learner_gpus, 
     from cluster.config.train_config import TrainConfig
 
     overrides = ["sync.transport=nccl", f"learner.num_gpus_per_rank={learner_gpus}",
-                 f"rollout.num_gpus_per_worker={worker_gpus}", f"rollout.num_workers={workers}"]
+                 f"rollout.num_gpus_per_worker={worker_gpus}", f"rollout.num_workers={workers}",
+                 "faults.max_worker_restarts=0"]
     tiny = ROOT / "configs" / "tiny_cpu.yaml"
     if refused is None:
         assert load_config(TrainConfig, tiny, overrides).sync.transport == "nccl"
@@ -345,3 +346,24 @@ def test_docs_paper_table_matches_the_configs():
                 f"docs/paper.md says {key} = {expected}, the config has {actual}")
         checked += 1
     assert checked >= 20
+
+
+def test_worker_restarts_are_refused_where_a_replaced_worker_cannot_rejoin_its_transport():
+    """Under sync.transport nccl the weight-transfer group is formed once: a replaced worker
+    could not join it, so faults.max_worker_restarts > 0 (the default 3) is refused before
+    anything starts, naming the two ways on; 0 (a worker fault stops the run with its
+    checkpoint) is taken, and so are restarts under a transport that re-syncs a new worker."""
+    from cluster.config.train_config import TrainConfig
+
+    tiny = ROOT / "configs" / "tiny_cpu.yaml"
+    gpus = ["learner.num_gpus_per_rank=1", "rollout.num_gpus_per_worker=1"]
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, tiny, ["sync.transport=nccl", *gpus])
+    message = str(e.value)
+    assert "faults.max_worker_restarts=3 with sync.transport=nccl" in message
+    assert "cannot join the NCCL weight-transfer group" in message
+    assert "Set faults.max_worker_restarts=0" in message and "cuda_ipc" in message
+    assert load_config(TrainConfig, tiny, ["sync.transport=nccl", *gpus,
+                                           "faults.max_worker_restarts=0"]).faults \
+        .max_worker_restarts == 0
+    assert load_config(TrainConfig, tiny, gpus).faults.max_worker_restarts == 3  # shm

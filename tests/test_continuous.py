@@ -222,6 +222,8 @@ def test_recompute_with_unchanged_weights_reproduces_the_uninterrupted_sample(
         assert max(abs(a - b) for a, b in zip(got.behaviour_logprobs,
                                               ref.behaviour_logprobs)) < TOL
     assert ray.get(worker.engine_stats.remote())["preempted"] >= len(spanning)
+    # the batch carries its own requests' preemptions: each spanning one was preempted once
+    assert len(spanning) <= batch.preempted <= len(batch.rollouts)
 
 
 def test_each_token_carries_its_own_versions_log_prob(

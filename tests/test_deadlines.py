@@ -20,6 +20,7 @@ from cluster.train.deadlines import (
     LearnerDeadlines,
     LearnerHung,
     WaitTimes,
+    Watch,
     deadline_for,
     wait_all,
 )
@@ -116,6 +117,35 @@ def test_the_ceiling_holds_for_a_live_part():
     fake = FakeRay({"a": float("inf")})
     with pytest.raises(Hung, match="within 100 s: still running at the ceiling"):
         run_wait(fake, ["a"], lambda: None)
+
+
+def test_a_watch_catches_a_wedged_part_before_the_deadline_and_is_quiet_otherwise():
+    """A rollout worker's engine progress is watched apart from the probe (worker_pool.py):
+    a check that finds the part hung raises at once under its own limit; one that finds
+    nothing leaves the deadline's probing as it was."""
+    limit = Deadline(4, 4, "faults.engine_stall_s=4")
+    fake, checks = FakeRay({"a": float("inf")}), []
+
+    def check():
+        checks.append(fake.now)
+        return ("rollout worker 0", "its engine has been in one step for 5 s") if fake.now >= 6 \
+            else None
+
+    with pytest.raises(Hung) as caught:
+        wait_all(["a"], DEADLINE, "rollout worker 0", "generate", lambda: None,
+                 watch=Watch(2, check, limit), wait=fake.wait, get=fake.get, clock=fake.clock,
+                 log=lambda line: None)
+    assert checks == [2, 4, 6] and fake.now == 6  # before the 10 s deadline
+    assert str(caught.value) == ("rollout worker 0 did not finish generate within 6 s: its "
+                                 "engine has been in one step for 5 s (deadline: "
+                                 "faults.engine_stall_s=4)")
+    fake, probes, checks = FakeRay({"a": 1.0, "b": 35.0}), [], []
+    values = wait_all(["a", "b"], DEADLINE, "rollout worker 0", "generate",
+                      lambda: probes.append(fake.now),
+                      watch=Watch(3, lambda: checks.append(fake.now), limit),
+                      wait=fake.wait, get=fake.get, clock=fake.clock, log=lambda line: None)
+    assert values == ["value of a", "value of b"] and probes == [10, 20, 30]
+    assert checks == [3 * k for k in range(1, 12)]
 
 
 def test_a_failed_call_raises_at_once_without_waiting_for_the_others():

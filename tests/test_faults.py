@@ -1,10 +1,11 @@
 """Faults injected into real `klrl train` processes (Ray + vLLM + DeepSpeed on loopback).
 
 Each test starts the real command line in a subprocess, injects faults from outside (SIGKILL
-or SIGSTOP of a rollout worker while Ray shows it running `generate`, SIGSTOP and SIGKILL of a
-learner rank, SIGTERM to the driver, a scorer made slow on purpose) and checks the outcome: the
-run goes on (a part replaced or restarted), or stops with a clear message, the right exit code
-and a loadable checkpoint, and never leaves a process behind. Each run costs a Ray + vLLM +
+or SIGSTOP of a rollout worker while Ray shows it running `generate`, a worker's engine step
+blocked in its live process, SIGSTOP and SIGKILL of a learner rank, SIGTERM to the driver, a
+scorer made slow on purpose) and checks the outcome: the run goes on (a part replaced or
+restarted), or stops with a clear message, the right exit code and a loadable checkpoint, and
+never leaves a process behind. Each run costs a Ray + vLLM +
 DeepSpeed start, so each carries several faults; its docstring lists what it asserts. The
 deadline arithmetic itself is tested without processes in tests/test_deadlines.py.
 """
@@ -162,26 +163,37 @@ def caught_within(out: str, part: str) -> int:
     return int(found.group(1))
 
 
-def test_frozen_worker_is_replaced_a_slow_live_one_is_not_and_restarts_used_up_stop(
+# A wedged engine (a step that never ends in a process that answers) is caught within 1.5x
+# faults.engine_stall_s (its progress is checked every half of it), plus the same slack.
+ENGINE_STALL_S = 8
+WEDGE_CAUGHT_WITHIN_S = 1.5 * ENGINE_STALL_S + 15
+
+
+def test_frozen_worker_is_replaced_a_slow_live_one_is_not_a_wedged_engine_is_and_restarts_stop(
         tmp_path, tiny_model_dir):
-    """One run at max_lag 0, three faults (each run costs a Ray + vLLM + DeepSpeed start).
+    """One run at max_lag 0, four faults (each run costs a Ray + vLLM + DeepSpeed start).
     1. A rollout worker frozen (SIGSTOP) in generate is replaced within its deadline (one
        restart) and re-synced exactly: at max_lag 0 the learner's log-probs equal the
        sampler's only if the new worker holds the learner's weights.
     2. One generate call made slower than its deadline (a scorer sleeps 8 s once) by a worker
        that stays live is waited on and logged, not cut off: no restart.
-    3. A killed worker then uses up faults.max_worker_restarts=1: the run stops with a
-       checkpoint, exit 1, no process left."""
-    marker = tmp_path / "slow_once"
+    3. A wedged engine: the test hook of actors/generation/progress.py blocks one engine step
+       forever in the live worker (its process answers every probe); its progress stops, so
+       it is replaced within faults.engine_stall_s (one restart), long before the one-hour
+       faults.generate_timeout_s, and the run goes on, re-synced exactly.
+    4. A killed worker then uses up faults.max_worker_restarts=2: the run stops with a
+       checkpoint, exit 1, no process left (the wedged one included)."""
+    marker, wedge = tmp_path / "slow_once", tmp_path / "wedge"
     run = TrainProcess(tmp_path, "restarts", *tiny_args(
-        tiny_model_dir, tmp_path, "restarts", 50, "faults.max_worker_restarts=1",
+        tiny_model_dir, tmp_path, "restarts", 50, "faults.max_worker_restarts=2",
         "task.reward=scorers:short_answers_slow_once", "task.scorer_timeout_s=60",
-        *FAST_DEADLINES), env={"KLRL_TEST_SLOW_ONCE": str(marker)})
+        f"faults.engine_stall_s={ENGINE_STALL_S}", *FAST_DEADLINES),
+        env={"KLRL_TEST_SLOW_ONCE": str(marker), "KLRL_TEST_WEDGE_ENGINE": str(wedge)})
     run.wait_for_step(2)
     run.kill_titled("ray::RolloutWorker.generate", sig=signal.SIGSTOP)
     run.wait_for_step(5)  # trained on by the replacement
     out = run.output()
-    assert "re-synced" in out and "(restart 1/1)" in out, out
+    assert "re-synced" in out and "(restart 1/2)" in out, out
     assert caught_within(out, "rollout worker 0") <= CAUGHT_WITHIN_S
 
     slow_from = run.steps_done()
@@ -192,21 +204,36 @@ def test_frozen_worker_is_replaced_a_slow_live_one_is_not_and_restarts_used_up_s
     assert not marker.exists() and "past its deadline" in out and "but is live" in out, out
     assert "(restart 2/" not in out
 
+    wedged_from = run.steps_done()
+    (tmp_path / "wedge.tmp").write_text("")
+    (tmp_path / "wedge.tmp").rename(wedge)
+    line = run.wait_for_output("its engine has been in one step")
+    found = re.search(r"rollout worker 0 did not finish generate within (\d+) s: it answers, "
+                      r"but its engine has been in one step for (\d+) s after \d+ steps "
+                      rf"\(wedged\) \(deadline: faults.engine_stall_s={ENGINE_STALL_S}\); "
+                      r"replaced and re-synced in .*\(restart 2/2\)", line)
+    assert found and not wedge.exists(), line
+    stalled, waited = int(found.group(2)), int(found.group(1))
+    # the step may have begun a moment before the controller's wait on its call did
+    assert ENGINE_STALL_S < stalled <= waited + 1 and waited <= WEDGE_CAUGHT_WITHIN_S, line
+    run.wait_for_step(wedged_from + 3)  # trained on by the replacement
+
     run.kill_titled("ray::RolloutWorker.generate", times=2)
     assert run.finish() == 1, run.output()
     assert not run.leftovers()
     out = run.output()
-    assert "faults.max_worker_restarts=1" in out and "run stopped" in out, out
+    assert "faults.max_worker_restarts=2" in out and "run stopped" in out, out
     steps = [m for m in read_metrics(run.run_dir) if m["step"] > 0]
-    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 7
-    assert steps[-1]["faults/worker_restarts"] == 1
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 10
+    assert steps[-1]["faults/worker_restarts"] == 2
+    assert all(m["rollout/preempted"] == 0 for m in steps)  # batch-level: nothing in flight
     assert max(m["time/wait_for_rollouts"] for m in steps[slow_from:]) >= 8  # past 5 s
     for m in steps:
         assert abs(m["is/ratio_max"] - 1) < 1e-3 and abs(m["is/ratio_min"] - 1) < 1e-3, m
     latest = ckpt.latest_checkpoint(run.run_dir)
     assert latest is not None and f"checkpoint: {latest}" in out
     state = ckpt.read_checkpoint(latest)
-    assert state.step >= 7 and state.worker_restarts == 1
+    assert state.step >= 10 and state.worker_restarts == 2
     assert not (run.run_dir / "final").exists()
 
 

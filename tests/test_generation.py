@@ -128,3 +128,37 @@ def test_a_batch_update_whose_prefix_cache_reset_fails_raises(tiny_llm):
             while engine.has_unfinished_requests():
                 engine.step()
     assert tiny_llm.reset_prefix_cache()
+
+
+def test_the_step_watch_counts_the_engines_steps_and_times_the_one_under_way(tiny_llm):
+    """A worker's engine progress (actors/generation/progress.py) is read from the engine
+    object every mode steps: LLM.generate's own loop goes through the watched step, each step
+    counted, and a step under way reports how long it has run (the controller's wedge check);
+    none under way reports 0."""
+    import time
+
+    from vllm import SamplingParams
+
+    from actors.generation.progress import StepWatch
+
+    engine = tiny_llm.llm_engine
+    real_step, seen = engine.step, []
+
+    def slow_step():  # below the watch: a step that takes 50 ms, read from inside
+        time.sleep(0.05)
+        seen.append(watch.progress())
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        watch = StepWatch(engine)
+        assert watch.progress().steps == 0 and watch.progress().step_running_s == 0.0
+        out = tiny_llm.generate(["12+34="], SamplingParams(max_tokens=4, ignore_eos=True),
+                                use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        progress = watch.progress()
+        assert progress.steps == len(seen) >= 4 and progress.step_running_s == 0.0
+        assert [p.steps for p in seen] == list(range(len(seen)))
+        assert all(0.05 <= p.step_running_s < 5 for p in seen), seen
+    finally:
+        del engine.step  # the class's own step again, for the other tests on this engine

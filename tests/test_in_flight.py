@@ -203,6 +203,7 @@ def test_in_flight_run_mixes_versions_within_the_lag_and_rides_out_a_killed_work
     assert all(m["lag/dropped_total"] == 0 for m in steps)
     assert max(m["lag/multi_version_share"] for m in steps) > 0, steps
     assert max(m["lag/versions_per_sample"] for m in steps) > 1
+    assert max(m["rollout/preempted"] for m in steps) > 0, steps  # updates met requests
     assert steps[-1]["faults/worker_restarts"] == 1
     assert sum(m["faults/reissued_samples"] for m in steps) >= 2  # one call: 1 prompt x 2
     # The engine's idle share is measured from the second batch of a worker on (a replaced

@@ -52,6 +52,7 @@ def test_an_update_lands_in_flight_and_every_token_keeps_its_versions_log_prob(
         _stop(worker)
     spanning = _spanning(batch, 0, 1)  # fails where nothing was in flight at the update
     assert stats["updates"] == 1 and stats["preempted"] >= len(spanning), stats
+    assert len(spanning) <= batch.preempted <= len(batch.rollouts)  # what the run logs
     for r in batch.rollouts:
         tagged = torch.tensor(r.token_versions)
         want = torch.where(tagged == 0, _logprobs(models[0], r), _logprobs(models[1], r))

@@ -13,6 +13,9 @@ modes.
 worker actor's concurrency groups and how generate calls are sent to it, the min_version of a
 generate call, what a weight load waits behind, and the driver the worker drives its engine
 through (`EngineDriver`: one `generate`, one `update` shape for every mode).
+
+`progress.py` is every mode's alike: the engine's steps, counted and timed under whatever
+drives them, which a worker reports apart from its probe (a wedged engine, cluster/train/).
 """
 from actors.generation.base import Completion, EngineDriver, GenerationMode, Generated, StaleKv
 from actors.generation.registry import MODES, GenerationModeName, generation_mode

@@ -30,6 +30,8 @@ class Completion:
     request with detokenize=False). submitted_version: the engine's version when the request
     entered it (the version of a response with no token). added_at, finished_at:
     time.perf_counter() when it entered and left the engine (continuous generation only).
+    preemptions: how many weight updates preempted the request while it ran (continuous
+    generation with stale_kv recompute: its KV freed and recomputed with the new weights).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -40,6 +42,7 @@ class Completion:
     submitted_version: int = 0
     added_at: float = 0.0
     finished_at: float = 0.0
+    preemptions: int = 0
 
     @property
     def policy_version(self) -> int:
@@ -56,6 +59,11 @@ class Generated:
     completions: list[list[Completion]]
     gen_seconds: float
     version: int
+
+    @property
+    def preempted(self) -> int:
+        """Preemptions of the call's requests by weight updates (`RolloutBatch.preempted`)."""
+        return sum(c.preemptions for done in self.completions for c in done)
 
 
 class EngineDriver(abc.ABC):

@@ -304,8 +304,11 @@ class ContinuousEngine:
         try:
             seconds = dict(reload() or {})
             t1 = time.perf_counter()
-            if self._recompute:
+            if self._recompute:  # every running request is preempted: counted per request
                 self._stats["preempted"] += len(self._in_flight)
+                for job, i in self._in_flight.values():
+                    if job.stream:
+                        job.results[i].preemptions += 1
                 if not self._engine.reset_prefix_cache(reset_running_requests=True):
                     raise RuntimeError("vLLM could not reset its prefix cache")
             # keep: the engine has no prefix cache (checked at construction), nothing to reset.

@@ -37,7 +37,11 @@ rank 0 and every rollout worker need GPUs of their own: `NcclTransport.check` re
 configurations whose Ray GPU requests let them share one (`nccl_gpu_sharing`), and
 `check_nccl_devices` compares their CUDA device UUIDs at start-up (`NcclTransport.connect`).
 The group is fixed at start-up: a replaced worker cannot join it, so a worker fault stops the
-run.
+run, and the config refuses `faults.max_worker_restarts` > 0 with nccl (`why_no_replacement`,
+TrainConfig). Re-forming the group (learner rank 0, the surviving and the new workers) would
+need every surviving engine to drop its communicator and join a new one mid-run, a path of
+vLLM's weight-transfer engine klrl does not take (not written: it needs two GPUs to test); a
+learner restart, which starts every part again, forms a new group as a fresh run does.
 """
 from __future__ import annotations
 
@@ -168,8 +172,8 @@ class NcclTransport(VllmEngineTransport):
         wait_all(joins + [learner.connect_weight_transfer(self.name)])
 
     def why_no_replacement(self) -> str | None:
-        return ("with sync.transport=nccl a replaced worker cannot join the existing NCCL "
-                "group, so the run stops here")
+        return ("a replaced worker cannot join the NCCL weight-transfer group, which is formed "
+                "once, at start-up, for learner rank 0 and the workers then running")
 
     def init_engine(self, llm, init_info, worker_index) -> None:
         """Join the group, then refuse an engine rank whose communicator vLLM disabled."""

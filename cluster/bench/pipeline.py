@@ -35,9 +35,10 @@ the same bound, ideal and efficiency (one step's work is the same work); the spe
 samples/s over the batch-level run's at that lag. Each run also keeps the means of what the
 controller logs per step about the engines and the batch (`STEP_MEANS`): the share of the time
 between a worker's two batches in which its engine sat idle (what in-flight updates are meant
-to shrink), the tokens' lag and the share of samples that span several versions (what they
-cost), and the responses' mean and longest length (how much a batch-level step waits for its
-longest response).
+to shrink), the tokens' lag, the share of samples that span several versions and the requests
+an update preempted per step (what they cost, and whether anything was in flight at all: both
+0 means every update found the engines idle), and the responses' mean and longest length (how
+much a batch-level step waits for its longest response).
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ IN_FLIGHT = "rollout.in_flight_updates=true"
 STEP_MEANS = {"engine_idle_share": "rollout/engine_idle_share",
               "token_lag_mean": "lag/token_mean",
               "multi_version_share": "lag/multi_version_share",
+              "preempted": "rollout/preempted",
               "response_tokens_mean": "rollout/response_tokens_mean",
               "response_tokens_max": "rollout/response_tokens_max"}
 
@@ -80,6 +82,7 @@ class LagRun:
     engine_idle_share: float | None = None
     token_lag_mean: float | None = None
     multi_version_share: float | None = None
+    preempted: float | None = None    # requests preempted by weight updates, per step
     response_tokens_mean: float | None = None
     response_tokens_max: float | None = None
 

@@ -210,7 +210,9 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
 def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
     """Each in-flight run beside the batch-level run of its workload and max_lag (none in
     JSONs from before in-flight runs): samples/s and the speed-up, the engines' idle share,
-    the tokens' lag, the share of samples spanning several versions, the response lengths."""
+    the tokens' lag, the share of samples spanning several versions and the requests updates
+    preempted per step (with "nothing was in flight" where both are 0), the response
+    lengths."""
     rows = []
     for name, p in pipelines.items():
         batch = {r["max_lag"]: r for r in p["runs"] if not r.get("in_flight")}
@@ -225,7 +227,8 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
                 f"| {_share(off.get('engine_idle_share'))} "
                 f"| {_share(fly.get('engine_idle_share'))} "
                 f"| {_num(off.get('token_lag_mean'))} | {_num(fly.get('token_lag_mean'))} "
-                f"| {_spanned(fly.get('multi_version_share'))} "
+                f"| {_spanned(fly.get('multi_version_share'), fly.get('preempted'))} "
+                f"| {_num(fly.get('preempted'), '.1f')} "
                 f"| {_num(off.get('response_tokens_mean'), '.1f')} / "
                 f"{_num(off.get('response_tokens_max'), '.0f')} |")
     if not rows:
@@ -234,19 +237,21 @@ def _in_flight_table(pipelines: dict[str, dict[str, Any]]) -> list[str]:
                  "batch-level run of its max_lag; speed-up = in flight / batch-level samples/s; "
                  "engine idle: share of the time between a worker's two batches in which its "
                  "engine sat idle; token lag: learner step - the version that sampled the "
-                 "token; responses: the batch-level run's mean length / longest per batch, in "
-                 "tokens)"), "",
+                 "token; preempted: requests an update preempted, per step (stale_kv recompute; "
+                 "0 with keep); responses: the batch-level run's mean length / longest per "
+                 "batch, in tokens)"), "",
             ("| in flight | max_lag | batch-level samples/s | in flight samples/s | speed-up "
              "| engine idle, batch-level | engine idle, in flight | token lag, batch-level "
-             "| token lag, in flight | samples over several versions | responses mean / "
-             "longest |"),
-            "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+             "| token lag, in flight | samples over several versions | preempted per step "
+             "| responses mean / longest |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
-def _spanned(x: float | None) -> str:
-    """The share of samples over several versions; none means nothing was in flight at an
-    update, whatever the speed-up says."""
-    return "0%: nothing was in flight" if x == 0 else _share(x)
+def _spanned(share: float | None, preempted: float | None) -> str:
+    """The share of samples over several versions; none, with no request preempted either,
+    means nothing was in flight at an update, whatever the speed-up says (a preempted request
+    may still hold one version: preempted before its first token)."""
+    return "0%: nothing was in flight" if share == 0 and not preempted else _share(share)
 
 
 def _share(x: float | None) -> str:

@@ -89,12 +89,15 @@ def _pipeline_summary(runs: list[dict], best_lag: int) -> dict[str, Any]:
     # whether anything was in flight at an update: 0 means the speed-up measured nothing
     out |= {f"in_flight_multi_version_share_lag{lag}": r["multi_version_share"]
             for lag, r in flying.items() if r.get("multi_version_share") is not None}
+    out |= {f"in_flight_preempted_lag{lag}": r["preempted"]
+            for lag, r in flying.items() if r.get("preempted") is not None}
     return out
 
 
 # Top-level keys per max_lag k: `<prefix><k>`.
 PIPELINE_PREFIXES = ("overlap_efficiency_lag", "engine_idle_share_lag", "in_flight_speedup_lag",
-                     "in_flight_engine_idle_share_lag", "in_flight_multi_version_share_lag")
+                     "in_flight_engine_idle_share_lag", "in_flight_multi_version_share_lag",
+                     "in_flight_preempted_lag")
 
 
 def _is_summary(key: str) -> bool:
@@ -125,7 +128,8 @@ def check_result(result: dict[str, Any]) -> list[str]:
     """Names of required figures that are missing, non-finite or not positive (engine idle
     shares: not in [0, 1]), for the parts the result holds (a JSON from before `--only`:
     engines, sync, e2e); on CUDA, an in-flight run whose samples never spanned two versions
-    (nothing was in flight at an update, so its speed-up measured no in-flight update); with
+    and whose updates preempted no request (nothing was in flight at an update, so its
+    speed-up measured no in-flight update); with
     the tests part, the gpu-marked tests unless they all passed or skipped."""
     parts = result.get("parts") or dict.fromkeys(CPU_PARTS)
     required: list[str] = []
@@ -139,8 +143,10 @@ def check_result(result: dict[str, Any]) -> list[str]:
         required += [f"overlap_efficiency_lag{lag}" for lag in lags or [1, 2]]
         flying = [r["max_lag"] for r in runs if r.get("in_flight")]
         required += [f"in_flight_speedup_lag{lag}" for lag in flying]
-        if result.get("device") == "cuda":  # what the GPU bench's in-flight runs are for
-            required += [f"in_flight_multi_version_share_lag{lag}" for lag in flying]
+        if result.get("device") == "cuda":  # what the GPU bench's in-flight runs are for:
+            # requests in flight at an update (a preempted one may span no two versions yet)
+            required += [f"in_flight_multi_version_share_lag{lag}" for lag in flying
+                         if not _positive(result.get(f"in_flight_preempted_lag{lag}"))]
         if flying:  # a bench with in-flight runs measures every run's engine idle share
             shares += [f"engine_idle_share_lag{r['max_lag']}" for r in runs
                        if not r.get("in_flight")]

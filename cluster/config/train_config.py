@@ -146,7 +146,8 @@ class FaultConfig(_Strict):
     median of the recent waits of its kind, at least `hang_floor_s` (`hang_startup_s` for the
     first `hang_startup_waits`), at most the part's ceiling. When it passes, a part that does
     not answer (or, in a train step, has made no progress within the deadline) is hung; a
-    live one is waited on up to the ceiling."""
+    live one is waited on up to the ceiling. A rollout worker's engine is watched apart from
+    that: one step under way past `engine_stall_s` is a wedged worker."""
 
     max_worker_restarts: int = Field(3, ge=0, le=10_000, description="Rollout-worker restarts "
                                      "allowed over the whole run (a worker that dies or hangs is "
@@ -173,6 +174,12 @@ class FaultConfig(_Strict):
                                   "start-up (engines, learner set-up) and the first steps.")
     hang_startup_waits: int = Field(3, ge=1, le=1000, description="Waits of a kind measured "
                                     "before their median sets its deadline.")
+    engine_stall_s: float = Field(300.0, ge=1, le=86_400, description="A rollout worker whose "
+                                  "engine has been in one step this long during a generate or "
+                                  "evaluate call is hung (wedged), although its process answers: "
+                                  "replaced as a frozen one is. A healthy step takes milliseconds "
+                                  "to seconds (a long prefill); 5 minutes is far above any, and "
+                                  "catches a wedge long before generate_timeout_s.")
     generate_timeout_s: float = Field(3600.0, gt=0, le=86_400, description="Ceiling of a "
                                       "rollout worker's deadlines: a generation or evaluation "
                                       "request (or a worker start) that takes longer, live or "
@@ -311,6 +318,15 @@ class TrainConfig(_Strict):
             learner_ranks=lc.num_ranks, learner_gpus=lc.num_gpus_per_rank,
             num_workers=r.num_workers, worker_gpus=r.num_gpus_per_worker,
             tensor_parallel_size=r.tensor_parallel_size, lora=lc.lora is not None))
+        restarts = self.faults.max_worker_restarts
+        if restarts and (why := transport(self.sync.transport).why_no_replacement()):
+            raise ValueError(
+                f"faults.max_worker_restarts={restarts} with sync.transport="
+                f"{self.sync.transport}: {why}, so no worker restart could happen. Set "
+                "faults.max_worker_restarts=0 (a worker fault then stops the run with its "
+                "checkpoint, and `klrl train --resume RUN_DIR` continues it), or use a transport "
+                "under which a replaced worker is re-synced: sync.transport: cuda_ipc (workers "
+                "on the learner's GPU), shm (one node) or object_store")
         last_step = self.total_steps * self.learner.updates_per_batch
         # The decay runs from step warmup_steps to the last step, total - 1: it needs one step.
         if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step - 1:

@@ -297,6 +297,9 @@ class Controller:
             "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
             "rollout/response_tokens_mean": sum(lengths) / len(lengths),
             "rollout/response_tokens_max": max(lengths),
+            # requests of the step's batches preempted by in-flight weight updates (0
+            # batch-level): with lag/multi_version_share, whether anything was in flight
+            "rollout/preempted": sum(b.preempted for b in batches),
         }
 
     def _engine_idle(self, batches: list[RolloutBatch]) -> dict:

@@ -13,7 +13,10 @@ measured, and gets two limits:
 When the deadline passes, the part is probed (`wait_all`'s `probe`): one that answers (and, for
 a train step, has made progress within the deadline) is slow but live, so the wait goes on,
 probed again each deadline, up to the ceiling; one that does not is hung (`Hung`). The
-ceiling wins over the floor and the start-up allowance: no deadline exceeds it.
+ceiling wins over the floor and the start-up allowance: no deadline exceeds it. A rollout
+worker's engine is also watched through the wait, apart from the probe and sooner than its
+deadline (`Watch`): a step under way past `faults.engine_stall_s` is a wedged engine, hung
+although the process answers.
 """
 from __future__ import annotations
 
@@ -112,13 +115,26 @@ class Hung(Exception):
 Probe = Callable[[], "tuple[str, str] | None"]
 
 
+@dataclass(frozen=True)
+class Watch:
+    """A check `wait_all` runs every `every_s` seconds of a wait, before and beside its
+    deadline: a part it finds hung (check() -> (part, why), as a probe) is hung at once, under
+    `limit` (what the check enforces, for the message). A rollout worker's engine progress
+    (a step under way past faults.engine_stall_s) is watched so, apart from its probe."""
+
+    every_s: float
+    check: Probe
+    limit: Deadline
+
+
 def wait_all(refs: list, deadline: Deadline, part: str, what: str, probe: Probe, *,
-             wait: Callable | None = None, get: Callable | None = None,
-             clock: Callable[[], float] = time.monotonic,
+             watch: Watch | None = None, wait: Callable | None = None,
+             get: Callable | None = None, clock: Callable[[], float] = time.monotonic,
              log: Callable[[str], None] | None = None) -> list[Any]:
     """The values of `refs` (Ray object refs), raising the first error as soon as it happens
     (the other ranks of a group may be blocked forever in a collective with a failed one).
-    Raises Hung when `deadline` passes and `probe` finds a part hung, or at the ceiling.
+    Raises Hung when `deadline` passes and `probe` finds a part hung, when `watch` finds one
+    hung (checked every `watch.every_s`), or at the ceiling.
     `wait`/`get`/`clock` default to ray.wait, ray.get and the monotonic clock (tests fake them)."""
     if wait is None or get is None:
         import ray
@@ -127,9 +143,10 @@ def wait_all(refs: list, deadline: Deadline, part: str, what: str, probe: Probe,
     log = log or _stderr
     start = clock()
     check_at, ceiling_at, said = start + deadline.seconds, start + deadline.ceiling_s, False
+    watch_at = start + watch.every_s if watch else float("inf")
     pending = list(refs)
     while pending:
-        timeout = max(0.0, min(check_at, ceiling_at) - clock())
+        timeout = max(0.0, min(check_at, ceiling_at, watch_at) - clock())
         ready, pending = wait(pending, num_returns=1, timeout=timeout)
         if ready:
             get(ready)  # raises a failed call's exception now
@@ -137,6 +154,10 @@ def wait_all(refs: list, deadline: Deadline, part: str, what: str, probe: Probe,
         now = clock()
         if now >= ceiling_at:
             raise Hung(part, what, now - start, "still running at the ceiling", deadline)
+        if watch and now >= watch_at:
+            if (hung := watch.check()) is not None:
+                raise Hung(hung[0], what, clock() - start, hung[1], watch.limit)
+            watch_at = clock() + watch.every_s
         if now < check_at:
             continue
         hung = probe()

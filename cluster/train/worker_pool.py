@@ -2,8 +2,9 @@
 
 A worker whose call fails with a dead actor, or hangs (cluster/train/deadlines.py: past the
 deadline derived from the run's measured calls of that kind, it does not answer a health call;
-or past the ceiling `faults.generate_timeout_s`, live or not), is killed and replaced by a
-fresh one on the same model; the
+in a generate or evaluate call, its engine has been in one step past `faults.engine_stall_s`
+while the process answers, a wedged engine; or past the ceiling `faults.generate_timeout_s`,
+live or not), is killed and replaced by a fresh one on the same model; the
 pool's owner re-syncs the current weights into it (`on_restart`, which checks the version)
 before the failed call is sent again. Replaying a generation request is exact: the request
 carries its own seed. Every replacement counts against `faults.max_worker_restarts` over the
@@ -38,10 +39,20 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from actors.records import RolloutBatch
 from actors.weight_sync import transport
 from cluster.config.train_config import TrainConfig
-from cluster.train.deadlines import PROBE_S, Deadline, HangPolicy, Hung, WaitTimes, wait_all
+from cluster.train.deadlines import (
+    PROBE_S,
+    Deadline,
+    HangPolicy,
+    Hung,
+    WaitTimes,
+    Watch,
+    wait_all,
+)
 from cluster.train.stopping import RunStopped
 
 START = "worker start-up"  # the kind of wait of a worker's start (deadlines.py)
+# The calls that drive a worker's engine: their engine's progress is watched (`_engine_watch`).
+ENGINE_CALLS = ("generate", "evaluate")
 
 
 class WorkerRestartsExhausted(RunStopped):
@@ -203,7 +214,31 @@ class WorkerPool:
             deadline = Deadline(ceiling, ceiling, f"faults.generate_timeout_s={ceiling:g}")
         else:
             deadline = self._times(kind).deadline()
-        return wait_all([ref], deadline, f"rollout worker {i}", what, probe)[0]
+        watch = self._engine_watch(i) if kind in ENGINE_CALLS else None
+        return wait_all([ref], deadline, f"rollout worker {i}", what, probe, watch=watch)[0]
+
+    def _engine_watch(self, i: int) -> Watch:
+        """Worker i's engine progress, checked through a call that drives its engine: a step
+        under way longer than faults.engine_stall_s is a wedged engine (hung, though the
+        process answers: actors/generation/progress.py). Checked every half of that, so a
+        wedge is caught within 1.5x it."""
+        stall_s = self.cfg.faults.engine_stall_s
+        limit = Deadline(stall_s, stall_s, f"faults.engine_stall_s={stall_s:g}")
+        every_s = stall_s / 2
+
+        def check():
+            try:  # within the interval: a frozen worker must not hold up the deadline's probe
+                progress = ray.get(self.workers[i].engine_progress.options(
+                    concurrency_group="health").remote(), timeout=min(PROBE_S, every_s))
+            except (GetTimeoutError, RayActorError):
+                return None  # not answering: the deadline's probe judges that (frozen, dead)
+            if progress.step_running_s <= stall_s:
+                return None
+            return f"rollout worker {i}", (
+                f"it answers, but its engine has been in one step for "
+                f"{progress.step_running_s:.0f} s after {progress.steps} steps (wedged)")
+
+        return Watch(every_s, check, limit)
 
     def unresponsive(self, i: int, within_s: float = PROBE_S) -> str | None:
         """Why worker i is hung (it does not answer a health call within `within_s`, or it
@@ -227,12 +262,14 @@ class WorkerPool:
     def restart(self, i: int, reason: str) -> None:
         """Replace worker i (dead or hung) and let the owner re-sync its weights."""
         limit = self.cfg.faults.max_worker_restarts
+        if why := transport(self.cfg.sync.transport).why_no_replacement():
+            # the config allowed no restart under this transport (TrainConfig): say why
+            raise WorkerRestartsExhausted(f"rollout worker {i} {reason}; {why}, so the run "
+                                          "stops here")
         if self.restarts >= limit:
             raise WorkerRestartsExhausted(
                 f"rollout worker {i} {reason}; all faults.max_worker_restarts={limit} restarts "
                 "are used up, so the run stops here")
-        if why := transport(self.cfg.sync.transport).why_no_replacement():
-            raise WorkerRestartsExhausted(f"rollout worker {i} {reason}; {why}")
         self.restarts += 1
         t0 = time.perf_counter()
         ray.kill(self.workers[i], no_restart=True)
