@@ -98,6 +98,8 @@ def _summarise(cfg, runs, outcomes, signum, write: bool) -> int:
         except ConfigError as exc:  # e.g. a report.kl_metric no run logged: the runs stand
             print(f"report not written: {exc}; fix it and run `klrl report {sweep_dir(cfg)}`",
                   file=sys.stderr)
+        except FileNotFoundError:  # stopped before any run logged a step: nothing to report
+            print("report not written: no run has logged a step yet", file=sys.stderr)
     failed = [o for o in outcomes if o.status == "failed"]
     for o in failed:
         print(f"FAILED {o.run.name}: {o.detail}", file=sys.stderr)
