@@ -166,6 +166,8 @@ def test_cross_field_constraints_are_rejected_before_anything_starts():
     for overrides, field in cases:
         with pytest.raises(ConfigError, match=field):
             load_config(TrainConfig, tiny, overrides)
+    # A run's saved config.yaml holds every field, the default embedded model beside its path.
+    load_config(TrainConfig, tiny, ["model.path=/tmp", "model.embedded=arith"])
 
 
 @pytest.mark.parametrize("learner_gpus, worker_gpus, workers, refused", [

@@ -63,7 +63,9 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _embedded_only_without_path(self) -> ModelConfig:
-        if self.path is not None and "embedded" in self.model_fields_set:
+        # Another embedded model beside a path is refused; the default beside one is what every
+        # run's saved config.yaml holds (all fields written), and must load again.
+        if self.path is not None and self.embedded != "arith":
             raise ValueError("model.embedded names an embedded model, which model.path replaces: "
                              "set one of them")
         return self
