@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import get_args
 
 from cluster.experiments import dose, stats
 from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' vocabulary)
@@ -49,7 +50,7 @@ from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' v
     outcome,
 )
 from cluster.experiments.measures import PRIMARY, Measures
-from cluster.experiments.prereg import Preregistration, Rules
+from cluster.experiments.prereg import ClaimId, Preregistration, Rules
 
 def _label(rules: Rules) -> str:
     """How the claims name the set of rules.retained."""
@@ -190,6 +191,8 @@ def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
 CLAIMS: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,
     k3_reward_breaks, prefix_repairs, dose.k1_loss_regularises_nothing, dose.breaks_with_dose)}
+if set(CLAIMS) != set(get_args(ClaimId)):
+    raise AssertionError("findings.CLAIMS must test exactly the claims prereg.ClaimId names")
 # What an exploratory report tests at each beta's largest lag (and, where the directory ran
 # them, the paper's on-policy claims at max_lag 0): the dose claims need a pre-registered grid.
 EXPLORATORY = (k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,

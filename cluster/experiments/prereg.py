@@ -21,9 +21,8 @@ from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.runs import InstabilityRule
 from rewards.config import EvalSetName
 
-CLAIMS = ("k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
-          "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
-          "k1_loss_regularises_nothing", "breaks_with_dose")
+# The claims a pre-registration may name; cluster/experiments/findings.py's CLAIMS holds the
+# test of each (checked there at import).
 ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
                   "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
                   "k1_loss_regularises_nothing", "breaks_with_dose"]
