@@ -217,8 +217,8 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
     validation = encode_examples(
         tokenizer, task.problems("train", VALIDATION_PROBLEMS, seed + VALIDATION_SEED_OFFSET))
     n_retained = round(recipe.retained_share * SFT_BATCH_SIZE)
-    facts = [make_problem(*f, split="retained") for f in retained_facts()]
-    retained_check = encode_examples(tokenizer, facts) if n_retained else []
+    facts = [make_problem(*f, split="retained") for f in retained_facts()] if n_retained else []
+    retained_check = encode_examples(tokenizer, facts)
     draw = random.Random(f"retained:{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / SFT_WARMUP))
@@ -232,7 +232,7 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
                    "validation {task.fields[acc]:.1%}"),
         TimeElapsedColumn(),
     ]
-    accuracy, retained, step = 0.0, None, 0
+    accuracy, retained, step, stopped = 0.0, None, 0, False
     live = progress and Console().is_terminal  # off a terminal rich draws only at the end
     plain = PlainLines(f"warm-start SFT ({goal})") if progress and not live else None
     with Progress(*columns, disable=not live, transient=False) as bar:
@@ -257,26 +257,26 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
                 model.eval()
                 accuracy = exact_greedy_accuracy(model, tokenizer, validation)
                 bar.update(job, acc=accuracy)
-                if accuracy >= target and _retained_reached(model, tokenizer, retained_check,
-                                                            recipe):
-                    break
+                if accuracy >= target:  # the facts' check only once the validation passes
+                    retained = _retained_accuracy(model, tokenizer, retained_check)
+                    stopped = retained is None or retained >= (recipe.retained_target or 0.0)
+                    if stopped:
+                        break
             if plain:
                 plain.maybe(f"step {step}, loss {loss.item():.3f}, validation {accuracy:.1%}")
     model.eval()
     if target is None:
         accuracy = exact_greedy_accuracy(model, tokenizer, validation)
-    if retained_check:
-        retained = exact_greedy_accuracy(model, tokenizer, retained_check)
+    if not stopped:  # the facts' accuracy of the final weights (measured already on a stop)
+        retained = _retained_accuracy(model, tokenizer, retained_check)
     reached = target is None or (accuracy >= target and (
         retained is None or recipe.retained_target is None or retained >= recipe.retained_target))
     return WarmStart(step, accuracy, reached, retained)
 
 
-def _retained_reached(model, tokenizer, retained_check, recipe: Recipe) -> bool:
-    """Whether the retained facts' target is met (always, for a recipe without one)."""
-    if not retained_check or recipe.retained_target is None:
-        return True
-    return exact_greedy_accuracy(model, tokenizer, retained_check) >= recipe.retained_target
+def _retained_accuracy(model, tokenizer, retained_check) -> float | None:
+    """Greedy accuracy on the retained facts (None for a recipe that teaches none)."""
+    return exact_greedy_accuracy(model, tokenizer, retained_check) if retained_check else None
 
 
 def _model_complete(path: Path) -> bool:
