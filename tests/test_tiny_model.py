@@ -187,10 +187,10 @@ def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_target
 
     assert set(tiny_model.RECIPES) == set(get_args(EmbeddedModel))  # one recipe per name
     retain = tiny_model.RECIPES["arith-retain"]
-    assert retain.retained_share > 0 and retain.check_every == 1
+    assert retain.retained_share > 0 and tiny_model.CHECK_EVERY == 1
     assert tiny_model.default_model_name(0, recipe="arith-retain") == "tiny-arith-retain-v1-seed0"
-    easy = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0, check_every=1)
-    hard = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.99, check_every=1)
+    easy = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0)
+    hard = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.99)
     model, tok = tiny_model._new_model(0)
     done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=4, progress=False,
                                  recipe=easy)

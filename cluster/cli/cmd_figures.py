@@ -33,7 +33,7 @@ def run(args) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="klrl-figures-") as tmp:
             regenerate(args.seeds, args.only, Path(tmp))
-    print("docs/demo.md, docs/model.md and docs/figures/*.json updated")
+    print("docs/demo.md, docs/model.md, docs/lora.md and docs/figures/*.json updated")
     return 0
 
 
@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "figures", help="rerun the demo and rewrite the docs' demo and model figures",
         description="Run `klrl demo` at max_lag 0 and 2 and plain GRPO at max_lag 0 for each "
-        "seed (about 5 minutes each on 2 cores), read the embedded model's build figures, and "
+        "seed (about 5 minutes each on 2 cores), read the embedded model's build figures, build "
+        "the default model with 1-4 torch threads (the spread block, no timing), and "
         "rewrite the docs blocks between <!-- figures:NAME --> markers and "
         "docs/figures/NAME.json with what this machine measured.")
     p.add_argument("--seeds", type=_seeds, default=[0, 1, 2], metavar="LIST",

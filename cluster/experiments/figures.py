@@ -11,7 +11,11 @@ PAGES names (and, with every number, in docs/figures/NAME.json):
             the loss, everything else equal) at max_lag 0 for the same seeds: training reward
             and in-domain accuracy gained per 1,000 samples;
 - lora:     the demo with rank-8 LoRA adapters (LORA_DEMO) against the demo's full fine-tuning
-            at max_lag 0, same seeds and budget: the same gains, KL and time per step.
+            at max_lag 0, same seeds and budget: the same gains, KL and time per step;
+- spread:   the default model built with SPREAD_THREADS torch threads (each adds its sums in
+            another order, as another processor's kernels do): how far the stop rule lets the
+            build depend on the machine (steps, validation and in-domain greedy accuracy; no
+            timing, so it may run on a busy machine).
 
 Each run is a `klrl demo` subprocess, exactly what a user runs, timed from launch to exit.
 Nothing is typed by hand: a block is replaced only by what this module computed.
@@ -35,10 +39,11 @@ from cluster.train.progress import format_duration
 from cluster.train.provenance import machine
 from cluster.train.run_log import read_config, read_metrics
 
-BLOCKS = ("model", "demo", "learning", "lora")
+BLOCKS = ("model", "demo", "learning", "lora", "spread")
 # The docs page each block lives in (relative to the repository root).
 PAGES = {"model": "docs/model.md", "demo": "docs/demo.md", "learning": "docs/demo.md",
-         "lora": "docs/lora.md"}
+         "lora": "docs/lora.md", "spread": "docs/model.md"}
+SPREAD_THREADS = (1, 2, 3, 4)
 # The LoRA demo: rank-8 adapters on every linear layer, at 10x the demo's full fine-tuning lr
 # (adapters start at zero and move the policy through a rank-8 product: the usual LoRA lr).
 LORA_DEMO = ("learner.lora.rank=8", "learner.lr=1e-3")
@@ -254,6 +259,47 @@ def lora_block(figures: list[RunFigures], where: str) -> str:
     return "\n".join(lines)
 
 
+def spread_block(builds: list[dict], where: str) -> str:
+    """The spread of the default model's build over thread counts (`build_spread`'s rows)."""
+    def band(key: str, fmt: str) -> str:
+        values = [b[key] for b in builds]
+        return fmt.format(min(values)) + ("" if min(values) == max(values)
+                                          else "-" + fmt.format(max(values)))
+    lines = [
+        (f"The default model built on {where} with "
+         f"{', '.join(str(b['threads']) for b in builds)} torch threads: "
+         f"{band('sft_steps', '{}')} supervised steps, stopped at "
+         f"{band('validation_accuracy', '{:.1%}')} greedy validation accuracy (target "
+         f"{builds[0]['target_accuracy']:.0%}); greedy in-domain {band('in_domain', '{:.1%}')} "
+         f"(transformers, {builds[0]['eval_problems']} problems)."),
+        "",
+        "| torch threads | supervised steps | validation | in-domain greedy |",
+        "|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {b['threads']} | {b['sft_steps']} | {b['validation_accuracy']:.1%} | "
+              f"{b['in_domain']:.1%} |" for b in builds]
+    return "\n".join(lines)
+
+
+def build_spread(work_dir: Path, threads: Sequence[int] = SPREAD_THREADS,
+                 say: Callable[[str], None] = print) -> list[dict]:
+    """Build the default model once per thread count under WORK_DIR (a build already there is
+    reused) and return what each build's metadata says about where it stopped."""
+    rows = []
+    for n in threads:
+        say(f"building the default model with {n} torch threads ...")
+        meta = read_metadata(init_default_model(work_dir / "spread" / f"threads{n}",
+                                                threads=n, progress=False))
+        rows.append({"threads": n, "sft_steps": meta["sft_steps"],
+                     "validation_accuracy": meta["validation_accuracy"],
+                     "target_accuracy": meta["target_accuracy"],
+                     "in_domain": meta["greedy_accuracy_hf"]["in_domain"],
+                     "eval_problems": meta["eval_problems_per_split"]})
+        say(f"    {rows[-1]['sft_steps']} steps, validation {rows[-1]['validation_accuracy']:.1%}"
+            f", in-domain greedy {rows[-1]['in_domain']:.1%}")
+    return rows
+
+
 RENDER = {"demo": demo_block, "learning": learning_block, "lora": lora_block}
 
 
@@ -273,6 +319,8 @@ def blocks_from_json(out_dir: Path) -> dict[str, str]:
         data = json.loads(path.read_text())
         if name == "model":
             texts[name] = model_block(data["metadata"], data["machine"])
+        elif name == "spread":
+            texts[name] = spread_block(data["builds"], data["machine"])
         else:
             figures = [RunFigures(**row) for row in data["runs"]]
             texts[name] = RENDER[name](figures, data["machine"])
@@ -300,6 +348,9 @@ def regenerate(seeds: Sequence[int], blocks: Sequence[str], work_dir: Path,
         say("building (or reusing) the embedded model ...")
         meta = read_metadata(init_default_model())
         _write_json(out_dir / "model.json", {"machine": where, "metadata": meta})
+    if "spread" in blocks:
+        _write_json(out_dir / "spread.json",
+                    {"machine": where, "builds": build_spread(work_dir, say=say)})
     runs = plan(seeds, blocks)
     figures: list[RunFigures] = []
     for i, run in enumerate(runs, 1):
