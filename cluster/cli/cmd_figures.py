@@ -42,7 +42,7 @@ def register(subparsers) -> None:
         "figures", help="rerun the demo and rewrite the docs' demo and model figures",
         description="Run `klrl demo` at max_lag 0 and 2 and plain GRPO at max_lag 0 for each "
         "seed (about 5 minutes each on 2 cores), read the embedded model's build figures, build "
-        "the default model with 1-4 torch threads (the spread block, no timing), and "
+        "the default model under four sets of CPU kernels (the spread block, no timing), and "
         "rewrite the docs blocks between <!-- figures:NAME --> markers and "
         "docs/figures/NAME.json with what this machine measured.")
     p.add_argument("--seeds", type=_seeds, default=[0, 1, 2], metavar="LIST",

@@ -12,8 +12,8 @@ PAGES names (and, with every number, in docs/figures/NAME.json):
             and in-domain accuracy gained per 1,000 samples;
 - lora:     the demo with rank-8 LoRA adapters (LORA_DEMO) against the demo's full fine-tuning
             at max_lag 0, same seeds and budget: the same gains, KL and time per step;
-- spread:   the default model built with SPREAD_THREADS torch threads (each adds its sums in
-            another order, as another processor's kernels do): how far the stop rule lets the
+- spread:   the default model built under each of SPREAD_KERNELS (other CPU kernels, which
+            change the arithmetic as another processor does): how far the stop rule lets the
             build depend on the machine (steps, validation and in-domain greedy accuracy; no
             timing, so it may run on a busy machine).
 
@@ -23,6 +23,7 @@ Nothing is typed by hand: a block is replaced only by what this module computed.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,6 @@ BLOCKS = ("model", "demo", "learning", "lora", "spread")
 # The docs page each block lives in (relative to the repository root).
 PAGES = {"model": "docs/model.md", "demo": "docs/demo.md", "learning": "docs/demo.md",
          "lora": "docs/lora.md", "spread": "docs/model.md"}
-SPREAD_THREADS = (1, 2, 3, 4)
 # The LoRA demo: rank-8 adapters on every linear layer, at 10x the demo's full fine-tuning lr
 # (adapters start at zero and move the policy through a rank-8 product: the usual LoRA lr).
 LORA_DEMO = ("learner.lora.rank=8", "learner.lr=1e-3")
@@ -259,38 +259,52 @@ def lora_block(figures: list[RunFigures], where: str) -> str:
     return "\n".join(lines)
 
 
+# The spread block's builds: the same recipe and seed under other CPU kernels, as another
+# processor would run it. On this project's AMD EPYC, 1 and 2 torch threads built bit-identical
+# weights (the kernels split work, not sums), while PyTorch's scalar kernels and MKL's
+# compatible code path each change the arithmetic: they stand in for another processor.
+SPREAD_KERNELS: dict[str, dict[str, str]] = {
+    "this machine's": {},
+    "PyTorch's scalar kernels": {"ATEN_CPU_CAPABILITY": "default"},
+    "MKL's compatible path": {"MKL_CBWR": "COMPATIBLE"},
+    "both": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
+}
+
+
 def spread_block(builds: list[dict], where: str) -> str:
-    """The spread of the default model's build over thread counts (`build_spread`'s rows)."""
+    """The spread of the default model's build over CPU kernels (`build_spread`'s rows)."""
     def band(key: str, fmt: str) -> str:
         values = [b[key] for b in builds]
         return fmt.format(min(values)) + ("" if min(values) == max(values)
                                           else "-" + fmt.format(max(values)))
     lines = [
-        (f"The default model built on {where} with "
-         f"{', '.join(str(b['threads']) for b in builds)} torch threads: "
+        (f"The default model built on {where}, {len(builds)} times with other CPU kernels: "
          f"{band('sft_steps', '{}')} supervised steps, stopped at "
          f"{band('validation_accuracy', '{:.1%}')} greedy validation accuracy (target "
          f"{builds[0]['target_accuracy']:.0%}); greedy in-domain {band('in_domain', '{:.1%}')} "
          f"(transformers, {builds[0]['eval_problems']} problems)."),
         "",
-        "| torch threads | supervised steps | validation | in-domain greedy |",
-        "|---:|---:|---:|---:|",
+        "| kernels | environment | supervised steps | validation | in-domain greedy |",
+        "|---|---|---:|---:|---:|",
     ]
-    lines += [f"| {b['threads']} | {b['sft_steps']} | {b['validation_accuracy']:.1%} | "
-              f"{b['in_domain']:.1%} |" for b in builds]
+    lines += [f"| {b['kernels']} | {' '.join(f'`{k}={v}`' for k, v in b['env'].items()) or '-'} "
+              f"| {b['sft_steps']} | {b['validation_accuracy']:.1%} | {b['in_domain']:.1%} |"
+              for b in builds]
     return "\n".join(lines)
 
 
-def build_spread(work_dir: Path, threads: Sequence[int] = SPREAD_THREADS,
-                 say: Callable[[str], None] = print) -> list[dict]:
-    """Build the default model once per thread count under WORK_DIR (a build already there is
-    reused) and return what each build's metadata says about where it stopped."""
+def build_spread(work_dir: Path, say: Callable[[str], None] = print) -> list[dict]:
+    """Build the default model once per SPREAD_KERNELS entry (`klrl init-model` in a process
+    whose environment picks the kernels before torch loads; a build already under WORK_DIR is
+    reused) and return where each build stopped, from its metadata."""
     rows = []
-    for n in threads:
-        say(f"building the default model with {n} torch threads ...")
-        meta = read_metadata(init_default_model(work_dir / "spread" / f"threads{n}",
-                                                threads=n, progress=False))
-        rows.append({"threads": n, "sft_steps": meta["sft_steps"],
+    for i, (label, env) in enumerate(SPREAD_KERNELS.items()):
+        out = work_dir / "spread" / f"kernels{i}"
+        say(f"building the default model with {label} kernels into {out} ...")
+        subprocess.run([sys.executable, "-m", "cluster.cli", "init-model", "--out", str(out)],
+                       env={**os.environ, **env}, cwd=REPO_ROOT, check=True)
+        meta = read_metadata(out)
+        rows.append({"kernels": label, "env": env, "sft_steps": meta["sft_steps"],
                      "validation_accuracy": meta["validation_accuracy"],
                      "target_accuracy": meta["target_accuracy"],
                      "in_domain": meta["greedy_accuracy_hf"]["in_domain"],

@@ -57,7 +57,8 @@ DEFAULT_SIZE: dict[str, Any] = {
 # every ten steps let two processors stop ten points apart (47.6% and 57.6% validation,
 # issue 48); checked after every step, a build overshoots the target by one step's gain.
 # The check is one teacher-forced forward pass (sft.exact_greedy_accuracy), cheap beside a
-# step. `klrl figures --only spread` measures the band that is left (docs/model.md).
+# step. `klrl figures --only spread` measures the band that is left over other CPU kernels
+# (docs/model.md).
 RECIPE_VERSION = 4
 TARGET_ACCURACY = 0.45  # greedy, validation set: RL gets a signal on most prompts, room above
 MAX_SFT_STEPS = 3000    # a bound, not a budget: the target is reached well before it
