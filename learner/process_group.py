@@ -10,6 +10,7 @@ on ephemeral ports) that ended a run in EADDRINUSE before its first step.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +32,27 @@ def host_store(host: str, world_size: int, collective_timeout_s: float | None = 
     the returned object alive as long as the process group (it serves the group's store)."""
     return torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                                       timeout=_timeout(collective_timeout_s))
+
+
+def use_this_interpreters_ninja() -> None:
+    """Put the directory of this interpreter first on PATH when it holds a `ninja` (the `ninja`
+    wheel DeepSpeed depends on), so that DeepSpeed builds its ops with that one.
+
+    DeepSpeed JIT-builds its CPU all-reduce op (deepspeed_shm_comm, at `init_distributed`)
+    with the first `ninja` on PATH, into one cache shared by every process of the user
+    (torch's extensions directory), and ninja rebuilds it whenever the command's hash in its
+    log differs from its own: ninja 1.13 (the wheel) hashes command lines otherwise than 1.11
+    (Debian's), so each switch between the two reads as a changed command and costs a whole
+    rebuild (about a minute of both cores on a 2-core machine, which every rank starting then
+    waits for). Which one a rank found depended on how its Ray node was started (from an
+    activated virtual environment or not); with this, every rank of an installation finds
+    the same one."""
+    bin_dir = os.path.dirname(sys.executable)
+    if not os.path.isfile(os.path.join(bin_dir, "ninja")):
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
 
 
 def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: int, store=None,
@@ -55,7 +77,9 @@ def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: 
         extra["device_id"] = torch.device("cuda", torch.cuda.current_device())
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                          timeout=timeout, **extra)
-    # torch.distributed is up, so DeepSpeed only wraps it (comm.init_distributed).
+    # torch.distributed is up, so DeepSpeed only wraps it (comm.init_distributed), building
+    # its CPU all-reduce op on first use with the ninja beside this interpreter.
+    use_this_interpreters_ninja()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=timeout)
 

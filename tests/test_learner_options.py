@@ -276,3 +276,24 @@ def test_a_decaying_schedule_needs_steps_after_warm_up():
     load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=8",
                                     "learner.lr_schedule=cosine"])
     load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=10"])  # constant
+
+
+def test_ranks_build_deepspeeds_ops_with_the_ninja_beside_their_interpreter(monkeypatch):
+    """Whatever PATH a rank's process was started with (a Ray node started from an activated
+    virtual environment or not), DeepSpeed's JIT op build finds the `ninja` installed beside
+    the interpreter (the wheel DeepSpeed depends on): a system ninja of another version reads
+    the shared op cache as built by another command and rebuilds it, about a minute of both
+    cores (learner/process_group.py)."""
+    import os
+    import shutil
+    import sys
+
+    from learner.process_group import use_this_interpreters_ninja
+
+    beside = os.path.join(os.path.dirname(sys.executable), "ninja")
+    assert os.path.isfile(beside), "DeepSpeed's ninja dependency is not installed"
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"]))
+    use_this_interpreters_ninja()
+    assert shutil.which("ninja") == beside
+    use_this_interpreters_ninja()  # once is enough: PATH is not grown again
+    assert os.environ["PATH"].split(os.pathsep).count(os.path.dirname(beside)) == 1

@@ -255,11 +255,16 @@ def test_dry_run_lists_runs_and_states(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_dir):
+def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_dir, capsys):
     """Two real 3-step runs through `klrl sweep`, side by side (`parallel: 2`; subprocesses,
     vLLM + DeepSpeed each, joining the session's Ray cluster through `ray.address` as runs on
-    a cluster do); the rerun skips both; `klrl report` tabulates both configurations."""
+    a cluster do); the rerun skips both; `klrl report` tabulates both configurations. The
+    first sweep is the command line in a process of its own; the rerun and the report, which
+    start nothing, are the same commands in this process (an interpreter start and klrl's
+    imports less each)."""
     import ray
+
+    from cluster.cli.main import main
 
     path = tmp_path / "tiny_sweep.yaml"
     path.write_text(yaml.safe_dump({
@@ -289,9 +294,11 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     assert (root / "report" / "report.md").is_file()  # the sweep reports when it ends
     print(f"first sweep: {time.monotonic() - t0:.0f}s")
 
-    again = klrl("sweep", str(path), timeout=120)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 finished, 2 skipped" in again.stdout and ": started" not in again.stdout
+    capsys.readouterr()
+    rc = main(["sweep", str(path)])
+    again = capsys.readouterr()
+    assert rc == 0, again.err[-3000:]
+    assert "0 finished, 2 skipped" in again.out and ": started" not in again.out
     # ... because what the real runs recorded means what the sweep runs (no path or default
     # differs); a changed setting is not skipped under it (issue 48)
     cfg = load_sweep(path, ["overrides.kl.beta=0.5"])
@@ -299,8 +306,8 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     assert [(r.name, r.state, list(map(str, r.changes))) for r in changed] == [
         (name, "finished", ["kl.beta: 0.05 -> 0.5"]) for name in ("k1-loss", "k3-loss")]
 
-    report = klrl("report", str(root), timeout=120)
-    assert report.returncode == 0, report.stderr[-3000:]
+    rc = main(["report", str(root)])
+    assert rc == 0, capsys.readouterr().err[-3000:]
     md = (root / "report" / "report.md").read_text()
     assert "| `k1-loss` | 1 | 3 |" in md and "| `k3-loss` | 1 | 3 |" in md
     for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
