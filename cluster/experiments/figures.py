@@ -302,7 +302,7 @@ def build_spread(work_dir: Path, say: Callable[[str], None] = print) -> list[dic
     rows = []
     for i, (label, env) in enumerate(SPREAD_KERNELS.items()):
         out = work_dir / "spread" / f"kernels{i}"
-        say(f"building the default model with {label} kernels into {out} ...")
+        say(f"building the default model, kernels: {label}, into {out} ...")
         subprocess.run([sys.executable, "-m", "cluster.cli", "init-model", "--out", str(out)],
                        env={**os.environ, **env}, cwd=REPO_ROOT, check=True)
         meta = read_metadata(out)
