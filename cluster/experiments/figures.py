@@ -264,7 +264,7 @@ def lora_block(figures: list[RunFigures], where: str) -> str:
 # weights (the kernels split work, not sums), while PyTorch's AVX2 kernels (those of a
 # processor without AVX-512) and MKL's compatible code path each change the arithmetic of the
 # model's forward and backward pass: they stand in for another processor. (PyTorch's scalar
-# kernels would too, at 20 s a step.)
+# kernels would too, but a build with them takes hours.)
 SPREAD_KERNELS: dict[str, dict[str, str]] = {
     "this machine's": {},
     "PyTorch's AVX2": {"ATEN_CPU_CAPABILITY": "avx2"},
