@@ -72,7 +72,7 @@ EVAL_PROBLEMS = 500  # problems per split for the accuracy figures stored with t
 # How long the build takes, said the same way wherever it is said (the CLI, README, the demo
 # page; docs/model.md gives the measured figure of one machine): the step count to reach the
 # target varies with the machine's kernels, as does the time per step.
-BUILD_TIME = "1-3 minutes on 2 cores"
+BUILD_TIME = "2-4 minutes on 2 cores"
 METADATA_FILE = "klrl_model.json"
 
 
