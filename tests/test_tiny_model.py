@@ -170,11 +170,11 @@ def test_warm_start_check_is_greedy_pass_at_1():
 def test_warm_start_stops_at_the_first_check_that_reaches_the_target():
     model, tok = tiny_model._new_model(0)
     done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=50, progress=False)
-    assert done == tiny_model.WarmStart(tiny_model.CHECK_EVERY, done.validation_accuracy, True)
+    assert done == tiny_model.WarmStart(1, done.validation_accuracy, True)
     model, tok = tiny_model._new_model(0)
     done = tiny_model.warm_start(model, tok, seed=0, target=0.99,
-                                 max_steps=2 * tiny_model.CHECK_EVERY, progress=False)
-    assert done.steps == 2 * tiny_model.CHECK_EVERY and not done.reached_target
+                                 max_steps=2, progress=False)
+    assert done.steps == 2 and not done.reached_target
 
 
 def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_targets():
@@ -187,7 +187,7 @@ def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_target
 
     assert set(tiny_model.RECIPES) == set(get_args(EmbeddedModel))  # one recipe per name
     retain = tiny_model.RECIPES["arith-retain"]
-    assert retain.retained_share > 0 and tiny_model.CHECK_EVERY == 1
+    assert retain.retained_share > 0
     assert tiny_model.default_model_name(0, recipe="arith-retain") == "tiny-arith-retain-v1-seed0"
     easy = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0)
     hard = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.99)

@@ -62,7 +62,6 @@ DEFAULT_SIZE: dict[str, Any] = {
 RECIPE_VERSION = 4
 TARGET_ACCURACY = 0.45  # greedy, validation set: RL gets a signal on most prompts, room above
 MAX_SFT_STEPS = 3000    # a bound, not a budget: the target is reached well before it
-CHECK_EVERY = 1         # steps between validation checks (the overshoot is at most this many)
 VALIDATION_PROBLEMS = 500
 VALIDATION_SEED_OFFSET = 7919  # validation problems: seed + this (not the training draw's)
 SFT_BATCH_SIZE = 128
@@ -196,7 +195,7 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
                recipe: Recipe = RECIPES["arith"]) -> WarmStart:
     """Supervised training on arithmetic train problems (loss on answer + EOS only) until the
     greedy accuracy (`exact_greedy_accuracy`) on VALIDATION_PROBLEMS train-distribution
-    problems reaches `target` (checked every CHECK_EVERY steps), or for exactly
+    problems reaches `target` (checked after every step), or for exactly
     `max_steps` steps when `target` is None.
 
     AdamW with a linear warm-up to a constant learning rate; one fresh batch per step (the
@@ -255,7 +254,7 @@ def warm_start(model, tokenizer, *, seed: int, target: float | None = TARGET_ACC
             opt.step()
             sched.step()
             bar.update(job, advance=1, loss=loss.item())
-            if target is not None and step % CHECK_EVERY == 0:
+            if target is not None:
                 model.eval()
                 accuracy = exact_greedy_accuracy(model, tokenizer, validation)
                 bar.update(job, acc=accuracy)
