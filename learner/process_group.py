@@ -9,6 +9,7 @@ on ephemeral ports) that ended a run in EADDRINUSE before its first step.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from datetime import timedelta
@@ -34,25 +35,32 @@ def host_store(host: str, world_size: int, collective_timeout_s: float | None = 
                                       timeout=_timeout(collective_timeout_s))
 
 
-def use_this_interpreters_ninja() -> None:
-    """Put the directory of this interpreter first on PATH when it holds a `ninja` (the `ninja`
-    wheel DeepSpeed depends on), so that DeepSpeed builds its ops with that one.
+def build_ops_for_this_installation() -> None:
+    """Make DeepSpeed's JIT op builds (its CPU all-reduce op, deepspeed_shm_comm, built at
+    `init_distributed`) this installation's own: built with the `ninja` beside this interpreter
+    (the wheel DeepSpeed depends on) into a cache directory of this interpreter's environment.
 
-    DeepSpeed JIT-builds its CPU all-reduce op (deepspeed_shm_comm, at `init_distributed`)
-    with the first `ninja` on PATH, into one cache shared by every process of the user
-    (torch's extensions directory), and ninja rebuilds it whenever the command's hash in its
-    log differs from its own: ninja 1.13 (the wheel) hashes command lines otherwise than 1.11
-    (Debian's), so each switch between the two reads as a changed command and costs a whole
-    rebuild (about a minute of both cores on a 2-core machine, which every rank starting then
-    waits for). Which one a rank found depended on how its Ray node was started (from an
-    activated virtual environment or not); with this, every rank of an installation finds
-    the same one."""
+    Why: torch keeps JIT-built ops in one directory per user (~/.cache/torch_extensions/py311_cpu)
+    and ninja rebuilds an op whenever the command in its log differs from its own, a whole
+    rebuild each time (about a minute of both cores on a 2-core machine, which every rank
+    starting then waits for). Two things made it differ between runs of one machine: ninja 1.13
+    (the wheel) hashes command lines otherwise than 1.11 (Debian's), and which one a rank found
+    depended on how its Ray node was started (from an activated virtual environment or not);
+    and two installations (a second virtual environment, a fresh clone) compile against their
+    own torch headers, so each switch between them read as a changed command, and an op built
+    against one torch could be loaded by the other. A TORCH_EXTENSIONS_DIR the user set is
+    kept: they chose where builds go."""
     bin_dir = os.path.dirname(sys.executable)
-    if not os.path.isfile(os.path.join(bin_dir, "ninja")):
-        return
-    path = os.environ.get("PATH", "")
-    if path.split(os.pathsep)[0] != bin_dir:
-        os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
+    if os.path.isfile(os.path.join(bin_dir, "ninja")):
+        path = os.environ.get("PATH", "")
+        if path.split(os.pathsep)[0] != bin_dir:
+            os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(),
+                                                          f"klrl-{tag}")
 
 
 def build_cpu_allreduce_op() -> bool:
@@ -62,7 +70,7 @@ def build_cpu_allreduce_op() -> bool:
     DeepSpeed's accelerator has no such op (a GPU machine builds none)."""
     from deepspeed.comm.torch import build_shm_op
 
-    use_this_interpreters_ninja()
+    build_ops_for_this_installation()
     return build_shm_op() is not None
 
 
@@ -89,8 +97,8 @@ def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: 
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                          timeout=timeout, **extra)
     # torch.distributed is up, so DeepSpeed only wraps it (comm.init_distributed), building
-    # its CPU all-reduce op on first use with the ninja beside this interpreter.
-    use_this_interpreters_ninja()
+    # its CPU all-reduce op on first use, as this installation's own.
+    build_ops_for_this_installation()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=timeout)
 

@@ -278,22 +278,35 @@ def test_a_decaying_schedule_needs_steps_after_warm_up():
     load_config(TrainConfig, TINY, ["total_steps=10", "learner.warmup_steps=10"])  # constant
 
 
-def test_ranks_build_deepspeeds_ops_with_the_ninja_beside_their_interpreter(monkeypatch):
+def test_ranks_build_deepspeeds_ops_with_their_installations_ninja_into_its_own_cache(
+        monkeypatch):
     """Whatever PATH a rank's process was started with (a Ray node started from an activated
     virtual environment or not), DeepSpeed's JIT op build finds the `ninja` installed beside
-    the interpreter (the wheel DeepSpeed depends on): a system ninja of another version reads
-    the shared op cache as built by another command and rebuilds it, about a minute of both
-    cores (learner/process_group.py)."""
+    the interpreter (the wheel DeepSpeed depends on) and builds into a cache directory of this
+    installation: a system ninja of another version, or another installation's torch headers,
+    read a shared op cache as built by another command and rebuild it, about a minute of both
+    cores (learner/process_group.py). A TORCH_EXTENSIONS_DIR the user set is kept."""
     import os
     import shutil
     import sys
 
-    from learner.process_group import use_this_interpreters_ninja
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from learner.process_group import build_ops_for_this_installation
 
     beside = os.path.join(os.path.dirname(sys.executable), "ninja")
     assert os.path.isfile(beside), "DeepSpeed's ninja dependency is not installed"
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"]))
-    use_this_interpreters_ninja()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    build_ops_for_this_installation()
     assert shutil.which("ninja") == beside
-    use_this_interpreters_ninja()  # once is enough: PATH is not grown again
-    assert os.environ["PATH"].split(os.pathsep).count(os.path.dirname(beside)) == 1
+    ours = os.environ["TORCH_EXTENSIONS_DIR"]
+    assert os.path.dirname(ours) == get_default_build_root()
+    monkeypatch.setattr(sys, "prefix", sys.prefix + "-another")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    build_ops_for_this_installation()  # another installation: another directory
+    assert os.environ["TORCH_EXTENSIONS_DIR"] not in (ours, get_default_build_root())
+    assert os.environ["PATH"].split(os.pathsep).count(os.path.dirname(beside)) == 1  # not grown
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/chosen")
+    build_ops_for_this_installation()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/chosen"
