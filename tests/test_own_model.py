@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,14 @@ def test_the_page_config_trains_on_cpu(user_dir, monkeypatch):
     if ray.is_initialized():  # the workers must inherit PYTHONPATH from a cluster started here
         ray.shutdown()
     monkeypatch.setenv("PYTHONPATH", "")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="klrl-ray-", dir="/tmp"))  # short: socket paths
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
     run_dir, metrics = _train(user_dir)
+    # the run's own local Ray cluster took its session directory (logs, sockets) away with it:
+    # finished runs do not pile them up (issue 48; a stopped one: tests/test_faults.py)
+    assert (ray_tmp / "ray").is_dir(), "the run's Ray cluster was not started under RAY_TMPDIR"
+    assert not list((ray_tmp / "ray").glob("session_*")), "the finished run left Ray's session"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     assert run_dir == Path("runs") / "my-first-run"
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
     assert (run_dir / "final" / "config.json").is_file()
