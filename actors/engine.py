@@ -77,10 +77,11 @@ def _imports_untracked():
     Why: the collector ran over the growing heap again and again while the modules loaded,
     and vLLM's start-up calls gc.collect() several times (its memory profiling), each walking
     every object the imports made: together, a quarter of a rollout worker's start on a small
-    model (the commit that added this says how it was measured). Invariant: only what
-    exists before the engine is frozen (modules, classes, functions, which live as long as the
-    process anyway); the engine's own objects stay collectable, so shutting it down still
-    frees its memory."""
+    model (the commit that added this says how it was measured). Only what exists before the
+    engine is frozen here (modules, classes, functions, which live as long as the process
+    anyway). vLLM's engine core then freezes its own start-up objects at the end of its
+    start and unfreezes the whole heap at its shutdown, so an engine shut down in a process
+    that goes on (klrl eval, the tests' shared engine) still frees its memory."""
     enabled = gc.isenabled()
     gc.disable()
     try:
