@@ -24,6 +24,7 @@ finite.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -144,7 +145,25 @@ class LearnerRank:
     def setup(self, master_addr: str, master_port: int, local_rank: int, local_size: int,
               collective_timeout_s: float | None = None) -> dict:
         """Join the process group (`init_process_group`), load policy + reference, build the
-        DeepSpeed engine."""
+        DeepSpeed engine.
+
+        With Python's cyclic garbage collector off, and everything it made frozen out of the
+        collector's reach afterwards: it walked the growing heap again and again while
+        DeepSpeed, transformers and the models loaded, and would walk it all again at every
+        later full collection. What is frozen lives as long as this process does (a rank
+        serves one run and is stopped with it)."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._setup(master_addr, master_port, local_rank, local_size,
+                               collective_timeout_s)
+        finally:
+            gc.freeze()
+            if enabled:
+                gc.enable()
+
+    def _setup(self, master_addr: str, master_port: int, local_rank: int, local_size: int,
+               collective_timeout_s: float | None) -> dict:
         import deepspeed
 
         cuda = self.cfg.device_kind == "cuda"
