@@ -204,7 +204,8 @@ class EvalReport(BaseModel):
 
 
 def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_max_tokens: int,
-                  renderer: PromptRenderer, scoring_pool: Any = None) -> EvalReport:
+                  renderer: PromptRenderer, scoring_pool: Any = None,
+                  whole_when_smaller: bool = False) -> EvalReport:
     """The trainer's evaluation: every set of `cfg` (sets without a task are the training
     task's), `cfg.num_problems` problems each, chosen by `cfg.seed` alone.
 
@@ -212,6 +213,9 @@ def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_ma
     renderer: the training prompts' renderer, so that evaluation prompts are rendered alike.
     A set of the training task (same task and options) is scored by `training.reward` too,
     when the run has one: a plug-in written for the training task's problems.
+    whole_when_smaller: a set whose split holds fewer distinct problems than cfg.num_problems
+    (`Task.distinct_problems`) is evaluated whole instead of refused (the final evaluation's
+    rule: the same complete set in every run); each set's `problems` says how many it had.
     """
     import rewards
 
@@ -220,8 +224,12 @@ def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_ma
     sets = {}
     for name, s in cfg.sets(training).items():
         own_task = (s.task, s.options) == (training.name, dict(training.options))
-        result = evaluate(llm, rewards.get_task(s.task, **s.options), [s.split],
-                          n=cfg.num_problems, samples=cfg.samples, seed=cfg.seed,
+        task = rewards.get_task(s.task, **s.options)
+        n = cfg.num_problems
+        if whole_when_smaller and (size := task.distinct_problems(s.split)) is not None:
+            n = min(n, size)
+        result = evaluate(llm, task, [s.split],
+                          n=n, samples=cfg.samples, seed=cfg.seed,
                           max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, renderer=renderer, progress=False,
                           scoring_pool=scoring_pool, reward=training.reward if own_task else None)

@@ -115,27 +115,37 @@ class ArithmeticTask(Task):
     scorer = staticmethod(score_arithmetic)
     max_new_tokens = 8  # the longest answer, "-899", is 4 characters; leave room for EOS
 
+    def distinct_problems(self, split: str) -> int | None:
+        """The evaluation splits' sizes (train is drawn with replacement: None)."""
+        self.check_split(split)
+        if split == "train":
+            return None
+        if split == "in_domain":
+            return len(_two_digit_partition()[1])
+        if split == "zero_padded":
+            return len(_single_digit_operand_problems())
+        if split == "retained":
+            return len(retained_facts())
+        lo, hi = OUT_OF_DOMAIN_RANGE
+        return (hi - lo + 1) ** 2 * len(OPERATORS)
+
     def _draw(self, split: str, n: int | None, rng: random.Random) -> list[Problem]:
         n = DEFAULT_SIZES[split] if n is None else n
         if split == "train":
             pool = _two_digit_partition()[0]
             return [make_problem(*rng.choice(pool), split=split) for _ in range(n)]
+        self.check_count(split, n)
         if split == "in_domain":
             held_out = _two_digit_partition()[1]
-            _check_size(split, n, len(held_out))
             return [make_problem(*t, split=split) for t in rng.sample(held_out, n)]
         if split == "zero_padded":
             pool = _single_digit_operand_problems()
-            _check_size(split, n, len(pool))
             return [make_problem(*t, split=split, width=2) for t in rng.sample(pool, n)]
         if split == "retained":
-            pool = retained_facts()
-            _check_size(split, n, len(pool))
-            return [make_problem(*t, split=split) for t in rng.sample(pool, n)]
+            return [make_problem(*t, split=split) for t in rng.sample(retained_facts(), n)]
         lo, hi = OUT_OF_DOMAIN_RANGE
         width = hi - lo + 1
         total = width * width * len(OPERATORS)
-        _check_size(split, n, total)
         # Sample indices without replacement instead of materialising 1.6M tuples.
         out = []
         for index in rng.sample(range(total), n):
@@ -144,8 +154,3 @@ class ArithmeticTask(Task):
             out.append(make_problem(lo + a, OPERATORS[op], lo + b, split=split))
         return out
 
-
-def _check_size(split: str, n: int, available: int) -> None:
-    if n > available:
-        raise ValueError(f"arithmetic split {split!r} holds {available} distinct problems; "
-                         f"asked for {n}")

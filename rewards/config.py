@@ -210,8 +210,9 @@ class EvalConfig(_Strict):
 
     def check_sets(self, training: TaskConfig, plugins: bool = False,
                    build: Build | None = None) -> None:
-        """Raise ValueError, naming `eval.<set>.task`, `eval.<set>.options` or
-        `eval.<set>.split`, when a set's task does not take its options or has no such split.
+        """Raise ValueError, naming `eval.<set>.task`, `eval.<set>.options`,
+        `eval.<set>.split` or `eval.num_problems`, when a set's task does not take its options,
+        has no such split, or holds fewer distinct problems than each evaluation asks.
         Sets of plug-in tasks are checked only with `plugins` (that imports them: see
         `check_plugins`). build: the command's builder (`Build`), if it has one."""
         for name, s in self.sets(training).items():
@@ -225,6 +226,11 @@ class EvalConfig(_Strict):
                 other = (f"; or evaluate another task (eval.{name}.task, e.g. mmlu) or none "
                          f"(eval.{name}=null)" if name != "in_domain" else "")
                 raise ValueError(f"eval.{name}.split: {e}{other}") from None
+            try:
+                task.check_count(s.split, self.num_problems)
+            except ValueError as e:  # an evaluation would fail at step 0, stack started
+                raise ValueError(f"eval.num_problems: {e} (eval.{name}); ask for at most "
+                                 "that many") from None
 
     def sets(self, training: TaskConfig) -> dict[str, EvalSet]:
         """The configured sets by name (EVAL_SETS order), tasks resolved."""

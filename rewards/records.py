@@ -78,6 +78,21 @@ class Task(ABC):
         rng = random.Random(f"{self.name}:{split}:{seed}")
         return self._draw(split, n, rng)
 
+    def distinct_problems(self, split: str) -> int | None:
+        """How many distinct problems `split` holds, where that is known without loading any
+        data; None where it is not (a split drawn with replacement, a dataset not yet read).
+        An evaluation asking a split for more than it holds is refused before a run starts
+        (cluster/train/door/tasks.py); the final evaluation takes such a set whole."""
+        self.check_split(split)
+        return None
+
+    def check_count(self, split: str, n: int) -> None:
+        """ValueError when `split` is known to hold fewer than `n` distinct problems."""
+        size = self.distinct_problems(split)
+        if size is not None and n > size:
+            raise ValueError(f"{self.name} split {split!r} holds {size} distinct problems; "
+                             f"asked for {n}")
+
     def is_finite(self, split: str) -> bool:
         """Whether `split` is a finite list of rows (a dataset), not generated without end.
         Known without loading any data."""

@@ -268,6 +268,11 @@ CASES = [
          ("--task: unknown task 'nosuch'",)),
     Case("eval-n-zero", eval_("--n", "0"), ("argument --n: must be at least 1",)),
     Case("eval-n-negative", eval_("--n", "-3"), ("argument --n: must be at least 1",)),
+    Case("eval-n-above-the-split", eval_("--n", "1000", "--splits", "in_domain,retained"),
+         ("--n: arithmetic split 'retained' holds 800 distinct problems; asked for 1000",)),
+    Case("eval-num-problems-above-a-set", train("eval.retained={split: retained}",
+                                                "eval.num_problems=900"),
+         ("eval.num_problems: arithmetic split 'retained' holds 800", "(eval.retained)")),
     Case("eval-samples-negative", eval_("--samples", "-1"), ("argument --samples",)),
     # -- issue #33: names and paths --
     Case("run-name-dotdot", train("run_name=.."), ("run_name", "not a name of its own")),

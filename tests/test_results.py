@@ -24,7 +24,8 @@ def finished_run(run_dir, model_dir, seed):
     run_dir.mkdir(parents=True)
     cfg = load_train_config(DEMO_CONFIG, [
         f"model.path={model_dir}", f"seed={seed}", "eval.out_of_domain={split: zero_padded}",
-        "eval.far_out_of_domain={split: out_of_domain}", "eval.num_problems=5"])
+        "eval.far_out_of_domain={split: out_of_domain}", "eval.retained={split: retained}",
+        "eval.num_problems=5"])
     dump_config(cfg, run_dir / "config.yaml")
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
     shutil.copytree(model_dir, run_dir / "final")
@@ -54,3 +55,14 @@ def test_final_checkpoints_are_evaluated_on_the_same_problems(tiny_model_dir, tm
     assert needs_evaluation(runs[0], 40, 1, ["in_domain"])  # other sets: evaluated again
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert again.returncode == 0 and again.stdout == ""  # nothing left to evaluate
+
+    # A set holding fewer distinct problems than asked is evaluated whole (the retained
+    # split's 800 facts), the others on as many as asked: the pre-registration's 1000.
+    whole = subprocess.run([*cmd[:3], str(runs[0]), "--problems", "801", "--seed", "1",
+                            "--sets", "in_domain,retained"],
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-3000:]
+    record = json.loads((runs[0] / FINAL_EVAL_FILE).read_text())
+    assert record["problems"] == 801 and record["asked"] == ["in_domain", "retained"]
+    assert {k: s["problems"] for k, s in record["sets"].items()} == {"in_domain": 801,
+                                                                     "retained": 800}

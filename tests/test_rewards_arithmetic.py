@@ -56,6 +56,20 @@ def test_evaluation_splits_are_distinct_problems_and_bounded():
     assert TASK.problems("train", 0) == []
 
 
+def test_distinct_problems_is_what_each_split_holds():
+    """Each evaluation split's size is known without drawing it: asking for all of them gives
+    that many distinct problems, one more is refused (the doors refuse it before a run);
+    train is drawn with replacement (None)."""
+    assert TASK.distinct_problems("train") is None
+    for split in ("in_domain", "zero_padded", "retained"):
+        size = TASK.distinct_problems(split)
+        assert len({p.uid for p in TASK.problems(split, size)}) == size
+        with pytest.raises(ValueError, match=f"holds {size} distinct problems; asked for"):
+            TASK.problems(split, size + 1)
+        TASK.check_count(split, size)
+    assert TASK.distinct_problems("out_of_domain") == 900 * 900 * 2  # three-digit a, op, b
+
+
 def test_zero_padded_spells_training_numbers_in_a_form_no_training_prompt_has():
     """The near out-of-domain split: two-digit problems, a single-digit operand written with a
     leading zero, its answer the problem's own; no train prompt ever looks like it."""

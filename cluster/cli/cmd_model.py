@@ -116,9 +116,9 @@ def _at_least(low: int):
 
 def _check_task(args: argparse.Namespace):
     """(the task built with its --option values, the splits `klrl eval` asks for), after
-    checking the task takes those options and has those splits (the task registry's rules; a
-    plug-in task is imported here, as a training run's pre-flight imports it): a typo fails
-    here, in one line, not after vLLM has started."""
+    checking the task takes those options and has those splits, each holding --n problems
+    (the task registry's rules; a plug-in task is imported here, as a training run's
+    pre-flight imports it): a typo fails here, in one line, not after vLLM has started."""
     from cluster.config.loader import parse_overrides
     from rewards.config import build_named
 
@@ -133,6 +133,10 @@ def _check_task(args: argparse.Namespace):
             task.check_split(split)
         except ValueError as exc:
             raise ValueError(f"--splits: {exc}") from None
+        try:
+            task.check_count(split, args.n)
+        except ValueError as exc:
+            raise ValueError(f"--n: {exc}") from None
     return task, splits
 
 

@@ -1,6 +1,7 @@
 """The final checkpoint's evaluation: a finished run's final/ model on `problems` problems per
-evaluation set, greedy, the same problems in every run (`seed` fixes them), written to
-RUN/final_eval.json, whose accuracies the findings compare (measures.final_accuracy).
+evaluation set (a set that holds fewer, whole: the retained split's 800 facts), greedy, the
+same problems in every run (`seed` fixes them), written to RUN/final_eval.json, whose
+accuracies the findings compare (measures.final_accuracy).
 
 The sets, their tasks, the prompts and the completion budget are the run's own (its
 config.yaml), and the evaluation is the trainer's (`actors.evaluate.evaluate_sets`) on an
@@ -59,7 +60,8 @@ def evaluate_final(run_dir: Path, problems: int, seed: int, sets: Sequence[str])
                                              "seed": seed} | {name: None for name in
                                                               OPTIONAL_SETS if name not in sets}),
             cfg.task, default_max_tokens=cfg.rollout.max_new_tokens,
-            renderer=PromptRenderer.for_task(llm.get_tokenizer(), cfg.task))
+            renderer=PromptRenderer.for_task(llm.get_tokenizer(), cfg.task),
+            whole_when_smaller=True)  # retained: its 800 facts, all of them
     finally:
         shutdown_llm(llm)
     record = {"problems": problems, "seed": seed, "asked": sorted(sets), "seconds": report.seconds,

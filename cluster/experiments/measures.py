@@ -62,12 +62,13 @@ class Measures:
 
 def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
     """(set -> accuracy, source): the final checkpoint's evaluation when it has
-    rules.final_problems problems and rules.final_eval_seed, else the last evaluation."""
+    rules.final_problems problems (a set holding fewer distinct problems: all of them;
+    final_eval.py) and rules.final_eval_seed, else the last evaluation."""
     final = run.final_eval
     if final and (final.get("problems"), final.get("seed")) \
             == (rules.final_problems, rules.final_eval_seed):
         return ({name: s["accuracy"] for name, s in final["sets"].items()},
-                f"final checkpoint, {rules.final_problems} problems")
+                f"final checkpoint, {rules.final_problems} problems (a set of fewer: whole)")
     last = {name: values[-1] for name in EVAL_SETS
             if (values := run.series(f"eval/{name}/accuracy")[1])}
     problems = run.config.get("eval.num_problems", "?")
