@@ -188,7 +188,7 @@ def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_target
     assert set(tiny_model.RECIPES) == set(get_args(EmbeddedModel))  # one recipe per name
     retain = tiny_model.RECIPES["arith-retain"]
     assert retain.retained_share > 0
-    assert tiny_model.default_model_name(0, recipe="arith-retain") == "tiny-arith-retain-v1-seed0"
+    assert tiny_model.default_model_name(0, recipe="arith-retain") == "tiny-arith-retain-v2-seed0"
     easy = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0)
     hard = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.99)
     model, tok = tiny_model._new_model(0)
@@ -206,6 +206,26 @@ def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_target
                           recipe=easy)
     assert not torch.equal(plain.lm_head.weight, mixed.lm_head.weight)  # other batches
     assert tiny_model.WarmStart(2, 0.0, True).retained_accuracy is None
+
+
+def test_facts_first_teaches_the_facts_alone_until_their_target_then_mixes():
+    """A recipe with facts_first_target (arith-retain v2) trains on facts alone until their
+    accuracy reaches it: unreachable, no arithmetic step is ever taken (the validation check
+    never runs); reached at once, the next step is the first mixed one, and the run stops
+    there when both targets are met."""
+    stuck = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0,
+                              facts_first_target=1.01)
+    model, tok = tiny_model._new_model(0)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=3, progress=False,
+                                 recipe=stuck)
+    assert (done.steps, done.reached_target, done.validation_accuracy) == (3, False, 0.0)
+    quick = tiny_model.Recipe("t", 1, retained_share=0.25, retained_target=0.0,
+                              facts_first_target=0.0)
+    model, tok = tiny_model._new_model(0)
+    done = tiny_model.warm_start(model, tok, seed=0, target=0.0, max_steps=5, progress=False,
+                                 recipe=quick)
+    assert done.steps == 2 and done.reached_target
+    assert tiny_model.RECIPES["arith-retain"].facts_first_target is not None
 
 
 def test_the_build_time_is_stated_one_way():
