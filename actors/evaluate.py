@@ -225,17 +225,22 @@ def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_ma
     for name, s in cfg.sets(training).items():
         own_task = (s.task, s.options) == (training.name, dict(training.options))
         task = rewards.get_task(s.task, **s.options)
-        n = cfg.num_problems
-        if whole_when_smaller and (size := task.distinct_problems(s.split)) is not None:
-            n = min(n, size)
         result = evaluate(llm, task, [s.split],
-                          n=n, samples=cfg.samples, seed=cfg.seed,
+                          n=problems_of(task, s.split, cfg.num_problems, whole_when_smaller),
+                          samples=cfg.samples, seed=cfg.seed,
                           max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, renderer=renderer, progress=False,
                           scoring_pool=scoring_pool, reward=training.reward if own_task else None)
         sets[name] = result.splits[s.split]
     return EvalReport(sets=sets, seed=cfg.seed, max_tokens=budget,
                       seconds=round(time.perf_counter() - t0, 2))
+
+
+def problems_of(task, split: str, asked: int, whole_when_smaller: bool) -> int:
+    """How many problems of `split` an evaluation asking `asked` takes: `asked`, or with
+    `whole_when_smaller` all of a split known to hold fewer (`Task.distinct_problems`)."""
+    size = task.distinct_problems(split) if whole_when_smaller else None
+    return asked if size is None else min(asked, size)
 
 
 def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, renderer,
