@@ -82,7 +82,8 @@ class Task(ABC):
         """How many distinct problems `split` holds, where that is known without loading any
         data; None where it is not (a split drawn with replacement, a dataset not yet read).
         An evaluation asking a split for more than it holds is refused before a run starts
-        (cluster/train/door/tasks.py); the final evaluation takes such a set whole."""
+        (`check_count`, from EvalConfig.check_sets and `klrl eval --n`); the final evaluation
+        takes such a set whole (actors.evaluate.problems_of)."""
         self.check_split(split)
         return None
 

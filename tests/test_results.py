@@ -56,7 +56,6 @@ def test_final_checkpoints_are_evaluated_on_the_same_problems(tiny_model_dir, tm
     assert again.returncode == 0 and again.stdout == ""  # nothing left to evaluate
 
 
-
 def test_a_set_smaller_than_asked_is_evaluated_whole_in_the_final_evaluation():
     """The final evaluation (final_eval.py: whole_when_smaller) takes a split holding fewer
     distinct problems than asked whole (the retained split's 800 facts against the
