@@ -203,11 +203,11 @@ def test_the_report_says_whether_the_pre_registration_predates_the_runs(tmp_path
     from cluster.experiments.report import ReportConfig
 
     prereg_path = "docs/sweeps/preregistration.yaml"
-    info = file_commit(prereg_path)
+    info = file_commit(prereg_path, "offpolicy_tiny_confirm")
     if info["commit"] is None or info["modified"]:
         pytest.skip("the pre-registration is not committed as it is in this checkout")
     cfg = ReportConfig(preregistration=prereg_path)
-    for started, said in (("2000-01-01T00:00:00+0000", "**It was changed after the first run"),
+    for started, said in (("2000-01-01T00:00:00+0000", "**That is after the first run"),
                           ("2100-01-01T00:00:00+0000", "before the first run started")):
         root = tmp_path / started[:4] / "offpolicy_tiny_confirm"
         run = write_run(root / "s101", seed=101, beta=0.3, lag=8)

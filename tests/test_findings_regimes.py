@@ -14,6 +14,7 @@ from test_report import write_run
 from cluster.experiments import arms, stats
 from cluster.experiments.dose import breaks_with_dose, k1_loss_regularises_nothing
 from cluster.experiments.measures import PRIMARY, measure
+from cluster.config.loader import REPO_ROOT as ROOT
 from cluster.experiments.prereg import Rules
 from cluster.experiments.runs import load_run
 
@@ -144,3 +145,44 @@ def test_a_committed_runs_csv_is_reread_under_the_current_rules():
     assert "| K1 in the loss is unstable | klrl (off-policy extension) | beta 0.3, max_lag 8 | " \
         "**reproduced**" in md
     assert "paired t =" in md and "**Unknown here:** 8 run(s) drifted" in md
+
+
+def test_an_amendment_to_one_sweeps_claims_leaves_the_others_pre_registered(tmp_path):
+    """One file governs two sweeps that start hours apart. A commit that changes only the
+    later sweep's claims (and comments) is when that sweep's rules last changed, not the
+    earlier's; a change to what both share (a rule) is both sweeps' last change."""
+    import subprocess
+
+    import yaml
+
+    from cluster.experiments.prereg import file_commit
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    path = repo / "prereg.yaml"
+    source = yaml.safe_load((ROOT / "docs/sweeps/preregistration_regimes.yaml").read_text())
+
+    def commit(data: dict, comment: str, date: str) -> str:
+        path.write_text(f"# {comment}\n" + yaml.safe_dump(data))
+        env = {"GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date, "PATH": "/usr/bin:/bin",
+               "HOME": str(tmp_path)}
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+        subprocess.run(git + ["add", "prereg.yaml"], check=True, env=env)
+        subprocess.run(git + ["commit", "-qm", comment], check=True, env=env)
+        return subprocess.run(git + ["rev-parse", "HEAD"], check=True, env=env,
+                              capture_output=True, text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    first = commit(source, "written", "2026-01-01T00:00:00+00:00")
+    source["sweeps"]["regimes_long"]["claims"][0]["beta"] = 0.05
+    amended = commit(source, "long sweep amended", "2026-01-02T00:00:00+00:00")
+    for sweep, expected in (("regimes_confirm", first), ("regimes_long", amended)):
+        info = file_commit(path, sweep)
+        assert (info["commit"], info["file_commit"]) == (expected, amended), sweep
+        assert info["modified"] is False
+    source["rules"]["accuracy_margin"] = 0.03
+    shared = commit(source, "a shared rule changed", "2026-01-03T00:00:00+00:00")
+    assert {file_commit(path, s)["commit"] for s in ("regimes_confirm", "regimes_long")} == \
+        {shared}
+    path.write_text(path.read_text() + "# an uncommitted comment\n")
+    assert file_commit(path, "regimes_confirm")["modified"] is True

@@ -6,7 +6,8 @@ rules have at that design (`Design`, simulated by tests/test_stats.py).
 
 `Rules()` are also the rules of an exploratory report (no pre-registration): one home for each
 threshold. The file is committed before the runs it governs start; `file_commit` names the
-commit that last changed it, which the report prints beside the dates the runs started.
+commit that last changed what it fixes for a sweep, which the report prints beside the date
+that sweep's first run started.
 """
 from __future__ import annotations
 
@@ -259,20 +260,55 @@ def load_preregistration(path: str | Path) -> Preregistration:
         raise ConfigError(f"{full}: {exc}") from None
 
 
-def file_commit(path: str | Path) -> dict[str, str | bool | None]:
-    """{"commit", "date" (ISO), "modified"}: the commit that last changed the file, and whether
-    the working tree differs from it (None values outside a git checkout)."""
+def _git(cwd: Path, *args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _governing(text: str | None, sweep: str) -> dict | None:
+    """What a version of the file fixes for `sweep`: every parsed field, with `sweeps` cut to
+    that sweep's plan (None when the version does not parse or has no plan for it). Comments
+    and other sweeps' claims govern nothing here."""
+    try:
+        prereg = Preregistration.model_validate(yaml.safe_load(text or ""))
+    except ValueError:
+        return None
+    if sweep not in prereg.sweeps:
+        return None
+    return prereg.model_dump() | {"sweeps": {sweep: prereg.sweeps[sweep].model_dump()}}
+
+
+def file_commit(path: str | Path, sweep: str | None = None) -> dict[str, str | bool | None]:
+    """{"commit", "date" (ISO), "modified", "file_commit", "file_date"}: the commit that last
+    changed what the file fixes for `sweep` (its rules, seeds, design and that sweep's claims;
+    the file's last commit when `sweep` is None), the file's own last commit, and whether the
+    working tree's file differs from the committed one (None values outside a git checkout).
+
+    One file may govern several sweeps that start at different times: an amendment to a later
+    sweep's claims, made after an earlier sweep's first run, leaves the earlier one's findings
+    pre-registered, and a change to anything they share does not."""
     full = resolve(path)
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=full.parent, capture_output=True,
-                                  text=True, timeout=10, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    last = git("log", "-1", "--format=%H %cI", "--", full.name)
-    status = git("status", "--porcelain", "--", full.name)
-    commit, date = last.split() if last else (None, None)
-    return {"commit": commit, "date": date,
-            "modified": None if status is None else bool(status) or commit is None}
+    log = _git(full.parent, "log", "--format=%H %cI", "--", full.name)
+    status = _git(full.parent, "status", "--porcelain", "--", full.name)
+    history = [line.split() for line in (log or "").splitlines() if line.strip()]
+    info: dict[str, str | bool | None] = {
+        "commit": None, "date": None, "file_commit": None, "file_date": None,
+        "modified": None if status is None else bool(status) or not history}
+    if not history:
+        return info
+    info["file_commit"], info["file_date"] = history[0]
+    info["commit"], info["date"] = history[0]
+    if sweep is None:
+        return info
+    prefix = (_git(full.parent, "rev-parse", "--show-prefix") or "").strip()
+    versions = [(c, d, _governing(_git(full.parent, "show", f"{c}:{prefix}{full.name}"), sweep))
+                for c, d in history]
+    # Newest first: the last change is the oldest commit of the newest run that matches.
+    for (commit, date, fixed), (_, _, before) in zip(versions, versions[1:] + [("", "", None)]):
+        info["commit"], info["date"] = commit, date
+        if fixed != before:
+            break
+    return info

@@ -56,7 +56,8 @@ class ReportConfig(InstabilityRule):
     preregistration: str | None = Field(
         None, min_length=1, description="Pre-registration (YAML, docs/sweeps/preregistration."
         "yaml) whose claims, rules and seeds the findings follow, relative to the repository "
-        "root or absolute; the report quotes it with the commit that last changed it. null: "
+        "root or absolute; the report quotes it with the commit that last changed its rules, "
+        "seeds or this sweep's claims. null: "
         "exploratory findings, with the same rules and the claims at every beta the "
         "directory ran.")
 

@@ -85,21 +85,25 @@ def _started(runs: list[RunData]) -> datetime | None:
 
 
 def _prereg_head(cfg, prereg: Preregistration, sweep: str, runs: list[RunData]) -> list[str]:
-    info = file_commit(cfg.preregistration)
+    info = file_commit(cfg.preregistration, sweep)
     first = _started(runs)
     when = ""
     if info["date"] and first:
         changed = datetime.fromisoformat(info["date"])
-        when = (" It was last changed before the first run started (" + first.strftime(
+        when = (" That is before the first run started (" + first.strftime(
             "%Y-%m-%d %H:%M") + "): pre-registered." if changed <= first else
-            f" **It was changed after the first run started ({first:%Y-%m-%d %H:%M}): these "
+            f" **That is after the first run started ({first:%Y-%m-%d %H:%M}): these "
             "findings are not pre-registered.**")
     modified = " **The file has uncommitted changes: the rules below are not the committed " \
         "ones.**" if info["modified"] else ""
     commit = f"commit {info['commit'][:12]} ({info['date']})" if info["commit"] else \
         "no commit (not in git)"
+    if info["file_commit"] and info["file_commit"] != info["commit"]:
+        commit += (f"; the file's later commits, up to {info['file_commit'][:12]} "
+                   f"({info['file_date']}), change only comments or other sweeps' claims")
     return [(f"**Confirmatory**: the claims, rules and seeds are those of the pre-registration "
-            f"`{cfg.preregistration}` ({prereg.title}), sweep `{sweep}`, last changed at "
+            f"`{cfg.preregistration}` ({prereg.title}), sweep `{sweep}`, whose rules, seeds and "
+            f"claims last changed at "
             f"{commit}.{when}{modified} It is quoted at the end of this report.")]
 
 
