@@ -186,3 +186,29 @@ def test_an_amendment_to_one_sweeps_claims_leaves_the_others_pre_registered(tmp_
         {shared}
     path.write_text(path.read_text() + "# an uncommitted comment\n")
     assert file_commit(path, "regimes_confirm")["modified"] is True
+
+
+def test_runs_of_another_length_than_the_registered_one_are_left_out(tmp_path):
+    """regimes_long's length is part of what "KL stabilises async" tests (the control's time
+    to break): a pre-registration that fixes it leaves runs of another length out of the
+    findings and says how many."""
+    import yaml
+
+    from cluster.experiments.prereg import load_preregistration
+    from cluster.experiments.report import ReportConfig, find_runs, group_runs, write_report
+    from cluster.experiments.report_findings import directory_findings
+
+    data = yaml.safe_load((ROOT / "docs/sweeps/preregistration_regimes.yaml").read_text())
+    data["sweeps"]["regimes_long"]["total_steps"] = 40
+    prereg_file = tmp_path / "prereg.yaml"
+    prereg_file.write_text(yaml.safe_dump(data))
+    root = tmp_path / "regimes_long"
+    for seed, steps in ((201, 40), (202, 40), (203, 30)):
+        for beta in (0.0, 0.3):
+            write_run(root / f"s{seed}-b{beta}", seed=seed, lag=8, beta=beta, steps=steps)
+    runs = find_runs(root)
+    prereg = load_preregistration(prereg_file)
+    _, used, _, _ = directory_findings(runs, group_runs(runs), prereg, "regimes_long")
+    assert sorted({m.seed for m in used}) == [201, 202] and len(used) == 4
+    md = write_report(root, ReportConfig(preregistration=str(prereg_file))).read_text()
+    assert "- 2 run(s) of another length than the pre-registered 40 steps: left out" in md

@@ -29,6 +29,7 @@ def write_run(run_dir: Path, estimator="k1", placement="reward", lag=0, seed=0, 
     steps and at step 0, merged into the step's row), final/config.json when finished."""
     run_dir.mkdir(parents=True)
     config = {"run_name": run_dir.name, "output_dir": str(run_dir.parent), "seed": seed,
+              "total_steps": steps,
               "max_lag": lag, "kl": {"estimator": estimator, "placement": placement, "beta": beta},
               "learner": {"grad_clip": 1.0}, "logging": {"tags": [f"seed={seed}"]}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))

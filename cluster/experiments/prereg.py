@@ -167,6 +167,10 @@ class SweepPlan(_Strict):
     """The claims one sweep tests: one Holm family."""
 
     claims: list[ClaimSpec] = Field(..., min_length=1, max_length=50)
+    total_steps: int | None = Field(None, ge=1, description="The runs' length, fixed here when "
+                                    "it is part of what a claim tests (a control given the "
+                                    "time to break); runs of another length are left out of "
+                                    "the findings, and counted. null: the sweep file's.")
     repaired: list[str] = Field(default_factory=lambda: list(REPAIRED), description="The "
                                 "configurations prefix_repairs covers (<estimator>-<placement>).")
 
@@ -236,6 +240,11 @@ class Preregistration(_Strict):
     sweeps: dict[str, SweepPlan] = Field(..., min_length=1, description="Sweep name -> its "
                                          "claims.")
     design: Design
+
+    def registered(self, sweep: str, seed: int | None, total_steps: int | None) -> bool:
+        """Whether a run of `sweep` with this seed and length is one the findings use."""
+        length = self.sweeps[sweep].total_steps
+        return seed in self.seeds and (length is None or total_steps == length)
 
     @model_validator(mode="after")
     def _distinct_seeds(self) -> Preregistration:

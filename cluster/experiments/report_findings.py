@@ -114,7 +114,8 @@ def directory_findings(runs: list[RunData], groups: dict, prereg: Preregistratio
     rules = prereg.rules if prereg else Rules()
     label = {r.name: lab for lab, g in groups.items() for r in g}
     measures = [measure(r, label[r.name], run_commit(r), rules) for r in runs]
-    used = [m for m in measures if prereg is None or m.seed in prereg.seeds]
+    used = [m for m in measures if prereg is None
+            or prereg.registered(sweep, m.seed, m.config.get("total_steps"))]
     todo = fnd.plan(fnd.Study.of(used), prereg, sweep)
     found, sensitivity = fnd.robust(used, rules, todo, family_of_all=prereg is not None)
     return measures, used, found, sensitivity
@@ -137,7 +138,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
          "tested are those this directory could run, and the p-values describe these runs "
          "rather than confirm claims fixed before them (docs/sweeps.md, Pre-registration).")]
     family = len(found) if prereg else sum(f.verdict != "not run here" for f in found)
-    md += ["", *_deviations(measures, used, prereg, rules), *_pooled(runs),
+    md += ["", *_deviations(measures, used, prereg, rules, sweep), *_pooled(runs),
            *(_seed_sd_lines(used, prereg) if prereg else []),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
            "", *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
@@ -156,7 +157,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     return md, measures, quote
 
 
-def _deviations(measures, used, prereg, rules) -> list[str]:
+def _deviations(measures, used, prereg, rules, sweep) -> list[str]:
     lines = []
     finished = [m for m in used if m.finished]
     fallback = [m for m in finished if not m.source.startswith("final checkpoint")]
@@ -167,9 +168,13 @@ def _deviations(measures, used, prereg, rules) -> list[str]:
                      "during training (`make results` evaluates them; docs/sweeps.md).")
     if unfinished := len(used) - len(finished):
         lines.append(f"- {unfinished} run(s) unfinished: left out of the findings.")
-    if prereg and (other := len(measures) - len(used)):
+    if prereg and (other := sum(m.seed not in prereg.seeds for m in measures)):
         lines.append(f"- {other} run(s) with seeds outside the pre-registered "
                      f"{', '.join(map(str, prereg.seeds))}: left out of the findings.")
+    if prereg and (length := prereg.sweeps[sweep].total_steps) and (other := sum(
+            m.seed in prereg.seeds and m.config.get("total_steps") != length for m in measures)):
+        lines.append(f"- {other} run(s) of another length than the pre-registered "
+                     f"{length} steps: left out of the findings.")
     return [*lines, ""] if lines else []
 
 
