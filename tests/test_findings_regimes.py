@@ -212,3 +212,38 @@ def test_runs_of_another_length_than_the_registered_one_are_left_out(tmp_path):
     assert sorted({m.seed for m in used}) == [201, 202] and len(used) == 4
     md = write_report(root, ReportConfig(preregistration=str(prereg_file))).read_text()
     assert "- 2 run(s) of another length than the pre-registered 40 steps: left out" in md
+
+
+def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_evaluated(
+        tmp_path):
+    """Without a pre-registration the final checkpoint is evaluated on every set the runs
+    evaluated, and a model with something to forget is compared on `retained` (the pilots'
+    reports showed no retained column before); runs without one keep the defaults."""
+    import json
+
+    import yaml
+
+    from cluster.experiments.prereg import exploratory_rules
+    from cluster.experiments.report import ReportConfig, find_runs, write_report
+
+    plain = find_runs(write_run(tmp_path / "plain" / "s0").parent)
+    assert exploratory_rules(plain) == Rules()
+    root = tmp_path / "pilot"
+    for seed in (0, 1):
+        run = write_run(root / f"s{seed}", seed=seed, lag=8, beta=0.3)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["eval"] = {"in_domain": {"split": "in_domain"}, "far_out_of_domain": None,
+                          "out_of_domain": {"split": "zero_padded"},
+                          "retained": {"split": "retained"}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "final_eval.json").write_text(json.dumps({"problems": 1000, "seed": 1, "sets": {
+            "in_domain": {"accuracy": 0.75, "problems": 1000},
+            "out_of_domain": {"accuracy": 0.14, "problems": 1000},
+            "retained": {"accuracy": 0.55 + 0.01 * seed, "problems": 800}}}))
+    rules = exploratory_rules(find_runs(root))
+    assert (rules.final_sets, rules.retained) == (["in_domain", "out_of_domain", "retained"],
+                                                  "retained")
+    md = write_report(root, ReportConfig()).read_text()
+    table = md[md.index("### Measures per configuration"):]
+    assert "| final in-domain | final out-of-domain | final retained |" in table
+    assert "| 0.750 ± 0.000 | 0.140 ± 0.000 | 0.555 ± 0.007 |" in table

@@ -73,3 +73,26 @@ def test_a_set_smaller_than_asked_is_evaluated_whole_in_the_final_evaluation():
     assert problems_of(task, "retained", 1000, False) == 1000  # refused later, by the task
     assert len(task.problems("retained", problems_of(task, "retained", 1000, True), 1)) == 800
     assert "whole_when_smaller=True" in inspect.getsource(final_eval.evaluate_final)
+
+
+def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd):
+    """results.py runs each final evaluation with its output (vLLM's warnings, progress bars)
+    in the sweep's logs/RUN.final_eval.log, so the console keeps one line per run."""
+    import signal
+
+    from cluster.experiments.results import _Child, _tail
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child = _Child()
+        out_log, err_log = tmp_path / "out.log", tmp_path / "err.log"
+        assert child.run("cluster.experiments.final_eval", "--help", log=out_log) == 0
+        assert child.run("json.tool", str(tmp_path / "missing.json"), log=err_log) != 0
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert "--problems" in out_log.read_text()  # stdout
+    assert "missing.json" in _tail(err_log)       # stderr, and what a failure prints
+    console = capfd.readouterr()
+    assert "--problems" not in console.out + console.err
+    assert "missing.json" not in console.out + console.err

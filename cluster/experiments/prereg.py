@@ -4,23 +4,24 @@ the equivalence margin of an accuracy, the break-rate bound, the failure definit
 final-checkpoint evaluation and the threshold-sensitivity variants), and the error rates those
 rules have at that design (`Design`, simulated by tests/test_stats.py).
 
-`Rules()` are also the rules of an exploratory report (no pre-registration): one home for each
-threshold. The file is committed before the runs it governs start; `file_commit` names the
-commit that last changed what it fixes for a sweep, which the report prints beside the date
-that sweep's first run started.
+`Rules()` are also the rules of an exploratory report (no pre-registration; `exploratory_rules`
+adds the sets its runs evaluated): one home for each threshold. The file is committed before
+the runs it governs start; `file_commit` names the commit that last changed what it fixes for
+a sweep, which the report prints beside the date that sweep's first run started.
 """
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.runs import InstabilityRule
-from rewards.config import EvalSetName
+from cluster.experiments.runs import InstabilityRule, RunData
+from rewards.config import EVAL_SETS, EvalSetName
 
 # The claims a pre-registration may name; cluster/experiments/findings.py's CLAIMS holds the
 # test of each (checked there at import).
@@ -30,6 +31,9 @@ ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_oo
 # The configurations whose breaks per-decision weights are expected to repair (exploratory:
 # the two that broke at beta 0.3, max_lag 8), as "<estimator>-<placement>".
 REPAIRED = ("k1-loss", "k3-reward")
+
+
+OUT_OF_DOMAIN = "out_of_domain"
 
 
 class _Strict(BaseModel):
@@ -109,7 +113,7 @@ class Rules(_Strict):
                                  "ratio within 1.5x either way; K1 in the reward ends 2.6x "
                                  "closer than no KL at beta 0.3, so it is regularisation this "
                                  "margin can tell from none).")
-    retained: str = Field("out_of_domain", min_length=1, max_length=80, description="The "
+    retained: str = Field(OUT_OF_DOMAIN, min_length=1, max_length=80, description="The "
                           "evaluation set the claims about what training keeps compare ('best "
                           "in- and out-of-domain', 'worse out-of-domain'): the first "
                           "pre-registration's out_of_domain (a format transfer that training "
@@ -132,6 +136,16 @@ class Rules(_Strict):
     sensitivity: list[Variant] = Field(default_factory=_default_variants, max_length=10,
                                        description="Threshold variants of the sensitivity "
                                        "table.")
+
+
+def exploratory_rules(runs: Iterable[RunData]) -> Rules:
+    """The rules of a report without a pre-registration: the defaults, with the final
+    checkpoint evaluated on every set the runs evaluated, and the claims about what training
+    keeps compared on `retained` where the runs evaluated it (a model with something to
+    forget), else on out_of_domain as before."""
+    evaluated = {name for run in runs for name in run.evaluated_sets}
+    sets = [name for name in EVAL_SETS if name in evaluated] or Rules().final_sets
+    return Rules(final_sets=sets, retained="retained" if "retained" in sets else OUT_OF_DOMAIN)
 
 
 class ClaimSpec(_Strict):

@@ -24,6 +24,7 @@ from cluster.experiments.measures import (
 from cluster.experiments.prereg import (
     Preregistration,
     Rules,
+    exploratory_rules,
     file_commit,
     load_preregistration,
     resolve,
@@ -110,8 +111,8 @@ def _prereg_head(cfg, prereg: Preregistration, sweep: str, runs: list[RunData]) 
 def directory_findings(runs: list[RunData], groups: dict, prereg: Preregistration | None,
                        sweep: str) -> tuple[list[Measures], list[Measures], list, list[str]]:
     """(every run's measures, those the findings use, the findings, the sensitivity table):
-    the pre-registration's claims and seeds, or (None) exploratory ones with Rules()."""
-    rules = prereg.rules if prereg else Rules()
+    the pre-registration's claims and seeds, or (None) exploratory ones (exploratory_rules)."""
+    rules = prereg.rules if prereg else exploratory_rules(runs)
     label = {r.name: lab for lab, g in groups.items() for r in g}
     measures = [measure(r, label[r.name], run_commit(r), rules) for r in runs]
     used = [m for m in measures if prereg is None
@@ -125,7 +126,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
                      ) -> tuple[list[str], list[Measures], list[str]]:
     """(markdown of the findings section, every run's measures, the pre-registration quote)."""
     prereg = load_preregistration(cfg.preregistration) if cfg.preregistration else None
-    rules = prereg.rules if prereg else Rules()
+    rules = prereg.rules if prereg else exploratory_rules(runs)
     sweep = sweep_name(path)
     if prereg and sweep not in prereg.sweeps:
         raise ConfigError(f"report.preregistration: {cfg.preregistration} has no claims for "
@@ -239,18 +240,19 @@ def _rules_text(rules: Rules, m: int) -> list[str]:
 
 
 def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
-    head = ["configuration", "runs", "accuracy from", "final in-domain", "final out-of-domain",
-            "AUC in-domain", "AUC out-of-domain", "KL at the end", "mean lag",
-            f"broken ({PRIMARY})", "time-to-break (median step)", "drifted"]
+    # A column per set any run has a final accuracy for (retained: what training forgets).
+    sets = [k for k in SET_LABELS if any(k in m.accuracy for m in measures)] or ["in_domain"]
+    head = ["configuration", "runs", "accuracy from",
+            *(f"final {SET_LABELS[k]}" for k in sets), *(f"AUC {SET_LABELS[k]}" for k in sets),
+            "KL at the end", "mean lag", f"broken ({PRIMARY})", "time-to-break (median step)",
+            "drifted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in groups:
         ms = [m for m in measures if m.configuration == label and m.finished]
         if not ms:
             continue
-        cells = [mean_sd([m.accuracy.get(k, math.nan) for m in ms]) for k in ("in_domain",
-                                                                              "out_of_domain")]
-        cells += [mean_sd([m.auc.get(k, math.nan) for m in ms]) for k in ("in_domain",
-                                                                         "out_of_domain")]
+        cells = [mean_sd([m.accuracy.get(k, math.nan) for m in ms]) for k in sets]
+        cells += [mean_sd([m.auc.get(k, math.nan) for m in ms]) for k in sets]
         sources = sorted({m.source for m in ms})
         lines.append("| " + " | ".join([f"`{label}`", str(len(ms)), "; ".join(sources), *cells,
                                         mean_sd([m.kl_end for m in ms]),

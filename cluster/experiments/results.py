@@ -4,7 +4,9 @@ where they stopped. Three steps, each skipping what is done:
 1. `klrl sweep FILE ARGS --no-report`: the runs that are missing (finished runs are skipped,
    interrupted ones resume from their last checkpoint);
 2. every finished run's final checkpoint evaluated on the pre-registered number of problems
-   (final_eval.py, one process per run; runs evaluated before are skipped);
+   and sets (without a pre-registration: every set the runs evaluated; final_eval.py, one
+   process per run, its output in the sweep's logs/RUN.final_eval.log; runs evaluated
+   before are skipped);
 3. the report rewritten into docs/sweeps/<sweep name>/ (or --out), where it is committed.
 
 Each step runs as a child process in a session of its own; a signal to this one (Ctrl-C,
@@ -15,6 +17,8 @@ failed, else 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -22,8 +26,9 @@ from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.final_eval import needs_evaluation
-from cluster.experiments.prereg import Rules, load_preregistration
-from cluster.experiments.report import write_report
+from cluster.experiments.runs import FINAL_EVAL_FILE
+from cluster.experiments.prereg import exploratory_rules, load_preregistration
+from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.sweep import load_sweep, sweep_dir
 
 
@@ -41,9 +46,16 @@ class _Child:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signum)
 
-    def run(self, *args: str) -> int:
-        self._proc = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True)
-        return self._proc.wait()  # a signal runs _forward and the wait goes on (PEP 475)
+    def run(self, *args: str, log: Path | None = None) -> int:
+        """Run `python -m ARGS`; its output goes to `log` when given, else here."""
+        with open(log, "w") if log else contextlib.nullcontext() as out:
+            self._proc = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True,
+                                          stdout=out, stderr=subprocess.STDOUT if out else None)
+            return self._proc.wait()  # a signal runs _forward and the wait goes on (PEP 475)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_sweep(args.sweep, args.overrides)
-        rules = load_preregistration(cfg.report.preregistration).rules \
-            if cfg.report.preregistration else Rules()
+        prereg = load_preregistration(cfg.report.preregistration) \
+            if cfg.report.preregistration else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -67,19 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     if status not in (0, 1) or child.signalled:
         return status or 128 + child.signalled
     root = sweep_dir(cfg)
+    rules = prereg.rules if prereg else exploratory_rules(find_runs(root))
     todo = [d for d in sorted(root.iterdir()) if d.is_dir()
             and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
     for i, run_dir in enumerate(todo, 1):
+        log = root / "logs" / f"{run_dir.name}.final_eval.log"
+        log.parent.mkdir(exist_ok=True)
         print(f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}: "
-              f"{rules.final_problems} problems per set", flush=True)
+              f"{rules.final_problems} problems per set on {', '.join(rules.final_sets)} "
+              f"(log: {log})", flush=True)
         code = child.run("cluster.experiments.final_eval", str(run_dir), "--problems",
                          str(rules.final_problems), "--seed", str(rules.final_eval_seed),
-                         "--sets", ",".join(rules.final_sets))
+                         "--sets", ",".join(rules.final_sets), log=log)
         if child.signalled:
             return 128 + child.signalled
         if code:
-            print(f"FAILED the final evaluation of {run_dir.name} (exit {code})", file=sys.stderr)
+            print(f"FAILED the final evaluation of {run_dir.name} (exit {code}); the end of "
+                  f"{log}:\n{_tail(log)}", file=sys.stderr)
             status = 1
+        else:
+            done = json.loads((run_dir / FINAL_EVAL_FILE).read_text())["sets"]
+            print("  " + ", ".join(f"{name} {s['accuracy']:.3f} ({s['problems']} problems)"
+                                   for name, s in done.items()), flush=True)
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
     try:
         print(f"report: {write_report(root, cfg.report, out=out)}")

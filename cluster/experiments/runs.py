@@ -120,6 +120,12 @@ class RunData:
     def last_step(self) -> int:
         return max(self.rows, default=0)
 
+    @property
+    def evaluated_sets(self) -> list[str]:
+        """The evaluation sets the run's config names (a set left null is not evaluated)."""
+        return [name for name in EVAL_SETS
+                if any(key.startswith(f"eval.{name}.") for key in self.config)]
+
 
 @dataclass(frozen=True)
 class Flag:
