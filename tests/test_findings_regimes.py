@@ -243,7 +243,15 @@ def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_eva
     rules = exploratory_rules(find_runs(root))
     assert (rules.final_sets, rules.retained) == (["in_domain", "out_of_domain", "retained"],
                                                   "retained")
-    md = write_report(root, ReportConfig()).read_text()
+    (root / "base_eval.json").write_text(json.dumps({"problems": 1000, "seed": 1, "sets": {
+        "in_domain": {"accuracy": 0.437}, "out_of_domain": {"accuracy": 0.065},
+        "retained": {"accuracy": 0.795}}}))
+    out = tmp_path / "report"
+    md = write_report(root, ReportConfig(), out=out).read_text()
     table = md[md.index("### Measures per configuration"):]
     assert "| final in-domain | final out-of-domain | final retained |" in table
     assert "| 0.750 ± 0.000 | 0.140 ± 0.000 | 0.555 ± 0.007 |" in table
+    # the model they started from, on the same problems: what was gained and forgotten
+    assert "| base model (before training) | - | the same problems ([base_eval.json](base_" \
+        "eval.json)) | 0.437 | 0.065 | 0.795 | - |" in table
+    assert (out / "base_eval.json").read_text() == (root / "base_eval.json").read_text()

@@ -1,6 +1,7 @@
-"""`make results`'s parts: the final checkpoint's evaluation (a real vLLM engine on the tiny
-model, in a process of its own, as results.py runs it) pairs the runs on the same problems, is
-skipped once done, and is the accuracy the findings then compare."""
+"""`make results`'s parts: the final checkpoint's evaluation and the base model's (a real vLLM
+engine on the tiny model, in a process of its own, as results.py runs it) pair the runs and
+the model they started from on the same problems, are skipped once done, and are the
+accuracies the findings then compare; their output goes to a log."""
 from __future__ import annotations
 
 import json
@@ -32,28 +33,44 @@ def finished_run(run_dir, model_dir, seed):
 
 
 @pytest.mark.slow
-def test_final_checkpoints_are_evaluated_on_the_same_problems(tiny_model_dir, tmp_path):
+def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems(
+        tiny_model_dir, tmp_path):
+    """s0's final checkpoint, then (--base) the model s1 started from, each by a real engine in
+    a process of its own: the same problems whatever the run's training seed, so every run and
+    the base model are paired; an evaluation done is skipped."""
+    from cluster.experiments.final_eval import needs_base_evaluation
+    from cluster.experiments.runs import BASE_EVAL_FILE
+
     runs = [finished_run(tmp_path / f"s{seed}", tiny_model_dir, seed) for seed in (0, 1)]
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     sets = ["in_domain", "out_of_domain"]
     assert [needs_evaluation(r, 40, 1, sets) for r in (*runs, unfinished)] == [True, True, False]
-    cmd = [sys.executable, "-m", "cluster.experiments.final_eval", *map(str, runs),
-           "--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    records = [json.loads((r / FINAL_EVAL_FILE).read_text()) for r in runs]
-    for record in records:
+    assert needs_base_evaluation(tmp_path, 40, 1, sets)
+    args = ["--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
+    cmd = [sys.executable, "-m", "cluster.experiments.final_eval", str(runs[0]), *args]
+    base_cmd = [sys.executable, "-m", "cluster.experiments.final_eval", str(runs[1]), "--base",
+                *args]
+    for c in (cmd, base_cmd):
+        done = subprocess.run(c, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    final = json.loads((runs[0] / FINAL_EVAL_FILE).read_text())
+    base = json.loads((tmp_path / BASE_EVAL_FILE).read_text())
+    assert (final["model"], base["model"]) == (str(runs[0] / "final"), str(tiny_model_dir))
+    for record in (final, base):
         assert (record["problems"], record["seed"]) == (40, 1)
         assert set(record["sets"]) == {"in_domain", "out_of_domain"}  # not the far one
         assert all(s["problems"] == 40 and 0 <= s["accuracy"] <= 1 for s in record["sets"].values())
-    # paired: the same problems in both runs, whatever their training seed
-    assert records[0]["sets"]["out_of_domain"]["problem_ids_sha256"] \
-        == records[1]["sets"]["out_of_domain"]["problem_ids_sha256"]
+    # paired: the same problems in s0's final checkpoint and the base model s1 started from
+    for name in sets:
+        assert final["sets"][name]["problem_ids_sha256"] == base["sets"][name]["problem_ids_sha256"]
     assert not needs_evaluation(runs[0], 40, 1, sets) and needs_evaluation(runs[0], 1000, 1, sets)
     assert needs_evaluation(runs[0], 40, 1, ["in_domain"])  # other sets: evaluated again
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert again.returncode == 0 and again.stdout == ""  # nothing left to evaluate
+    assert needs_evaluation(runs[1], 40, 1, sets)  # --base evaluated s1's start, not s1
+    assert not needs_base_evaluation(tmp_path, 40, 1, sets)
+    for c in (cmd, base_cmd):
+        again = subprocess.run(c, capture_output=True, text=True, timeout=300, check=False)
+        assert again.returncode == 0 and again.stdout == ""  # nothing left to evaluate
 
 
 def test_a_set_smaller_than_asked_is_evaluated_whole_in_the_final_evaluation():
@@ -72,7 +89,7 @@ def test_a_set_smaller_than_asked_is_evaluated_whole_in_the_final_evaluation():
     assert problems_of(task, "in_domain", 1000, True) == 1000
     assert problems_of(task, "retained", 1000, False) == 1000  # refused later, by the task
     assert len(task.problems("retained", problems_of(task, "retained", 1000, True), 1)) == 800
-    assert "whole_when_smaller=True" in inspect.getsource(final_eval.evaluate_final)
+    assert "whole_when_smaller=True" in inspect.getsource(final_eval._evaluate)
 
 
 def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd):

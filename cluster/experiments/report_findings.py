@@ -4,7 +4,9 @@ configuration, runs.csv (every run's finals and curve summaries, to recheck with
 and the code the runs came from."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import statistics
 from datetime import datetime
 from pathlib import Path
@@ -29,7 +31,7 @@ from cluster.experiments.prereg import (
     load_preregistration,
     resolve,
 )
-from cluster.experiments.runs import RunData
+from cluster.experiments.runs import BASE_EVAL_FILE, RunData
 from cluster.train.run_log import read_provenance
 
 CSV_FILE = "runs.csv"
@@ -133,6 +135,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
                           f"sweep {sweep!r} (it lists {', '.join(prereg.sweeps)})")
     measures, used, found, sensitivity = directory_findings(runs, groups, prereg, sweep)
     write_csv(measures, out / CSV_FILE, [v.name for v in rules.sensitivity])
+    base = _base_eval(path, out, rules)
     md = ["## Findings", ""]
     md += _prereg_head(cfg, prereg, sweep, runs) if prereg else [
         ("**Exploratory**: no pre-registration (`report.preregistration`), so the claims "
@@ -146,7 +149,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
            "one is *fragile*."), "", *(sensitivity or ["No claim to test."]), "",
-           "### Measures per configuration", "", *_measures_table(used, groups), "",
+           "### Measures per configuration", "", *_measures_table(used, groups, base), "",
            (f"Every run's values (final accuracies, last evaluation, area under the accuracy "
            f"curve, KL at the end, mean lag, broken and why, under each variant): "
            f"[{CSV_FILE}]({CSV_FILE})."),
@@ -239,7 +242,23 @@ def _rules_text(rules: Rules, m: int) -> list[str]:
             f"{'; or '.join(kinds)}.{drift}")]
 
 
-def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
+def _base_eval(path: Path, out: Path, rules: Rules) -> dict | None:
+    """The sweep's base_eval.json (the starting model on the final evaluation's problems;
+    results.py writes it) when it is on the problems the findings compare, copied beside the
+    report; else None."""
+    source = path / BASE_EVAL_FILE
+    if not source.is_file():
+        return None
+    base = json.loads(source.read_text())
+    if (base.get("problems"), base.get("seed")) != (rules.final_problems, rules.final_eval_seed):
+        return None
+    if source.resolve() != (out / BASE_EVAL_FILE).resolve():
+        shutil.copyfile(source, out / BASE_EVAL_FILE)
+    return base
+
+
+def _measures_table(measures: list[Measures], groups: dict, base: dict | None = None
+                    ) -> list[str]:
     # A column per set any run has a final accuracy for (retained: what training forgets).
     sets = [k for k in SET_LABELS if any(k in m.accuracy for m in measures)] or ["in_domain"]
     head = ["configuration", "runs", "accuracy from",
@@ -261,6 +280,12 @@ def _measures_table(measures: list[Measures], groups: dict) -> list[str]:
                                         _median_step(ms),
                                         f"{sum(bool(m.drifted) for m in ms)}/{len(ms)}"])
                      + " |")
+    if base:
+        finals = [f"{base['sets'][k]['accuracy']:.3f}" if k in base["sets"] else "-"
+                  for k in sets]
+        lines.append("| " + " | ".join(
+            ["base model (before training)", "-", f"the same problems ([{BASE_EVAL_FILE}]"
+             f"({BASE_EVAL_FILE}))", *finals, *["-"] * (len(head) - 3 - len(finals))]) + " |")
     return lines
 
 

@@ -6,7 +6,8 @@ where they stopped. Three steps, each skipping what is done:
 2. every finished run's final checkpoint evaluated on the pre-registered number of problems
    and sets (without a pre-registration: every set the runs evaluated; final_eval.py, one
    process per run, its output in the sweep's logs/RUN.final_eval.log; runs evaluated
-   before are skipped);
+   before are skipped), and the model they started from on the same problems (the sweep's
+   base_eval.json, the row the report reads every final accuracy against);
 3. the report rewritten into docs/sweeps/<sweep name>/ (or --out), where it is committed.
 
 Each step runs as a child process in a session of its own; a signal to this one (Ctrl-C,
@@ -25,8 +26,8 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.final_eval import needs_evaluation
-from cluster.experiments.runs import FINAL_EVAL_FILE
+from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
+from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
 from cluster.experiments.prereg import exploratory_rules, load_preregistration
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.sweep import load_sweep, sweep_dir
@@ -58,6 +59,42 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _evaluate_base(child: _Child, root: Path, runs: list, rules) -> int:
+    """The model the runs started from, on the final evaluation's problems (base_eval.json in
+    the sweep directory): 1 when that failed. Skipped when done, when no run finished, or when
+    the runs start from different models (a grid over model.*): no one row to read them
+    against."""
+    finished = [r for r in runs if r.finished]
+    starts = {(r.config.get("model.path"), r.config.get("model.embedded")) for r in finished}
+    if len(starts) != 1:
+        if len(starts) > 1:
+            print("base model: not evaluated, the runs start from different models")
+        return 0
+    if not needs_base_evaluation(root, rules.final_problems, rules.final_eval_seed,
+                                 rules.final_sets):
+        return 0
+    log = root / "logs" / "base.final_eval.log"
+    log.parent.mkdir(exist_ok=True)
+    print(f"base model (before training): {rules.final_problems} problems per set on "
+          f"{', '.join(rules.final_sets)} (log: {log})", flush=True)
+    code = child.run("cluster.experiments.final_eval", str(finished[0].dir), "--base",
+                     "--problems", str(rules.final_problems), "--seed",
+                     str(rules.final_eval_seed), "--sets", ",".join(rules.final_sets), log=log)
+    if code and not child.signalled:
+        print(f"FAILED the base model's evaluation (exit {code}); the end of {log}:\n"
+              f"{_tail(log)}", file=sys.stderr)
+        return 1
+    if not code:
+        _print_sets(root / BASE_EVAL_FILE)
+    return 0
+
+
+def _print_sets(path: Path) -> None:
+    done = json.loads(path.read_text())["sets"]
+    print("  " + ", ".join(f"{name} {s['accuracy']:.3f} ({s['problems']} problems)"
+                           for name, s in done.items()), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="make results SWEEP=FILE",
                                 description=__doc__.split("\n\n")[0])
@@ -79,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if status not in (0, 1) or child.signalled:
         return status or 128 + child.signalled
     root = sweep_dir(cfg)
-    rules = prereg.rules if prereg else exploratory_rules(find_runs(root))
+    runs = find_runs(root)
+    rules = prereg.rules if prereg else exploratory_rules(runs)
     todo = [d for d in sorted(root.iterdir()) if d.is_dir()
             and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
     for i, run_dir in enumerate(todo, 1):
@@ -98,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{log}:\n{_tail(log)}", file=sys.stderr)
             status = 1
         else:
-            done = json.loads((run_dir / FINAL_EVAL_FILE).read_text())["sets"]
-            print("  " + ", ".join(f"{name} {s['accuracy']:.3f} ({s['problems']} problems)"
-                                   for name, s in done.items()), flush=True)
+            _print_sets(run_dir / FINAL_EVAL_FILE)
+    status = max(status, _evaluate_base(child, root, runs, rules))
+    if child.signalled:
+        return 128 + child.signalled
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
     try:
         print(f"report: {write_report(root, cfg.report, out=out)}")

@@ -39,6 +39,7 @@ from cluster.train.run_log import has_metrics, is_finished, read_config, read_me
 from rewards.config import EVAL_SETS
 
 FINAL_EVAL_FILE = "final_eval.json"  # in a run directory: final_eval.py writes it
+BASE_EVAL_FILE = "base_eval.json"  # in a sweep directory: the starting model, the same way
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
 ACCURACY_KEYS = [(f"eval/{name}/{key}", SET_LABELS[name] + suffix)
                  for key, suffix in (("accuracy", ""), ("sampled_accuracy", " sampled"))
