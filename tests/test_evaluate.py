@@ -189,3 +189,28 @@ def test_the_in_process_engine_leaves_this_process_environment_alone(tiny_llm):
     import conftest
 
     assert os.environ.get("LD_PRELOAD") == conftest.LD_PRELOAD_AT_START
+
+
+def test_klrl_eval_greedy_only_prints_no_empty_sampled_columns(capsys):
+    """--samples 0 measures greedy pass@1 alone: the table has no 'sampled acc (K=0)' or
+    'pass@0' column of dashes; with samples both come back."""
+    from argparse import Namespace
+
+    from actors.evaluate import EvalResult, SplitResult
+    from cluster.cli.eval_run import _print_table
+    from cluster.cli.eval_target import EvalTarget
+
+    def table(samples: int) -> str:
+        split = SplitResult(split="retained", problems=800, greedy_accuracy=0.795,
+                            samples=samples, sampled_accuracy=0.7 if samples else None,
+                            pass_at_k=0.9 if samples else None)
+        result = EvalResult(task="arithmetic", model="m", seed=1, max_tokens=6,
+                            splits={"retained": split}, seconds=1.0)
+        _print_table(Namespace(samples=samples, temperature=1.0, reward=None), result,
+                     EvalTarget(model="m"))
+        return capsys.readouterr().out
+
+    greedy = table(0)
+    assert "79.5%" in greedy and "K=0" not in greedy and "pass@0" not in greedy
+    sampled = table(4)
+    assert "sampled acc (K=4, T=1)" in sampled and "pass@4" in sampled and "90.0%" in sampled

@@ -79,10 +79,13 @@ def _print_table(args, result, target: EvalTarget) -> None:
     title = f"{result.task} - {result.model}" + (
         f" (LoRA adapter on {target.model})" if target.adapter else "")
     table = Table(title=title)
-    reward_cols = ("greedy reward", "sampled reward") if args.reward else ()
-    for col in ("split", "problems", "greedy pass@1",
-                f"sampled acc (K={args.samples}, T={args.temperature:g})",
-                f"pass@{args.samples}", *reward_cols, "failures", "truncated"):
+    sampled = args.samples > 0  # --samples 0: greedy only, no sampled columns to fill
+    reward_cols = (("greedy reward", "sampled reward") if sampled else ("greedy reward",)) \
+        if args.reward else ()
+    sample_cols = (f"sampled acc (K={args.samples}, T={args.temperature:g})",
+                   f"pass@{args.samples}") if sampled else ()
+    for col in ("split", "problems", "greedy pass@1", *sample_cols, *reward_cols, "failures",
+                "truncated"):
         if col == "split":  # never truncate the split name, whatever the terminal width
             table.add_column(col, justify="left", no_wrap=True, min_width=13)
         else:
@@ -90,10 +93,10 @@ def _print_table(args, result, target: EvalTarget) -> None:
     for r in result.splits.values():
         table.add_row(
             r.split, str(r.problems), f"{100 * r.greedy_accuracy:.1f}%",
-            "-" if r.sampled_accuracy is None else f"{100 * r.sampled_accuracy:.1f}%",
-            "-" if r.pass_at_k is None else f"{100 * r.pass_at_k:.1f}%",
-            *([_mean_reward(r.greedy_reward), _mean_reward(r.sampled_reward)]
-              if args.reward else []),
+            *(("-" if r.sampled_accuracy is None else f"{100 * r.sampled_accuracy:.1f}%",
+               "-" if r.pass_at_k is None else f"{100 * r.pass_at_k:.1f}%") if sampled else ()),
+            *([_mean_reward(r.greedy_reward)] if args.reward else []),
+            *([_mean_reward(r.sampled_reward)] if args.reward and sampled else []),
             str(r.failures), str(r.truncated),
         )
     console.print(table)
