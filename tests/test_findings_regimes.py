@@ -255,3 +255,28 @@ def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_eva
     assert "| base model (before training) | - | the same problems ([base_eval.json](base_" \
         "eval.json)) | 0.437 | 0.065 | 0.795 | - |" in table
     assert (out / "base_eval.json").read_text() == (root / "base_eval.json").read_text()
+
+
+def test_the_report_reads_the_residual_and_the_seed_effect_the_paired_design_assumes():
+    """Final accuracy = configuration + seed effect + residual: the fit gives back the
+    residual sd (what a paired test sees; the design's seed_sd) and the seed effects' sd
+    (what pairing removes), and a broken run is left out. The first pre-registration's
+    comparison (the configurations' pooled sd) mixes the two."""
+    from cluster.experiments.measures import Measures, observed_paired_sd, observed_seed_sd
+
+    rng = np.random.default_rng(0)
+    seeds, configs = range(201, 241), {"a": 0.60, "b": 0.65, "c": 0.70}
+    block = dict(zip(seeds, rng.normal(0, 0.057, len(seeds))))
+
+    def run(config, seed, value, broken=""):
+        return Measures(f"{config}-s{seed}", config, seed, True, {}, "c",
+                        {"in_domain": value}, "final", {}, {}, 0.1, 0.0, {PRIMARY: broken})
+
+    ms = [run(c, s, mean + block[s] + rng.normal(0, 0.03)) for c, mean in configs.items()
+          for s in seeds]
+    ms.append(run("a", 999, 5.0, broken="accuracy collapse at step 10"))
+    residual, effects = observed_paired_sd(ms, ["in_domain"])["in_domain"]
+    assert abs(residual - 0.03) < 0.005 and abs(effects - 0.057) < 0.012
+    pooled = observed_seed_sd(ms, ["in_domain"])["in_domain"]
+    assert abs(pooled - math.hypot(0.03, 0.057)) < 0.012  # both, not the residual
+    assert observed_paired_sd(ms[:40], ["in_domain"]) == {}  # one configuration: no fit

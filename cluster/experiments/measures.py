@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from cluster.experiments.prereg import FailureKind, Rules
 from cluster.experiments.runs import (
     RunData,
@@ -151,12 +153,13 @@ def trained(measures: Sequence[Measures]) -> list[Measures]:
     return [m for m in measures if m.finished and not m.broken[PRIMARY]]
 
 
-def observed_seed_sd(measures: Sequence[Measures]) -> dict[str, float]:
+def observed_seed_sd(measures: Sequence[Measures],
+                     sets: Sequence[str] = ("in_domain", "out_of_domain")) -> dict[str, float]:
     """Set -> the pooled sd over seeds of the final accuracy: the root of the mean of the
     configurations' sample variances, over each configuration's trained runs (a break is
     another outcome, not seed noise), where it has at least two."""
     out = {}
-    for key in ("in_domain", "out_of_domain"):
+    for key in sets:
         per: dict[str, list[float]] = {}
         for m in trained(measures):
             if math.isfinite(v := m.accuracy.get(key, math.nan)):
@@ -164,6 +167,38 @@ def observed_seed_sd(measures: Sequence[Measures]) -> dict[str, float]:
         variances = [statistics.variance(v) for v in per.values() if len(v) > 1]
         if variances:
             out[key] = math.sqrt(statistics.fmean(variances))
+    return out
+
+
+def observed_paired_sd(measures: Sequence[Measures],
+                       sets: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """Set -> (residual sd, sd of the seed effects) of the final accuracy under the model the
+    paired design's power figures assume: configuration + seed (a block every configuration
+    shares) + residual, fitted by least squares to the trained runs (a break is another
+    outcome, not seed noise). The residual is what a paired test sees (the design's seed_sd),
+    the seed effects what pairing removes (its seed_block_sd, here with their estimation
+    noise in it). Needs two configurations, two seeds and a residual degree of freedom."""
+    out = {}
+    for key in sets:
+        rows = [(m.configuration, m.seed, v) for m in trained(measures)
+                if m.seed is not None and math.isfinite(v := m.accuracy.get(key, math.nan))]
+        configs = sorted({c for c, _, _ in rows})
+        seeds = sorted({s for _, s, _ in rows})
+        if len(configs) < 2 or len(seeds) < 2:
+            continue
+        design = np.zeros((len(rows), len(configs) + len(seeds) - 1))
+        for i, (c, s, _) in enumerate(rows):
+            design[i, configs.index(c)] = 1.0
+            if s != seeds[0]:  # the first seed's effect is the baseline: 0
+                design[i, len(configs) + seeds.index(s) - 1] = 1.0
+        y = np.array([v for _, _, v in rows])
+        coef, _, rank, _ = np.linalg.lstsq(design, y, rcond=None)
+        dof = len(rows) - rank
+        if dof < 1:
+            continue
+        residual = float(np.sqrt(np.sum((y - design @ coef) ** 2) / dof))
+        effects = [0.0, *coef[len(configs):]]
+        out[key] = (residual, statistics.stdev(effects))
     return out
 
 
