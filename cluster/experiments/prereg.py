@@ -12,8 +12,8 @@ a sweep, which the report prints beside the date that sweep's first run started.
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -31,9 +31,6 @@ ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_oo
 # The configurations whose breaks per-decision weights are expected to repair (exploratory:
 # the two that broke at beta 0.3, max_lag 8), as "<estimator>-<placement>".
 REPAIRED = ("k1-loss", "k3-reward")
-
-
-OUT_OF_DOMAIN = "out_of_domain"
 
 
 class _Strict(BaseModel):
@@ -113,7 +110,7 @@ class Rules(_Strict):
                                  "ratio within 1.5x either way; K1 in the reward ends 2.6x "
                                  "closer than no KL at beta 0.3, so it is regularisation this "
                                  "margin can tell from none).")
-    retained: str = Field(OUT_OF_DOMAIN, min_length=1, max_length=80, description="The "
+    retained: str = Field("out_of_domain", min_length=1, max_length=80, description="The "
                           "evaluation set the claims about what training keeps compare ('best "
                           "in- and out-of-domain', 'worse out-of-domain'): the first "
                           "pre-registration's out_of_domain (a format transfer that training "
@@ -145,7 +142,7 @@ def exploratory_rules(runs: Iterable[RunData]) -> Rules:
     forget), else on out_of_domain as before."""
     evaluated = {name for run in runs for name in run.evaluated_sets}
     sets = [name for name in EVAL_SETS if name in evaluated] or Rules().final_sets
-    return Rules(final_sets=sets, retained="retained" if "retained" in sets else OUT_OF_DOMAIN)
+    return Rules(final_sets=sets, retained="retained" if "retained" in sets else Rules().retained)
 
 
 class ClaimSpec(_Strict):

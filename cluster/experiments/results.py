@@ -27,9 +27,9 @@ from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
-from cluster.experiments.prereg import exploratory_rules, load_preregistration
+from cluster.experiments.prereg import Rules, exploratory_rules, load_preregistration
 from cluster.experiments.report import find_runs, write_report
+from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
 from cluster.experiments.sweep import load_sweep, sweep_dir
 
 
@@ -59,7 +59,7 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _evaluate_base(child: _Child, root: Path, runs: list, rules) -> int:
+def _evaluate_base(child: _Child, root: Path, runs: list[RunData], rules: Rules) -> int:
     """The model the runs started from, on the final evaluation's problems (base_eval.json in
     the sweep directory): 1 when that failed. Skipped when done, when no run finished, or when
     the runs start from different models (a grid over model.*): no one row to read them
