@@ -100,6 +100,28 @@ def test_break_rates_that_rise_with_the_lag_reproduce_a_dose_response():
                             (0, 2, 16)).status == "not run here"
 
 
+def test_break_rates_that_fall_as_beta_rises_reproduce_the_falling_dose_claim():
+    """The long sweep's "K1 in the reward breaks more as beta falls" (direction: falls): the
+    trend runs from the largest beta to the smallest, and it is contradicted by a break rate
+    shown below 1/2 at the smallest beta, where it expects most breaks; the same counts read
+    as "rises" reproduce nothing."""
+    def study(counts):
+        return arms.Study({("k1", "reward", "none", beta, 8): arms.Arm(
+            "K1 in reward", {}, k, 10, break_steps=tuple(range(900, 900 + k)))
+            for beta, k in zip((0.005, 0.05, 0.3), counts)})
+
+    doses = (0.3, 0.005, 0.05)  # any order: sorted by the direction
+    falls = breaks_with_dose(study((8, 3, 0)), 0.3, 8, RULES, "k1-reward", "beta", doses,
+                             direction="falls")
+    assert falls.reproduce < 0.001 and falls.claim == "k1-reward breaks more as beta falls"
+    assert falls.setting == "max_lag 8, beta 0.3, 0.05, 0.005"
+    rises = breaks_with_dose(study((8, 3, 0)), 0.3, 8, RULES, "k1-reward", "beta", doses)
+    assert rises.reproduce > 0.5 and rises.contradict < 0.01  # 0/10 at beta 0.3
+    none = breaks_with_dose(study((0, 0, 0)), 0.3, 8, RULES, "k1-reward", "beta", doses,
+                            direction="falls")
+    assert none.contradict < 0.01 and "at beta 0.005: 0/10 broken" in none.evidence
+
+
 def test_cochran_armitage_matches_its_definition_and_keeps_its_level():
     # hand-computed: rates 0/8, 4/8, 8/8 at scores 1, 2, 3: Z = 4 / sqrt(0.25 * 16 / 1) ...
     t = stats.trend([0, 4, 8], [8, 8, 8], [0, 1, 2])
