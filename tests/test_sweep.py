@@ -381,3 +381,21 @@ def test_runs_recorded_with_other_settings_never_count_as_the_sweeps(tmp_path, c
     assert [(r.name, r.state, [c.key for c in r.changes])
             for r in changed_runs(cfg2, runs2, configs2)] == [
         ("s0", "finished", ["total_steps"]), ("s1", "not in the grid", ["total_steps"])]
+
+
+def test_a_grid_that_lists_seed_first_runs_seed_by_seed_across_its_controls(tmp_path):
+    """A paired design stopped partway must have every configuration at the seeds it reached:
+    with `seed` first, seed 0's runs of the grid and of each control come before any seed 1
+    run; a control's own seeds go last. Otherwise the grid, then each control."""
+    cfg = _sweep(tmp_path, grid={"seed": [0, 1], "max_lag": [0, 8]},
+                 controls=[{"kl.beta": [0.0], "max_lag": [8]},
+                           {"kl.estimator": ["k3"], "seed": [1, 7]}])
+    names = [r.name for r in expand(cfg)]
+    assert names == ["s0-lag0", "s0-lag8", "s0-lag8-b0",
+                     "s1-lag0", "s1-lag8", "s1-lag8-b0", "s1-lag0-k3", "s1-lag8-k3",
+                     "s7-lag0-k3", "s7-lag8-k3"]
+    assert [r.index for r in expand(cfg)] == list(range(1, 11))
+    later = _sweep(tmp_path, grid={"max_lag": [0, 8], "seed": [0, 1]},
+                   controls=[{"kl.beta": [0.0], "max_lag": [8]}])
+    assert [r.name for r in expand(later)] == ["lag0-s0", "lag0-s1", "lag8-s0", "lag8-s1",
+                                               "lag8-s0-b0", "lag8-s1-b0"]

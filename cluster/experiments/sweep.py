@@ -71,7 +71,9 @@ class SweepConfig(BaseModel):
     grid: dict[str, Annotated[list[Any], Field(min_length=1, max_length=1000)]] = Field(
         ..., min_length=1, max_length=20, description="`key.sub: [values]`: one run per "
         "combination, in the order written (the last key varies fastest). `seed` is the key "
-        "the report averages over.")
+        "the report averages over; listed first, the runs go seed by seed across the grid and "
+        "its controls, so that a sweep stopped partway has every configuration at the seeds "
+        "it reached.")
     controls: list[dict[str, Annotated[list[Any], Field(min_length=1, max_length=1000)]]] = Field(
         default_factory=list, max_length=20, description="Variations of the grid whose runs join "
         "the sweep, in one directory and report: each maps keys to new value lists (replacing "
@@ -173,10 +175,22 @@ def override_value(value: Any) -> str:
 
 
 def expand(cfg: SweepConfig) -> list[RunSpec]:
-    """The sweep's runs, in grid order. Raises ConfigError when two runs would share a name."""
+    """The sweep's runs, in grid order: the grid, then each control; when `seed` is the grid's
+    first key, seed by seed across the grid and its controls, so that a sweep stopped partway
+    has every configuration at the seeds it reached (a paired design's blocks), not the
+    grid's at every seed and the controls' at none. Raises ConfigError when two runs would
+    share a name."""
     runs, seen = [], {}
     combos = [dict(zip(grid, combo)) for grid in cfg.grids()
               for combo in itertools.product(*grid.values())]
+    if next(iter(cfg.grid)) == "seed":
+        seeds = [json.dumps(v) for v in cfg.grid["seed"]]
+
+        def block(values: dict) -> int:  # a control's own seeds go after the grid's
+            seed = json.dumps(values.get("seed"))
+            return seeds.index(seed) if seed in seeds else len(seeds)
+
+        combos.sort(key=block)  # stable: within a seed, the grid first, then each control
     for values in combos:
         name = "-".join(value_token(k, v) for k, v in values.items())
         if name in seen:
