@@ -12,7 +12,11 @@ from test_findings import COLLAPSE, EIGHT, grid, verdicts
 from test_report import write_run
 
 from cluster.experiments import arms, stats
-from cluster.experiments.dose import breaks_with_dose, k1_loss_regularises_nothing
+from cluster.experiments.dose import (
+    breaks_with_dose,
+    k1_loss_regularises_nothing,
+    kl_keeps_retained,
+)
 from cluster.experiments.measures import PRIMARY, measure
 from cluster.config.loader import REPO_ROOT as ROOT
 from cluster.experiments.prereg import Rules
@@ -84,6 +88,31 @@ def test_k1_in_the_loss_regularising_nothing_is_an_equivalence_on_the_kl():
     assert closer.contradict < 1e-3 and not closer.reproduce <= 0.05
     assert k1_loss_regularises_nothing(_study(seed_kl, seed_kl), 0.3, 8, RULES).status == \
         "not run here"  # an on-policy claim, tested on-policy only
+
+
+def test_kl_keeps_retained_compares_k1_in_the_reward_with_no_kl_paired_by_seed():
+    """The long sweep's forgetting claim: K1 in the reward ahead of the no-KL control on the
+    retained set (paired by seed, through a seed effect both share) reproduces it; a lead shown
+    below the 0.02 margin contradicts it; without the control it is not run."""
+    rules = Rules(retained="retained")
+    seeds = list(range(201, 211))
+    rng = np.random.default_rng(4)
+    block = rng.normal(0, 0.057, 10)
+
+    def study(lead):
+        def arm(name, mean):
+            values = tuple(mean + block + rng.normal(0, 0.01, 10))
+            return arms.Arm(name, {"retained": values}, 0, 10, (0.5,) * 10,
+                            {"retained": tuple(seeds)}, tuple(seeds))
+        return arms.Study({("k1", "reward", "none", 0.3, 8): arm("K1 in reward", 0.56 + lead),
+                           (None, None, "none", 0.0, 8): arm("no KL", 0.56)})
+
+    keeps = kl_keeps_retained(study(0.05), 0.3, 8, rules)
+    assert keeps.reproduce < 1e-4 and "retained: K1 in reward" in keeps.evidence
+    assert keeps.claim.startswith("KL regularisation keeps the retained capability")
+    level = kl_keeps_retained(study(0.0), 0.3, 8, rules)
+    assert level.contradict < 1e-3 and level.reproduce > 0.05
+    assert kl_keeps_retained(study(0.05), 0.005, 8, rules).status == "not run here"
 
 
 def test_break_rates_that_rise_with_the_lag_reproduce_a_dose_response():

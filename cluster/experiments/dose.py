@@ -5,6 +5,9 @@ findings.py's: an equivalence claim on-policy and the dose-response of breaking.
   (E_pi[grad log pi] = 0: kl/dynamics.py trains it step for step as the no-KL control), so its
   runs should end as far from the reference as the no-KL control's. An equivalence claim on
   the KL at the end, paired by seed (two one-sided tests on log KL within +/- the margin).
+- `kl_keeps_retained`: what a KL anchor is for: K1 in the reward ends with more of the
+  capability the base model has and the task never rewards (rules.retained) than the no-KL
+  control at the same lag, paired by seed; the long sweep tests it where forgetting happens.
 - `breaks_with_dose`: a configuration's break rate rises (or falls) over ordered doses of beta
   or of the lag (Cochran-Armitage trend test), with each dose's break count, its
   Clopper-Pearson upper bound and the median step its broken runs broke at (time-to-break) as
@@ -16,7 +19,15 @@ import statistics
 from collections.abc import Sequence
 
 from cluster.experiments import stats
-from cluster.experiments.arms import Arm, Outcome, Study, compare, not_run, outcome
+from cluster.experiments.arms import (
+    Arm,
+    Outcome,
+    Study,
+    accuracy_lines,
+    compare,
+    not_run,
+    outcome,
+)
 from cluster.experiments.prereg import Rules
 
 
@@ -41,6 +52,24 @@ def k1_loss_regularises_nothing(study: Study, beta: float, lag: int, rules: Rule
              f"(regularises): {closer.text}"]
     return outcome(claim, "klrl (theory, on-policy)", setting, [above, below], [closer],
                    rules.alpha, lines)
+
+
+def kl_keeps_retained(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
+    """klrl (the premise of a KL anchor, which the paper's out-of-domain claims rest on): KL
+    regularisation keeps what the base model has and the task never rewards. Reproduced: K1 in
+    the reward ends ahead of the no-KL control (beta 0, same lag) on rules.retained (one-sided
+    paired t by seed). Contradicted: its lead there is shown below rules.accuracy_margin
+    (non-superiority): at this beta the anchor keeps nothing measurable."""
+    label = rules.retained.replace("_", " ")
+    claim = f"KL regularisation keeps the {label} capability (K1 in the reward against no KL)"
+    setting = f"beta {beta:g} against beta 0, max_lag {lag}"
+    k1r, nokl = study.arm("k1", "reward", beta, lag), study.arm(None, None, 0.0, lag)
+    if k1r is None or nokl is None:
+        return not_run(claim, "klrl (the anchor's premise)", setting,
+                       "needs K1 in the reward and the no-KL control at the same lag")
+    ahead, short, line = accuracy_lines(k1r, nokl, rules.retained, label, rules.accuracy_margin)
+    return outcome(claim, "klrl (the anchor's premise)", setting, [ahead], [short], rules.alpha,
+                   [f"{k1r.flags()}; {nokl.flags()}", line])
 
 
 def _time_to_break(arm: Arm) -> str:

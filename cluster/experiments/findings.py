@@ -190,7 +190,8 @@ def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
 
 CLAIMS: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,
-    k3_reward_breaks, prefix_repairs, dose.k1_loss_regularises_nothing, dose.breaks_with_dose)}
+    k3_reward_breaks, prefix_repairs, dose.k1_loss_regularises_nothing, dose.breaks_with_dose,
+    dose.kl_keeps_retained)}
 if set(CLAIMS) != set(get_args(ClaimId)):
     raise AssertionError("findings.CLAIMS must test exactly the claims prereg.ClaimId names")
 # What an exploratory report tests at each beta's largest lag (and, where the directory ran

@@ -27,7 +27,7 @@ from rewards.config import EVAL_SETS, EvalSetName
 # test of each (checked there at import).
 ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
                   "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
-                  "k1_loss_regularises_nothing", "breaks_with_dose"]
+                  "k1_loss_regularises_nothing", "breaks_with_dose", "kl_keeps_retained"]
 # The configurations whose breaks per-decision weights are expected to repair (exploratory:
 # the two that broke at beta 0.3, max_lag 8), as "<estimator>-<placement>".
 REPAIRED = ("k1-loss", "k3-reward")
