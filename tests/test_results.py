@@ -35,9 +35,9 @@ def finished_run(run_dir, model_dir, seed):
 @pytest.mark.slow
 def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems(
         tiny_model_dir, tmp_path):
-    """s0's final checkpoint, then (--base) the model s1 started from, each by a real engine in
-    a process of its own: the same problems whatever the run's training seed, so every run and
-    the base model are paired; an evaluation done is skipped."""
+    """Both runs' final checkpoints, then (--base) the model s0 started from, by real engines
+    in a process of their own: the same problems whatever the run's training seed, so every
+    run and the base model are paired; an evaluation done is skipped."""
     from cluster.experiments.final_eval import needs_base_evaluation
     from cluster.experiments.runs import BASE_EVAL_FILE
 
@@ -47,27 +47,24 @@ def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems
     sets = ["in_domain", "out_of_domain"]
     assert [needs_evaluation(r, 40, 1, sets) for r in (*runs, unfinished)] == [True, True, False]
     assert needs_base_evaluation(tmp_path, 40, 1, sets)
-    args = ["--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
-    cmd = [sys.executable, "-m", "cluster.experiments.final_eval", str(runs[0]), *args]
-    base_cmd = [sys.executable, "-m", "cluster.experiments.final_eval", str(runs[1]), "--base",
-                *args]
-    for c in (cmd, base_cmd):
-        done = subprocess.run(c, capture_output=True, text=True, timeout=600, check=False)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    final = json.loads((runs[0] / FINAL_EVAL_FILE).read_text())
+    cmd = [sys.executable, "-m", "cluster.experiments.final_eval", *map(str, runs), "--base",
+           "--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = [json.loads((r / FINAL_EVAL_FILE).read_text()) for r in runs]
     base = json.loads((tmp_path / BASE_EVAL_FILE).read_text())
-    assert (final["model"], base["model"]) == (str(runs[0] / "final"), str(tiny_model_dir))
-    for record in (final, base):
+    assert [r["model"] for r in (*records, base)] == [
+        str(runs[0] / "final"), str(runs[1] / "final"), str(tiny_model_dir)]
+    for record in (*records, base):
         assert (record["problems"], record["seed"]) == (40, 1)
         assert set(record["sets"]) == {"in_domain", "out_of_domain"}  # not the far one
         assert all(s["problems"] == 40 and 0 <= s["accuracy"] <= 1 for s in record["sets"].values())
-    # paired: the same problems in s0's final checkpoint and the base model s1 started from
+    # paired: the same problems in both runs, whatever their training seed, and in the base
     for name in sets:
-        assert final["sets"][name]["problem_ids_sha256"] == base["sets"][name]["problem_ids_sha256"]
+        assert len({r["sets"][name]["problem_ids_sha256"] for r in (*records, base)}) == 1
     assert not needs_evaluation(runs[0], 40, 1, sets) and needs_evaluation(runs[0], 1000, 1, sets)
     assert needs_evaluation(runs[0], 40, 1, ["in_domain"])  # other sets: evaluated again
-    assert needs_evaluation(runs[1], 40, 1, sets)  # --base evaluated s1's start, not s1
-    assert not needs_base_evaluation(tmp_path, 40, 1, sets)  # main() checks it first
+    assert not needs_base_evaluation(tmp_path, 40, 1, sets)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert again.returncode == 0 and again.stdout == ""  # nothing left to evaluate
 

@@ -111,19 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True, help="seed of the problems")
     p.add_argument("--sets", default="in_domain,out_of_domain",
                    help="comma-separated evaluation sets (default in_domain,out_of_domain)")
-    p.add_argument("--base", action="store_true", help="evaluate the model the (first) run "
-                   "started from instead, into its sweep directory's base_eval.json")
+    p.add_argument("--base", action="store_true", help="then also the model the first run "
+                   "started from, into its sweep directory's base_eval.json")
     args = p.parse_args(argv)
     sets = [s for s in args.sets.split(",") if s]
-    if args.base:
-        run_dir = Path(args.run_dirs[0])
-        if needs_base_evaluation(run_dir.parent, args.problems, args.seed, sets):
-            print(f"base: {evaluate_base(run_dir, args.problems, args.seed, sets)}", flush=True)
-        return 0
     for run_dir in map(Path, args.run_dirs):
         if needs_evaluation(run_dir, args.problems, args.seed, sets):
             print(f"{run_dir.name}: {evaluate_final(run_dir, args.problems, args.seed, sets)}",
                   flush=True)
+    first = Path(args.run_dirs[0])
+    if args.base and needs_base_evaluation(first.parent, args.problems, args.seed, sets):
+        print(f"base: {evaluate_base(first, args.problems, args.seed, sets)}", flush=True)
     return 0
 
 
