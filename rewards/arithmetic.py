@@ -145,7 +145,7 @@ class ArithmeticTask(Task):
             return [make_problem(*t, split=split) for t in rng.sample(retained_facts(), n)]
         lo, hi = OUT_OF_DOMAIN_RANGE
         width = hi - lo + 1
-        total = self.distinct_problems(split)  # width * width * len(OPERATORS)
+        total = self.distinct_problems(split)
         # Sample indices without replacement instead of materialising 1.6M tuples.
         out = []
         for index in rng.sample(range(total), n):

@@ -153,8 +153,7 @@ def trained(measures: Sequence[Measures]) -> list[Measures]:
     return [m for m in measures if m.finished and not m.broken[PRIMARY]]
 
 
-def observed_seed_sd(measures: Sequence[Measures],
-                     sets: Sequence[str] = ("in_domain", "out_of_domain")) -> dict[str, float]:
+def observed_seed_sd(measures: Sequence[Measures], sets: Sequence[str]) -> dict[str, float]:
     """Set -> the pooled sd over seeds of the final accuracy: the root of the mean of the
     configurations' sample variances, over each configuration's trained runs (a break is
     another outcome, not seed noise), where it has at least two."""

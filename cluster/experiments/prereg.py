@@ -264,6 +264,12 @@ class Preregistration(_Strict):
         return self
 
 
+def rules_of(prereg: Preregistration | None, runs: Iterable[RunData]) -> Rules:
+    """The rules a report (and `make results`' final evaluation) follows: the
+    pre-registration's, or without one `exploratory_rules` for these runs."""
+    return prereg.rules if prereg else exploratory_rules(runs)
+
+
 def resolve(path: str | Path) -> Path:
     path = Path(path)
     return path if path.is_absolute() else REPO_ROOT / path

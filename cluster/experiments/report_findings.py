@@ -27,10 +27,10 @@ from cluster.experiments.measures import (
 from cluster.experiments.prereg import (
     Preregistration,
     Rules,
-    exploratory_rules,
     file_commit,
     load_preregistration,
     resolve,
+    rules_of,
 )
 from cluster.experiments.runs import BASE_EVAL_FILE, RunData
 from cluster.train.run_log import read_provenance
@@ -114,8 +114,8 @@ def _prereg_head(cfg, prereg: Preregistration, sweep: str, runs: list[RunData]) 
 def directory_findings(runs: list[RunData], groups: dict, prereg: Preregistration | None,
                        sweep: str) -> tuple[list[Measures], list[Measures], list, list[str]]:
     """(every run's measures, those the findings use, the findings, the sensitivity table):
-    the pre-registration's claims and seeds, or (None) exploratory ones (exploratory_rules)."""
-    rules = prereg.rules if prereg else exploratory_rules(runs)
+    the pre-registration's claims and seeds, or (None) exploratory ones (rules_of)."""
+    rules = rules_of(prereg, runs)
     label = {r.name: lab for lab, g in groups.items() for r in g}
     measures = [measure(r, label[r.name], run_commit(r), rules) for r in runs]
     used = [m for m in measures if prereg is None
@@ -129,7 +129,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
                      ) -> tuple[list[str], list[Measures], list[str]]:
     """(markdown of the findings section, every run's measures, the pre-registration quote)."""
     prereg = load_preregistration(cfg.preregistration) if cfg.preregistration else None
-    rules = prereg.rules if prereg else exploratory_rules(runs)
+    rules = rules_of(prereg, runs)
     sweep = sweep_name(path)
     if prereg and sweep not in prereg.sweeps:
         raise ConfigError(f"report.preregistration: {cfg.preregistration} has no claims for "
@@ -176,10 +176,10 @@ def _deviations(measures, used, prereg, rules, sweep) -> list[str]:
     if prereg and (other := sum(m.seed not in prereg.seeds for m in measures)):
         lines.append(f"- {other} run(s) with seeds outside the pre-registered "
                      f"{', '.join(map(str, prereg.seeds))}: left out of the findings.")
-    if prereg and (length := prereg.sweeps[sweep].total_steps) and (other := sum(
-            m.seed in prereg.seeds and m.config.get("total_steps") != length for m in measures)):
+    # the rest of those left out: registered seeds, another length (Preregistration.registered)
+    if prereg and (other := sum(m.seed in prereg.seeds for m in measures) - len(used)):
         lines.append(f"- {other} run(s) of another length than the pre-registered "
-                     f"{length} steps: left out of the findings.")
+                     f"{prereg.sweeps[sweep].total_steps} steps: left out of the findings.")
     return [*lines, ""] if lines else []
 
 

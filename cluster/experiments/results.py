@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
-from cluster.experiments.prereg import Rules, exploratory_rules, load_preregistration
+from cluster.experiments.prereg import Rules, load_preregistration, rules_of
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
 from cluster.experiments.sweep import load_sweep, sweep_dir
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return status or 128 + child.signalled
     root = sweep_dir(cfg)
     runs = find_runs(root)
-    rules = prereg.rules if prereg else exploratory_rules(runs)
+    rules = rules_of(prereg, runs)
     todo = [d for d in sorted(root.iterdir()) if d.is_dir()
             and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
     for i, run_dir in enumerate(todo, 1):
