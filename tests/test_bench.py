@@ -96,6 +96,7 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     unscored = result["rollout_outside_engine_unscored_ms_256x64"]
     assert outside["outside_engine_unscored_ms"] == unscored
     assert result["device"] == "cpu" and set(result["parts"]) == {"engines", "sync", "e2e"}
+    assert result["warmup_reps"] == 0  # --quick: no untimed call before the timed one
     # Learner memory, full fine-tuning against LoRA on the same model: Adam's two fp32 moments
     # (and a step count per tensor) for exactly the trained weights; no reference copy with
     # LoRA, whose base is the reference; the process holds at least its weights.

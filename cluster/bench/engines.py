@@ -12,7 +12,7 @@
 Each baseline runs in a subprocess (`python -m cluster.bench.engines raw-vllm|bare-deepspeed
 SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
 imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
-after WARMUP_REPS untimed ones.
+after `warmup` untimed ones (WARMUP_REPS but in `klrl bench --quick`).
 
 On CUDA (`klrl bench --device cuda`) the baselines run on the machine's first GPU, the one the
 actors share on a one-GPU machine: vLLM with the worker's engine settings (its memory share
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 WORKER_INDEX = 0  # cluster.train.worker_pool starts worker 0 first; its seeds are the ones replayed
-# Untimed repetitions before the timed ones, in the baselines and through klrl alike. A fresh
+# Untimed repetitions before the timed ones, in the baselines and through klrl alike (the
+# default of BenchPlan.warmup_reps). A fresh
 # process's first steps are slower (allocator and page-cache warm-up: a bare DeepSpeed step's
 # first two repetitions), and a baseline still in them would make klrl look faster than its
 # own baseline (docs/bench.md, "Fair baselines").
@@ -93,7 +94,8 @@ class Overhead:
 # --------------------------------------------------------------------------- rollout
 
 
-def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, list]:
+def measure_rollout(worker, cfg, problems: list, reps: int,
+                    warmup: int = WARMUP_REPS) -> tuple[Overhead, list]:
     """Rollout overhead of `worker` (a started RolloutWorker actor built from TrainConfig
     `cfg`) on `problems`; also returns the rollouts of the last repetition (the learner's
     batch). Repetition r uses seed r in both, so both generate the same tokens. The floor
@@ -104,13 +106,14 @@ def measure_rollout(worker, cfg, problems: list, reps: int) -> tuple[Overhead, l
     group_ids = list(range(len(problems)))
     spec = {"model_dir": str(cfg.model.path),
             "rollout": cfg.worker_rollout.model_dump(mode="json"), "seed": cfg.seed,
-            "prompts": [p.prompt for p in problems], "stop": list(cfg.task.stop), "reps": reps}
+            "prompts": [p.prompt for p in problems], "stop": list(cfg.task.stop), "reps": reps,
+            "warmup": warmup}
     raw = _run_baseline("raw-vllm", spec)
     klrl_s, engine_s, tokens, rollouts = [], [], [], []
-    for r in range(WARMUP_REPS + reps):
+    for r in range(warmup + reps):
         t0 = time.perf_counter()
         batch = ray.get(worker.generate.remote(problems, group_ids, r))
-        if r >= WARMUP_REPS:
+        if r >= warmup:
             klrl_s.append(time.perf_counter() - t0)
             engine_s.append(batch.gen_seconds)
             tokens.append(batch.num_response_tokens)
@@ -156,13 +159,13 @@ def _raw_vllm(spec: dict) -> dict:
                                 with_logprobs=not floor)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        if r >= WARMUP_REPS:
+        if r >= spec["warmup"]:
             times["floor_seconds" if floor else "seconds"].append(time.perf_counter() - t0)
             times["floor_tokens" if floor else "tokens"].append(
                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
     try:
-        for r in range(WARMUP_REPS + spec["reps"]):
+        for r in range(spec["warmup"] + spec["reps"]):
             for floor in (r % 2 == 1, r % 2 == 0):
                 timed(r, floor)
     finally:
@@ -173,7 +176,7 @@ def _raw_vllm(spec: dict) -> dict:
 # --------------------------------------------------------------------------- learner
 
 
-def measure_learner(group, cfg, batch, reps: int) -> Overhead:
+def measure_learner(group, cfg, batch, reps: int, warmup: int = WARMUP_REPS) -> Overhead:
     """Learner overhead of `group` (a started LearnerGroup built from TrainConfig `cfg`) on
     `batch` (a TrainBatch). Each repetition is a real optimizer step in both."""
     import torch
@@ -185,13 +188,13 @@ def measure_learner(group, cfg, batch, reps: int) -> Overhead:
                 "learner": cfg.rank_learner.model_dump(mode="json"),
                 "kl": cfg.kl.model_dump(mode="json"),
                 "advantage": cfg.advantage.model_dump(mode="json"),
-                "seed": cfg.seed, "batch": str(path), "reps": reps}
+                "seed": cfg.seed, "batch": str(path), "reps": reps, "warmup": warmup}
         raw = _run_baseline("bare-deepspeed", spec)
     klrl_s, engine_s = [], []
-    for r in range(WARMUP_REPS + reps):
+    for r in range(warmup + reps):
         t0 = time.perf_counter()
         metrics = group.train_step(batch)
-        if r >= WARMUP_REPS:
+        if r >= warmup:
             klrl_s.append(time.perf_counter() - t0)
             # In DeepSpeed and torch: the optimizer steps and the reference forward.
             engine_s.append(metrics["time/learner_step"] + metrics["time/reference"])
@@ -239,7 +242,7 @@ def _bare_deepspeed(spec: dict) -> dict:
                                       config=cfg.deepspeed_config(batch.num_sequences, 1))
     seconds = []
     try:
-        for r in range(WARMUP_REPS + spec["reps"]):
+        for r in range(spec["warmup"] + spec["reps"]):
             t0 = time.perf_counter()
             b = batch if not cuda else batch.to(device)
             inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask,
@@ -255,7 +258,7 @@ def _bare_deepspeed(spec: dict) -> dict:
             engine.step()
             if cuda:
                 torch.cuda.synchronize()
-            if r >= WARMUP_REPS:
+            if r >= spec["warmup"]:
                 seconds.append(time.perf_counter() - t0)
     finally:
         remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU comm buffers outlive the process

@@ -17,7 +17,7 @@ how long scoring takes. With the driver's round trip that splits one call into:
 
 outside engine = round trip - engine = requests + scoring + records + ray_trip; "unscored" leaves
 scoring out (the task's scorer is the user's code: what remains is klrl's own). Each figure
-is the median over `reps` timed calls (after WARMUP_REPS untimed ones), so the parts' medians
+is the median over `reps` timed calls (after `warmup` untimed ones), so the parts' medians
 need not add up to the total's exactly. No learner and no raw baseline: the engine table has
 the ratio at the demo's own shape.
 """
@@ -87,7 +87,8 @@ class TimedRolloutWorker(RolloutWorker):
             self._marks["scoring"] += time.perf_counter() - t0
 
 
-def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]:
+def measure_outside(name: str, cfg, problems: list, reps: int,
+                    warmup: int = WARMUP_REPS) -> dict[str, Any]:
     """The fixed-shape workload on a `TimedRolloutWorker` actor built from TrainConfig `cfg`
     (its rollout section sets the shape: `SHAPE`) generating `problems`; Ray must be running.
     Raises if a call does not generate exactly prompts x samples x max_new_tokens tokens."""
@@ -101,7 +102,7 @@ def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]
     try:
         ray.get(worker.version.remote())
         group_ids = list(range(len(problems)))
-        for rep in range(WARMUP_REPS + reps):
+        for rep in range(warmup + reps):
             t0 = time.perf_counter()
             batch = ray.get(worker.generate.remote(problems, group_ids, rep))
             total = time.perf_counter() - t0
@@ -109,7 +110,7 @@ def measure_outside(name: str, cfg, problems: list, reps: int) -> dict[str, Any]
             if batch.num_response_tokens != samples * r.max_new_tokens:
                 raise RuntimeError(f"{name}: {batch.num_response_tokens} tokens generated, not "
                                    f"{samples} x {r.max_new_tokens}: the forced length failed")
-            if rep >= WARMUP_REPS:
+            if rep >= warmup:
                 rows.append({"klrl": total, "engine": batch.gen_seconds,
                              "outside": total - batch.gen_seconds,
                              "unscored": total - batch.gen_seconds - parts["scoring"],

@@ -41,7 +41,7 @@ import ray
 import rewards
 from actors.weight_sync import transport
 from cluster.bench import gpu
-from cluster.bench.engines import Overhead, measure_learner, measure_rollout
+from cluster.bench.engines import WARMUP_REPS, Overhead, measure_learner, measure_rollout
 from cluster.bench.long_tail import build_long_tail_model
 from cluster.bench.outside import SHAPE, measure_outside, stop_worker
 from cluster.bench.pipeline import PipelineResult, measure_pipeline
@@ -96,13 +96,16 @@ class BenchPlan:
 
     workloads: tuple[Workload, ...]
     headline: str              # the workload whose figures are the top-level JSON keys
-    engine_reps: int           # timed repetitions per engine measurement (after a warm-up)
+    engine_reps: int           # timed repetitions per engine measurement (after the warm-ups)
     sync_reps: int
     measured_steps: int        # end-to-end steps measured per max_lag
     # The fixed-shape rollout workload (cluster/bench/outside.py; its overrides add SHAPE)
     # and its timed repetitions; part of the engines part.
     outside: Workload | None = None
     outside_reps: int = 3
+    # Untimed calls before an engine or fixed-shape measurement's timed ones: first calls pay
+    # one-time costs (vLLM's first batch, the scoring pool's start, DeepSpeed's first step).
+    warmup_reps: int = WARMUP_REPS
     device: str = "cpu"
     overrides: tuple[str, ...] = ()    # before every workload's own (CUDA: gpu.gpu_overrides)
     transports: tuple[str, ...] = CPU_TRANSPORTS  # measured weight-sync transports
@@ -165,9 +168,10 @@ QUICK = BenchPlan(
     # Every end-to-end lag is a whole run (engine and learner start-up included, about 40 s
     # of the test suite each on 2 cores): the quick plan runs the deepest lag of the full
     # plan batch-level and again in flight; the one-core reference is its max_lag 0 run.
-    # One measured step per run, as one repetition of everything else: the machinery, not
-    # the figures (each further step is a step of all three runs).
-    lags=(2,), in_flight_lags=(2,))
+    # One measured step per run, as one repetition of everything else, and no warm-up call:
+    # the machinery, not the figures (each further step is a step of all three runs; the
+    # fixed-shape workload's warm-ups were 2 x 16384 tokens, about 15 s of the test suite).
+    lags=(2,), in_flight_lags=(2,), warmup_reps=0)
 
 
 def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = None) -> BenchPlan:
@@ -245,7 +249,8 @@ def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = Non
             started = start_ray(cfg) or started
             print(f"[bench] {w.name}: the rollout's cost outside the engine, 256 samples x 64 "
                   "tokens", flush=True)
-            outside = measure_outside(w.name, cfg, _problems(cfg), plan.outside_reps)
+            outside = measure_outside(w.name, cfg, _problems(cfg), plan.outside_reps,
+                                      plan.warmup_reps)
     finally:
         if started:
             ray.shutdown()
@@ -346,9 +351,10 @@ def _measure_actors(w: Workload, cfg, plan: BenchPlan, engines: bool,
         problems = _problems(cfg)
         if engines:
             print(f"[bench] {w.name}: rollout and learner overheads", flush=True)
-            result.rollout, rollouts = measure_rollout(worker, cfg, problems, plan.engine_reps)
+            result.rollout, rollouts = measure_rollout(worker, cfg, problems, plan.engine_reps,
+                                                       plan.warmup_reps)
             result.learner = measure_learner(group, cfg, _train_batch(cfg, rollouts),
-                                             plan.engine_reps)
+                                             plan.engine_reps, plan.warmup_reps)
         else:
             rollouts = ray.get(worker.generate.remote(problems, list(range(len(problems))),
                                                       0)).rollouts
@@ -397,8 +403,8 @@ def _to_json(plan: BenchPlan, parts, results, outside, tests, copy, load_before,
     workloads = {r.name: r.to_dict() for r in results}
     loads = {"load_avg_before": list(load_before), "load_avg_after": list(load_after)}
     finished = time.strftime("%Y-%m-%d %H:%M:%S")
-    out: dict[str, Any] = {"headline_workload": plan.headline, "device": plan.device, **copy,
-                           "machine": machine() | loads}
+    out: dict[str, Any] = {"headline_workload": plan.headline, "device": plan.device,
+                           "warmup_reps": plan.warmup_reps, **copy, "machine": machine() | loads}
     if plan.device == "cuda":
         cfg = load_train_config(DEMO_CONFIG, list(plan.overrides))
         out |= {"dtype": cfg.learner.dtype, "sync_transports": list(plan.transports),

@@ -172,6 +172,7 @@ def register(subparsers) -> None:
                    "of this docs page (docs/bench.md) from this run: <!-- bench:figures -->; "
                    "with --peer, <!-- bench:peers -->; with --device cuda, <!-- bench:gpu -->")
     p.add_argument("--quick", action="store_true", help="tiny model and batch, one repetition each "
+                   "and no warm-up "
                    "(about two minutes; checks the machinery, the figures are noisy)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the learner "
                    "rank and one rollout worker share one GPU, weight sync against a "
