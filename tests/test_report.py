@@ -159,6 +159,12 @@ def test_report_of_a_sweep(tmp_path):
     assert "| `k1-reward-lag0` | 2 | 40 | 0.650 ± 0.071 | 0.325 ± 0.035 | 0/2 |" in md
     assert "| `k1-loss-lag4` | 2 (1 unfinished) | 40 |" in md and "| 1/2 |" in md
     assert "| `k1-loss-lag4-s1` | KL blow-up |" in md
+    # The legend defines every kind of flag the table can hold, the KL one as a distance.
+    legend = next(line for line in md.splitlines() if line.startswith("Flags: "))
+    for kind in ("accuracy collapse", "reward collapse", "gradient-norm blow-up", "non-finite",
+                 "KL blow-up"):
+        assert f"*{kind}*" in legend, kind
+    assert "A KL blow-up is a distance, not an instability" in legend
     assert "labelled by `kl.estimator`, `kl.placement`, `max_lag`" in md
     for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
         assert (sweep / "report" / png).stat().st_size > 10_000

@@ -223,11 +223,21 @@ def _correlation_text(measures) -> str:
 
 
 def _flag_definitions(cfg: ReportConfig) -> str:
+    """The legend of the flags table: every kind `runs.instability_flags` reports, with this
+    report's thresholds."""
     kl_max = f", or above kl_max = {cfg.kl_max:g}" if cfg.kl_max is not None else ""
     return (f"Flags: *accuracy collapse*: an eval accuracy falls below {cfg.collapse_fraction:g} x "
             f"its best earlier value (when that best is at least {cfg.collapse_min_peak:g}) and "
             f"stays below until the end, over at least {cfg.collapse_min_evals} evaluation(s); "
+            f"*reward collapse*: the mean of `{cfg.reward_metric}` over {cfg.smooth} steps falls "
+            f"below {cfg.collapse_fraction:g} x its best earlier value and stays below to the "
+            f"end; *gradient-norm blow-up*: the median of `{cfg.grad_metric}` over {cfg.smooth} "
+            f"steps exceeds {cfg.grad_growth:g} x its early level (median of the first "
+            f"{cfg.kl_early_fraction:.0%} of steps); "
+            "*non-finite*: a step the learner refused (NaN/inf gradient) or a logged NaN/inf; "
             f"*KL blow-up*: the median of `{cfg.kl_metric}` over "
             f"{cfg.smooth} steps exceeds {cfg.kl_growth:g} x its early level (median of the "
-            f"first {cfg.kl_early_fraction:.0%} of steps, at least {cfg.kl_floor:g}){kl_max}; "
-            "*non-finite*: a step the learner refused (NaN/inf gradient) or a logged NaN/inf.")
+            f"first {cfg.kl_early_fraction:.0%} of steps, at least {cfg.kl_floor:g}){kl_max}. "
+            "A KL blow-up is a distance, not an instability: a run can move that far from the "
+            "reference with its accuracy, reward and gradients sound (findings count it as "
+            "*drifted*, and as broken only where the failure definition lists it).")
