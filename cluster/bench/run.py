@@ -169,8 +169,8 @@ QUICK = BenchPlan(
     # of the test suite each on 2 cores): the quick plan runs the deepest lag of the full
     # plan batch-level and again in flight; the one-core reference is its max_lag 0 run.
     # One measured step per run, as one repetition of everything else, and no warm-up call:
-    # the machinery, not the figures (each further step is a step of all three runs; the
-    # fixed-shape workload's warm-ups were 2 x 16384 tokens, about 15 s of the test suite).
+    # the machinery, not the figures (each further step is a step of all three runs, and the
+    # fixed-shape workload's two warm-ups alone generate 2 x 16384 tokens).
     lags=(2,), in_flight_lags=(2,), warmup_reps=0)
 
 
