@@ -263,6 +263,9 @@ def test_runs_of_another_length_than_the_registered_one_are_left_out(tmp_path):
     assert sorted({m.seed for m in used}) == [201, 202] and len(used) == 4
     md = write_report(root, ReportConfig(preregistration=str(prereg_file))).read_text()
     assert "- 2 run(s) of another length than the pre-registered 40 steps: left out" in md
+    # at what power: the lead a paired claim over the two seeds detects at the residual shown
+    assert "At these residuals a paired accuracy claim over 2 seeds shows, with 80% power, " \
+        "a true lead of in-domain " in md and "(at Holm's first level, alpha / " in md
 
 
 def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_evaluated(

@@ -33,6 +33,7 @@ from cluster.experiments.prereg import (
     rules_of,
 )
 from cluster.experiments.runs import BASE_EVAL_FILE, RunData
+from cluster.experiments.stats import paired_detectable_lead
 from cluster.train.run_log import read_provenance
 
 CSV_FILE = "runs.csv"
@@ -144,7 +145,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
          "rather than confirm claims fixed before them (docs/sweeps.md, Pre-registration).")]
     family = len(found) if prereg else sum(f.verdict != "not run here" for f in found)
     md += ["", *_deviations(measures, used, prereg, rules, sweep), *_pooled(runs),
-           *(_seed_sd_lines(used, prereg) if prereg else []),
+           *(_seed_sd_lines(used, prereg, family) if prereg else []),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
            "", *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
@@ -199,11 +200,12 @@ def _pooled(runs: list[RunData]) -> list[str]:
              "measures table keeps them apart."), ""]
 
 
-def _seed_sd_lines(used: list[Measures], prereg: Preregistration) -> list[str]:
+def _seed_sd_lines(used: list[Measures], prereg: Preregistration, family: int) -> list[str]:
     """The seed sd the pre-registration's error rates assume beside the one these runs show,
     on the sets its claims compare: the power figures hold only where the two are alike. A
     paired design (seed_block_sd given) assumes a residual after the seed's shared effect, so
-    the runs' residual and seed effects are shown against it."""
+    the runs' residual and seed effects are shown against it, with the lead a paired claim
+    over these seeds detects at that residual (80% power) at Holm's first and last level."""
     sets = ("in_domain", prereg.rules.retained)
     design = prereg.design
     if design.seed_block_sd is not None:
@@ -217,7 +219,9 @@ def _seed_sd_lines(used: list[Measures], prereg: Preregistration) -> list[str]:
                  f"{design.seed_block_sd:g}, shared by every configuration, which the paired "
                  f"tests remove); these runs show a residual of {shown} (configuration + seed "
                  "fitted to the unbroken runs). A set whose residual is larger has less power "
-                 "than stated: an accuracy claim on it needs a proportionally larger lead."), ""]
+                 "than stated: an accuracy claim on it needs a proportionally larger lead. "
+                 + _detectable_text(paired, len({m.seed for m in used}),
+                                    prereg.rules.alpha, family)), ""]
     sd = observed_seed_sd(used, sets)
     if not sd:
         return []
@@ -226,6 +230,27 @@ def _seed_sd_lines(used: list[Measures], prereg: Preregistration) -> list[str]:
              f"{design.seed_sd:g}; these runs show {shown} (pooled over the "
              "configurations' unbroken runs). A set whose sd is larger has less power than "
              "stated: an accuracy claim on it needs a proportionally larger lead."), ""]
+
+
+def _detectable_text(paired: dict[str, tuple[float, float]], seeds: int, alpha: float,
+                     family: int) -> str:
+    """At what power (item 7 of issue 44): the true lead a paired accuracy claim over `seeds`
+    seeds shows with 80% power at each set's observed residual, at Holm's first level (alpha
+    over both directions of every claim) and at its last (alpha)."""
+    if seeds < 2 or family < 1:
+        return ""
+    first = alpha / (2 * family)
+
+    def lead(residual: float, level: float) -> str:
+        found = paired_detectable_lead(residual, seeds, level)
+        return f"{found:.3f}" if found <= 1 else "more than 1 (no accuracy lead)"
+
+    leads = ", ".join(f"{SET_LABELS.get(k, k)} {lead(r, first)} to {lead(r, alpha)}"
+                      for k, (r, _) in paired.items())
+    return (f"At these residuals a paired accuracy claim over {seeds} seeds shows, with 80% "
+            f"power, a true lead of {leads} (at Holm's first level, alpha / {2 * family}, to "
+            "its last, alpha): a smaller lead is more likely missed than shown, so a claim "
+            "left unreproduced is not shown false by that alone (that takes 'contradicted').")
 
 
 _KINDS = {"accuracy_collapse": "its {sets} greedy accuracy collapses (below {fraction:g} x "

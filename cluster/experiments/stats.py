@@ -8,7 +8,8 @@ correction across claims. The p-values are scipy.stats'; this module adds only w
 leaves to the caller: Welch's p-value without ttest_ind's overhead, a margin for
 non-superiority tests, the smallest p-value a discrete test
 can reach with the margins it is given (a claim that cannot reach its level is "not testable
-here", Tarone's rule), and the report's wording.
+here", Tarone's rule), the lead a paired comparison detects at a given power, and the report's
+wording.
 
 Error rates of the rules built on these tests are simulated in tests/test_stats.py against the
 figures stated in the pre-registration (docs/sweeps/preregistration.yaml, `design:`).
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from scipy import optimize
 from scipy import stats as st
 from scipy.special import stdtr
 
@@ -181,3 +183,26 @@ def rate_bound(broken: int, n: int, confidence: float = 0.95) -> float:
     """The one-sided Clopper-Pearson upper confidence bound of a break rate (0/3 -> 0.63)."""
     return float(st.binomtest(broken, n).proportion_ci(2 * confidence - 1, "exact").high) \
         if broken < n else 1.0
+
+
+def paired_detectable_lead(residual_sd: float, seeds: int, level: float,
+                           power: float = 0.8) -> float:
+    """The true lead a one-sided paired t-test over `seeds` seeds shows at `level` with
+    probability `power`, when each configuration's final accuracy is its mean + the seed's
+    shared effect + an independent residual of sd `residual_sd` (a paired difference then has
+    sd sqrt(2) x residual_sd). Exact: the noncentral t distribution of the statistic. A
+    smaller true lead is more likely missed than shown: the report's "at what power"."""
+    if seeds < 2:
+        raise ValueError(f"{seeds} seed(s): a paired t-test needs two")
+    if residual_sd == 0:
+        return 0.0  # differences without spread: any lead is shown (paired: t = inf)
+    df, scale = seeds - 1, math.sqrt(2) * residual_sd / math.sqrt(seeds)
+    critical = float(st.t.ppf(1 - level, df))
+
+    def shortfall(lead: float) -> float:
+        return float(st.nct.sf(critical, df, lead / scale)) - power
+
+    high = scale * (critical + 10)
+    while shortfall(high) < 0:  # few seeds: the statistic's heavy tails need a larger lead
+        high *= 2
+    return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-9 * scale))
