@@ -73,19 +73,29 @@ def _evaluate_base(child: _Child, root: Path, runs: list[RunData], rules: Rules)
     if not needs_base_evaluation(root, rules.final_problems, rules.final_eval_seed,
                                  rules.final_sets):
         return 0
-    log = root / "logs" / "base.final_eval.log"
+    return _final_eval(child, "base model (before training)", finished[0].dir,
+                       root / BASE_EVAL_FILE, root / "logs" / "base.final_eval.log", rules,
+                       "--base")
+
+
+def _final_eval(child: _Child, what: str, run_dir: Path, record: Path, log: Path, rules: Rules,
+                *extra: str) -> int:
+    """One `final_eval.py` process on run_dir (with `extra`: --base) on the rules' problems,
+    seed and sets, its output in `log`: prints what it evaluates, then the accuracies it wrote
+    to `record` or the end of its log. 1 when it failed (not when a signal stopped it: the
+    caller checks `child.signalled`), else 0."""
     log.parent.mkdir(exist_ok=True)
-    print(f"base model (before training): {rules.final_problems} problems per set on "
-          f"{', '.join(rules.final_sets)} (log: {log})", flush=True)
-    code = child.run("cluster.experiments.final_eval", str(finished[0].dir), "--base",
-                     "--problems", str(rules.final_problems), "--seed",
-                     str(rules.final_eval_seed), "--sets", ",".join(rules.final_sets), log=log)
-    if code and not child.signalled:
-        print(f"FAILED the base model's evaluation (exit {code}); the end of {log}:\n"
-              f"{_tail(log)}", file=sys.stderr)
+    print(f"{what}: {rules.final_problems} problems per set on {', '.join(rules.final_sets)} "
+          f"(log: {log})", flush=True)
+    code = child.run("cluster.experiments.final_eval", str(run_dir), *extra, "--problems",
+                     str(rules.final_problems), "--seed", str(rules.final_eval_seed),
+                     "--sets", ",".join(rules.final_sets), log=log)
+    if child.signalled:
+        return 0
+    if code:
+        print(f"FAILED: {what} (exit {code}); the end of {log}:\n{_tail(log)}", file=sys.stderr)
         return 1
-    if not code:
-        _print_sets(root / BASE_EVAL_FILE)
+    _print_sets(record)
     return 0
 
 
@@ -121,22 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     todo = [d for d in sorted(root.iterdir()) if d.is_dir()
             and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
     for i, run_dir in enumerate(todo, 1):
-        log = root / "logs" / f"{run_dir.name}.final_eval.log"
-        log.parent.mkdir(exist_ok=True)
-        print(f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}: "
-              f"{rules.final_problems} problems per set on {', '.join(rules.final_sets)} "
-              f"(log: {log})", flush=True)
-        code = child.run("cluster.experiments.final_eval", str(run_dir), "--problems",
-                         str(rules.final_problems), "--seed", str(rules.final_eval_seed),
-                         "--sets", ",".join(rules.final_sets), log=log)
+        status = max(status, _final_eval(
+            child, f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}", run_dir,
+            run_dir / FINAL_EVAL_FILE, root / "logs" / f"{run_dir.name}.final_eval.log", rules))
         if child.signalled:
             return 128 + child.signalled
-        if code:
-            print(f"FAILED the final evaluation of {run_dir.name} (exit {code}); the end of "
-                  f"{log}:\n{_tail(log)}", file=sys.stderr)
-            status = 1
-        else:
-            _print_sets(run_dir / FINAL_EVAL_FILE)
     status = max(status, _evaluate_base(child, root, runs, rules))
     if child.signalled:
         return 128 + child.signalled
