@@ -80,7 +80,7 @@ def _print_table(args, result, target: EvalTarget) -> None:
         f" (LoRA adapter on {target.model})" if target.adapter else "")
     table = Table(title=title)
     sampled = args.samples > 0  # --samples 0: greedy only, no sampled columns to fill
-    reward_cols = (("greedy reward", "sampled reward") if sampled else ("greedy reward",)) \
+    reward_cols = ("greedy reward", *(("sampled reward",) if sampled else ())) \
         if args.reward else ()
     sample_cols = (f"sampled acc (K={args.samples}, T={args.temperature:g})",
                    f"pass@{args.samples}") if sampled else ()
