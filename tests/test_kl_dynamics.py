@@ -80,7 +80,7 @@ def test_sampled_training_reproduces_the_exact_endpoint_within_its_noise():
 
 
 def test_every_toy_row_the_docs_link_is_one_the_command_writes():
-    """docs/sweeps.md and docs/kl.md link claims to rows of `klrl kl-fixed-points`'s table by
+    """docs/sweeps.md, docs/experiments.md and docs/kl.md link claims to rows of `klrl kl-fixed-points`'s table by
     anchor; each must be a row the command writes (a short run: the rows, not their values)."""
     import re
     from pathlib import Path
@@ -88,7 +88,7 @@ def test_every_toy_row_the_docs_link_is_one_the_command_writes():
     from cluster.cli.cmd_kl_fixed_points import DEFAULTS, compute, table_markdown
 
     root = Path(__file__).resolve().parents[1]
-    linked = {a for page in ("docs/sweeps.md", "docs/kl.md")
+    linked = {a for page in ("docs/sweeps.md", "docs/experiments.md", "docs/kl.md")
               for a in re.findall(r"sweeps/toy/table\.md#([a-z0-9-]+)", (root / page).read_text())}
     result = compute(DEFAULTS | {"steps": 2})
     written = {r["anchor"] for r in result["rows"]}

@@ -6,7 +6,7 @@ reference, at each lag (mu = the policy `lag` updates earlier), once with the ex
 of every update and once with n samples per update, and compared with the regularised optimum
 pi* proportional to ref * exp(r / beta): KL(pi || pi*), the reward E_pi[r], the distance
 KL(pi || ref), and where it ended (kl.dynamics.ends_at). It writes table.md (one row per
-configuration and lag, each with an anchor docs/sweeps.md links to), fixed_points.json and
+configuration and lag, each with an anchor the docs link to), fixed_points.json and
 fixed_points.png (KL to pi* along training). Deterministic for its settings (seeded); minutes
 on one CPU core.
 """
