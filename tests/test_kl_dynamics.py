@@ -80,8 +80,9 @@ def test_sampled_training_reproduces_the_exact_endpoint_within_its_noise():
 
 
 def test_every_toy_row_the_docs_link_is_one_the_command_writes():
-    """docs/sweeps.md, docs/experiments.md and docs/kl.md link claims to rows of `klrl kl-fixed-points`'s table by
-    anchor; each must be a row the command writes (a short run: the rows, not their values)."""
+    """docs/sweeps.md, docs/experiments.md and docs/kl.md link claims to rows of `klrl
+    kl-fixed-points`'s table by anchor; each must be a row the command writes (a short run:
+    the rows, not their values)."""
     import re
     from pathlib import Path
 
