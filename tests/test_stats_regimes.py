@@ -171,3 +171,22 @@ def test_the_lead_the_report_says_a_paired_claim_detects_is_detected_that_often(
             draws=1000) < 0.5
     assert paired_detectable_lead(0.0, N, LEVEL) == 0.0
     assert paired_detectable_lead(residual, 40, LEVEL) < paired_detectable_lead(residual, N, LEVEL)
+
+
+def test_the_lead_a_test_ignoring_the_seed_detects_is_detected_that_often():
+    """unpaired_detectable_lead (the re-reading's "seed ignored" column): the two-sample t-test
+    on draws whose whole spread is seed noise shows that lead in 80% of draws; under a seed
+    block it needs a larger lead than the paired test at the residual, which is what pairing
+    gains."""
+    from cluster.experiments.stats import paired_detectable_lead, unpaired_detectable_lead
+
+    spread = math.hypot(DESIGN.seed_sd, DESIGN.seed_block_sd)
+    lead = unpaired_detectable_lead(spread, N, LEVEL)
+
+    def shown(rng):
+        a, b = 0.7 + lead + rng.normal(0, spread, N), 0.7 + rng.normal(0, spread, N)
+        return st.ttest_ind(a, b, alternative="greater").pvalue <= LEVEL
+
+    assert close(rate(shown, draws=4000), 0.8, 4000), lead
+    assert lead > paired_detectable_lead(DESIGN.seed_sd, N, LEVEL)
+    assert unpaired_detectable_lead(0.0, N, LEVEL) == 0.0

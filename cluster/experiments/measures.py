@@ -201,17 +201,48 @@ def observed_paired_sd(measures: Sequence[Measures],
     return out
 
 
-def accuracy_kl_correlation(measures: Sequence[Measures]) -> dict[str, tuple[float, int]]:
+def accuracy_kl_correlation(measures: Sequence[Measures], within_seed: bool = False
+                            ) -> dict[str, tuple[float, int]]:
     """Set -> (Pearson r, runs) of the final accuracy against log KL at the end, over the
-    trained runs. Descriptive: whether scoring higher goes with moving further from the
-    reference; no claim tests it."""
+    trained runs; `within_seed`: both centred on their seed's mean first, so that a seed that
+    scores low and moves little everywhere does not make the correlation. Descriptive:
+    whether scoring higher goes with moving further from the reference; no claim tests it."""
     ok = [m for m in trained(measures) if math.isfinite(m.kl_end) and m.kl_end > 0]
     out = {}
     for name in EVAL_SETS:
-        pairs = [(math.log(m.kl_end), v) for m in ok
-                 if math.isfinite(v := m.accuracy.get(name, math.nan))]
-        if len(pairs) >= 3 and len({x for x, _ in pairs}) > 1 and len({y for _, y in pairs}) > 1:
-            out[name] = (statistics.correlation(*zip(*pairs)), len(pairs))
+        rows = [(m.seed, math.log(m.kl_end), v) for m in ok
+                if math.isfinite(v := m.accuracy.get(name, math.nan))]
+        if within_seed:
+            rows = _centred_by_seed(rows)
+        xs, ys = [x for _, x, _ in rows], [y for _, _, y in rows]
+        if len(rows) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
+            out[name] = (statistics.correlation(xs, ys), len(rows))
+    return out
+
+
+def _centred_by_seed(rows: list[tuple]) -> list[tuple]:
+    """(seed, x, y) rows with x and y less their seed's means."""
+    by_seed: dict = {}
+    for seed, x, y in rows:
+        by_seed.setdefault(seed, []).append((x, y))
+    means = {s: (statistics.fmean(x for x, _ in v), statistics.fmean(y for _, y in v))
+             for s, v in by_seed.items()}
+    return [(s, x - means[s][0], y - means[s][1]) for s, x, y in rows]
+
+
+def seed_share(measures: Sequence[Measures], sets: Sequence[str]) -> dict[str, float]:
+    """Set -> the share of the trained runs' final-accuracy variance that lies between the
+    seeds' means (the between-seed sum of squares over the total): how much a test that
+    ignores the seed leaves in its noise. Descriptive, like accuracy_kl_correlation."""
+    out = {}
+    for key in sets:
+        rows = [(m.seed, 0.0, v) for m in trained(measures)
+                if math.isfinite(v := m.accuracy.get(key, math.nan))]
+        total = sum((y - statistics.fmean(y for _, _, y in rows)) ** 2 for _, _, y in rows) \
+            if len(rows) > 1 else 0.0
+        if total > 0:
+            within = sum(y ** 2 for _, _, y in _centred_by_seed(rows))
+            out[key] = 1 - within / total
     return out
 
 

@@ -194,9 +194,26 @@ def paired_detectable_lead(residual_sd: float, seeds: int, level: float,
     smaller true lead is more likely missed than shown: the report's "at what power"."""
     if seeds < 2:
         raise ValueError(f"{seeds} seed(s): a paired t-test needs two")
-    if residual_sd == 0:
-        return 0.0  # differences without spread: any lead is shown (paired: t = inf)
-    df, scale = seeds - 1, math.sqrt(2) * residual_sd / math.sqrt(seeds)
+    return _detectable_lead(math.sqrt(2) * residual_sd / math.sqrt(seeds), seeds - 1, level,
+                            power)
+
+
+def unpaired_detectable_lead(seed_sd: float, seeds: int, level: float,
+                             power: float = 0.8) -> float:
+    """The same for a test that ignores the seed: a one-sided two-sample t-test over `seeds`
+    runs a configuration whose final accuracies scatter with sd `seed_sd` (seed effect and
+    residual together; df 2 x seeds - 2, which Welch's df equals when the two sds do). What
+    pairing gains is this lead against paired_detectable_lead's at the residual."""
+    if seeds < 2:
+        raise ValueError(f"{seeds} seed(s): a two-sample t-test needs two a side")
+    return _detectable_lead(seed_sd * math.sqrt(2 / seeds), 2 * seeds - 2, level, power)
+
+
+def _detectable_lead(scale: float, df: int, level: float, power: float) -> float:
+    """The lead at which a one-sided t statistic (the difference / `scale`, `df` degrees of
+    freedom) passes its critical value at `level` with probability `power`."""
+    if scale == 0:
+        return 0.0  # differences without spread: any lead is shown (t = inf)
     critical = float(st.t.ppf(1 - level, df))
 
     def shortfall(lead: float) -> float:
