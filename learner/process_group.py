@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -97,17 +98,77 @@ def init_process_group(cuda: bool, rank: int, world_size: int, addr: str, port: 
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                          timeout=timeout, **extra)
     # torch.distributed is up, so DeepSpeed only wraps it (comm.init_distributed), building
-    # its CPU all-reduce op on first use, as this installation's own.
+    # its CPU all-reduce op on first use, as this installation's own; its buffers are new
+    # files in /dev/shm, so those that killed groups left there go first.
+    if not cuda:
+        remove_orphaned_shm_buffers()
     build_ops_for_this_installation()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=timeout)
+
+
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU comm op (shm.cpp)
+ORPHAN_MIN_AGE_S = 600.0  # far longer than a rank takes from creating its buffer to mapping it
+
+
+def remove_orphaned_shm_buffers(min_age_s: float = ORPHAN_MIN_AGE_S,
+                                shm_dir: Path = Path("/dev/shm")) -> list[Path]:
+    """Delete this user's all-reduce buffers that no process maps any more, older than
+    `min_age_s`: those of groups whose ranks were killed outright (SIGKILL, a node's end, a
+    job whose driver was lost), which no shutdown could free. They live in RAM, 66 MB a rank,
+    and would pile up run after run. A live group's buffers are mapped by its ranks, which
+    read their own processes' maps; the age covers the moment between a rank creating its
+    buffer and mapping it. Called before a CPU group forms (init_process_group); returns what
+    was removed."""
+    mine = [p for p in shm_dir.glob(SHM_BUFFER_PREFIX + "*")
+            if _owned_by_me(p) and time.time() - _changed(p) >= min_age_s]
+    if not mine:
+        return []
+    mapped = _mapped_shm_files(shm_dir)
+    removed = []
+    for path in mine:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _owned_by_me(path: Path) -> bool:
+    try:
+        return path.stat().st_uid == os.getuid()
+    except FileNotFoundError:
+        return False
+
+
+def _changed(path: Path) -> float:
+    """Its last write: a buffer being created is written (its workspace seeded) just before
+    it is mapped; a mapped one is kept whatever its age."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def _mapped_shm_files(shm_dir: Path) -> set[str]:
+    """Every file under `shm_dir` that a process this user can read maps (/proc/PID/maps)."""
+    prefix, found = str(shm_dir) + "/", set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or another user's: not one that can map this user's 0600 files
+            continue
+        for line in text.splitlines():
+            at = line.find(prefix)
+            if at >= 0:
+                found.add(line[at:].removesuffix(" (deleted)"))
+    return found
 
 
 def remove_shm_buffers(addr: str, port: int) -> int:
     """Delete this node's /dev/shm all-reduce buffers of the process group that met at
     addr:port (DeepSpeed's CPU comm op names them after it); how many were removed."""
     removed = 0
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+    for path in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}*_{addr}_{port}_*"):
         path.unlink(missing_ok=True)
         removed += 1
     return removed

@@ -310,3 +310,36 @@ def test_ranks_build_deepspeeds_ops_with_their_installations_ninja_into_its_own_
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/chosen")
     build_ops_for_this_installation()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/chosen"
+
+
+def test_buffers_of_killed_groups_are_removed_and_live_or_new_ones_kept(tmp_path):
+    """remove_orphaned_shm_buffers: an old all-reduce buffer no process maps (a group killed
+    outright) goes; one a live process maps, one just created, and any other file stay."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from learner.process_group import SHM_BUFFER_PREFIX, remove_orphaned_shm_buffers
+
+    def buffer(name: str, age_s: float):
+        path = tmp_path / f"{SHM_BUFFER_PREFIX}{os.getuid()}_127.0.0.1_{name}_0"
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (time.time() - age_s,) * 2)
+        return path
+
+    orphan, live, new = buffer("1", 3600), buffer("2", 3600), buffer("3", 1)
+    other = tmp_path / "not_a_buffer"
+    other.write_bytes(b"x")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); "
+        "print('mapped', flush=True); sys.stdin.read()"), str(live)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        removed = remove_orphaned_shm_buffers(min_age_s=600, shm_dir=tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert removed == [orphan]
+    assert not orphan.exists() and live.exists() and new.exists() and other.exists()
