@@ -93,16 +93,33 @@ def lora_and_full(root: Path) -> tuple[Path, Path]:
     return full, lora
 
 
+def dose_sweep(root: Path) -> Path:
+    """K1 in the loss and K1 in the reward at max_lag 0, 2 and 8, three seeds each; K1 in the
+    loss collapses at 8 (its accuracy falls to 0.02 from step 20) and drifts further with
+    the lag."""
+    from test_findings import COLLAPSE
+
+    for place in ("loss", "reward"):
+        for lag in (0, 2, 8):
+            for seed in (0, 1, 2):
+                broken = place == "loss" and lag == 8
+                write_run(root / f"{place}-lag{lag}-s{seed}", placement=place, lag=lag,
+                          seed=seed, kl=lambda s, lag=lag: 0.01 * s * (1 + lag / 4),
+                          **({"acc": COLLAPSE} if broken else {}))
+    return root
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory, saved):
-    """Three reports, written once for this module's tests: a sweep of many configurations,
-    two runs compared through the command line, and one short run."""
+    """Four reports, written once for this module's tests: a sweep of many configurations,
+    two runs compared through the command line, one short run, and a sweep over three lags."""
     root = tmp_path_factory.mktemp("reports")
     full, lora = lora_and_full(root / "runs")
     assert main(["report", str(full), str(lora), "smooth=3"]) == 0
     return {"many": write_report(many_configurations(root / "many")),
             "pair": root / "runs" / "report-r2-vs-r3" / "report.md",
-            "single": write_report(write_run(root / "short", steps=3))}
+            "single": write_report(write_run(root / "short", steps=3)),
+            "dose": write_report(dose_sweep(root / "dose"))}
 
 
 def test_every_figure_keeps_its_text_inside_a_canvas_a_paper_can_hold(reports, saved):
@@ -126,6 +143,26 @@ def test_every_figure_keeps_its_text_inside_a_canvas_a_paper_can_hold(reports, s
                     assert not any("times" in t or "^" in t for t in ticks), (path, ticks)
             checked += 1
     assert checked >= 15
+
+
+def test_the_dose_response_figure_shows_breaking_distance_and_accuracy_per_dose(reports, saved):
+    """A sweep over three lags gets the dose-response figure: K1 in the loss's break rate
+    rises to 3/3 at max_lag 8 (the median step of breaking beside it), its KL at the end
+    grows with the lag, its accuracy falls; a sweep over two lags gets none."""
+    fig = drawn(saved, reports["dose"], "dose_response.png")
+    rate, kl, accuracy = fig.axes[:3]
+    rates = {c.get_label(): list(c.lines[0].get_ydata()) for c in rate.containers}
+    assert rates == {"K1 in loss, beta 0.05": [0, 0, 1], "K1 in reward, beta 0.05": [0, 0, 0]}
+    assert any(t.get_text().startswith("step ") for t in rate.texts)
+    assert [t.get_text() for t in rate.get_xticklabels()] == ["0", "2", "8"]
+    means = [line for line in kl.get_lines() if len(line.get_ydata()) == 3]
+    assert any(list(m.get_ydata()) == sorted(m.get_ydata()) and m.get_ydata()[2] >
+               1.5 * m.get_ydata()[0] for m in means)
+    assert any(m.get_ydata()[2] < 0.1 < m.get_ydata()[0] for m in accuracy.get_lines()
+               if len(m.get_ydata()) == 3)
+    assert "![Dose-response: breaking, distance and accuracy](dose_response.png)" in \
+        reports["dose"].read_text()
+    assert not (reports["many"].parent / "dose_response.png").exists()
 
 
 def test_a_narrow_kl_range_is_labelled_in_plain_numbers(reports, saved):

@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import Field
 
 from cluster.config.loader import ConfigError
+from cluster.experiments.arms import Study
+from cluster.experiments.dose_plot import DOSE_RESPONSE, plot_dose_response
 from cluster.experiments.labels import SET_LABELS, configuration_keys
 from cluster.experiments.measures import accuracy_kl_correlation
 from cluster.experiments.report_findings import findings_section, mean_sd, provenance_lines
@@ -163,6 +165,8 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
     figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
     if name := plot_accuracy_against_kl(measures, groups, out):
         figures.append((ACCURACY_AGAINST_KL, name))
+    if name := plot_dose_response(Study.of(measures), out):
+        figures.append((DOSE_RESPONSE, name))
     keys = configuration_keys(runs)
     seeds = sorted({str(r.config.get("seed")) for r in runs})
     title = (path.resolve().name if len(paths) == 1

@@ -24,7 +24,7 @@ COLUMN_WIDTH_IN = 3.4   # one column of a two-column paper
 PAGE_WIDTH_IN = 7.0     # the text width of a two-column paper (a one-column page is narrower
                         # than 7 in only in its margins)
 DPI = 200               # 1400 px across a page-wide figure
-_FONT = {"font.size": 7.5, "axes.titlesize": 8, "axes.labelsize": 7.5, "xtick.labelsize": 7,
+FONT = {"font.size": 7.5, "axes.titlesize": 8, "axes.labelsize": 7.5, "xtick.labelsize": 7,
          "ytick.labelsize": 7, "legend.fontsize": 7, "legend.title_fontsize": 7,
          "figure.titlesize": 9.5}
 _CHAR_IN = 0.55 * 7 / 72  # the width of an average character of the legend's 7-point text
@@ -129,8 +129,8 @@ def plot_accuracy_against_kl(measures, groups: dict, out_dir: Path) -> str | Non
     styles = _styles(groups, plt)
     markers = {"-": "o", "--": "s", ":": "^", "-.": "D"}
     kls = [m.kl_end for m in points]
-    with plt.rc_context(_FONT):
-        fig, axes = _new_figure(plt, len(sets), list(groups))
+    with plt.rc_context(FONT):
+        fig, axes = new_figure(plt, len(sets), list(groups))
         for ax, (name, label) in zip(axes.flat, sets):
             for config in groups:
                 ms = [m for m in points if m.configuration == config
@@ -140,18 +140,18 @@ def plot_accuracy_against_kl(measures, groups: dict, out_dir: Path) -> str | Non
                     ax.scatter([m.kl_end for m in ms], [m.accuracy[name] for m in ms], s=16,
                                color=color, marker=markers.get(linestyle, "o"), label=config,
                                alpha=0.85)
-            log = _log_or_linear(ax.xaxis, ax.set_xscale, min(kls), max(kls))
+            log = log_or_linear(ax.xaxis, ax.set_xscale, min(kls), max(kls))
             ax.set_xlabel("KL(pi || ref) at the end (nats per sequence"
                           + (", log scale)" if log else ")"))
             ax.set_ylabel("final greedy accuracy")
             ax.set_title(f"{label.capitalize()}")
             ax.grid(True, alpha=0.3)
-        _finish(fig, axes, ACCURACY_AGAINST_KL.title + " (one point per run)", "",
+        finish_figure(fig, axes, ACCURACY_AGAINST_KL.title + " (one point per run)", "",
                 out_dir / ACCURACY_AGAINST_KL.file, plt)
     return ACCURACY_AGAINST_KL.file
 
 
-def _new_figure(plt, panels: int, labels: list[str]):
+def new_figure(plt, panels: int, labels: list[str]):
     """A figure of `panels` panels (two or three across) for a column (one panel) or the page,
     tall enough for its title, its panels and a legend of `labels` under them."""
     ncols = 1 if panels == 1 else 2 if panels in (2, 4) else 3
@@ -202,7 +202,7 @@ def _fit_axis_text(fig, axes) -> None:
             text.set_text("\n".join(textwrap.wrap(text.get_text(), chars)))
 
 
-def _finish(fig, axes, title: str, note: str, path: Path, plt, bands: dict | None = None
+def finish_figure(fig, axes, title: str, note: str, path: Path, plt, bands: dict | None = None
             ) -> None:
     """Title above the panels; the legend under them (each configuration's line over its
     band), with the note (what lines and bands are) as its heading, both wrapped to the
@@ -283,8 +283,8 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
         return None
     window = report_window(runs, cfg.smooth)
     styles = _styles(groups, plt)
-    with plt.rc_context(_FONT):
-        fig, axes = _new_figure(plt, len(panels), list(groups))
+    with plt.rc_context(FONT):
+        fig, axes = new_figure(plt, len(panels), list(groups))
         bands: dict[str, object] = {}  # label -> its band, shown beside its line in the legend
         for ax, panel in zip(axes.flat, panels):
             top, bottom, typical = 0.0, math.inf, []
@@ -310,7 +310,7 @@ def plot_figure(fig_spec: Figure, groups: dict, runs: list, cfg, out_dir: Path) 
                 ax.set_xlabel("policy version that sampled the batch")
         for ax in axes.flat[len(panels):]:
             ax.set_visible(False)
-        _finish(fig, axes, fig_spec.title, _spread_note(groups, window, panels),
+        finish_figure(fig, axes, fig_spec.title, _spread_note(groups, window, panels),
                 out_dir / fig_spec.file, plt, bands)
     return fig_spec.file
 
@@ -358,7 +358,7 @@ def _style_axis(ax, panel: Panel, span: tuple[float, float], typical: list[float
         ax.axhline(value, color="0.3", lw=1, ls="--")
         ax.annotate(ref_key, (0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 3),
                     textcoords="offset points", fontsize=6.5, color="0.3")
-    if panel.log is True and not _log_or_linear(ax.yaxis, ax.set_yscale, bottom, top):
+    if panel.log is True and not log_or_linear(ax.yaxis, ax.set_yscale, bottom, top):
         ylabel = ylabel.replace(" (log scale)", "")
     elif panel.log == "auto" and typical:
         usual = sorted(typical)[int(0.75 * (len(typical) - 1))]
@@ -376,7 +376,7 @@ def _style_axis(ax, panel: Panel, span: tuple[float, float], typical: list[float
     ax.grid(True, alpha=0.3)
 
 
-def _log_or_linear(axis, set_scale, low: float, high: float) -> bool:
+def log_or_linear(axis, set_scale, low: float, high: float) -> bool:
     """A log scale for values from `low` to `high` when they span a decade or more, labelled
     with plain numbers (2, 0.5, not 2x10^0); else a linear one with plain full-precision
     labels and no offset (a log axis over 0.0101-0.0105 prints 1.01x10^-2 at every tick, and
