@@ -183,8 +183,8 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     # seeds 0.01 apart: sd 0.01 x sd(0..7) in-domain, half that out-of-domain (acc / 2)
     assert ("assume a seed sd of a final accuracy of 0.015; these runs show in-domain 0.024, "
             "out-of-domain 0.012") in md
-    rows = [line for line in md.splitlines() if line.startswith("| ")
-            and "| beta 0.3" in line and line.count("|") == 7]  # the findings table
+    rows = [line for line in md.splitlines() if line.startswith("| ") and "| beta 0.3" in line
+            and line.split(" | ")[3].startswith("**")]  # the findings table: a verdict in bold
     assert len(rows) == 7  # the sweep's pre-registered family, the claims not run included
     assert md.count("**not run here**") == 2  # no control, no prefix runs
     csv = (root / "report" / "runs.csv").read_text().splitlines()
@@ -288,3 +288,35 @@ def test_the_accuracy_against_kl_plot_states_the_correlation_of_unbroken_runs(tm
     md = _correlation_text(directory_findings(runs, group_runs(runs), None, "x")[0])
     assert ("Among the 4 finished runs that did not break, the correlation (Pearson r) of the "
             "final accuracy with log KL at the end: in-domain +1.00, out-of-domain +1.00.") in md
+
+
+def test_each_claim_links_the_toy_rows_of_the_configurations_it_is_about(tmp_path):
+    """The report's claims table ends with the rows of `klrl kl-fixed-points`'s committed
+    table that say where theory expects each claim's configurations to end: at the claim's
+    lag, linked from wherever the report is written; a lag the toy did not train (4) has none.
+    A dose claim over the lag is about each of its doses."""
+    import os
+    import re
+
+    from cluster.experiments import dose
+    from cluster.experiments.findings import about
+
+    grid(tmp_path / "sweep", lag=8, broken={("k1", "loss")})
+    report = write_report(tmp_path / "sweep", out=tmp_path / "elsewhere" / "report")
+    rows = {line.split(" | ")[0].lstrip("| ") + " @ " + line.split(" | ")[2]: line
+            for line in report.read_text().splitlines() if line.startswith("| K")}
+    row = rows[f"{K1L} @ beta 0.05, max_lag 8"]
+    link = re.search(r"\[K1 in loss, lag 8\]\(([^)#]+)#(k1-in-loss-lag-8)\)", row)
+    assert link, row
+    table = (report.parent / link[1]).resolve()
+    assert table.is_file() and f'<a id="{link[2]}"></a>' in table.read_text()
+    assert os.path.isabs(link[1]) is False
+    assert "the toy at beta 0.3" in report.read_text()
+    grid(tmp_path / "lag4", lag=4)
+    report4 = write_report(tmp_path / "lag4")
+    row4 = next(line for line in report4.read_text().splitlines()
+                if line.startswith(f"| {K1L} |") and "max_lag 4" in line)
+    assert row4.endswith(" - |")
+    assert about(dose.breaks_with_dose, 8, {"configuration": "k3-reward", "over": "max_lag",
+                                            "doses": [0, 2, 8]}) == (
+        ("K3 in reward", 0), ("K3 in reward", 2), ("K3 in reward", 8))

@@ -17,14 +17,10 @@ import os
 import platform
 from pathlib import Path
 
+from cluster.experiments.labels import toy_anchor
+
 DEFAULTS = {"beta": 0.3, "lags": [0, 2, 8], "steps": 800, "lr": 4.0, "samples": 8,
             "sampled_lr": 0.5, "seed": 0, "vocab": 3, "length": 2}
-
-
-def anchor(configuration: str, lag: int) -> str:
-    """The table row's anchor: docs link `sweeps/toy/table.md#<anchor>`."""
-    words = "".join(c if c.isalnum() else " " for c in configuration.lower()).split()
-    return "-".join([*words, "lag", str(lag)])
 
 
 def compute(opts: dict) -> dict:
@@ -39,7 +35,7 @@ def compute(opts: dict) -> dict:
     rows = []
     for cfg in D.CONFIGURATIONS:
         for lag in opts["lags"]:
-            row = {"configuration": cfg.name, "lag": lag, "anchor": anchor(cfg.name, lag)}
+            row = {"configuration": cfg.name, "lag": lag, "anchor": toy_anchor(cfg.name, lag)}
             ends = {}
             for mode, samples, lr in (("exact", None, opts["lr"]),
                                       ("sampled", opts["samples"], opts["sampled_lr"])):

@@ -166,6 +166,7 @@ class Outcome:
     verdict: str = ""        # set by `decide`
     fragile: bool = False    # the verdict differs under a threshold variant (`robust`)
     adjusted: tuple[float, float] = (math.nan, math.nan)  # Holm-adjusted (reproduce, contradict)
+    toy: tuple[tuple[str, int], ...] = ()  # (arm name, lag) of the configurations it is about
 
 
 def not_run(claim: str, source: str, setting: str, needs: str) -> Outcome:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import get_args
 
 from cluster.experiments import dose, stats
@@ -49,6 +49,7 @@ from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' v
     not_run,
     outcome,
 )
+from cluster.experiments.labels import toy_anchor
 from cluster.experiments.measures import PRIMARY, Measures
 from cluster.experiments.prereg import ClaimId, Preregistration, Rules
 
@@ -243,12 +244,44 @@ def plan(study: Study, prereg: Preregistration | None, sweep: str) -> list[tuple
     return out
 
 
+def _named(configuration: str) -> str:
+    """"k1-loss[-prefix]" (a sweep plan's spelling) -> its arm's name, "none-..." -> no KL."""
+    est, place, *imp = configuration.split("-")
+    return "no KL" if est == "none" else arm_name((est, place, imp[0] if imp else "none", 0, 0))
+
+
+# The configurations each claim is about (its own lag; dose claims: each dose's): the toy's
+# rows (`klrl kl-fixed-points`) that say where theory expects each to end.
+_ABOUT: dict[str, Callable[[dict], list[str]]] = {
+    "k1_reward_best": lambda x: ["K1 in reward"],
+    "k1_loss_unstable": lambda x: ["K1 in loss"],
+    "k3_loss_stable_worse_ood": lambda x: ["K3 in loss"],
+    "kl_stabilises_async": lambda x: ["no KL", "K1 in reward"],
+    "k3_reward_breaks": lambda x: ["K3 in reward"],
+    "prefix_repairs": lambda x: [_named(f"{c}-prefix") for c in
+                                 x.get("repaired", ("k1-loss", "k3-reward"))],
+    "k1_loss_regularises_nothing": lambda x: ["K1 in loss", "no KL"],
+    "kl_keeps_retained": lambda x: ["K1 in reward", "no KL"],
+    "breaks_with_dose": lambda x: [_named(x["configuration"])],
+}
+if set(_ABOUT) != set(CLAIMS):
+    raise AssertionError("findings._ABOUT must name the configurations of every claim")
+
+
+def about(claim: Callable, lag: int, extra: dict) -> tuple[tuple[str, int], ...]:
+    """(arm name, lag) of the configurations `claim` is about at `lag` (a dose claim over the
+    lag: at each of its doses)."""
+    lags = [int(d) for d in extra["doses"]] if extra.get("over") == "max_lag" else [lag]
+    return tuple((name, lg) for lg in lags for name in _ABOUT[claim.__name__](extra))
+
+
 def findings(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
              variant: str = PRIMARY, family_of_all: bool = False) -> list[Outcome]:
     """Every planned claim, decided. `family_of_all`: claims not run here stay in the Holm
     family (a pre-registration's); otherwise they are listed after it, outside."""
     study = Study.of(measures, variant)
-    outcomes = [claim(study, beta, lag, rules, **extra) for claim, beta, lag, extra in todo]
+    outcomes = [replace(claim(study, beta, lag, rules, **extra), toy=about(claim, lag, extra))
+                for claim, beta, lag, extra in todo]
     if family_of_all:
         return decide(outcomes, rules.alpha)
     run = [o for o in outcomes if o.status != "not run here"]
@@ -274,15 +307,32 @@ def robust(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
     return marked, lines if len(lines) > 2 else []
 
 
-def findings_markdown(found: Sequence[Outcome]) -> list[str]:
+@dataclass(frozen=True)
+class ToyRows:
+    """The committed table of `klrl kl-fixed-points` as a report links it."""
+
+    path: str            # from the report's directory
+    anchors: set[str]    # its rows' (labels.toy_anchor)
+    beta: float          # the beta its toy trained at
+
+
+def findings_markdown(found: Sequence[Outcome], toy: ToyRows | None = None) -> list[str]:
+    """The claims table; with `toy`, a column linking the rows of the configurations each
+    claim is about (Outcome.toy) that the toy's table has."""
     if not found:
         return ["No finished run with a KL penalty: no claim to test."]
-    lines = [("| claim | from | setting | verdict | Holm-adjusted p (reproduce / contradict) | "
-             "evidence (mean ± standard error over seeds; each test's statistics) |"),
-             "|---|---|---|---|---|---|"]
+    head = ("| claim | from | setting | verdict | Holm-adjusted p (reproduce / contradict) | "
+            "evidence (mean ± standard error over seeds; each test's statistics) |")
+    lines = [head + (f" the toy at beta {toy.beta:g}: where theory expects it to end |"
+                     if toy else ""),
+             "|---|---|---|---|---|---|" + ("---|" if toy else "")]
     for f in found:
         adj = " / ".join("-" if not math.isfinite(p) else f"{p:.2g}" for p in f.adjusted)
         verdict = f"**{f.verdict}**" + (" (fragile)" if f.fragile else "")
-        lines.append(f"| {f.claim} | {f.source} | {f.setting} | {verdict} | {adj} | "
-                     f"{f.evidence} |")
+        row = f"| {f.claim} | {f.source} | {f.setting} | {verdict} | {adj} | {f.evidence} |"
+        if toy:
+            links = [f"[{name}, lag {lag}]({toy.path}#{a})" for name, lag in f.toy
+                     if (a := toy_anchor(name, lag)) in toy.anchors]
+            row += f" {', '.join(links) or '-'} |"
+        lines.append(row)
     return lines

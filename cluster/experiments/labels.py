@@ -14,6 +14,14 @@ from typing import Any
 
 from cluster.train.run_meaning import is_free
 
+def toy_anchor(configuration: str, lag: int) -> str:
+    """The anchor of a configuration's row in `klrl kl-fixed-points`'s table (its name as
+    kl.dynamics and the findings' arms spell it, e.g. "K1 in loss + importance prefix"):
+    docs and reports link `sweeps/toy/table.md#<anchor>`."""
+    words = "".join(c if c.isalnum() else " " for c in configuration.lower()).split()
+    return "-".join([*words, "lag", str(lag)])
+
+
 # How reports name each evaluation set (rewards.config.EVAL_SETS).
 SET_LABELS = {"in_domain": "in-domain", "out_of_domain": "out-of-domain",
               "far_out_of_domain": "far out-of-domain", "retained": "retained"}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
 import statistics
 from datetime import datetime
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.config.loader import ConfigError
+from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments import findings as fnd
 from cluster.experiments.labels import SET_LABELS, configuration_keys
 from cluster.experiments.measures import (
@@ -147,7 +149,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     md += ["", *_deviations(measures, used, prereg, rules, sweep), *_pooled(runs),
            *(_seed_sd_lines(used, prereg, family) if prereg else []),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
-           "", *fnd.findings_markdown(found), "", "### Threshold sensitivity", "",
+           "", *fnd.findings_markdown(found, _toy_table(out)), "", "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
            "one is *fragile*."), "", *(sensitivity or ["No claim to test."]), "",
@@ -161,6 +163,20 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
         quote = ["## Pre-registration", "", f"`{cfg.preregistration}`, as read for this report:",
                  "", "```yaml", resolve(cfg.preregistration).read_text().rstrip(), "```", ""]
     return md, measures, quote
+
+
+TOY_TABLE = REPO_ROOT / "docs" / "sweeps" / "toy" / "table.md"  # `klrl kl-fixed-points`'s
+
+
+def _toy_table(out: Path) -> fnd.ToyRows | None:
+    """The committed toy table as a report in `out` links it; None without it (an
+    installation without the docs)."""
+    settings = TOY_TABLE.with_name("fixed_points.json")
+    if not (TOY_TABLE.is_file() and settings.is_file()):
+        return None
+    return fnd.ToyRows(os.path.relpath(TOY_TABLE, out.resolve()),
+                       set(re.findall(r'<a id="([a-z0-9-]+)"></a>', TOY_TABLE.read_text())),
+                       json.loads(settings.read_text())["settings"]["beta"])
 
 
 def _deviations(measures, used, prereg, rules, sweep) -> list[str]:
