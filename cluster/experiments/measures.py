@@ -236,10 +236,12 @@ def seed_share(measures: Sequence[Measures], sets: Sequence[str]) -> dict[str, f
     ignores the seed leaves in its noise. Descriptive, like accuracy_kl_correlation."""
     out = {}
     for key in sets:
-        rows = [(m.seed, 0.0, v) for m in trained(measures)
+        rows = [(m.seed, 0.0, v) for m in trained(measures)  # (seed, -, accuracy)
                 if math.isfinite(v := m.accuracy.get(key, math.nan))]
-        total = sum((y - statistics.fmean(y for _, _, y in rows)) ** 2 for _, _, y in rows) \
-            if len(rows) > 1 else 0.0
+        if len(rows) < 2:
+            continue
+        mean = statistics.fmean(y for _, _, y in rows)
+        total = sum((y - mean) ** 2 for _, _, y in rows)
         if total > 0:
             within = sum(y ** 2 for _, _, y in _centred_by_seed(rows))
             out[key] = 1 - within / total
