@@ -234,6 +234,17 @@ def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
     assert _summarise(cfg, runs, outcomes, None, write=False) == 0
 
 
+def test_a_finished_run_says_how_long_the_rest_will_take():
+    """The line each finished run prints ends with the runs left and the time they take at
+    the mean of those finished so far, parallel ones at once; nothing before the first
+    finishes or after the last."""
+    from cluster.experiments.sweep import time_left
+
+    assert time_left([120.0, 180.0], 10, 1) == "; 10 to go, about 25m00s at 2m30s a run"
+    assert time_left([600.0], 5, 2) == "; 5 to go, about 30m00s at 10m00s a run"
+    assert time_left([], 3, 1) == "" and time_left([60.0], 0, 1) == ""
+
+
 def test_dry_run_lists_runs_and_states(tmp_path, capsys):
     from cluster.cli.main import main
 
@@ -284,6 +295,7 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     first = klrl("sweep", str(path), timeout=400)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "2 finished, 0 skipped" in first.stdout
+    assert "; 1 to go, about " in first.stdout  # after the first run, the time the other takes
     root = tmp_path / "runs" / "e2e"
     for name in ("k1-loss", "k3-loss"):
         assert run_state(root / name) == "finished"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import signal
 import time
@@ -424,6 +425,7 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
         else:
             todo.append((run, state))
     active: dict[str, tuple] = {}  # name -> (run, handle, start time, progress task)
+    took: list[float] = []  # seconds of each run finished here: the time left is read off them
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress, _ForwardedSignals() as signals:
@@ -454,10 +456,24 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                 outcome = _outcome(run, code, time.monotonic() - t0, root, signals.received,
                                    launcher.where(handle))
                 outcomes.append(outcome)
+                if outcome.status == "finished":
+                    took.append(outcome.seconds)
                 _say(progress.console, f"[{run.index}/{n}] {run.name}: {outcome.status} after "
                      f"{format_duration(outcome.seconds)}"
-                     + (f" ({outcome.detail})" if outcome.detail else ""))
+                     + (f" ({outcome.detail})" if outcome.detail else "")
+                     + ("" if signals.received else time_left(took, len(todo) + len(active),
+                                                               cfg.parallel)))
     return outcomes, (signals.received[0] if signals.received else None)
+
+
+def time_left(took: list[float], left: int, parallel: int) -> str:
+    """"; N to go, about T at M a run": the runs not yet done at the mean time of those
+    finished so far, `parallel` at once; "" when none is left or none has finished yet."""
+    if not left or not took:
+        return ""
+    mean = sum(took) / len(took)
+    return (f"; {left} to go, about {format_duration(mean * math.ceil(left / parallel))} at "
+            f"{format_duration(mean)} a run")
 
 
 def _say(console, text: str) -> None:
