@@ -109,3 +109,26 @@ def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd)
     console = capfd.readouterr()
     assert "--problems" not in console.out + console.err
     assert "missing.json" not in console.out + console.err
+
+
+def test_each_evaluation_says_how_long_the_rest_will_take(tmp_path, capsys):
+    """make results prints, after each final evaluation's accuracies, the evaluations left
+    and their time at the mean of those done (sweep.time_left); the last says nothing more."""
+    from cluster.experiments.prereg import Rules
+    from cluster.experiments.results import _final_eval
+
+    class Done:  # a child that has written its record: what a finished final_eval.py leaves
+        signalled = None
+
+        def run(self, *args, log=None):
+            record.write_text(json.dumps({"sets": {"in_domain": {"accuracy": 0.5,
+                                                                 "problems": 40}}}))
+            return 0
+
+    record, took = tmp_path / FINAL_EVAL_FILE, []
+    for left in (2, 1, 0):
+        assert _final_eval(Done(), "run", tmp_path, record, tmp_path / "logs" / "r.log",
+                           Rules(), took=took, left=left) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(took) == 3 and "; 2 to go, about " in lines[0] and "; 1 to go" in lines[1]
+    assert lines[2] == "  in_domain 0.500 (40 problems)"

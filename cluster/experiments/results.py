@@ -23,6 +23,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
@@ -30,7 +31,7 @@ from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluati
 from cluster.experiments.prereg import Rules, load_preregistration, rules_of
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
-from cluster.experiments.sweep import load_sweep, sweep_dir
+from cluster.experiments.sweep import load_sweep, sweep_dir, time_left
 
 
 class _Child:
@@ -79,11 +80,13 @@ def _evaluate_base(child: _Child, root: Path, runs: list[RunData], rules: Rules)
 
 
 def _final_eval(child: _Child, what: str, run_dir: Path, record: Path, log: Path, rules: Rules,
-                *extra: str) -> int:
+                *extra: str, took: list[float] | None = None, left: int = 0) -> int:
     """One `final_eval.py` process on run_dir (with `extra`: --base) on the rules' problems,
     seed and sets, its output in `log`: prints what it evaluates, then the accuracies it wrote
-    to `record` or the end of its log. 1 when it failed (not when a signal stopped it: the
-    caller checks `child.signalled`), else 0."""
+    to `record` (and, given `took`, the seconds of those done before, which it extends: how
+    long the `left` after it take) or the end of its log. 1 when it failed (not when a signal
+    stopped it: the caller checks `child.signalled`), else 0."""
+    t0 = time.monotonic()
     log.parent.mkdir(exist_ok=True)
     print(f"{what}: {rules.final_problems} problems per set on {', '.join(rules.final_sets)} "
           f"(log: {log})", flush=True)
@@ -95,14 +98,16 @@ def _final_eval(child: _Child, what: str, run_dir: Path, record: Path, log: Path
     if code:
         print(f"FAILED: {what} (exit {code}); the end of {log}:\n{_tail(log)}", file=sys.stderr)
         return 1
-    _print_sets(record)
+    if took is not None:
+        took.append(time.monotonic() - t0)
+    _print_sets(record, time_left(took or [], left, 1))
     return 0
 
 
-def _print_sets(path: Path) -> None:
+def _print_sets(path: Path, then: str = "") -> None:
     done = json.loads(path.read_text())["sets"]
     print("  " + ", ".join(f"{name} {s['accuracy']:.3f} ({s['problems']} problems)"
-                           for name, s in done.items()), flush=True)
+                           for name, s in done.items()) + then, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     rules = rules_of(prereg, runs)
     todo = [d for d in sorted(root.iterdir()) if d.is_dir()
             and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
+    took: list[float] = []
     for i, run_dir in enumerate(todo, 1):
         status = max(status, _final_eval(
             child, f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}", run_dir,
-            run_dir / FINAL_EVAL_FILE, root / "logs" / f"{run_dir.name}.final_eval.log", rules))
+            run_dir / FINAL_EVAL_FILE, root / "logs" / f"{run_dir.name}.final_eval.log", rules,
+            took=took, left=len(todo) - i))
         if child.signalled:
             return 128 + child.signalled
     status = max(status, _evaluate_base(child, root, runs, rules))
