@@ -94,9 +94,10 @@ def lora_and_full(root: Path) -> tuple[Path, Path]:
 
 
 def dose_sweep(root: Path) -> Path:
-    """K1 in the loss and K1 in the reward at max_lag 0, 2 and 8, three seeds each; K1 in the
-    loss collapses at 8 (its accuracy falls to 0.02 from step 20) and drifts further with
-    the lag."""
+    """K1 in the loss and K1 in the reward at max_lag 0, 2 and 8 (beta 0.05), three seeds
+    each; K1 in the loss collapses at 8 (its accuracy falls to 0.02 from step 20) and drifts
+    further with the lag. K1 in the reward also at beta 0.005 and 0.3 at max_lag 8, beside
+    the no-KL control there, which ends furthest from the reference."""
     from test_findings import COLLAPSE
 
     for place in ("loss", "reward"):
@@ -106,6 +107,10 @@ def dose_sweep(root: Path) -> Path:
                 write_run(root / f"{place}-lag{lag}-s{seed}", placement=place, lag=lag,
                           seed=seed, kl=lambda s, lag=lag: 0.01 * s * (1 + lag / 4),
                           **({"acc": COLLAPSE} if broken else {}))
+    for beta in (0.005, 0.3, 0.0):
+        for seed in (0, 1, 2):
+            write_run(root / f"b{beta}-s{seed}", lag=8, seed=seed, beta=beta,
+                      kl=lambda s, beta=beta: 0.05 * s / (1 + 10 * beta))
     return root
 
 
@@ -163,6 +168,12 @@ def test_the_dose_response_figure_shows_breaking_distance_and_accuracy_per_dose(
     assert "![Dose-response: breaking, distance and accuracy](dose_response.png)" in \
         reports["dose"].read_text()
     assert not (reports["many"].parent / "dose_response.png").exists()
+    # against beta: K1 in the reward at max_lag 8, and the no-KL control there as a level
+    beta_rate = fig.axes[3]
+    assert [t.get_text() for t in beta_rate.get_xticklabels()] == ["0.005", "0.05", "0.3"]
+    assert {c.get_label() for c in beta_rate.containers} == {"K1 in reward, max_lag 8"}
+    assert [line.get_label() for line in beta_rate.get_lines()
+            if line.get_label() == "no KL, max_lag 8"]
 
 
 def test_a_narrow_kl_range_is_labelled_in_plain_numbers(reports, saved):

@@ -38,7 +38,9 @@ DOSE_RESPONSE = Figure(
     "runs broke); its KL(pi || pi_ref) at the end (geometric mean, each run a faint point); and "
     "its final greedy accuracy (mean, each run a faint point; in-domain solid, retained "
     "dashed where evaluated). Doses are evenly spaced, as the trend test ranks them; the "
-    "configurations sit side by side at each.", ())
+    "configurations sit side by side at each. Against beta, the no-KL control at the same lag "
+    "(beta 0, where every beta series tends) is a grey dotted level where the sweep ran it.",
+    ())
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,9 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
     names = sorted({s.configuration for s in series})
     colours = dict(zip(names, plt.get_cmap("tab10").colors))
     with plt.rc_context(FONT):
-        fig, axes = new_figure(plt, 3 * len(rows), [s.label for s in series])
+        controls_drawn = [f"no KL, max_lag {lag:g}" for lag, _ in
+                          _controls(study, [s for s in series if s.over == "beta"])]
+        fig, axes = new_figure(plt, 3 * len(rows), [s.label for s in series] + controls_drawn)
         for row, over in enumerate(rows):
             doses = sorted({d for s in series if s.over == over for d in s.doses})
             where = {d: i for i, d in enumerate(doses)}
@@ -103,21 +107,24 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
                 shift = (i - (len(drawn) - 1) / 2) * min(0.08, 0.4 / len(drawn))
                 _draw(axes[row], s, [where[d] + shift for d in s.doses],
                       colours[s.configuration])
+            controls = _controls(study, drawn) if over == "beta" else []
+            for lag, control in controls:
+                _draw_control(axes[row], control, f"no KL, max_lag {lag:g}")
             for ax in axes[row]:
                 ax.set_xticks(range(len(doses)), [f"{d:g}" for d in doses])
                 ax.set_xlabel("max_lag" if over == "max_lag" else "beta (kl.beta)")
                 ax.grid(True, alpha=0.3)
             axes[row][0].set_ylim(-0.03, 1.03)
-            axes[row][0].set_title(f"Break rate against {over}")
+            axes[row][0].set_title("Break rate")
             axes[row][0].set_ylabel("share of runs broken")
-            kls = [v for s in series if s.over == over for a in s.arms for v in a.kl_end
-                   if math.isfinite(v) and v > 0]
+            kls = [v for a in [a for s in drawn for a in s.arms] + [c for _, c in controls]
+                   for v in a.kl_end if math.isfinite(v) and v > 0]
             log = bool(kls) and log_or_linear(axes[row][1].yaxis, axes[row][1].set_yscale,
                                               min(kls), max(kls))
-            axes[row][1].set_title(f"KL at the end against {over}")
+            axes[row][1].set_title("KL at the end")
             axes[row][1].set_ylabel("KL(pi || ref) at the end (nats per sequence"
                                     + (", log scale)" if log else ")"))
-            axes[row][2].set_title(f"Final accuracy against {over}")
+            axes[row][2].set_title("Final accuracy")
             axes[row][2].set_ylabel("final greedy accuracy")
         for ax in axes.flat[3 * len(rows):]:
             ax.set_visible(False)
@@ -128,6 +135,25 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
                                                for i, label in enumerate(sets)),
                       out_dir / DOSE_RESPONSE.file, plt)
     return DOSE_RESPONSE.file
+
+
+def _controls(study: Study, series: list[Series]) -> list[tuple[float, Arm]]:
+    """(lag, the no-KL control's arm there) for each lag a beta series is at: beta 0, the
+    end every beta series falls toward."""
+    lags = sorted({s.fixed for s in series})
+    return [(lag, arm) for lag in lags if (arm := study.arm(None, None, 0.0, int(lag)))]
+
+
+def _draw_control(axes, control: Arm, label: str) -> None:
+    """The no-KL control as grey dotted levels across a beta row's three panels."""
+    style = {"color": "0.45", "lw": 1.0}
+    axes[0].axhline(control.broken / control.n, ls=":", label=label, **style)
+    kls = [v for v in control.kl_end if math.isfinite(v) and v > 0]
+    if kls:
+        axes[1].axhline(math.exp(statistics.fmean(map(math.log, kls))), ls=":", **style)
+    for key in ACCURACY_SETS:
+        if values := control.accuracy.get(key):
+            axes[2].axhline(statistics.fmean(values), ls=_SET_STYLE[key], **style)
 
 
 def _draw(axes, s: Series, x: list[float], colour) -> None:
