@@ -244,6 +244,13 @@ def test_runs_from_several_commits_are_named_in_the_head(tmp_path):
     assert f"**These runs come from 2 different klrl commits** ({'a' * 12}: 1 run(s), " \
         f"{'b' * 12}: 2 run(s))" in md
     assert f",{'b' * 12}," in (tmp_path / "report" / "runs.csv").read_text()
+    # a run stopped under one commit and resumed under the other counts under each, said so
+    with (tmp_path / "s0" / "provenance.jsonl").open("a") as f:
+        f.write(json.dumps({"started_at": "2026-01-02T00:00:00+0000", "git_commit": "b" * 40,
+                            "resumed": True}) + "\n")
+    md = write_report(tmp_path).read_text()
+    assert f"({'a' * 12}: 1 run(s), {'b' * 12}: 3 run(s); 1 run(s) resumed under another " \
+        "commit than they started, counted under each)" in md
 
 
 def test_claims_that_pool_runs_of_other_settings_say_so(tmp_path):

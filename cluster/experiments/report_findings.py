@@ -73,10 +73,13 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
               f"{'; '.join(machines)}.")]
     if len(commits) > 1:
         per = {c: sum(c in _commits(read_provenance(r.dir)) for r in runs) for c in commits}
+        spanning = sum(len(_commits(read_provenance(r.dir))) > 1 for r in runs)
         lines += ["", f"**These runs come from {len(commits)} different klrl commits** ("
-                  + ", ".join(f"{c}: {n} run(s)" for c, n in per.items()) + "): a difference "
-                  f"between configurations may partly be one of code. {CSV_FILE} names each "
-                  "run's commit."]
+                  + ", ".join(f"{c}: {n} run(s)" for c, n in per.items())
+                  + (f"; {spanning} run(s) resumed under another commit than they started, "
+                     "counted under each" if spanning else "")
+                  + "): a difference between configurations may partly be one of code. "
+                  f"{CSV_FILE} names each run's commit."]
     return lines
 
 
