@@ -190,3 +190,34 @@ def test_the_lead_a_test_ignoring_the_seed_detects_is_detected_that_often():
     assert close(rate(shown, draws=4000), 0.8, 4000), lead
     assert lead > paired_detectable_lead(DESIGN.seed_sd, N, LEVEL)
     assert unpaired_detectable_lead(0.0, N, LEVEL) == 0.0
+
+
+def test_the_error_rates_page_quotes_the_design_as_registered():
+    """docs/sweeps.md's table of the current rules' error rates quotes the pre-registration's
+    design block (which the tests above simulate), figure for figure."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sweeps.md").read_text()
+    table = page[page.index("The current\nrules, at the second"):page.index("At the first")]
+    quoted = {
+        "paired_power_2sd": "0.726 at a lead of 2 residual sd",
+        "best_false_positive": "0.0000 when all four",
+        "best_power_3sd": "0.926 at a lead of 3",
+        "best_false_contradiction": "0.0030 when it leads",
+        "best_contradiction_power": "0.051 when all four",
+        "fisher_false_positive": "0.0013 when both",
+        "fisher_power_90_vs_0": "0.987 at break rates",
+        "binomial_false_contradiction": "0.0010 at rate 1/2",
+        "binomial_contradiction_power_10": "0.349 at rate 0.1",
+        "equivalence_false_positive": "0.0025 when the ratio",
+        "equivalence_power": "0.950 when both",
+        "trend_false_positive": "0.0018 at a break rate",
+        "trend_power": "1.000 at break rates",
+        "welch_false_positive": "0.0020 with no difference",
+        "welch_power_2sd": "0.847 at a lead",
+        "holm_family_wise": "0.049 family-wise",
+    }
+    for key, text in quoted.items():
+        value = float(text.split()[0])
+        assert text in table, (key, text)
+        assert math.isclose(getattr(DESIGN, key), value, abs_tol=5e-5), (key, value)
+    assert f"sd {DESIGN.seed_block_sd:g}" in table and f"sd {DESIGN.seed_sd:g}" in table
+    assert f"0.05 / {2 * FAMILY} = {RULES.alpha / (2 * FAMILY):.4f}" in table
