@@ -84,6 +84,8 @@ def test_k1_in_the_loss_regularising_nothing_is_an_equivalence_on_the_kl():
     same = k1_loss_regularises_nothing(_study(seed_kl * np.exp(rng.normal(0, 0.05, 8)), seed_kl),
                                        0.3, 0, RULES)
     assert same.reproduce < 1e-3 and not math.isfinite(same.contradict) or same.contradict > 0.5
+    # runs none of which broke say how high a break rate they leave possible: 1 - 0.05^(1/8)
+    assert "K1 in loss: 0/8 broken (95% upper bound 0.31), KL at the end" in same.evidence
     closer = k1_loss_regularises_nothing(_study(seed_kl / 2.6, seed_kl), 0.3, 0, RULES)
     assert closer.contradict < 1e-3 and not closer.reproduce <= 0.05
     assert k1_loss_regularises_nothing(_study(seed_kl, seed_kl), 0.3, 8, RULES).status == \

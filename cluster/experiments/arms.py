@@ -55,7 +55,10 @@ class Arm:
         at_end = f", KL at the end {statistics.median(kl):.3g} (median)" if kl else ""
         drift = f", {self.drifted}/{self.n} drifted (KL blow-up, not a break)" \
             if self.drifted else ""
-        return f"{self.name}: {self.broken}/{self.n} broken{drift}{at_end}"
+        # none broke: how high a break rate these runs leave possible (what they could see)
+        bound = f" (95% upper bound {stats.rate_bound(0, self.n):.2f})" if not self.broken \
+            else ""
+        return f"{self.name}: {self.broken}/{self.n} broken{bound}{drift}{at_end}"
 
     def by_seed(self, key: str) -> dict:
         """seed -> value of a set's accuracy ("kl": log KL at the end); seedless runs left out."""
