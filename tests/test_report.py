@@ -100,6 +100,12 @@ def test_flags_of_a_run(tmp_path):
     assert set(flags) == {"accuracy collapse (in-domain)", "accuracy collapse (out-of-domain)",
                           "KL blow-up", "non-finite"}
     assert flags["accuracy collapse (in-domain)"].step == 30
+    assert "(step 10)" in flags["accuracy collapse (in-domain)"].detail  # no problem count known
+    # the evaluations' problem count makes a fall near zero read as the few problems it is
+    config = yaml.safe_load((bad.dir / "config.yaml").read_text())
+    (bad.dir / "config.yaml").write_text(yaml.safe_dump(config | {"eval": {"num_problems": 100}}))
+    counted = {f.kind: f for f in instability_flags(load_run(bad.dir), CFG)}
+    assert "(step 10; 40 -> 5 of 100 problems)" in counted["accuracy collapse (in-domain)"].detail
     assert flags["KL blow-up"].step == 22  # median of steps 18-22 = 5.0 * 1 > 20 x 0.05
     assert flags["non-finite"].step == 33 and "2 step(s)" in flags["non-finite"].detail
     assert "refused step" in flags["non-finite"].detail

@@ -179,11 +179,13 @@ def group_runs(runs: list[RunData]) -> dict[str, list[RunData]]:
 # ---- instability flags ----------------------------------------------------------------------
 
 
-def accuracy_collapse(steps: list[int], values: list[float],
-                      cfg: InstabilityRule) -> tuple[int, str] | None:
+def accuracy_collapse(steps: list[int], values: list[float], cfg: InstabilityRule,
+                      problems: int | None = None) -> tuple[int, str] | None:
     """First eval step j with acc_j < fraction x max(acc_<j) (max >= min_peak) such that every
     later eval stays below that level too and at least `collapse_min_evals` evals (j
-    included) are below it; (step, explanation) or None."""
+    included) are below it; (step, explanation) or None. With `problems` (per evaluation),
+    the explanation counts the problems solved, so a fall near zero reads as the few problems
+    it is."""
     for j in range(1, len(values) - cfg.collapse_min_evals + 1):
         earlier = [v for v in values[:j] if math.isfinite(v)]
         if not earlier:
@@ -193,8 +195,10 @@ def accuracy_collapse(steps: list[int], values: list[float],
         if best >= cfg.collapse_min_peak and math.isfinite(values[j]) \
                 and all(v < level for v in values[j:] if math.isfinite(v)):
             best_step = steps[values.index(best)]
+            solved = (f"; {round(best * problems)} -> {round(values[j] * problems)} of "
+                      f"{problems} problems") if problems else ""
             return steps[j], (f"{values[j]:.3f} < {cfg.collapse_fraction:g} x best {best:.3f} "
-                              f"(step {best_step}), below at every later evaluation "
+                              f"(step {best_step}{solved}), below at every later evaluation "
                               f"(last {values[-1]:.3f})")
     return None
 
@@ -272,8 +276,10 @@ def nonfinite_steps(run: RunData) -> tuple[int, str] | None:
 
 def instability_flags(run: RunData, cfg: InstabilityRule) -> list[Flag]:
     flags = []
+    problems = run.config.get("eval.num_problems")  # per evaluation, every set
     for key, label in ACCURACY_KEYS:
-        if hit := accuracy_collapse(*run.series(key), cfg):
+        if hit := accuracy_collapse(*run.series(key), cfg,
+                                    problems if isinstance(problems, int) else None):
             flags.append(Flag(run.name, f"accuracy collapse ({label})", *hit))
     if hit := reward_collapse(*run.series(cfg.reward_metric), cfg):
         flags.append(Flag(run.name, "reward collapse", *hit))
