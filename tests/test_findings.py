@@ -187,6 +187,9 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
             and line.split(" | ")[3].startswith("**")]  # the findings table: a verdict in bold
     assert len(rows) == 7  # the sweep's pre-registered family, the claims not run included
     assert md.count("**not run here**") == 2  # no control, no prefix runs
+    tally = next(line for line in md.splitlines() if line.startswith("7 claim(s): "))
+    assert "2 not run here" in tally  # the line above the table counts the verdicts
+    assert sum(int(part.split()[0]) for part in tally[len("7 claim(s): "):-1].split(", ")) == 7
     csv = (root / "report" / "runs.csv").read_text().splitlines()
     assert len(csv) == 1 + len(list(root.glob("*-s*")))
     assert "final checkpoint, 1000 problems" in csv[1]

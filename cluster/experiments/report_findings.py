@@ -152,7 +152,8 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     md += ["", *_deviations(measures, used, prereg, rules, sweep), *_pooled(runs),
            *(_seed_sd_lines(used, prereg, family) if prereg else []),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
-           "", *fnd.findings_markdown(found, _toy_table(out)), "", "### Threshold sensitivity", "",
+           "", *_tally(found), *fnd.findings_markdown(found, _toy_table(out)), "",
+           "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
            "one is *fragile*."), "", *(sensitivity or ["No claim to test."]), "",
@@ -166,6 +167,15 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
         quote = ["## Pre-registration", "", f"`{cfg.preregistration}`, as read for this report:",
                  "", "```yaml", resolve(cfg.preregistration).read_text().rstrip(), "```", ""]
     return md, measures, quote
+
+
+def _tally(found) -> list[str]:
+    """One line above the claims table: how many claims got each verdict."""
+    counts: dict[str, int] = {}
+    for f in found:
+        counts[f.verdict] = counts.get(f.verdict, 0) + 1
+    return [f"{len(found)} claim(s): " + ", ".join(f"{n} {v}" for v, n in counts.items())
+            + ".", ""] if found else []
 
 
 TOY_TABLE = REPO_ROOT / "docs" / "sweeps" / "toy" / "table.md"  # `klrl kl-fixed-points`'s
