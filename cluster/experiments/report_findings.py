@@ -62,7 +62,8 @@ def sweep_name(path: Path) -> str:
 def provenance_lines(runs: list[RunData]) -> list[str]:
     """Which code, machine and dates produced the runs (their provenance.jsonl); a warning
     when the runs come from more than one commit."""
-    starts = [row for r in runs for row in read_provenance(r.dir)]
+    rows = {r.dir: read_provenance(r.dir) for r in runs}  # read once: every count below uses them
+    starts = [row for r in runs for row in rows[r.dir]]
     if not starts:
         return []
     commits = sorted(_commits(starts))
@@ -72,8 +73,9 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
     lines = [(f"Runs started {when}; klrl commit(s) {', '.join(commits)}; machine(s): "
               f"{'; '.join(machines)}.")]
     if len(commits) > 1:
-        per = {c: sum(c in _commits(read_provenance(r.dir)) for r in runs) for c in commits}
-        spanning = sum(len(_commits(read_provenance(r.dir))) > 1 for r in runs)
+        of_run = [_commits(rows[r.dir]) for r in runs]
+        per = {c: sum(c in made for made in of_run) for c in commits}
+        spanning = sum(len(made) > 1 for made in of_run)
         lines += ["", f"**These runs come from {len(commits)} different klrl commits** ("
                   + ", ".join(f"{c}: {n} run(s)" for c, n in per.items())
                   + (f"; {spanning} run(s) resumed under another commit than they started, "
