@@ -96,9 +96,9 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
     names = sorted({s.configuration for s in series})
     colours = dict(zip(names, plt.get_cmap("tab10").colors))
     with plt.rc_context(FONT):
-        controls_drawn = [f"no KL, max_lag {lag:g}" for lag, _ in
-                          _controls(study, [s for s in series if s.over == "beta"])]
-        fig, axes = new_figure(plt, 3 * len(rows), [s.label for s in series] + controls_drawn)
+        controls = _controls(study, [s for s in series if s.over == "beta"])  # beta row only
+        fig, axes = new_figure(plt, 3 * len(rows), [s.label for s in series]
+                               + [f"no KL, max_lag {lag:g}" for lag, _ in controls])
         for row, over in enumerate(rows):
             doses = sorted({d for s in series if s.over == over for d in s.doses})
             where = {d: i for i, d in enumerate(doses)}
@@ -107,8 +107,7 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
                 shift = (i - (len(drawn) - 1) / 2) * min(0.08, 0.4 / len(drawn))
                 _draw(axes[row], s, [where[d] + shift for d in s.doses],
                       colours[s.configuration])
-            controls = _controls(study, drawn) if over == "beta" else []
-            for lag, control in controls:
+            for lag, control in controls if over == "beta" else []:
                 _draw_control(axes[row], control, f"no KL, max_lag {lag:g}")
             for ax in axes[row]:
                 ax.set_xticks(range(len(doses)), [f"{d:g}" for d in doses])
@@ -117,7 +116,8 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
             axes[row][0].set_ylim(-0.03, 1.03)
             axes[row][0].set_title("Break rate")
             axes[row][0].set_ylabel("share of runs broken")
-            kls = [v for a in [a for s in drawn for a in s.arms] + [c for _, c in controls]
+            kls = [v for a in [a for s in drawn for a in s.arms]
+                   + [c for _, c in (controls if over == "beta" else [])]
                    for v in a.kl_end if math.isfinite(v) and v > 0]
             log = bool(kls) and log_or_linear(axes[row][1].yaxis, axes[row][1].set_yscale,
                                               min(kls), max(kls))
