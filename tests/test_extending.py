@@ -29,6 +29,10 @@ from rewards import ScoringPool, get_task, load_scorer
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "mytasks.reverse:ReverseTask"
 MODULES = ("mytasks", "mytasks.reverse", "myscorers")
+# Its one slow test starts a Ray cluster of its own (workers inherit PYTHONPATH from the
+# cluster's start), so it runs beside the other runs of their own processes: in the other
+# group it would stop that worker's shared cluster, for the next test to start again.
+XDIST_GROUP = "own-processes"
 
 
 def readme_example(name: str) -> str:

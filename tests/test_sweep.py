@@ -307,7 +307,7 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     print(f"first sweep: {time.monotonic() - t0:.0f}s")
 
     capsys.readouterr()
-    rc = main(["sweep", str(path)])
+    rc = main(["sweep", str(path), "--no-report"])  # the report: the first sweep's, and below
     again = capsys.readouterr()
     assert rc == 0, again.err[-3000:]
     assert "0 finished, 2 skipped" in again.out and ": started" not in again.out
