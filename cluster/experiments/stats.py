@@ -16,6 +16,7 @@ figures stated in the pre-registration (docs/sweeps/preregistration.yaml, `desig
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,6 +142,11 @@ def trend(broken: Sequence[int], n: Sequence[int], doses: Sequence[float]) -> Te
                 f"one-sided {_p(p)}", f"rates {', '.join(f'{b / k:.2f}' for b, k in zip(x, m))}")
 
 
+# The break-count tests below are pure functions of a few small integers, and a report (or
+# a simulation of the rules' error rates) asks for the same ones again and again; scipy's
+# exact tests and above all its Clopper-Pearson bound (a root search) cost a millisecond or
+# more each. Their results are frozen records: cached, the same object answers every time.
+@functools.lru_cache(maxsize=4096)
 def fisher(broken_a: int, n_a: int, broken_b: int, n_b: int) -> Test:
     """Fisher's exact test, one-sided: a breaks in a larger share of its runs than b. `min_p`:
     the p of the most extreme table with the same margins (every break in a, as far as a's
@@ -155,6 +161,7 @@ def fisher(broken_a: int, n_a: int, broken_b: int, n_b: int) -> Test:
                 f"one-sided {_p(p)}", f"difference of rates {diff:+.2f}")
 
 
+@functools.lru_cache(maxsize=4096)
 def binomial(broken: int, n: int, rate: float, alternative: Alternative) -> Test:
     """Exact binomial test of one configuration's break rate against `rate`: "less" shows it
     below (fewer runs break), "greater" above. `min_p`: that of the most extreme count."""
@@ -179,6 +186,7 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return adjusted
 
 
+@functools.lru_cache(maxsize=4096)
 def rate_bound(broken: int, n: int, confidence: float = 0.95) -> float:
     """The one-sided Clopper-Pearson upper confidence bound of a break rate (0/3 -> 0.63)."""
     return float(st.binomtest(broken, n).proportion_ci(2 * confidence - 1, "exact").high) \
