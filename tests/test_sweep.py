@@ -245,6 +245,19 @@ def test_a_finished_run_says_how_long_the_rest_will_take():
     assert time_left([], 3, 1) == "" and time_left([60.0], 0, 1) == ""
 
 
+def test_a_resumed_run_gives_no_time_for_the_rest(tmp_path, capsys):
+    """A resumed run's time is that of its last part: the time left is read off the runs
+    started and finished in this sweep only, and the resumed one's line says so."""
+    cfg = _sweep(tmp_path, parallel=1, grid={"seed": [0, 1, 2]})
+    runs = expand(cfg)
+    (sweep_dir(cfg) / runs[0].name).mkdir(parents=True)  # partial: resumed first
+    run_sweep(cfg, runs, validate_runs(cfg, runs), FakeLauncher())
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": finished after" in line]
+    assert len(lines) == 3 and "since it resumed" in lines[0] and "to go" not in lines[0]
+    assert "; 1 to go, about " in lines[1] and "since it resumed" not in lines[1]
+    assert "to go" not in lines[2]
+
+
 def test_dry_run_lists_runs_and_states(tmp_path, capsys):
     from cluster.cli.main import main
 

@@ -424,8 +424,10 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
             _say(console, f"[{run.index}/{n}] {run.name}: finished before, skipped")
         else:
             todo.append((run, state))
-    active: dict[str, tuple] = {}  # name -> (run, handle, start time, progress task)
-    took: list[float] = []  # seconds of each run finished here: the time left is read off them
+    active: dict[str, tuple] = {}  # name -> (run, handle, start time, progress task, resumed)
+    # Seconds of each run started and finished here: the time left is read off them. A resumed
+    # run's time is that of its last part only, which would make the rest look short.
+    took: list[float] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress, _ForwardedSignals() as signals:
@@ -439,13 +441,13 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                      f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
                 task = progress.add_task(f"  [{run.index}/{n}] {run.name} (steps)",
                                          total=configs[run.name].total_steps)
-                active[run.name] = (run, handle, time.monotonic(), task)
+                active[run.name] = (run, handle, time.monotonic(), task, state == "partial")
             while signals.unforwarded:
                 signum = signals.unforwarded.pop(0)
-                for _, handle, _, _ in active.values():
+                for _, handle, _, _, _ in active.values():
                     launcher.stop(handle, signum)
             time.sleep(cfg.poll_s)
-            for name, (run, handle, t0, task) in list(active.items()):
+            for name, (run, handle, t0, task, resumed) in list(active.items()):
                 progress.update(task, completed=last_step(root / name))
                 code = launcher.poll(handle)
                 if code is None:
@@ -456,10 +458,11 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                 outcome = _outcome(run, code, time.monotonic() - t0, root, signals.received,
                                    launcher.where(handle))
                 outcomes.append(outcome)
-                if outcome.status == "finished":
+                if outcome.status == "finished" and not resumed:
                     took.append(outcome.seconds)
+                since = " since it resumed" if resumed else ""
                 _say(progress.console, f"[{run.index}/{n}] {run.name}: {outcome.status} after "
-                     f"{format_duration(outcome.seconds)}"
+                     f"{format_duration(outcome.seconds)}{since}"
                      + (f" ({outcome.detail})" if outcome.detail else "")
                      + ("" if signals.received else time_left(took, len(todo) + len(active),
                                                                cfg.parallel)))
@@ -468,7 +471,8 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
 
 def time_left(took: list[float], left: int, parallel: int) -> str:
     """"; N to go, about T at M a run": the runs not yet done at the mean time of those
-    finished so far, `parallel` at once; "" when none is left or none has finished yet."""
+    started and finished so far, `parallel` at once; "" when none is left or none has
+    finished yet."""
     if not left or not took:
         return ""
     mean = sum(took) / len(took)
