@@ -4,6 +4,7 @@ for the distribution that was sampled (the policy at temperature 1; the tempered
 renormalised distribution otherwise), and evaluation with its own budget and seed."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import threading
@@ -14,9 +15,12 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-pytest.importorskip("vllm")
+# Looked up, not imported: importing vLLM here cost every xdist worker seconds of collection,
+# `make test-quick` included, which runs none of these tests.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed", allow_module_level=True)
 
-# After the skips: actors.rollout_worker imports vLLM.
+# After the skips (actors.rollout_worker imports vLLM only when it starts an engine).
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402
 from actors.evaluate import EvalReport  # noqa: E402
 from actors.rollout_worker import RolloutWorker  # noqa: E402

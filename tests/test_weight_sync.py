@@ -4,6 +4,7 @@ transformers' log-probs of the learner's (perturbed) weights in fp32; versions a
 a sync that hangs raises within SyncConfig.timeout_s; lm_head.weight is required."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -11,9 +12,12 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-pytest.importorskip("vllm")
+# Looked up, not imported: importing vLLM here cost every xdist worker seconds of collection,
+# `make test-quick` included, which runs none of these tests.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed", allow_module_level=True)
 
-# After the skips: actors.rollout_worker imports vLLM.
+# After the skips (actors.rollout_worker imports vLLM only when it starts an engine).
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402
 from actors.rollout_worker import RolloutWorker, StaleWeightsError  # noqa: E402
 from actors.weight_sync import (  # noqa: E402
