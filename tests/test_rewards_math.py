@@ -84,7 +84,11 @@ def test_pathological_answers_finish_within_the_timeout():
     problem = BY_ANSWER["50"]
     completions = list(PATHOLOGICAL.values())
     start = time.monotonic()
-    with ScoringPool(workers=2, timeout_s=5.0) as pool:
+    # math-verify's own alarms bound each parse and the verify at VERIFY_TIMEOUT_S (2 s); a
+    # worker's first call also imports math-verify and sympy. Over 5 s, "nested fractions"
+    # was killed on a loaded machine (beside a sweep and the other xdist worker); 15 s still
+    # kills, and so fails, any work the alarms do not bound.
+    with ScoringPool(workers=2, timeout_s=15.0) as pool:
         results = pool.score(TASK.scorer,
                              [problem] * len(completions), completions)
     elapsed = time.monotonic() - start
