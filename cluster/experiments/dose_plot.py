@@ -103,11 +103,12 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
             doses = sorted({d for s in series if s.over == over for d in s.doses})
             where = {d: i for i, d in enumerate(doses)}
             drawn = [s for s in series if s.over == over]
+            row_controls = controls if over == "beta" else []
             for i, s in enumerate(drawn):  # side by side at each dose, so bars do not hide
                 shift = (i - (len(drawn) - 1) / 2) * min(0.08, 0.4 / len(drawn))
                 _draw(axes[row], s, [where[d] + shift for d in s.doses],
                       colours[s.configuration])
-            for lag, control in controls if over == "beta" else []:
+            for lag, control in row_controls:
                 _draw_control(axes[row], control, f"no KL, max_lag {lag:g}")
             for ax in axes[row]:
                 ax.set_xticks(range(len(doses)), [f"{d:g}" for d in doses])
@@ -116,8 +117,7 @@ def plot_dose_response(study: Study, out_dir: Path) -> str | None:
             axes[row][0].set_ylim(-0.03, 1.03)
             axes[row][0].set_title("Break rate")
             axes[row][0].set_ylabel("share of runs broken")
-            kls = [v for a in [a for s in drawn for a in s.arms]
-                   + [c for _, c in (controls if over == "beta" else [])]
+            kls = [v for a in [a for s in drawn for a in s.arms] + [c for _, c in row_controls]
                    for v in a.kl_end if math.isfinite(v) and v > 0]
             log = bool(kls) and log_or_linear(axes[row][1].yaxis, axes[row][1].set_yscale,
                                               min(kls), max(kls))

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import statistics
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -173,9 +174,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
 
 def _tally(found) -> list[str]:
     """One line above the claims table: how many claims got each verdict."""
-    counts: dict[str, int] = {}
-    for f in found:
-        counts[f.verdict] = counts.get(f.verdict, 0) + 1
+    counts = Counter(f.verdict for f in found)  # in the order the verdicts first appear
     return [f"{len(found)} claim(s): " + ", ".join(f"{n} {v}" for v, n in counts.items())
             + ".", ""] if found else []
 
