@@ -386,6 +386,17 @@ class Outcome:
     detail: str = ""  # why it failed and where its output is
 
 
+@dataclass(frozen=True)
+class _Active:
+    """A run the sweep started and is waiting for."""
+
+    run: RunSpec
+    handle: Any        # the launcher's
+    started: float     # time.monotonic()
+    task: Any          # its progress bar
+    resumed: bool      # its time is that of its last part only
+
+
 class _ForwardedSignals:
     """SIGINT/SIGTERM while the sweep runs: start no more runs and pass the signal on to the
     running ones (klrl train checkpoints on the first and stops at once on the second)."""
@@ -424,7 +435,7 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
             _say(console, f"[{run.index}/{n}] {run.name}: finished before, skipped")
         else:
             todo.append((run, state))
-    active: dict[str, tuple] = {}  # name -> (run, handle, start time, progress task, resumed)
+    active: dict[str, _Active] = {}
     # Seconds of each run started and finished here: the time left is read off them. A resumed
     # run's time is that of its last part only, which would make the rest look short.
     took: list[float] = []
@@ -441,26 +452,28 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
                      f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
                 task = progress.add_task(f"  [{run.index}/{n}] {run.name} (steps)",
                                          total=configs[run.name].total_steps)
-                active[run.name] = (run, handle, time.monotonic(), task, state == "partial")
+                active[run.name] = _Active(run, handle, time.monotonic(), task,
+                                           state == "partial")
             while signals.unforwarded:
                 signum = signals.unforwarded.pop(0)
-                for _, handle, _, _, _ in active.values():
-                    launcher.stop(handle, signum)
+                for a in active.values():
+                    launcher.stop(a.handle, signum)
             time.sleep(cfg.poll_s)
-            for name, (run, handle, t0, task, resumed) in list(active.items()):
-                progress.update(task, completed=last_step(root / name))
-                code = launcher.poll(handle)
+            for name, a in list(active.items()):
+                run = a.run
+                progress.update(a.task, completed=last_step(root / name))
+                code = launcher.poll(a.handle)
                 if code is None:
                     continue
                 del active[name]
-                progress.remove_task(task)
+                progress.remove_task(a.task)
                 progress.advance(overall)
-                outcome = _outcome(run, code, time.monotonic() - t0, root, signals.received,
-                                   launcher.where(handle))
+                outcome = _outcome(run, code, time.monotonic() - a.started, root,
+                                   signals.received, launcher.where(a.handle))
                 outcomes.append(outcome)
-                if outcome.status == "finished" and not resumed:
+                if outcome.status == "finished" and not a.resumed:
                     took.append(outcome.seconds)
-                since = " since it resumed" if resumed else ""
+                since = " since it resumed" if a.resumed else ""
                 _say(progress.console, f"[{run.index}/{n}] {run.name}: {outcome.status} after "
                      f"{format_duration(outcome.seconds)}{since}"
                      + (f" ({outcome.detail})" if outcome.detail else "")
