@@ -17,18 +17,15 @@ Plus the contract's pure parts (config rules, Rollout.token_versions, split_samp
 no engine."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
 import pytest
 import torch
+from installed import skip_without
 
 ray = pytest.importorskip("ray")
-# Looked up, not imported: importing vLLM here cost every xdist worker seconds of collection,
-# `make test-quick` included, which runs none of these tests.
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed", allow_module_level=True)
+skip_without("vllm")  # looked up, not imported (tests/installed.py)
 
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402
 from actors.generation.continuous import split_samples  # noqa: E402

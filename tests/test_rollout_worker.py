@@ -4,7 +4,6 @@ for the distribution that was sampled (the policy at temperature 1; the tempered
 renormalised distribution otherwise), and evaluation with its own budget and seed."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import threading
@@ -13,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from installed import skip_without
 
 ray = pytest.importorskip("ray")
-# Looked up, not imported: importing vLLM here cost every xdist worker seconds of collection,
-# `make test-quick` included, which runs none of these tests.
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed", allow_module_level=True)
+skip_without("vllm")  # looked up, not imported (tests/installed.py)
 
 # After the skips (actors.rollout_worker imports vLLM only when it starts an engine).
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402

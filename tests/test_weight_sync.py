@@ -4,18 +4,15 @@ transformers' log-probs of the learner's (perturbed) weights in fp32; versions a
 a sync that hangs raises within SyncConfig.timeout_s; lm_head.weight is required."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
 import pytest
 import torch
+from installed import skip_without
 
 ray = pytest.importorskip("ray")
-# Looked up, not imported: importing vLLM here cost every xdist worker seconds of collection,
-# `make test-quick` included, which runs none of these tests.
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed", allow_module_level=True)
+skip_without("vllm")  # looked up, not imported (tests/installed.py)
 
 # After the skips (actors.rollout_worker imports vLLM only when it starts an engine).
 from actors.config import RolloutConfig, SyncConfig  # noqa: E402
