@@ -5,10 +5,12 @@ decide a claim any more (3/3 against 0/3: Fisher p = 0.05 before Holm's correcti
 clear-evidence directories have 8 seeds, as the pre-registered confirmation does."""
 from __future__ import annotations
 
+import re
+
 from test_report import write_run
 
 from cluster.experiments.findings import findings_markdown
-from cluster.experiments.report import find_runs, group_runs, write_report
+from cluster.experiments.report import ReportConfig, find_runs, group_runs, write_report
 from cluster.experiments.report_findings import directory_findings
 from cluster.experiments.stats import welch
 
@@ -21,6 +23,8 @@ PREFIX = "Per-decision importance weights repair what breaks off-policy"
 LAG0, LAG4 = "beta 0.05, max_lag 0", "beta 0.05, max_lag 4"
 CONTROL = "beta 0.05 against beta 0, max_lag 4"
 EIGHT = tuple(range(8))
+# For the tests that read report.md's words alone: drawing the plots is most of a report's time.
+NO_FIGURES = ReportConfig(figures=False)
 
 
 def COLLAPSE(step):  # accuracy that falls to 0.02 and stays there: a broken run
@@ -145,6 +149,17 @@ def test_report_writes_the_findings_with_their_evidence(tmp_path):
                                                                       ("lag4", "4")}
     assert "| mean lag |" in text and "| 4.000 ± 0.000 |" in text
 
+    # figures=false: no plot drawn, the correlation still told, every other line the same
+    quick = write_report(tmp_path, NO_FIGURES, out=tmp_path / "quick").read_text()
+    assert not list((tmp_path / "quick").glob("*.png"))
+    assert "## Plots\n\nNot drawn (`figures=false`).\n\nAmong the 24 finished runs" in quick
+
+    def outside_plots(md: str) -> tuple[str, str]:  # the time it was written aside
+        before, rest = md.split("## Plots")
+        return re.sub(r"Written \S+ \S+ by", "", before), rest.split("## Runs")[1]
+
+    assert outside_plots(quick) == outside_plots(text)
+
 
 def test_a_directory_without_a_kl_penalty_says_there_is_nothing_to_test(tmp_path):
     write_run(tmp_path / "nokl-s0", beta=0.0)
@@ -159,8 +174,6 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     import json
 
     from cluster.experiments.prereg import load_preregistration
-    from cluster.experiments.report import ReportConfig
-
     prereg_path = "docs/sweeps/preregistration.yaml"
     seeds = load_preregistration(prereg_path).seeds
     root = tmp_path / "offpolicy_tiny_confirm"
@@ -174,7 +187,7 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
                 for s in ("in_domain", "out_of_domain")}
         (run / "final_eval.json").write_text(json.dumps({"problems": 1000, "seed": 1,
                                                          "sets": sets}))
-    md = write_report(root, ReportConfig(preregistration=prereg_path)).read_text()
+    md = write_report(root, ReportConfig(preregistration=prereg_path, figures=False)).read_text()
     assert "**Confirmatory**" in md and f"pre-registration `{prereg_path}`" in md
     assert "## Pre-registration" in md and "final_eval_seed: 1" in md  # quoted
     assert "8 run(s) with seeds outside the pre-registered 101" in md
@@ -203,13 +216,11 @@ def test_the_report_says_whether_the_pre_registration_predates_the_runs(tmp_path
     import pytest
 
     from cluster.experiments.prereg import file_commit
-    from cluster.experiments.report import ReportConfig
-
     prereg_path = "docs/sweeps/preregistration.yaml"
     info = file_commit(prereg_path, "offpolicy_tiny_confirm")
     if info["commit"] is None or info["modified"]:
         pytest.skip("the pre-registration is not committed as it is in this checkout")
-    cfg = ReportConfig(preregistration=prereg_path)
+    cfg = ReportConfig(preregistration=prereg_path, figures=False)
     for started, said in (("2000-01-01T00:00:00+0000", "**That is after the first run"),
                           ("2100-01-01T00:00:00+0000", "before the first run started")):
         root = tmp_path / started[:4] / "offpolicy_tiny_confirm"
@@ -243,7 +254,7 @@ def test_runs_from_several_commits_are_named_in_the_head(tmp_path):
         (run / "provenance.jsonl").write_text(json.dumps(
             {"started_at": "2026-01-01T00:00:00+0000", "git_commit": commit,
              "git_dirty": False}) + "\n")
-    md = write_report(tmp_path).read_text()
+    md = write_report(tmp_path, NO_FIGURES).read_text()
     assert f"**These runs come from 2 different klrl commits** ({'a' * 12}: 1 run(s), " \
         f"{'b' * 12}: 2 run(s))" in md
     assert f",{'b' * 12}," in (tmp_path / "report" / "runs.csv").read_text()
@@ -251,7 +262,7 @@ def test_runs_from_several_commits_are_named_in_the_head(tmp_path):
     with (tmp_path / "s0" / "provenance.jsonl").open("a") as f:
         f.write(json.dumps({"started_at": "2026-01-02T00:00:00+0000", "git_commit": "b" * 40,
                             "resumed": True}) + "\n")
-    md = write_report(tmp_path).read_text()
+    md = write_report(tmp_path, NO_FIGURES).read_text()
     assert f"({'a' * 12}: 1 run(s), {'b' * 12}: 3 run(s); 1 run(s) resumed under another " \
         "commit than they started, counted under each)" in md
 
@@ -276,7 +287,6 @@ def test_claims_that_pool_runs_of_other_settings_say_so(tmp_path):
 
 def findings_text(root) -> str:
     """The findings section of root's report, without the plots (seconds each)."""
-    from cluster.experiments.report import ReportConfig
     from cluster.experiments.report_findings import findings_section
 
     runs = find_runs(root)
@@ -306,13 +316,12 @@ def test_each_claim_links_the_toy_rows_of_the_configurations_it_is_about(tmp_pat
     lag, linked from wherever the report is written; a lag the toy did not train (4) has none.
     A dose claim over the lag is about each of its doses."""
     import os
-    import re
 
     from cluster.experiments import dose
     from cluster.experiments.findings import about
 
     grid(tmp_path / "sweep", lag=8, broken={("k1", "loss")})
-    report = write_report(tmp_path / "sweep", out=tmp_path / "elsewhere" / "report")
+    report = write_report(tmp_path / "sweep", NO_FIGURES, out=tmp_path / "elsewhere" / "report")
     rows = {line.split(" | ")[0].lstrip("| ") + " @ " + line.split(" | ")[2]: line
             for line in report.read_text().splitlines() if line.startswith("| K")}
     row = rows[f"{K1L} @ beta 0.05, max_lag 8"]
@@ -323,7 +332,7 @@ def test_each_claim_links_the_toy_rows_of_the_configurations_it_is_about(tmp_pat
     assert os.path.isabs(link[1]) is False
     assert "the toy at beta 0.3" in report.read_text()
     grid(tmp_path / "lag4", lag=4)
-    report4 = write_report(tmp_path / "lag4")
+    report4 = write_report(tmp_path / "lag4", NO_FIGURES)
     row4 = next(line for line in report4.read_text().splitlines()
                 if line.startswith(f"| {K1L} |") and "max_lag 4" in line)
     assert row4.endswith(" - |")

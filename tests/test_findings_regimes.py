@@ -302,7 +302,8 @@ def test_runs_of_another_length_than_the_registered_one_are_left_out(tmp_path):
     prereg = load_preregistration(prereg_file)
     _, used, _, _ = directory_findings(runs, group_runs(runs), prereg, "regimes_long")
     assert sorted({m.seed for m in used}) == [201, 202] and len(used) == 4
-    md = write_report(root, ReportConfig(preregistration=str(prereg_file))).read_text()
+    cfg = ReportConfig(preregistration=str(prereg_file), figures=False)
+    md = write_report(root, cfg).read_text()
     assert "- 2 run(s) of another length than the pre-registered 40 steps: left out" in md
     # at what power: the lead a paired claim over the two seeds detects at the residual shown
     assert "At these residuals a paired accuracy claim over 2 seeds shows, with 80% power, " \
@@ -342,7 +343,7 @@ def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_eva
         "in_domain": {"accuracy": 0.437}, "out_of_domain": {"accuracy": 0.065},
         "retained": {"accuracy": 0.795}}}))
     out = tmp_path / "report"
-    md = write_report(root, ReportConfig(), out=out).read_text()
+    md = write_report(root, ReportConfig(figures=False), out=out).read_text()
     table = md[md.index("### Measures per configuration"):]
     assert "| final in-domain | final out-of-domain | final retained |" in table
     assert "| 0.750 ± 0.000 | 0.140 ± 0.000 | 0.555 ± 0.007 |" in table

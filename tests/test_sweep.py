@@ -72,6 +72,20 @@ def test_controls_vary_the_grid_and_join_its_runs(tmp_path):
     assert len(expand(load_sweep(path, ["grid.seed=[0,1,2]"]))) == 12 + 6 + 6
 
 
+def test_every_sweep_and_report_option_has_its_row_in_the_docs():
+    """docs/sweeps.md's option table names every SweepConfig field and every `report.*` one
+    (ReportConfig) with its default: a new option is documented or this fails."""
+    from cluster.experiments.report import ReportConfig
+
+    page = (Path(__file__).parents[1] / "docs" / "sweeps.md").read_text()
+    fields = [(k, f) for k, f in SweepConfig.model_fields.items() if k != "report"] + [
+        (f"report.{k}", f) for k, f in ReportConfig.model_fields.items()]
+    for key, field in fields:
+        default = ("required" if field.is_required()
+                   else f"`{field.get_default(call_default_factory=True)}`")
+        assert f"| `{key}` | {default}" in page, key
+
+
 def test_value_tokens():
     assert value_token("kl.beta", 0.05) == "b0.05"
     assert value_token("kl.placement", "reward+loss") == "reward_loss"

@@ -55,6 +55,10 @@ class ReportConfig(InstabilityRule):
         "the policy version that sampled each step's batch (rollout/policy_version), which "
         "lines up runs at different max_lag on the data they trained on. Evaluations are "
         "always placed at the step (the version of the weights evaluated).")
+    figures: bool = Field(
+        True, description="Draw the plots (PNGs beside report.md, shown in its Plots section). "
+        "false: report.md and runs.csv only, tables, flags and findings unchanged; drawing "
+        "is most of a report's time, so this is the quick look at a sweep while it runs.")
     preregistration: str | None = Field(
         None, min_length=1, description="Pre-registration (YAML, docs/sweeps/preregistration."
         "yaml) whose claims, rules and seeds the findings follow, relative to the repository "
@@ -162,11 +166,7 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
     out = Path(out) if out is not None else path if len(paths) > 1 else path / "report"
     out.mkdir(parents=True, exist_ok=True)
     findings_md, measures, quote = findings_section(path, runs, groups, cfg, out)
-    figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
-    if name := plot_accuracy_against_kl(measures, groups, out):
-        figures.append((ACCURACY_AGAINST_KL, name))
-    if name := plot_dose_response(Study.of(measures), out):
-        figures.append((DOSE_RESPONSE, name))
+    figures = _draw_figures(groups, runs, measures, cfg, out) if cfg.figures else []
     keys = configuration_keys(runs)
     seeds = sorted({str(r.config.get("seed")) for r in runs})
     title = (path.resolve().name if len(paths) == 1
@@ -194,15 +194,18 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
         md += [f"| `{f.run}` | {f.kind} | {f.step} | {f.detail} |" for f in flags]
     else:
         md += [f"No run was flagged ({len(runs)} checked)."]
-    md += ["", _flag_definitions(cfg), "", "## Plots", "",
-           "Lines: mean over a configuration's runs (seeds); band (shaded, hatched in the "
-           "configuration's own pattern): min to max over them. "
-           + (f"Per-step curves are centred moving averages over {window} steps, drawn "
-              "over the raw values (faint)." if (window := report_window(runs, cfg.smooth)) > 1
-              else "Per-step curves are the raw values (no moving average)."), ""]
-    md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n"
-           + (_correlation_text(measures) if fig is ACCURACY_AGAINST_KL else "")
-           for fig, name in figures]
+    md += ["", _flag_definitions(cfg), "", "## Plots", ""]
+    if cfg.figures:
+        md += ["Lines: mean over a configuration's runs (seeds); band (shaded, hatched in the "
+               "configuration's own pattern): min to max over them. "
+               + (f"Per-step curves are centred moving averages over {window} steps, drawn "
+                  "over the raw values (faint)." if (window := report_window(runs, cfg.smooth))
+                  > 1 else "Per-step curves are the raw values (no moving average)."), ""]
+        md += [f"### {fig.title}\n\n{fig.caption}\n\n![{fig.title}]({name})\n"
+               + (_correlation_text(measures) if fig is ACCURACY_AGAINST_KL else "")
+               for fig, name in figures]
+    else:  # the correlation is told under its figure, and told here without it
+        md += ["Not drawn (`figures=false`).", _correlation_text(measures)]
     md += ["## Runs", "", "| run | configuration | seed | last step | status |",
            "|---|---|---|---|---|"]
     md += [f"| `{r.name}` | `{label}` | {r.config.get('seed', '-')} | {r.last_step} | "
@@ -212,6 +215,17 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
     report = out / "report.md"
     report.write_text("\n".join(md).rstrip("\n") + "\n")
     return report
+
+
+def _draw_figures(groups, runs, measures, cfg: ReportConfig, out: Path) -> list[tuple]:
+    """Each figure drawn into `out` with the file name it was saved as, in the report's order
+    (a figure with nothing to draw is left out)."""
+    figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
+    if name := plot_accuracy_against_kl(measures, groups, out):
+        figures.append((ACCURACY_AGAINST_KL, name))
+    if name := plot_dose_response(Study.of(measures), out):
+        figures.append((DOSE_RESPONSE, name))
+    return figures
 
 
 def _correlation_text(measures) -> str:
