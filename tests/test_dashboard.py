@@ -14,6 +14,10 @@ from cluster.cli.main import main
 from cluster.config.loader import DEMO_CONFIG
 from cluster.experiments.dashboard import configuration_measures, report_figures, report_tables
 
+# One xdist worker runs this module: its module fixture writes a report and starts wandb
+# (about 4 s), and spread over both workers, each worker did it again.
+pytestmark = pytest.mark.xdist_group("test_dashboard")
+
 
 def _sweep(root, mode="offline"):
     for seed in (0, 1):
