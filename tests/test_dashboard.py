@@ -169,7 +169,8 @@ def test_the_end_of_a_sweep_logs_its_summary_run(tmp_path, capsys, monkeypatch):
     """`klrl sweep`'s last act (`_summarise`, after its runs) writes the report and logs the
     summary run, as `klrl report` does."""
     from cluster.cli.cmd_sweep import _summarise
-    from cluster.experiments.sweep import Outcome, SweepConfig, expand
+    from cluster.experiments.sweep import SweepConfig, expand
+    from cluster.experiments.sweep_run import Outcome
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     _sweep(tmp_path / "grid")

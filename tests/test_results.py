@@ -115,7 +115,7 @@ def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd)
 
 def test_each_evaluation_says_how_long_the_rest_will_take(tmp_path, capsys):
     """make results prints, after each final evaluation's accuracies, the evaluations left
-    and their time at the mean of those done (sweep.time_left); the last says nothing more."""
+    and their time at the mean of those done (sweep_run.time_left); the last says nothing more."""
     from cluster.experiments.prereg import Rules
     from cluster.experiments.results import _final_eval
 

@@ -20,12 +20,12 @@ from cluster.experiments.sweep import (
     expand,
     load_sweep,
     run_state,
-    run_sweep,
     set_aside,
     sweep_dir,
     train_command,
     validate_runs,
 )
+from cluster.experiments.sweep_run import run_sweep
 from cluster.train.run_log import last_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,7 +252,7 @@ def test_a_finished_run_says_how_long_the_rest_will_take():
     """The line each finished run prints ends with the runs left and the time they take at
     the mean of those finished so far, parallel ones at once; nothing before the first
     finishes or after the last."""
-    from cluster.experiments.sweep import time_left
+    from cluster.experiments.sweep_run import time_left
 
     assert time_left([120.0, 180.0], 10, 1) == "; 10 to go, about 25m00s at 2m30s a run"
     assert time_left([600.0], 5, 2) == "; 5 to go, about 30m00s at 10m00s a run"

@@ -20,12 +20,12 @@ from cluster.experiments.sweep import (
     load_sweep,
     preflight_runs,
     run_state,
-    run_sweep,
     set_aside,
     sweep_dir,
     train_command,
     validate_runs,
 )
+from cluster.experiments.sweep_run import run_sweep
 
 
 def _run_sweep(args) -> int:

@@ -31,7 +31,8 @@ from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluati
 from cluster.experiments.prereg import Rules, load_preregistration, rules_of
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
-from cluster.experiments.sweep import load_sweep, sweep_dir, time_left
+from cluster.experiments.sweep import load_sweep, sweep_dir
+from cluster.experiments.sweep_run import time_left
 
 
 class _Child:
