@@ -272,6 +272,32 @@ def test_a_resumed_run_gives_no_time_for_the_rest(tmp_path, capsys):
     assert "to go" not in lines[2]
 
 
+def test_a_restarted_sweep_estimates_the_rest_from_the_runs_that_went_in_one_go(
+        tmp_path, capsys):
+    """A sweep started again says at once how long the rest will take, at the mean wall time
+    (start to final model) of the runs that finished before in one go; a run that was resumed
+    counts for nothing (its span includes the pause). Then each run finished here joins."""
+    import os
+    from datetime import datetime, timezone
+
+    ten_twenty = datetime(2026, 1, 1, 10, 20, tzinfo=timezone.utc).timestamp()
+    cfg = _sweep(tmp_path, parallel=1, grid={"seed": [0, 1, 2, 3]})
+    runs = expand(cfg)
+    for run, starts in ((runs[0], [False]), (runs[1], [False, True])):
+        run_dir = sweep_dir(cfg) / run.name
+        (run_dir / "final").mkdir(parents=True)
+        (run_dir / "final" / "config.json").write_text("{}")
+        (run_dir / "provenance.jsonl").write_text("".join(json.dumps(
+            {"started_at": "2026-01-01T10:00:00+0000", "resumed": r}) + "\n" for r in starts))
+        os.utime(run_dir / "final" / "config.json", (ten_twenty, ten_twenty))
+    run_sweep(cfg, runs, validate_runs(cfg, runs), FakeLauncher())
+    out = capsys.readouterr().out
+    assert "1 run(s) finished before in one go; 2 to go, about 40m00s at 20m00s a run" in out
+    # the next estimate averages the run that finished here (about 0 s) in: about 10m a run
+    line = next(line for line in out.splitlines() if line.startswith("[3/4] s2: finished"))
+    assert "; 1 to go, about 10m00s at 10m00s a run" in line
+
+
 def test_dry_run_lists_runs_and_states(tmp_path, capsys):
     from cluster.cli.main import main
 

@@ -14,6 +14,7 @@ import math
 import signal
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from cluster.experiments.sweep import (
     sweep_dir,
 )
 from cluster.train.progress import format_duration
-from cluster.train.run_log import last_step
+from cluster.train.run_log import finished_at, last_step, read_provenance
 
 
 @dataclass
@@ -85,17 +86,22 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
     dump_config(cfg, root / "sweep.yaml")
     console, n = Console(), len(runs)
     outcomes, todo = [], []
+    # Seconds of each run that went in one go, before (`one_go_seconds`) or here: the time
+    # left is read off them. A resumed run's time is that of its last part only (or, before,
+    # includes the pause), which would make the rest look short (or long).
+    took: list[float] = []
     for run in runs:
         state = run_state(root / run.name)
         if state == "finished":
             outcomes.append(Outcome(run, "skipped"))
             _say(console, f"[{run.index}/{n}] {run.name}: finished before, skipped")
+            if (seconds := one_go_seconds(root / run.name)) is not None:
+                took.append(seconds)
         else:
             todo.append((run, state))
+    if ahead := time_left(took, len(todo), cfg.parallel):  # a restarted sweep's estimate
+        _say(console, f"{len(took)} run(s) finished before in one go{ahead}")
     active: dict[str, _Active] = {}
-    # Seconds of each run started and finished here: the time left is read off them. A resumed
-    # run's time is that of its last part only, which would make the rest look short.
-    took: list[float] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress, _ForwardedSignals() as signals:
@@ -148,6 +154,20 @@ def time_left(took: list[float], left: int, parallel: int) -> str:
     mean = sum(took) / len(took)
     return (f"; {left} to go, about {format_duration(mean * math.ceil(left / parallel))} at "
             f"{format_duration(mean)} a run")
+
+
+def one_go_seconds(run_dir: Path) -> float | None:
+    """A finished run's wall time, from its start to its final model, when it started once
+    (provenance.jsonl); None otherwise: a resumed run's span includes its pause."""
+    starts = read_provenance(run_dir)
+    end = finished_at(run_dir)
+    if len(starts) != 1 or end is None:
+        return None
+    try:
+        start = datetime.strptime(starts[0]["started_at"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+    return end - start if end >= start else None
 
 
 def _say(console, text: str) -> None:

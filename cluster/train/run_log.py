@@ -79,8 +79,17 @@ def has_metrics(run_dir: str | Path) -> bool:
 def is_finished(run_dir: str | Path) -> bool:
     """Whether the run finished: the final model's config.json (with LoRA the adapter's
     adapter_config.json), written last, is there."""
+    return finished_at(run_dir) is not None
+
+
+def finished_at(run_dir: str | Path) -> float | None:
+    """When the run finished (the time its last-written file, is_finished's, was written);
+    None if it has not."""
     final = final_dir(run_dir)
-    return (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
+    for name in ("config.json", "adapter_config.json"):
+        if (final / name).is_file():
+            return (final / name).stat().st_mtime
+    return None
 
 
 def default_run_name(cfg) -> str:
