@@ -37,7 +37,7 @@ from cluster.experiments.prereg import (
 )
 from cluster.experiments.runs import BASE_EVAL_FILE, RunData
 from cluster.experiments.stats import paired_detectable_lead
-from cluster.train.run_log import read_provenance
+from cluster.train.run_log import read_provenance, started_at
 
 CSV_FILE = "runs.csv"
 
@@ -87,13 +87,7 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
 
 
 def _started(runs: list[RunData]) -> datetime | None:
-    times = []
-    for r in runs:
-        for row in read_provenance(r.dir):
-            try:
-                times.append(datetime.strptime(row["started_at"], "%Y-%m-%dT%H:%M:%S%z"))
-            except (KeyError, ValueError):
-                continue
+    times = [t for r in runs for row in read_provenance(r.dir) if (t := started_at(row))]
     return min(times, default=None)
 
 

@@ -14,7 +14,6 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +30,7 @@ from cluster.experiments.sweep import (
     sweep_dir,
 )
 from cluster.train.progress import format_duration
-from cluster.train.run_log import finished_at, last_step, read_provenance
+from cluster.train.run_log import finished_at, last_step, read_provenance, started_at
 
 
 @dataclass
@@ -161,13 +160,10 @@ def one_go_seconds(run_dir: Path) -> float | None:
     (provenance.jsonl); None otherwise: a resumed run's span includes its pause."""
     starts = read_provenance(run_dir)
     end = finished_at(run_dir)
-    if len(starts) != 1 or end is None:
+    start = started_at(starts[0]) if len(starts) == 1 else None
+    if end is None or start is None or end < start.timestamp():
         return None
-    try:
-        start = datetime.strptime(starts[0]["started_at"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    except (KeyError, TypeError, ValueError):
-        return None
-    return end - start if end >= start else None
+    return end - start.timestamp()
 
 
 def _say(console, text: str) -> None:

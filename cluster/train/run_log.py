@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -34,6 +35,7 @@ from cluster.train.provenance import provenance
 
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.jsonl"  # one line per start (fresh or resumed): code that ran
+STARTED_AT_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # provenance.jsonl's started_at: local time, offset
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 FINAL_DIR = "final"
@@ -116,7 +118,7 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, config_path(self.dir))
         with open(self.dir / PROVENANCE_FILE, "a") as f:
-            f.write(json.dumps({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            f.write(json.dumps({"started_at": time.strftime(STARTED_AT_FORMAT),
                                 "resumed": resume_wandb_id is not None, **provenance()}) + "\n")
         self._metrics = open(metrics_path(self.dir), "a", buffering=1)  # noqa: SIM115 - open for the run
         self._samples = None  # samples.jsonl, opened by the first rows (none: no file)
@@ -234,6 +236,15 @@ def read_provenance(run_dir: str | Path) -> list[dict]:
         except ValueError:  # a line cut by a crash
             continue
     return [row for row in rows if isinstance(row, dict)]
+
+
+def started_at(row: dict) -> datetime | None:
+    """When the start a provenance.jsonl row records began; None where the row has no
+    readable time."""
+    try:
+        return datetime.strptime(row["started_at"], STARTED_AT_FORMAT)  # noqa: DTZ007 - it ends in %z
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def last_step(run_dir: str | Path) -> int:
