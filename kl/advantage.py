@@ -20,10 +20,12 @@ The KL penalty as a per-token reward (reward-to-go R_t = sum_{t'>=t} k_t, beta >
 - normalized: fold the KL into each sample's sequence return G = r - beta * K, then centre and
   normalise G like a task reward and give it to every token (verl's form). Identical responses
   get 0, and with `group` every advantage stays within the group bound (sqrt(n-1) for grpo,
-  n/sqrt(n-1) for rloo). Without a std the expected gradient on-policy is grad E[r] - beta g*
-  (rloo, reinforce) or (n-1)/n of it (drgrpo). With a std each group's update is divided by
-  its own sigma: the effective beta becomes beta / sigma per prompt, with no closed form, and
-  on a prompt whose task reward is constant the KL part no longer scales with beta at all.
+  n/sqrt(n-1) for rloo). Without a std the expected gradient on-policy is grad E[r] minus beta
+  times the reward placement's gradient of the estimator (g* with k1; k2 and k3 keep their
+  reward-placement bias), with rloo or reinforce, or (n-1)/n of it (drgrpo). With a std
+  each group's update is divided by its own sigma: the effective beta becomes beta / sigma
+  per prompt, with no closed form, and on a prompt whose task reward is constant the KL part
+  no longer scales with beta at all.
 - centered: the form of the paper authors' code (Shah et al., tba-prime): each token's
   estimate clamped to [-KL_CLAMP, KL_CLAMP], summed over the sequence, centred by the mean of
   those sums over the group (the sample included), and -beta times that added to every
