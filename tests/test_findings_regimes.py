@@ -17,6 +17,7 @@ from cluster.experiments.dose import (
     k1_loss_regularises_nothing,
     kl_keeps_retained,
 )
+from cluster.experiments.findings import kl_stabilises_async
 from cluster.experiments.measures import PRIMARY, measure
 from cluster.config.loader import REPO_ROOT as ROOT
 from cluster.experiments.prereg import Rules
@@ -376,3 +377,68 @@ def test_the_report_reads_the_residual_and_the_seed_effect_the_paired_design_ass
     pooled = observed_seed_sd(ms, ["in_domain"])["in_domain"]
     assert abs(pooled - math.hypot(0.03, 0.057)) < 0.012  # both, not the residual
     assert observed_paired_sd(ms[:40], ["in_domain"]) == {}  # one configuration: no fit
+
+
+def _long_study(k1_broken: dict[float, int], nokl_broken: int, retained_lead: float):
+    """The long sweep's four arms at max_lag 8 over seeds 201-210: K1 in the reward at each
+    beta (`k1_broken` runs broken) and the no-KL control; retained accuracies share a seed
+    block, K1 in the reward ahead by `retained_lead` at every beta."""
+    seeds = tuple(range(201, 211))
+    rng = np.random.default_rng(7)
+    block = rng.normal(0, 0.057, 10)
+
+    def arm(name, mean, broken):
+        values = tuple(mean + block + rng.normal(0, 0.01, 10))
+        return arms.Arm(name, {"retained": values}, broken, 10, (0.5,) * 10,
+                        {"retained": seeds}, seeds, break_steps=tuple(range(900, 900 + broken)))
+    study = {("k1", "reward", "none", beta, 8): arm("K1 in reward", 0.62 + retained_lead, k)
+             for beta, k in k1_broken.items()}
+    study[(None, None, "none", 0.0, 8)] = arm("no KL", 0.62, nokl_broken)
+    return arms.Study(study)
+
+
+def test_the_long_sweeps_plan_tests_its_five_claims_at_their_betas_in_one_family():
+    """What regimes_long's report will run, from the committed pre-registration: both
+    stabilisation and both retained claims at beta 0.3 and at the paper's 0.005 (not the
+    file's top-level beta), the beta trend falling, and one Holm family of 10 p-values. Then
+    the decisions on data like the interim look's: nothing broken anywhere (the stabilisation
+    claims not testable, the trend contradicted at beta 0.005), and K1 in the reward 0.05 ahead
+    on the retained facts at both betas (reproduced)."""
+    from cluster.experiments import findings as F
+    from cluster.experiments.prereg import load_preregistration
+
+    prereg = load_preregistration(ROOT / "docs/sweeps/preregistration_regimes.yaml")
+    assert prereg.sweeps["regimes_long"].total_steps == 2000
+    rules = prereg.rules
+    study = _long_study({0.3: 0, 0.05: 0, 0.005: 0}, 0, retained_lead=0.05)
+    todo = F.plan(study, prereg, "regimes_long")
+    assert [(fn.__name__, beta, lag) for fn, beta, lag, _ in todo] == [
+        ("kl_stabilises_async", 0.3, 8), ("kl_stabilises_async", 0.005, 8),
+        ("breaks_with_dose", 0.3, 8), ("kl_keeps_retained", 0.3, 8),
+        ("kl_keeps_retained", 0.005, 8)]
+    assert todo[2][3]["direction"] == "falls" and todo[2][3]["doses"] == [0.005, 0.05, 0.3]
+    outcomes = [fn(study, beta, lag, rules, **extra) for fn, beta, lag, extra in todo]
+    assert [o.setting for o in outcomes][:2] == ["beta 0.3 against beta 0, max_lag 8",
+                                                 "beta 0.005 against beta 0, max_lag 8"]
+    decided = F.decide(outcomes, rules.alpha)
+    assert [d.verdict for d in decided] == ["not testable here", "not testable here",
+                                            "contradicted", "reproduced", "reproduced"]
+    # one family of both directions of all five (a claim not testable counts with p = 1):
+    # the smallest p is multiplied by 10
+    raw = sorted(p for o in outcomes for p in (o.reproduce, o.contradict) if math.isfinite(p))
+    adjusted = sorted(x for d in decided for x in d.adjusted)
+    assert len(adjusted) == 10
+    assert math.isclose(adjusted[0], min(1.0, 10 * raw[0]), rel_tol=1e-12)
+
+
+def test_kl_stabilises_async_is_testable_by_tarones_rule_even_when_the_control_never_breaks():
+    """"Not testable here" is Tarone's rule on the Fisher table (docs/sweeps.md): no outcome
+    with these margins could reach alpha. A control that never breaks beside K1 in the
+    reward that never breaks is not testable; beside K1 in the reward breaking in 10 of 10 it
+    is, and K1 in the reward's break rate shown above 1/2 contradicts the claim."""
+    rules = Rules()
+    calm = kl_stabilises_async(_long_study({0.3: 0}, 0, 0.0), 0.3, 8, rules)
+    assert calm.status == "not testable here"
+    broken = kl_stabilises_async(_long_study({0.3: 10}, 0, 0.0), 0.3, 8, rules)
+    assert broken.status == "tested" and broken.contradict < 0.001
+    assert "smallest reachable p" in broken.evidence

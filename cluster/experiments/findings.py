@@ -146,7 +146,9 @@ def kl_stabilises_async(study: Study, beta: float, lag: int, rules: Rules) -> Ou
     control (beta 0, same lag) breaks in more runs than K1 in the reward (Fisher).
     Contradicted (only where there was something to stabilise, i.e. the Fisher test is
     testable): K1 in the reward's own break rate is shown above rules.break_rate. Not testable
-    here when the control's breaks cannot make the Fisher test reach alpha (it never breaks)."""
+    here by Tarone's rule: when no Fisher table with these margins (the two arms' runs and
+    their breaks together) could reach alpha, e.g. neither arm breaks. A control that never
+    breaks beside a K1 arm that breaks often is testable, and can contradict the claim."""
     claim, setting = ("KL regularisation stabilises async training",
                       f"beta {beta:g} against beta 0, max_lag {lag}")
     nokl, k1r = study.arm(None, None, 0.0, lag), study.arm("k1", "reward", beta, lag)
