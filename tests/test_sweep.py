@@ -74,16 +74,23 @@ def test_controls_vary_the_grid_and_join_its_runs(tmp_path):
 
 def test_every_sweep_and_report_option_has_its_row_in_the_docs():
     """docs/sweeps.md's option table names every SweepConfig field and every `report.*` one
-    (ReportConfig) with its default: a new option is documented or this fails."""
+    (ReportConfig) with its default and its description: a new option is documented, and a
+    changed one's row follows it, or this fails (backticks and Markdown's escaped `|` aside)."""
     from cluster.experiments.report import ReportConfig
 
     page = (Path(__file__).parents[1] / "docs" / "sweeps.md").read_text()
     fields = [(k, f) for k, f in SweepConfig.model_fields.items() if k != "report"] + [
         (f"report.{k}", f) for k, f in ReportConfig.model_fields.items()]
+
+    def plain(text: str) -> str:
+        return text.replace("`", "").replace("\\|", "|").strip()
+    rows = {cells[0].strip("` "): plain(cells[2]) for line in page.splitlines()
+            if line.startswith("| `") and len(cells := line.strip("|").split(" | ")) >= 3}
     for key, field in fields:
         default = ("required" if field.is_required()
                    else f"`{field.get_default(call_default_factory=True)}`")
         assert f"| `{key}` | {default}" in page, key
+        assert rows[key] == plain(field.description), key
 
 
 def test_value_tokens():
