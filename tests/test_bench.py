@@ -39,6 +39,7 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     # Where each sync's time went: every part measured, and the parts add up to the whole
     # (calls is the remainder: Ray calls and queueing, which cannot be negative).
     head = result["workloads"][result["headline_workload"]]
+    assert head["weight_sync"]
     for sync in head["weight_sync"]:
         parts = sync["parts"]
         assert set(parts) == {"gather", "serialise_write", "fetch", "read", "reload",

@@ -218,7 +218,7 @@ def test_recompute_with_unchanged_weights_reproduces_the_uninterrupted_sample(
     models[1] = models[0]
     batch = _update_in_flight(worker, problems, 11, models[1], 1, shm_dir)
     spanning = _spanning(batch, 0, 1)
-    for got, ref in zip(batch.rollouts, reference.rollouts):
+    for got, ref in zip(batch.rollouts, reference.rollouts, strict=True):
         assert (got.group_id, got.response_ids) == (ref.group_id, ref.response_ids)
         assert max(abs(a - b) for a, b in zip(got.behaviour_logprobs,
                                               ref.behaviour_logprobs)) < TOL

@@ -35,6 +35,9 @@ from cluster.config.train_config import load_train_config
 from cluster.train import checkpoint as ckpt
 
 DEMO = str(DEMO_CONFIG)
+# Only a hang fails on time: that nothing heavy starts is what the refusing stand-ins of Ray
+# and the model (_refuse) enforce, not a clock.
+HANG_S = 120
 MATH_FIXTURE = Path(__file__).resolve().parents[1] / "rewards" / "data" / "math_fixture.jsonl"
 
 
@@ -410,7 +413,7 @@ def test_every_bad_input_is_refused_at_the_door(case, work, capsys, monkeypatch)
     assert _tree(work.parent) == before, "a file or directory was left behind"
     assert not list(temp.iterdir()), "a temporary file was left behind"
     assert not ray.is_initialized()
-    assert seconds < 20, f"took {seconds:.1f} s"
+    assert seconds < HANG_S, f"took {seconds:.1f} s"
 
 
 # ---- the other side of each line ----------------------------------------------------------

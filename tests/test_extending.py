@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -163,12 +162,11 @@ def test_a_mistake_in_a_plugin_task_fails_before_anything_starts(importable, gua
     message naming the field, no run directory; `klrl eval` and `klrl sweep` alike."""
     out = tmp_path / "runs"
     for overrides, message in TYPO_CASES:
-        t0 = time.monotonic()
         code = main(["train", str(DEMO_CONFIG), f"output_dir={out}", "run_name=r", *overrides])
         err = capsys.readouterr().err
         assert code == 2 and 1 <= len(err.strip().splitlines()) <= 2, (overrides, err)
         assert re.search(re.escape(message).replace(re.escape(".*"), ".*"), err), (message, err)
-        assert not out.exists() and time.monotonic() - t0 < 20
+        assert not out.exists()
     for argv, message in [
         (["--task", "mytasks.reverse:ReversTask"],
          ("error: --task: task 'mytasks.reverse:ReversTask': module 'mytasks.reverse' has no "

@@ -20,6 +20,9 @@ from cluster.config.train_config import load_train_config
 from cluster.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
+# Only a hang fails on time: that nothing heavy starts is what the refusing stand-ins of Ray
+# and the model (refuse, below) enforce, not a clock.
+HANG_S = 120
 
 
 class GotPastPreflight(AssertionError):
@@ -63,7 +66,7 @@ def _assert_refused(code, err, seconds, out_dir: Path, *names):
         assert name in err, (name, err)
     assert not out_dir.exists(), "a run directory was left behind"
     assert not ray.is_initialized()
-    assert seconds < 20, f"took {seconds:.1f} s"
+    assert seconds < HANG_S, f"took {seconds:.1f} s"
 
 
 @pytest.mark.parametrize("overrides, names", [
@@ -195,7 +198,6 @@ def test_a_ray_address_nothing_answers_on_fails_before_the_model_is_built(
 
 def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
     out = tmp_path / "runs"
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(DEMO_CONFIG),
                            f"output_dir={out}", "task.train_split=trian"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
@@ -205,7 +207,7 @@ def test_one_case_end_to_end_in_a_fresh_process(tmp_path):
         ("  task.train_split: task 'arithmetic' has no split 'trian' (did you mean 'train'?); its "
          "splits are train, in_domain, zero_padded, out_of_domain, retained "
          "(from the override task.train_split=trian)")]
-    assert not out.exists() and time.monotonic() - t0 < 60
+    assert not out.exists()
 
 
 # ---- resume -----------------------------------------------------------------------------------
@@ -291,7 +293,7 @@ def test_a_local_sweep_runs_every_pre_flight_before_the_first_run(guarded, capsy
                                         "overrides": overrides, "grid": grid}))
         code, err, seconds = _klrl(capsys, "sweep", str(path), *extra)
         assert code == 2 and "runs that would fail before they start" in err, err
-        assert not (tmp_path / "runs").exists() and seconds < 20
+        assert not (tmp_path / "runs").exists() and seconds < HANG_S
         return err
 
     for extra in ([], ["--dry-run"]):
@@ -334,7 +336,7 @@ def eval_guarded(monkeypatch):
 def test_klrl_eval_checks_task_and_splits_before_vllm(eval_guarded, capsys, argv, message):
     for model in ("default", "/nonexistent/model"):
         code, err, seconds = _klrl(capsys, "eval", model, *argv)
-        assert code == 2 and len(err.strip().splitlines()) == 1 and seconds < 20
+        assert code == 2 and len(err.strip().splitlines()) == 1 and seconds < HANG_S
         assert err.startswith(message), err
 
 
@@ -350,7 +352,7 @@ def test_klrl_eval_takes_a_lora_adapter_and_names_the_model_of_a_checkpoint(
     export = run / "hf" / "step_000000004"
     export.mkdir(parents=True)
     code, err, seconds = _klrl(capsys, "eval", str(step))
-    assert code == 2 and seconds < 20
+    assert code == 2 and seconds < HANG_S
     assert err.startswith(f"error: MODEL_DIR {step} is a training checkpoint")
     assert str(export) in err
     code, err, _ = _klrl(capsys, "eval", "default", "--reward", "no_such_module:score")

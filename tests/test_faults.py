@@ -126,6 +126,7 @@ class TrainProcess:
 
     def leftovers(self, grace: float = 30) -> list[str]:
         """Descendants still alive `grace` seconds after the command exited."""
+        assert self.seen, "the watcher recorded none of the run's processes: nothing to check"
         deadline = time.monotonic() + grace
         while True:
             alive = []

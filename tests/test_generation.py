@@ -117,7 +117,7 @@ def test_a_batch_update_whose_prefix_cache_reset_fails_raises(tiny_llm):
     engine = tiny_llm.llm_engine
     with concurrent.futures.ThreadPoolExecutor(1) as executor:
         driver = BatchDriver(tiny_llm, executor, version=0)
-        assert driver.update(dict, 1).result()["cache_reset"] >= 0  # nothing held: fine
+        driver.update(dict, 1).result()  # nothing held: the reset succeeds, nothing raises
         engine.add_request("held", "12+34=", SamplingParams(max_tokens=40, ignore_eos=True))
         engine.step()  # the request's KV blocks are now held
         try:

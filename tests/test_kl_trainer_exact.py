@@ -178,8 +178,14 @@ def test_truncated_sampler_biases_the_prefix_weighted_kl_estimate():
     trunc = torch.log_softmax(torch.where(table >= kth, toy.logits, float("-inf")), -1)
     mu_tok = torch.where(sp.mask, trunc[sp.rows, sp.tokens], 0.0)
     mu_seq = torch.where(sp.mask.any(-1), mu_tok.sum(-1).exp(), 0.0)
-    est = sequence_kl_estimates(T.token_logp(toy.logits, sp), T.token_logp(toy.ref_logits, sp),
-                                mu_tok, sp.mask)
-    weighted = float(mu_seq @ torch.nan_to_num(est["pi_ref"]))
+    pi_tok, ref_tok = T.token_logp(toy.logits, sp), T.token_logp(toy.ref_logits, sp)
     true = float(T.sequence_kl(toy.logits, toy.ref_logits, sp))
-    assert weighted == pytest.approx(0.3217, abs=1e-4) and true == pytest.approx(0.4150, abs=1e-4)
+
+    def weighted_under(sampler_tok):  # E_mu of the logged estimate, exactly over the toy
+        seq = torch.where(sp.mask.any(-1), sampler_tok.sum(-1).exp(), 0.0)
+        est = sequence_kl_estimates(pi_tok, ref_tok, sampler_tok, sp.mask)
+        return float(seq @ torch.nan_to_num(est["pi_ref"]))
+    # the estimator itself is right: sampled by pi (full support) it is KL(pi || ref) exactly
+    assert weighted_under(pi_tok) == pytest.approx(true, rel=1e-9)
+    # by the truncated sampler it misses the sequences mu never draws: far from KL
+    assert mu_seq.sum() == pytest.approx(1.0) and abs(weighted_under(mu_tok) - true) > 0.05

@@ -189,7 +189,9 @@ def test_worker_on_node2_learner_on_head_exact_sync(cluster, submitted):
     # The lag bound, and weights that crossed object stores exactly: at max_lag 0 the
     # learner's probabilities equal the sampler's (step 2 samples with step 1's weights,
     # sent from the head's object store to node 2's).
-    for m in (m for m in read_metrics(submitted["run_dir"]) if m["step"] > 0):
+    trained = [m for m in read_metrics(submitted["run_dir"]) if m["step"] > 0]
+    assert [m["step"] for m in trained] == [1, 2]
+    for m in trained:
         assert m["lag/max"] == 0 and m["policy_version"] == m["step"], m
         assert abs(m["is/ratio_min"] - 1) < 1e-4 and abs(m["is/ratio_max"] - 1) < 1e-4, m
 

