@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from cluster.tiny.model import (
     BUILD_TIME,
     RECIPES,
     TARGET_ACCURACY,
+    check_out_dir,
     init_default_model,
     read_metadata,
 )
@@ -60,12 +62,14 @@ def register(subparsers) -> None:
     p.add_argument("--samples", type=_at_least(0), default=4,
                    help="samples per problem at temperature 1; 0 for greedy only (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of problems and sampling")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--max-tokens", type=_at_least(1), default=None,
                    help="completion budget (default: the task's)")
-    p.add_argument("--temperature", type=float, default=1.0,
+    p.add_argument("--temperature", type=_non_negative, default=1.0,
                    help="temperature of the sampled completions (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampled completions")
-    p.add_argument("--top-k", type=int, default=0, help="top-k of the sampled completions (0: off)")
+    p.add_argument("--top-p", type=_top_p, default=1.0,
+                   help="top-p of the sampled completions, in (0, 1]")
+    p.add_argument("--top-k", type=_top_k, default=0,
+                   help="top-k of the sampled completions (0: off, else at least 1)")
     p.add_argument("--chat-template", choices=("auto", "none"), default="auto",
                    help="auto: apply the tokenizer's chat template when it has one (default); "
                    "none: raw text prompts")
@@ -101,6 +105,27 @@ def _share(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _top_k(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, got {text}")
     return value
 
 
@@ -145,6 +170,19 @@ def _init_model(args: argparse.Namespace) -> int:
 
     console = Console()
     target = TARGET_ACCURACY if args.target is None else args.target
+    if args.out is not None:  # before the build: a wrong --out is refused, never replaced
+        from cluster.train.door.paths import check_creatable
+
+        try:
+            check_out_dir(Path(args.out))
+        except ValueError as exc:
+            print(f"error: --out: {exc}", file=sys.stderr)
+            return 2
+        try:
+            check_creatable(Path(args.out), "--out")
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     path = init_default_model(args.out, seed=args.seed, force=args.force, target=target,
                               recipe=args.embedded)
     meta = read_metadata(path)
@@ -197,7 +235,12 @@ def _eval_door(args: argparse.Namespace):
             load_scorer(args.reward)  # imported and checked here, as the pre-flight does
         except ValueError as exc:
             raise ValueError(f"--reward: {exc}") from None
+    from cluster.train.door.paths import check_writable_file
+
     target = eval_target(args.model_dir)
+    for flag, path in (("--json", args.json), ("--log", args.log)):
+        if path is not None:
+            check_writable_file(Path(path), flag)
     for note in check_task_datasets("--option", task, splits, args.max_malformed_fraction,
                                     "--max-malformed-fraction"):
         print(f"warning: {note}", file=sys.stderr, flush=True)

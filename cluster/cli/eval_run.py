@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -29,16 +30,22 @@ def run_eval(args, task, splits, target: EvalTarget, model: str) -> int:
     if not args.verbose:
         print(f"other programs' output (vLLM, Triton, warnings) goes to {log} (--verbose shows "
               "it here)", flush=True)
-    failed = True
-    try:
-        with nullcontext() if args.verbose else quiet_output(log):
+    error: Exception | None = None
+    with nullcontext() if args.verbose else quiet_output(log):
+        try:
             result = _evaluate(args, task, splits, target, model)
-        failed = False
-    finally:
-        if not failed and not args.log:
-            log.unlink(missing_ok=True)
-        elif failed and not args.verbose:
-            print(f"error: the evaluation failed; its full output: {log}", file=sys.stderr)
+        except AssertionError:  # a broken invariant is a bug in klrl: its whole traceback
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure after the start: one line
+            traceback.print_exc()  # the whole story, into the log
+            error = exc
+    if error is not None:
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        print(f"error: the evaluation failed: {type(error).__name__}: {first}"
+              + ("" if args.verbose else f" (full output: {log})"), file=sys.stderr)
+        return 1
+    if not args.log:
+        log.unlink(missing_ok=True)
     _print_table(args, result, target)
     if args.json:
         with open(args.json, "w") as f:

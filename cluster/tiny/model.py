@@ -308,6 +308,19 @@ def _model_complete(path: Path) -> bool:
     return (path / METADATA_FILE).is_file() and (path / "model.safetensors").is_file()
 
 
+def check_out_dir(out: Path) -> None:
+    """A build replaces `out` when it publishes: refuse (ValueError) an `out` that holds
+    anything but an embedded model (a file, or a directory with other contents), so that a
+    mistyped --out never deletes a directory of the user's. An empty or missing `out`, or a
+    complete embedded model (reused, or replaced with force), is fine."""
+    if out.is_symlink() or out.is_file():
+        raise ValueError(f"{out} is a file, not a model directory; give a new or empty directory")
+    if out.is_dir() and not _model_complete(out) and any(out.iterdir()):
+        raise ValueError(f"{out} holds files but no embedded model ({METADATA_FILE} and "
+                         "model.safetensors), and a build replaces the directory it writes; "
+                         "give a new or empty directory")
+
+
 def init_default_model(
     out_dir: str | Path | None = None,
     seed: int = 0,
@@ -337,6 +350,7 @@ def init_default_model(
     out = Path(out_dir) if out_dir is not None else default_model_dir(seed, target, recipe)
     if _model_complete(out) and not force:
         return out
+    check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(out, progress) as waited:
         if waited and _model_complete(out) and not force:  # the build we waited for made it

@@ -57,6 +57,32 @@ def can_create_in(directory: Path) -> OSError | None:
     return None
 
 
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_creatable(directory: Path, flag: str) -> None:
+    """`directory` exists as a directory, or can be made: its nearest existing ancestor is a
+    directory in which one can be made (ConfigError naming `flag` otherwise)."""
+    if directory.is_dir():
+        return
+    if exc := can_create_in(_nearest_existing(directory)):
+        raise ConfigError(f"{flag}={directory}: cannot create it ({exc.strerror or exc})")
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """A file a command writes after its work (a JSON, a log) can be written there: not a
+    directory, and its directory exists or can be made (ConfigError naming `flag`), so the
+    work is not lost to a typo found at its end."""
+    if path.is_dir():
+        raise ConfigError(f"{flag}={path}: is a directory; give a file path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag}={path}: cannot be written")
+    check_creatable(path.parent, flag)
+
+
 def check_output_dir(run_dir: Path, field: str = "output_dir") -> None:
     """The run directory must be creatable: its nearest existing ancestor a directory in which
     a directory can be made."""
