@@ -165,6 +165,24 @@ def test_workspace_groups_by_configuration_and_shows_the_summary_runs_keys(summa
     assert "runs of group 'grid'" in out and "not saved" in out and "KL to the reference" in out
 
 
+def test_save_without_an_entity_or_credentials_is_refused_before_anything(
+        summarised, tmp_path, capsys, monkeypatch):
+    """--save with no entity in the runs and none given needs the logged-in user's: without
+    wandb credentials that is a mistake seen before the start (exit 2, the fix named), not
+    wandb's traceback or a login prompt."""
+    pytest.importorskip("wandb_workspaces", reason="the `dashboard` extra is not installed")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    sweep, _ = summarised
+    assert main(["dashboard", str(sweep), "--save"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --save:") and "--entity" in err[0], err
+    assert "workspace" not in captured.out  # refused before the layout was even printed
+
+
 def test_the_end_of_a_sweep_logs_its_summary_run(tmp_path, capsys, monkeypatch):
     """`klrl sweep`'s last act (`_summarise`, after its runs) writes the report and logs the
     summary run, as `klrl report` does."""

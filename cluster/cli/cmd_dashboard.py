@@ -27,6 +27,9 @@ def _run_dashboard(args) -> int:
                    if report.is_file() else [])
         group = None if args.whole_project else target.get("group")
         workspace = build_workspace(entity or "ENTITY", project, group, keys, figures)
+        if args.save and entity is None:  # the default entity needs credentials: asked now
+            entity = _default_entity()
+            workspace.entity = entity
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -39,16 +42,28 @@ def _run_dashboard(args) -> int:
     if not args.save:
         print("not saved (--save writes it to wandb; it needs wandb online and an API key)")
         return 0
-    if entity is None:
-        import wandb
-
-        workspace.entity = wandb.Api().default_entity
     try:
         print(f"saved: {save_workspace(workspace)}")
     except Exception as exc:  # noqa: BLE001 - the server's refusal, in one line
         print(f"error: the workspace was not saved: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _default_entity() -> str:
+    """The wandb entity of the logged-in user (ConfigError naming the fix without one)."""
+    import wandb
+
+    try:
+        entity = wandb.Api().default_entity
+    except Exception as exc:  # noqa: BLE001 - wandb's UsageError and its network errors alike
+        raise ConfigError(f"--save: the runs name no wandb entity and wandb could not give your "
+                          f"default one ({type(exc).__name__}: {str(exc)[:120]}); run `wandb "
+                          "login` or set WANDB_API_KEY, or give --entity") from None
+    if not entity:
+        raise ConfigError("--save: the runs name no wandb entity and you have no default one; "
+                          "give --entity")
+    return entity
 
 
 def register(subparsers) -> None:
