@@ -111,3 +111,22 @@ def test_bad_figures_arguments_fail_before_anything_runs(args, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["figures", *args])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_work_dir_that_cannot_take_the_runs_is_refused_before_any_block_is_rewritten(
+        tmp_path, capsys):
+    """--work-dir a file, or holding a run this call would start (a second `klrl figures`
+    into the same one): exit 2 naming it, before any block is rewritten or any `klrl demo`
+    starts (its run of that name would refuse, after the model and spread blocks were)."""
+    from cluster.cli.main import main
+
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    assert main(["figures", "--only", "demo", "--seeds", "0", "--work-dir", str(afile)]) == 2
+    assert "--work-dir" in capsys.readouterr().err
+    used = tmp_path / "used"
+    (used / "runs" / figures.plan([0], ["demo"])[1].name).mkdir(parents=True)
+    assert main(["figures", "--only", "demo", "--seeds", "0", "--work-dir", str(used)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds run(s) figures-" in err and "give a new --work-dir" in err, err
+    assert sorted(p.name for p in used.iterdir()) == ["runs"]  # nothing else started
