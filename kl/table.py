@@ -64,8 +64,8 @@ class KLTableConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, ge=0, description="Seed of the toy's policy, reference and drift "
-                      "direction.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the toy's policy, reference "
+                      "and drift direction.")
     vocab: int = Field(3, ge=2, le=6, description="Toy vocabulary size (token 0 is EOS when eos).")
     length: int = Field(4, ge=1, le=6, description="Maximum sequence length of the toy.")
     eos: bool = Field(True, description="Token 0 ends a sequence (variable lengths) when true.")

@@ -3,6 +3,8 @@ and the README's trainer-level forms."""
 import json
 from pathlib import Path
 
+import pytest
+
 from cluster.cli.main import main
 
 
@@ -92,6 +94,51 @@ def test_kl_table_fails_when_a_mask_drops_on_policy_tokens(monkeypatch, capsys):
     assert "on-policy: 3 of 7 task terms" in out and out.count("MISMATCH") >= 4
 
 
-def test_kl_table_rejects_bad_override(capsys):
-    assert main(["kl-table", "vocab=1"]) == 2
-    assert "vocab" in capsys.readouterr().out
+def _refuse(*_args, **_kw):
+    raise AssertionError("the command got past its checks")
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _refused(capsys, *named: str) -> None:
+    """One or two lines on stderr, the first `error: ` naming each of `named`; nothing out."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("error: "), captured.err
+    assert all(n in captured.err for n in named), captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("override, named", [("vocab=1", "vocab"),
+                                             (f"seed={2**64}", "seed"),
+                                             (f"seed={2**31}", "seed")])
+def test_kl_table_rejects_bad_override(override, named, monkeypatch, capsys):
+    """A config error is an `error: ` on stderr before any computation; a seed torch cannot
+    take (above 2**64 - 1 it raised from torch.manual_seed) is bounded as trainer.seed is."""
+    import kl.table
+
+    monkeypatch.setattr(kl.table, "compute_table", _refuse)
+    assert main(["kl-table", override]) == 2
+    _refused(capsys, named)
+
+
+@pytest.mark.parametrize("case", ["json is a dir", "plot under a file", "same path"])
+def test_kl_table_checks_outputs_before_computing(case, tmp_path, monkeypatch, capsys):
+    """--json and --plot are checked before the tables are computed: a --plot that cannot be
+    written no longer leaves the JSON behind."""
+    import kl.table
+
+    monkeypatch.setattr(kl.table, "compute_table", _refuse)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    out_json, out_png, named = {
+        "json is a dir": (tmp_path / "dir", tmp_path / "p.png", "--json"),
+        "plot under a file": (tmp_path / "new" / "t.json", tmp_path / "file" / "p.png", "--plot"),
+        "same path": (tmp_path / "t.out", tmp_path / "t.out", "--plot"),
+    }[case]
+    before = _tree(tmp_path)
+    assert main(["kl-table", "--json", str(out_json), "--plot", str(out_png)]) == 2
+    _refused(capsys, named)
+    assert _tree(tmp_path) == before

@@ -12,15 +12,70 @@ on one CPU core.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
+import sys
 from pathlib import Path
 
 from cluster.experiments.labels import toy_anchor
 
 DEFAULTS = {"beta": 0.3, "lags": [0, 2, 8], "steps": 800, "lr": 4.0, "samples": 8,
             "sampled_lr": 0.5, "seed": 0, "vocab": 3, "length": 2}
+OUTPUTS = ("fixed_points.json", "table.md", "fixed_points.png")
+SEED_MAX = 2**31 - 1  # as kl.table's seeds
+
+
+def _positive(text: str) -> float:
+    """A finite number above 0 (beta: pi* divides the reward by it; a step size)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number above 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
+def _int_in(low: int, high: int | None = None):
+    """A whole number from `low` (to `high`): kl.dynamics.train needs steps >= 1 and samples
+    >= 2 (a leave-one-out baseline), and seeds are bounded."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be at least {low}" + (f" and at most {high}" if high is not None else "")
+                + f", got {text!r}")
+        return value
+    return parse
+
+
+def _lags(text: str) -> list[int]:
+    """Comma-separated distinct whole numbers >= 0 (one plot panel and table row per lag)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        lags = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"comma-separated whole numbers >= 0 such as 0,2,8; got {text!r}") from None
+    if min(lags) < 0 or len(set(lags)) != len(lags):
+        raise argparse.ArgumentTypeError(f"distinct lags >= 0 such as 0,2,8; got {text!r}")
+    return lags
+
+
+def check_out(out: Path) -> None:
+    """--out is a directory, or can be made, and the three files can be written in it
+    (ConfigError otherwise), so that minutes of training are not lost to a typo at the end."""
+    from cluster.train.door.paths import check_creatable, check_writable_file
+
+    check_creatable(out, "--out")
+    for name in OUTPUTS:
+        check_writable_file(out / name, "--out")
 
 
 def compute(opts: dict) -> dict:
@@ -107,7 +162,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lags = result["settings"]["lags"]
-    fig, axes = plt.subplots(1, len(lags), figsize=(5 * len(lags), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(lags), figsize=(5 * len(lags), 4), sharey=True,
+                             squeeze=False)  # one lag: still a row of axes
+    axes = axes[0]
     every = 10  # kl.dynamics.train's record_every
     for ax, lag in zip(axes, lags):
         for r in (r for r in result["rows"] if r["lag"] == lag):
@@ -137,10 +194,15 @@ def run(args) -> int:
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     if args.lags:
-        opts["lags"] = [int(v) for v in args.lags.split(",")]
+        opts["lags"] = args.lags
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_out(out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result = compute(opts)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "fixed_points.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "table.md").write_text(table_markdown(result))
     plot(result, out / "fixed_points.png")
@@ -153,13 +215,19 @@ def register(subparsers) -> None:
                               "every KL configuration", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for table.md, fixed_points.json "
                    "and fixed_points.png")
-    p.add_argument("--beta", type=float, default=None, help=f"kl.beta (default {DEFAULTS['beta']})")
-    p.add_argument("--lags", default=None, help="comma-separated lags (default 0,2,8)")
-    p.add_argument("--steps", type=int, default=None, help=f"updates (default {DEFAULTS['steps']})")
-    p.add_argument("--lr", type=float, default=None, help=f"step size (default {DEFAULTS['lr']})")
-    p.add_argument("--samples", type=int, default=None,
-                   help=f"sequences per sampled update (default {DEFAULTS['samples']})")
-    p.add_argument("--sampled-lr", type=float, default=None, dest="sampled_lr",
-                   help=f"step size of the sampled runs (default {DEFAULTS['sampled_lr']})")
-    p.add_argument("--seed", type=int, default=None, help="seed of the toy and the samples")
+    p.add_argument("--beta", type=_positive, default=None,
+                   help=f"kl.beta, above 0 (default {DEFAULTS['beta']})")
+    p.add_argument("--lags", type=_lags, default=None,
+                   help="comma-separated distinct lags >= 0 (default 0,2,8)")
+    p.add_argument("--steps", type=_int_in(1), default=None,
+                   help=f"updates, at least 1 (default {DEFAULTS['steps']})")
+    p.add_argument("--lr", type=_positive, default=None,
+                   help=f"step size, above 0 (default {DEFAULTS['lr']})")
+    p.add_argument("--samples", type=_int_in(2), default=None, help="sequences per sampled "
+                   f"update, at least 2 (default {DEFAULTS['samples']})")
+    p.add_argument("--sampled-lr", type=_positive, default=None, dest="sampled_lr",
+                   help="step size of the sampled runs, above 0 (default "
+                   f"{DEFAULTS['sampled_lr']})")
+    p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=None,
+                   help=f"seed of the toy and the samples, 0 to {SEED_MAX} (default 0)")
     p.set_defaults(func=run)

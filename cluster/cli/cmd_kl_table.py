@@ -16,6 +16,7 @@ parses, prints and plots.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError, load_config
@@ -172,6 +173,19 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def check_outputs(args) -> None:
+    """--json and --plot can be written (not a directory, their directory there or creatable)
+    and are two files: ConfigError otherwise, before the tables are computed, so that a bad
+    --plot does not leave the JSON behind."""
+    from cluster.train.door.paths import check_writable_file
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_writable_file(Path(path), flag)
+    if args.json and args.plot and Path(args.json).resolve() == Path(args.plot).resolve():
+        raise ConfigError(f"--json and --plot are both {args.json}; give them different paths")
+
+
 def run(args) -> int:
     from kl.table import KLTableConfig, compute_table  # torch: not at `klrl --help`
     from learner.exact_masks import compute_mask_rows
@@ -179,8 +193,9 @@ def run(args) -> int:
 
     try:
         cfg = load_config(KLTableConfig, args.config, args.overrides)
+        check_outputs(args)
     except ConfigError as exc:
-        print(exc)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     result = compute_table(cfg)
     result["trainer"] = compute_trainer_rows(cfg.trainer)
