@@ -14,45 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
 from pathlib import Path
 
+from cluster.cli.arg_types import number_in, whole_in
 from cluster.experiments.labels import toy_anchor
 
 DEFAULTS = {"beta": 0.3, "lags": [0, 2, 8], "steps": 800, "lr": 4.0, "samples": 8,
             "sampled_lr": 0.5, "seed": 0, "vocab": 3, "length": 2}
 OUTPUTS = ("fixed_points.json", "table.md", "fixed_points.png")
 SEED_MAX = 2**31 - 1  # as kl.table's seeds
-
-
-def _positive(text: str) -> float:
-    """A finite number above 0 (beta: pi* divides the reward by it; a step size)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number above 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
-    return value
-
-
-def _int_in(low: int, high: int | None = None):
-    """A whole number from `low` (to `high`): kl.dynamics.train needs steps >= 1 and samples
-    >= 2 (a leave-one-out baseline), and seeds are bounded."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"a whole number, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(
-                f"must be at least {low}" + (f" and at most {high}" if high is not None else "")
-                + f", got {text!r}")
-        return value
-    return parse
 
 
 def _lags(text: str) -> list[int]:
@@ -215,19 +188,20 @@ def register(subparsers) -> None:
                               "every KL configuration", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for table.md, fixed_points.json "
                    "and fixed_points.png")
-    p.add_argument("--beta", type=_positive, default=None,
+    p.add_argument("--beta", type=number_in(0, low_open=True), default=None,
                    help=f"kl.beta, above 0 (default {DEFAULTS['beta']})")
     p.add_argument("--lags", type=_lags, default=None,
                    help="comma-separated distinct lags >= 0 (default 0,2,8)")
-    p.add_argument("--steps", type=_int_in(1), default=None,
+    p.add_argument("--steps", type=whole_in(1), default=None,
                    help=f"updates, at least 1 (default {DEFAULTS['steps']})")
-    p.add_argument("--lr", type=_positive, default=None,
+    p.add_argument("--lr", type=number_in(0, low_open=True), default=None,
                    help=f"step size, above 0 (default {DEFAULTS['lr']})")
-    p.add_argument("--samples", type=_int_in(2), default=None, help="sequences per sampled "
+    p.add_argument("--samples", type=whole_in(2), default=None, help="sequences per sampled "
                    f"update, at least 2 (default {DEFAULTS['samples']})")
-    p.add_argument("--sampled-lr", type=_positive, default=None, dest="sampled_lr",
+    p.add_argument("--sampled-lr", type=number_in(0, low_open=True), default=None,
+                   dest="sampled_lr",
                    help="step size of the sampled runs, above 0 (default "
                    f"{DEFAULTS['sampled_lr']})")
-    p.add_argument("--seed", type=_int_in(0, SEED_MAX), default=None,
+    p.add_argument("--seed", type=whole_in(0, SEED_MAX), default=None,
                    help=f"seed of the toy and the samples, 0 to {SEED_MAX} (default 0)")
     p.set_defaults(func=run)

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from cluster.cli.arg_types import number_in, whole_in
 from cluster.tiny.model import (
     BUILD_TIME,
     RECIPES,
@@ -28,7 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, help="output directory "
                    "(default: $KLRL_HOME/models/tiny-arith-v<recipe>-seed<N>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the build (default 0)")
-    p.add_argument("--target", type=_fraction, default=None, metavar="FRACTION",
+    p.add_argument("--target", type=number_in(0, 1, low_open=True, high_open=True),
+                   default=None, metavar="FRACTION",
                    help="greedy validation accuracy at which the warm start stops (default "
                    f"{TARGET_ACCURACY}; another target is cached under its own name)")
     p.add_argument("--force", action="store_true", help="rebuild even if the model exists")
@@ -58,17 +60,17 @@ def register(subparsers) -> None:
                    "small set, --option columns.question=problem")
     p.add_argument("--splits", default="in_domain,out_of_domain",
                    help="comma-separated splits (default in_domain,out_of_domain)")
-    p.add_argument("--n", type=_at_least(1), default=200, help="problems per split (default 200)")
-    p.add_argument("--samples", type=_at_least(0), default=4,
+    p.add_argument("--n", type=whole_in(1), default=200, help="problems per split (default 200)")
+    p.add_argument("--samples", type=whole_in(0), default=4,
                    help="samples per problem at temperature 1; 0 for greedy only (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of problems and sampling")
-    p.add_argument("--max-tokens", type=_at_least(1), default=None,
+    p.add_argument("--max-tokens", type=whole_in(1), default=None,
                    help="completion budget (default: the task's)")
-    p.add_argument("--temperature", type=_non_negative, default=1.0,
+    p.add_argument("--temperature", type=number_in(0), default=1.0,
                    help="temperature of the sampled completions (default 1.0)")
-    p.add_argument("--top-p", type=_top_p, default=1.0,
+    p.add_argument("--top-p", type=number_in(0, 1, low_open=True), default=1.0,
                    help="top-p of the sampled completions, in (0, 1]")
-    p.add_argument("--top-k", type=_top_k, default=0,
+    p.add_argument("--top-k", type=whole_in(0), default=0,
                    help="top-k of the sampled completions (0: off, else at least 1)")
     p.add_argument("--chat-template", choices=("auto", "none"), default="auto",
                    help="auto: apply the tokenizer's chat template when it has one (default); "
@@ -76,7 +78,7 @@ def register(subparsers) -> None:
     p.add_argument("--system-prompt", default=None, help="system message (needs a chat template)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
-    p.add_argument("--max-malformed-fraction", type=_share, default=0.0, metavar="SHARE",
+    p.add_argument("--max-malformed-fraction", type=number_in(0, 1), default=0.0, metavar="SHARE",
                    help="share of a local dataset file's rows that may be malformed (skipped, "
                    "and said) before the evaluation is refused, as task.max_malformed_fraction "
                    "(default 0)")
@@ -92,51 +94,6 @@ def register(subparsers) -> None:
     p.add_argument("--verbose", action="store_true", help="show other programs' output here "
                    "instead")
     p.set_defaults(func=_eval)
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
-
-
-def _share(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _top_k(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 1, got {text}")
-    return value
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
-        return value
-    parse.__name__ = "int"  # argparse names the type in "invalid int value" messages
-    return parse
 
 
 def _check_task(args: argparse.Namespace):
