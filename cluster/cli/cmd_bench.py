@@ -21,8 +21,9 @@ def run(args) -> int:
         if args.device != "cpu" or args.only:
             return _refuse("--peer compares klrl with TRL on CPU; --device and --only apply "
                            "to the measurements without --peer")
-        return run_peer(args)
-    refusal = _refusal(args)
+        refusal = _paths_refusal(args) or _peer_docs_refusal(args)
+        return _refuse(refusal) if refusal else run_peer(args)
+    refusal = _paths_refusal(args) or _refusal(args)
     if refusal:
         return _refuse(refusal)
     # Ray, torch, vLLM and DeepSpeed: loaded when the benchmark runs, not at `klrl --help`.
@@ -37,6 +38,40 @@ def run(args) -> int:
     if args.only and args.json and Path(args.json).is_file():
         result = merge(read_json(args.json), result)  # the parts measured before, same device
     return _finish(result, args, print_tables, check_result, "figures")
+
+
+def _paths_refusal(args) -> str | None:
+    """Where the run writes, checked before it starts (every measuring run, --peer too):
+    --json a file that can be written (not a directory; its directory exists or can be
+    made), --work-dir a directory or one that can be made (not a file)."""
+    from cluster.config.loader import ConfigError
+    from cluster.train.door.paths import check_creatable, check_writable_file
+
+    try:
+        if args.json:
+            check_writable_file(Path(args.json), "--json")
+        if args.work_dir:
+            check_creatable(Path(args.work_dir), "--work-dir")
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _peer_docs_refusal(args) -> str | None:
+    """--docs with --peer: the page holds the block the comparison is written into (what
+    cluster/bench/report.py's write_docs replaces), found before TRL and klrl run."""
+    if not args.docs:
+        return None
+    from cluster.bench.report import MARKERS
+    from cluster.config.options import replace_block
+
+    marker, page = MARKERS["peers"], Path(args.docs)
+    try:
+        replace_block(page.read_text(), marker, "")
+    except (OSError, UnicodeDecodeError, ValueError):
+        return (f"--docs {args.docs}: no <!-- {marker} --> ... <!-- /{marker} --> block there "
+                "for the --peer figures")
+    return None
 
 
 def _refusal(args) -> str | None:

@@ -68,6 +68,13 @@ def _run_slurm(args) -> int:
         print("error: sbatch not found: run `klrl slurm` on a machine of the SLURM cluster (a "
               "login node); --dry-run prints the script without submitting it", file=sys.stderr)
         return 2
+    from cluster.train.door.commands import check_slurm_dir
+
+    try:  # the script is written here, on the login node, before sbatch reads it
+        check_slurm_dir(job.slurm_dir)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     job.slurm_dir.mkdir(parents=True, exist_ok=True)
     job.script_path.write_text(script)
     done = subprocess.run(["sbatch", "--parsable", str(job.script_path)], capture_output=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 from cluster.config.loader import ConfigError, load_config, merge, validate
 from cluster.cli.cmd_train import count_arg
 from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
-from cluster.experiments.report import ReportConfig, write_report
+from cluster.experiments.report import ReportConfig, report_dir, write_report
 from cluster.experiments.sweep import (
     SET_ASIDE_DIR,
     SweepConfig,
@@ -26,6 +26,7 @@ from cluster.experiments.sweep import (
     validate_runs,
 )
 from cluster.experiments.sweep_run import run_sweep
+from cluster.train.jobs import SubmitError, check_reachable, dashboard_url
 
 
 def _run_sweep(args) -> int:
@@ -50,9 +51,11 @@ def _run_sweep(args) -> int:
 
             for config in configs.values():
                 check_submission(config, {})
+            if not args.dry_run:  # the cluster answers, before a run is set aside or started
+                check_reachable(dashboard_url(args.address))
         else:
             preflight_runs(cfg, runs, configs, rerun)
-    except ConfigError as exc:
+    except (ConfigError, SubmitError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     root = sweep_dir(cfg)
@@ -65,6 +68,12 @@ def _run_sweep(args) -> int:
             print(f"[{run.index}/{len(runs)}] {run.name} ({state}): "
                   + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
         return 0
+    try:  # the client probes the dashboard again: one lost since is still refused here
+        launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits)
+                    if args.address else LocalLauncher(root / "logs"))
+    except SubmitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for run, place in zip(changed, set_aside(cfg, changed), strict=True):
         print(f"{run.name} ({run.state}; {run.describe()}): moved to {place}")
     need = max(c.reserved_cpus for c in configs.values())
@@ -72,8 +81,6 @@ def _run_sweep(args) -> int:
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
               f"machine has {cores}: they will share cores and each will run slower",
               file=sys.stderr)
-    launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits) if args.address
-                else LocalLauncher(root / "logs"))
     outcomes, signum = run_sweep(cfg, runs, configs, launcher)
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
 
@@ -116,7 +123,7 @@ def _is_override(arg: str) -> bool:
 
 
 def _run_report(args) -> int:
-    from cluster.train.door.commands import check_report_dir
+    from cluster.train.door.commands import check_report_dir, check_report_out
 
     overrides = [a for a in args.dirs if _is_override(a)] + args.overrides
     paths = [Path(a) for a in args.dirs if not _is_override(a)]
@@ -127,6 +134,7 @@ def _run_report(args) -> int:
                               "runs/r2` to compare runs")
         for path in paths:  # the door: runs with metrics, --out not a file
             check_report_dir(path, args.out)
+        check_report_out(report_dir(paths, args.out), args.out)  # and it can be written
         base = {}
         sweep = paths[0] / "sweep.yaml"
         if len(paths) == 1 and sweep.is_file():  # the sweep's thresholds, under the overrides

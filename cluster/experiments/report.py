@@ -151,6 +151,14 @@ def _common_parts(paths: list[Path]) -> tuple[str, ...]:
     return common
 
 
+def report_dir(paths: list[Path], out: str | Path | None) -> Path:
+    """Where a report of `paths` goes: `out`, else PATH/report for one directory, else
+    comparison_dir (the one rule write_report and `klrl report`'s door both follow)."""
+    if out is not None:
+        return Path(out)
+    return paths[0] / "report" if len(paths) == 1 else comparison_dir(paths)
+
+
 def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None = None,
                  out: str | Path | None = None) -> Path:
     """Write report.md, runs.csv and the plots into `out` (default PATH/report; for several
@@ -163,7 +171,7 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
     check_kl_metric(runs, cfg)
     groups = group_runs(runs)
     flags = [f for r in runs for f in instability_flags(r, cfg)]
-    out = Path(out) if out is not None else path if len(paths) > 1 else path / "report"
+    out = report_dir(paths, out)
     out.mkdir(parents=True, exist_ok=True)
     findings_md, measures, quote = findings_section(path, runs, groups, cfg, out)
     figures = _draw_figures(groups, runs, measures, cfg, out) if cfg.figures else []

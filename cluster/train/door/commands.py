@@ -1,7 +1,8 @@
 """The door of the commands that are not a training run here: `klrl eval` (a model and a task's
-splits, before vLLM), `klrl report` (a directory of runs, before anything is plotted or
-written) and `klrl submit` (what can be checked on this machine before the job is uploaded;
-the job runs `klrl train`'s own door where it runs). Same style: ConfigError, one or two lines.
+splits, before vLLM), `klrl report` (a directory of runs, and where the report goes, before
+anything is plotted or written), `klrl submit` (what can be checked on this machine before the
+job is uploaded; the job runs `klrl train`'s own door where it runs) and `klrl slurm` (where
+its sbatch script is written). Same style: ConfigError, one or two lines.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train.door.models import check_model_dir
+from cluster.train.door.paths import cannot_write_in
 from cluster.train.door.tasks import check_plugins_of
 from cluster.train.door.wandb import wandb_mode_env_problem
 from cluster.train.run_log import (
@@ -56,6 +58,26 @@ def check_report_dir(path: Path, out: str | None) -> None:
             f" and {len(runs) - 3} more" if len(runs) > 3 else "")
         raise ConfigError(f"{path}: nothing to report: no metrics log here holds a row (a JSON "
                           f"object with an integer step, as a run writes one per step): {shown}")
+
+
+def check_report_out(where: Path, out: str | None) -> None:
+    """`klrl report`: the directory the report goes into (`where`: --out, else what
+    `write_report` chooses) can be written: it is a directory one can write in, or can be made
+    (no file in the way, its nearest existing ancestor writable), so the report is not lost to
+    a traceback after the reading."""
+    if exc := cannot_write_in(where):
+        name = f"--out {out}" if out is not None else f"{where} (the report directory)"
+        raise ConfigError(f"{name}: cannot write the report there ({exc.strerror or exc}); "
+                          "give --out DIR where a directory can be written")
+
+
+def check_slurm_dir(slurm_dir: Path) -> None:
+    """`klrl slurm`: the directory its sbatch script is written into (OUTPUT_DIR/slurm) can be
+    written on this machine (the login node), before sbatch is run."""
+    if exc := cannot_write_in(slurm_dir):
+        raise ConfigError(f"output_dir={slurm_dir.parent}: cannot write the sbatch script into "
+                          f"{slurm_dir} ({exc.strerror or exc}); choose a writable output_dir "
+                          "on storage the nodes share")
 
 
 def check_submission(cfg: TrainConfig, job_env: dict[str, str]) -> None:

@@ -57,18 +57,23 @@ def can_create_in(directory: Path) -> OSError | None:
     return None
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
 
 
+def cannot_write_in(directory: Path) -> OSError | None:
+    """None when files can be written into `directory`: it is a directory one can create in,
+    or it can be made (its nearest existing ancestor is one; a file in the way is not)."""
+    return can_create_in(directory if directory.is_dir() else nearest_existing(directory))
+
+
 def check_creatable(directory: Path, flag: str) -> None:
-    """`directory` exists as a directory, or can be made: its nearest existing ancestor is a
-    directory in which one can be made (ConfigError naming `flag` otherwise)."""
-    if directory.is_dir():
-        return
-    if exc := can_create_in(_nearest_existing(directory)):
+    """`directory` is a directory one can write in, or can be made (ConfigError naming `flag`
+    otherwise)."""
+    if exc := cannot_write_in(directory):
         raise ConfigError(f"{flag}={directory}: cannot create it ({exc.strerror or exc})")
 
 
@@ -86,10 +91,7 @@ def check_writable_file(path: Path, flag: str) -> None:
 def check_output_dir(run_dir: Path, field: str = "output_dir") -> None:
     """The run directory must be creatable: its nearest existing ancestor a directory in which
     a directory can be made."""
-    parent = run_dir.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if exc := can_create_in(parent):
+    if exc := can_create_in(nearest_existing(run_dir.parent)):
         raise ConfigError(f"{field}={run_dir.parent}: cannot create the run directory there "
                           f"({exc.strerror or exc}); choose a writable output_dir")
 
