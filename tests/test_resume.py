@@ -212,8 +212,12 @@ def test_a_slurm_job_requeued_mid_run_resumes_by_itself_and_ends_as_the_run_in_o
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "requeued"
+    # Scored 0.1 s a completion (the same rewards, so the same run): the steps after the first
+    # take seconds each, so the requeue lands mid-run. At full speed a quiet machine finished
+    # all four steps between step 1's line and the requeue's SIGTERM, and the job ended whole.
     assert main(["slurm", str(DEMO_CONFIG),
                  *tiny_run_overrides(tiny_model_dir, tmp_path, "requeued", steps, *EXTRA),
+                 "task.reward=scorers:short_answers_slowly",
                  "--cpus-per-node=2", "--ray-start-arg=--object-store-memory=200000000"]) == 0
     assert "--requeue" in (tmp_path / "slurm" / "requeued.sbatch").read_text()
     job_id = _wait("the job", lambda: slurm.run("squeue", "-h", "-o", "%i").stdout.strip(), 30)
