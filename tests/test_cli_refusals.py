@@ -242,3 +242,17 @@ def test_slurm_refuses_an_output_dir_it_cannot_write_the_script_into(
     assert main(["slurm", str(TINY), "run_name=r", f"output_dir={good}"]) == 0
     assert "submitted job 4242" in capsys.readouterr().out and sbatch.exists()
     assert (good / "slurm" / "r.sbatch").is_file()
+
+
+def test_a_job_sbatch_refuses_leaves_nothing_and_exits_2(sbatch, tmp_path, capsys):
+    """sbatch's own refusal (a partition or account SLURM does not have) is a mistake in the
+    command, seen before anything ran: exit 2 with sbatch's reason, and the script and the
+    slurm/ directory it made are gone."""
+    refusing = tmp_path / "bin" / "sbatch"
+    refusing.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpuz' >&2"
+                        "\nexit 1\n")
+    out = tmp_path / "out"
+    before = _tree(tmp_path)
+    _refused(capsys, ["slurm", str(TINY), "run_name=r", f"output_dir={out}",
+                      "--partition=gpuz"], "sbatch refused the job", "invalid partition")
+    assert _tree(tmp_path) == before

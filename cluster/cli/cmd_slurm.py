@@ -75,13 +75,19 @@ def _run_slurm(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    missing = [d for d in (job.slurm_dir, *job.slurm_dir.parents) if not d.exists()]
     job.slurm_dir.mkdir(parents=True, exist_ok=True)
     job.script_path.write_text(script)
     done = subprocess.run(["sbatch", "--parsable", str(job.script_path)], capture_output=True,
                           text=True, env=os.environ)
-    if done.returncode != 0:
-        print(f"error: sbatch refused {job.script_path}: {done.stderr.strip()}", file=sys.stderr)
-        return 1
+    if done.returncode != 0:  # a job SLURM will not take (a partition, an account): nothing
+        job.script_path.unlink(missing_ok=True)  # ran, so nothing is left behind
+        if missing:  # the directories made for it, from the outermost
+            shutil.rmtree(missing[-1], ignore_errors=True)
+        why = " ".join(done.stderr.split()) or f"exit {done.returncode}"
+        print(f"error: sbatch refused the job ({why}); nothing was submitted (--dry-run prints "
+              "the script)", file=sys.stderr)
+        return 2
     job_id = done.stdout.strip().split(";")[0]
     print(f"submitted job {job_id} ({job.script_path})\n"
           f"output: {job.output_file(job_id)}\n"
