@@ -91,7 +91,7 @@ def check_writable_file(path: Path, flag: str) -> None:
 def check_output_dir(run_dir: Path, field: str = "output_dir") -> None:
     """The run directory must be creatable: its nearest existing ancestor a directory in which
     a directory can be made."""
-    if exc := can_create_in(nearest_existing(run_dir.parent)):
+    if exc := cannot_write_in(run_dir.parent):
         raise ConfigError(f"{field}={run_dir.parent}: cannot create the run directory there "
                           f"({exc.strerror or exc}); choose a writable output_dir")
 
