@@ -385,6 +385,24 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
         assert (root / "report" / png).stat().st_size > 10_000, png
 
+    # make results --keep (keep.py) on these real runs: kept, put back on a "fresh machine"
+    # (another output_dir), skipped there by the sweep and reported as here. Their final
+    # evaluation is a record written here (the real one: tests/test_results.py).
+    from cluster.experiments.keep import keep_run, restore_runs
+
+    store, fresh = tmp_path / "kept", tmp_path / "fresh"
+    for name in ("k1-loss", "k3-loss"):
+        (root / name / "final_eval.json").write_text('{"sets": {}}')
+        keep_run(root / name, store)
+    assert sum(f.stat().st_size for f in store.rglob("*")) < 100_000  # no weights
+    assert restore_runs(store, fresh / "e2e") == ["k1-loss", "k3-loss"]
+    rc = main(["sweep", str(path), f"output_dir={fresh}", "--no-report"])
+    assert rc == 0 and "0 finished, 2 skipped" in capsys.readouterr().out
+    assert main(["report", str(fresh / "e2e"), "figures=false", "--no-wandb"]) == 0
+    table = [line for line in md.splitlines() if line.startswith("| `k")]
+    back = (fresh / "e2e" / "report" / "report.md").read_text()
+    assert table and all(line in back for line in table)
+
 
 def test_runs_recorded_with_other_settings_never_count_as_the_sweeps(tmp_path, capsys):
     """Issue 48: a rerun with changed overrides used to skip the old runs as 'finished' and

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError, load_config, merge, validate
+from cluster.cli.arg_types import whole_in
 from cluster.cli.cmd_train import count_arg
 from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
 from cluster.experiments.report import ReportConfig, report_dir, write_report
@@ -81,7 +82,7 @@ def _run_sweep(args) -> int:
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
               f"machine has {cores}: they will share cores and each will run slower",
               file=sys.stderr)
-    outcomes, signum = run_sweep(cfg, runs, configs, launcher)
+    outcomes, signum = run_sweep(cfg, runs, configs, launcher, args.max_runs)
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
 
 
@@ -184,6 +185,9 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the runs, their state and "
                    "commands; run nothing")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--max-runs", type=whole_in(1, 100_000), default=None, metavar="N",
+                   help="start at most N of the unfinished runs, in the sweep's order, then "
+                   "stop (the rest are 'not started'; the same command again goes on)")
     p.add_argument("--rerun", action="store_true", help="runs in the sweep directory recorded "
                    "with settings other than the sweep's now (refused without this flag): move "
                    "them to SWEEP_DIR/replaced/ and run the grid's again with the new settings")

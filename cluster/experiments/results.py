@@ -10,6 +10,10 @@ where they stopped. Three steps, each skipping what is done:
    base_eval.json, the row the report reads every final accuracy against);
 3. the report rewritten into docs/sweeps/<sweep name>/ (or --out), where it is committed.
 
+With `--keep DIR` (keep.py) the runs kept in DIR are first put back into the sweep directory,
+and the sweep runs one run at a time, each kept in DIR once evaluated: a sweep that outlives
+its machine goes on from its kept runs on the next one. A failed run then stops the loop.
+
 Each step runs as a child process in a session of its own; a signal to this one (Ctrl-C,
 SIGTERM) is passed on once, so the sweep checkpoints its runs and stops, and nothing after it
 starts. Exit status: the sweep's when it failed or was stopped, 1 when a run or an evaluation
@@ -28,10 +32,11 @@ from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
+from cluster.experiments.keep import is_kept, check_store, keep_base_eval, keep_run, restore_runs
 from cluster.experiments.prereg import Rules, load_preregistration, rules_of
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
-from cluster.experiments.sweep import load_sweep, sweep_dir
+from cluster.experiments.sweep import expand, load_sweep, run_state, sweep_dir
 from cluster.experiments.sweep_run import time_left
 
 
@@ -105,6 +110,43 @@ def _final_eval(child: _Child, what: str, run_dir: Path, record: Path, log: Path
     return 0
 
 
+def _evaluate_finished(child: _Child, root: Path, rules: Rules, took: list[float]) -> int:
+    """Step 2 for every finished run not yet evaluated on the rules' problems and sets: 1
+    when an evaluation failed, else 0 (a signal stops it: the caller checks)."""
+    todo = [d for d in sorted(root.iterdir()) if d.is_dir()
+            and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
+    status = 0
+    for i, run_dir in enumerate(todo, 1):
+        status = max(status, _final_eval(
+            child, f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}", run_dir,
+            run_dir / FINAL_EVAL_FILE, root / "logs" / f"{run_dir.name}.final_eval.log", rules,
+            took=took, left=len(todo) - i))
+        if child.signalled:
+            break
+    return status
+
+
+def _put_back(store: Path, root: Path) -> None:
+    """--keep: the runs kept in `store` back into the sweep directory `root` (ConfigError for a
+    `store` that cannot be one)."""
+    check_store(store, root)
+    if restored := restore_runs(store, root):
+        print(f"put back from {store}: {len(restored)} finished run(s), {', '.join(restored)}",
+              flush=True)
+
+
+def _keep_done(root: Path, store: Path, rules: Rules) -> None:
+    """--keep: every finished run evaluated on the rules' problems, and the base model's
+    evaluation, copied into `store` where it is not there as it is now (keep.py)."""
+    for run in find_runs(root):
+        if run.finished and not needs_evaluation(run.dir, rules.final_problems,
+                                                 rules.final_eval_seed, rules.final_sets) \
+                and not is_kept(run.dir, store):
+            print(f"kept: {run.name} -> {keep_run(run.dir, store)}", flush=True)
+    if keep_base_eval(root, store):
+        print(f"kept: the base model's evaluation -> {store / BASE_EVAL_FILE}", flush=True)
+
+
 def _print_sets(path: Path, then: str = "") -> None:
     done = json.loads(path.read_text())["sets"]
     print("  " + ", ".join(f"{name} {s['accuracy']:.3f} ({s['problems']} problems)"
@@ -117,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sweep", metavar="SWEEP_FILE")
     p.add_argument("overrides", nargs="*", help="sweep file overrides, as for `klrl sweep` "
                    "(e.g. output_dir=/root/klrl-confirm)")
+    p.add_argument("--keep", default=None, metavar="DIR", help="keep each finished run's "
+                   "records (not its weights) in DIR as soon as it is evaluated, and put the "
+                   "runs kept there back into the sweep directory before the sweep starts: a "
+                   "sweep that outlives its machine goes on where it stopped on the next one "
+                   "(one run at a time; keep.py)")
     p.add_argument("--out", default=None, help="where the report goes (default "
                    "docs/sweeps/<sweep name>)")
     args = p.parse_args(argv)
@@ -127,26 +174,36 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    child = _Child()
-    status = child.run("cluster.cli", "sweep", args.sweep, *args.overrides, "--no-report")
-    if status not in (0, 1) or child.signalled:
-        return status or 128 + child.signalled
     root = sweep_dir(cfg)
-    runs = find_runs(root)
-    rules = rules_of(prereg, runs)
-    todo = [d for d in sorted(root.iterdir()) if d.is_dir()
-            and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
-    took: list[float] = []
-    for i, run_dir in enumerate(todo, 1):
-        status = max(status, _final_eval(
-            child, f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}", run_dir,
-            run_dir / FINAL_EVAL_FILE, root / "logs" / f"{run_dir.name}.final_eval.log", rules,
-            took=took, left=len(todo) - i))
+    store = Path(args.keep) if args.keep else None
+    if store is not None:
+        try:
+            _put_back(store, root)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    child = _Child()
+    status, took = 0, []
+    while True:  # once; with --keep, once a run, so that each is kept as soon as it is done
+        ran = child.run("cluster.cli", "sweep", args.sweep, *args.overrides, "--no-report",
+                        *(["--max-runs", "1"] if store else []))
+        if ran not in (0, 1) or child.signalled:
+            return ran or 128 + child.signalled
+        status = max(status, ran)
+        runs = find_runs(root)
+        rules = rules_of(prereg, runs)
+        status = max(status, _evaluate_finished(child, root, rules, took))
         if child.signalled:
             return 128 + child.signalled
+        if store is None or ran or all(run_state(root / r.name) == "finished"
+                                       for r in expand(cfg)):
+            break  # with --keep, a failed run stops here: the command again retries it
+        _keep_done(root, store, rules)
     status = max(status, _evaluate_base(child, root, runs, rules))
     if child.signalled:
         return 128 + child.signalled
+    if store is not None:
+        _keep_done(root, store, rules)
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
     try:
         print(f"report: {write_report(root, cfg.report, out=out)}")

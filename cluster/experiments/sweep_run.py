@@ -74,10 +74,11 @@ class _ForwardedSignals:
             signal.signal(s, handler)
 
 
-def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
-              launcher) -> tuple[list[Outcome], int | None]:
-    """Run every unfinished run, `cfg.parallel` at a time, showing progress. Returns the
-    outcomes (in the order runs ended) and the signal that stopped the sweep, if one did."""
+def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
+              max_runs: int | None = None) -> tuple[list[Outcome], int | None]:
+    """Run every unfinished run (with `max_runs`, the first that many of them), `cfg.parallel`
+    at a time, showing progress. Returns the outcomes (in the order runs ended) and the signal
+    that stopped the sweep, if one did."""
     root = sweep_dir(cfg)
     if changed := changed_runs(cfg, runs, configs):  # the invariant, whoever calls
         raise ConfigError(describe_changed(cfg, changed))
@@ -93,11 +94,16 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict,
         state = run_state(root / run.name)
         if state == "finished":
             outcomes.append(Outcome(run, "skipped"))
-            _say(console, f"[{run.index}/{n}] {run.name}: finished before, skipped")
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
         else:
             todo.append((run, state))
+    if outcomes:  # one line, however many: make results --keep starts the sweep once a run
+        _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
+             + ", ".join(o.run.name for o in outcomes))
+    if max_runs is not None and len(todo) > max_runs:
+        _say(console, f"starting {max_runs} of the {len(todo)} unfinished run(s) (--max-runs)")
+        todo = todo[:max_runs]
     if ahead := time_left(took, len(todo), cfg.parallel):  # a restarted sweep's estimate
         _say(console, f"{len(took)} run(s) finished before in one go{ahead}")
     active: dict[str, _Active] = {}

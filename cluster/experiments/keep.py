@@ -1,0 +1,169 @@
+"""Finished runs kept outside their sweep directory, and put back: `make results ... --keep
+DIR` (results.py).
+
+A sweep that outlives the machine it runs on (a preemptible node, a lease or a job that ends)
+loses every run whose directory goes with it. With `--keep DIR`, each run, once finished and
+given its final evaluation, leaves in DIR/<run>/ what the report reads of it: config.yaml,
+provenance.jsonl, final_eval.json, metrics.jsonl (gzipped) and the final model's config.json
+(final/, without the weights), a few hundred KB a run, small enough to commit; and the
+sweep's base_eval.json. Not the weights, and not the logs. On the next machine, `--keep DIR`
+puts the kept runs back into the sweep directory before the sweep starts: the sweep skips
+them as finished, make results finds their evaluation done, and the report reads them as if
+they had run there.
+
+Invariants, enforced here:
+- a run is kept only when finished and evaluated on the problems the report asks for (the
+  caller's `needs_evaluation` is False), so that a restored run never needs its weights;
+- a kept run is put back only where the sweep directory has no finished run of that name; a
+  partial run of that name is moved to SWEEP_DIR/replaced/ first (nothing deleted);
+- a restored run's final/ holds config.json and no weights (kept.json in the run directory
+  says so), and final/config.json keeps the time the run finished, which the sweep's
+  estimate of the time left reads.
+The sweep's own invariant still holds over restored runs: it refuses a run recorded with other
+settings than the sweep's now (sweep.changed_runs), wherever the run directory came from.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from cluster.config.loader import ConfigError
+from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
+from cluster.experiments.sweep import SET_ASIDE_DIR, run_state
+from cluster.train.run_log import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    PROVENANCE_FILE,
+    final_dir,
+    finished_at,
+)
+from cluster.train.door.paths import check_creatable
+
+KEPT_FILE = "kept.json"  # in a kept run, and in a run put back: when, from where, what is left out
+_PLAIN = (CONFIG_FILE, PROVENANCE_FILE, FINAL_EVAL_FILE)  # copied as they are
+_METRICS_GZ = METRICS_FILE + ".gz"
+# the file that marks a run finished (run_log.finished_at), kept in final/ without the weights
+_FINAL_MARKERS = ("config.json", "adapter_config.json")
+
+
+def check_store(store: Path, sweep_root: Path) -> None:
+    """The door of --keep (ConfigError): a directory outside the sweep directory (whose
+    subdirectories the report reads as runs), not a file, that can be written or made."""
+    if store.is_file():
+        raise ConfigError(f"--keep {store}: is a file; give a directory")
+    if store.resolve().is_relative_to(sweep_root.resolve()):
+        raise ConfigError(f"--keep {store}: is inside the sweep directory {sweep_root}, whose "
+                          "directories are its runs; give a directory outside it")
+    check_creatable(store, "--keep")
+
+
+def kept_runs(store: Path) -> list[str]:
+    """Names of the runs kept in `store` (complete ones only: kept.json is written last)."""
+    if not store.is_dir():
+        return []
+    return sorted(d.name for d in store.iterdir() if (d / KEPT_FILE).is_file())
+
+
+def is_kept(run_dir: Path, store: Path) -> bool:
+    """Whether `store` holds this finished run as it is now (the same finish time and final
+    evaluation): keeping it again would change nothing."""
+    record = store / run_dir.name / KEPT_FILE
+    if not record.is_file():
+        return False
+    kept = json.loads(record.read_text())
+    return (kept.get("finished_at") == finished_at(run_dir)
+            and (store / run_dir.name / FINAL_EVAL_FILE).read_bytes()
+            == (run_dir / FINAL_EVAL_FILE).read_bytes())
+
+
+def keep_run(run_dir: Path, store: Path) -> Path:
+    """Copy what the report reads of finished, evaluated `run_dir` into store/<run>/ (replacing
+    an older copy); returns that directory. The copy is written beside it and renamed into
+    place, so that an interrupted keep leaves the previous copy or none, never half of one."""
+    end = finished_at(run_dir)
+    if end is None or not (run_dir / FINAL_EVAL_FILE).is_file():
+        raise ValueError(f"{run_dir} is not finished and evaluated: nothing to keep yet")
+    store.mkdir(parents=True, exist_ok=True)
+    dest, staging = store / run_dir.name, store / f".{run_dir.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for name in _PLAIN:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, staging / name)
+    # mtime=0: the same run gives the same bytes, so a commit of the store changes only
+    # where a run did
+    with open(run_dir / METRICS_FILE, "rb") as src, open(staging / _METRICS_GZ, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+        shutil.copyfileobj(src, out)
+    (staging / "final").mkdir()
+    for name in _FINAL_MARKERS:
+        if (final_dir(run_dir) / name).is_file():
+            shutil.copy2(final_dir(run_dir) / name, staging / "final" / name)
+    (staging / KEPT_FILE).write_text(json.dumps({
+        "finished_at": end, "kept_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "from": str(run_dir.resolve()), "weights": "not kept"}, indent=1) + "\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    staging.rename(dest)
+    return dest
+
+
+def keep_base_eval(sweep_root: Path, store: Path) -> bool:
+    """Copy the sweep's base_eval.json into `store` when it is there and differs; whether it
+    did."""
+    src, dest = sweep_root / BASE_EVAL_FILE, store / BASE_EVAL_FILE
+    if not src.is_file() or (dest.is_file() and dest.read_bytes() == src.read_bytes()):
+        return False
+    store.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dest)
+    return True
+
+
+def restore_runs(store: Path, sweep_root: Path) -> list[str]:
+    """Put every run kept in `store` that `sweep_root` lacks (or holds unfinished) back into
+    `sweep_root`, and the base model's evaluation where the sweep has none; returns the names
+    of the runs put back."""
+    restored = []
+    for name in kept_runs(store):
+        run_dir = sweep_root / name
+        state = run_state(run_dir)
+        if state == "finished":
+            continue
+        if state == "partial":  # superseded by the finished copy; kept, out of the report
+            aside = sweep_root / SET_ASIDE_DIR
+            aside.mkdir(parents=True, exist_ok=True)
+            run_dir.rename(aside / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        _restore(store / name, run_dir)
+        restored.append(name)
+    if (store / BASE_EVAL_FILE).is_file() and not (sweep_root / BASE_EVAL_FILE).is_file():
+        sweep_root.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(store / BASE_EVAL_FILE, sweep_root / BASE_EVAL_FILE)
+    return restored
+
+
+def _restore(kept: Path, run_dir: Path) -> None:
+    """One kept run back into `run_dir`, written beside it and renamed into place; final/
+    config.json last, since it marks the run finished (run_log.is_finished)."""
+    record = json.loads((kept / KEPT_FILE).read_text())
+    staging = run_dir.with_name(f".{run_dir.name}.restoring")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in _PLAIN:
+        if (kept / name).is_file():
+            shutil.copy2(kept / name, staging / name)
+    with gzip.open(kept / _METRICS_GZ, "rb") as src, open(staging / METRICS_FILE, "wb") as out:
+        shutil.copyfileobj(src, out)
+    (staging / KEPT_FILE).write_text(json.dumps(
+        {**record, "restored_from": str(kept.resolve()),
+         "restored_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
+    final = final_dir(staging)
+    final.mkdir()
+    for name in _FINAL_MARKERS:
+        if (kept / "final" / name).is_file():
+            shutil.copy2(kept / "final" / name, final / name)
+            os.utime(final / name, (record["finished_at"], record["finished_at"]))
+    staging.rename(run_dir)

@@ -1,0 +1,249 @@
+"""`make results --keep DIR` (cluster/experiments/keep.py, results.py): a finished, evaluated
+run's records are kept outside the sweep directory and put back on a fresh machine, where the
+sweep skips it, the report reads it as the original and the time it finished survives; a
+partial run of that name is set aside, never deleted; make results starts the sweep once per
+run, keeping each as soon as it is evaluated, and a failed run stops it. The real runs' round
+trip is in tests/test_sweep.py's real sweep."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+from test_sweep import TINY, FakeLauncher, _sweep, record
+
+from cluster.config.loader import ConfigError
+from cluster.experiments.keep import (
+    KEPT_FILE,
+    check_store,
+    is_kept,
+    keep_base_eval,
+    keep_run,
+    kept_runs,
+    restore_runs,
+)
+from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, load_run
+from cluster.experiments.sweep import changed_runs, expand, run_state, sweep_dir, validate_runs
+from cluster.experiments.sweep_run import run_sweep
+from cluster.train.run_log import finished_at, is_finished
+
+FINISHED_AT = 1_780_000_000.0  # a fixed past time, so that a lost mtime shows
+
+
+def finished_run(cfg, run, accuracy=0.5):
+    """A run directory as a finished, evaluated run leaves it: its resolved config, 3 steps of
+    metrics (a NaN among them), provenance, final/ with weights, final_eval.json."""
+    run_dir = sweep_dir(cfg) / run.name
+    (run_dir / "final").mkdir(parents=True)
+    record(cfg, run, run_dir)
+    rows = [{"step": s, "reward/mean": 0.1 * s, "kl/pi_ref": float("nan") if s == 2 else 0.01 * s}
+            for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "provenance.jsonl").write_text(json.dumps(
+        {"started_at": "2026-05-28T10:00:00+0000", "resumed": False, "commit": "abc"}) + "\n")
+    (run_dir / "final" / "model.safetensors").write_bytes(b"weights" * 100)
+    (run_dir / "final" / "config.json").write_text('{"model_type": "qwen2"}')
+    os.utime(run_dir / "final" / "config.json", (FINISHED_AT, FINISHED_AT))
+    (run_dir / FINAL_EVAL_FILE).write_text(json.dumps(
+        {"problems": 10, "seed": 1, "asked": ["in_domain"],
+         "sets": {"in_domain": {"accuracy": accuracy, "problems": 10}}}))
+    return run_dir
+
+
+def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
+    cfg = _sweep(tmp_path / "lost", grid={"seed": [0, 1]})
+    runs = expand(cfg)
+    original = finished_run(cfg, runs[0])
+    (sweep_dir(cfg) / BASE_EVAL_FILE).write_text('{"sets": {}}')
+    store = tmp_path / "kept"
+    kept = keep_run(original, store)
+    assert keep_base_eval(sweep_dir(cfg), store) and not keep_base_eval(sweep_dir(cfg), store)
+    assert kept_runs(store) == [runs[0].name] and is_kept(original, store)
+    assert not (kept / "final" / "model.safetensors").exists()  # the weights stay behind
+    assert json.loads((kept / KEPT_FILE).read_text())["weights"] == "not kept"
+    # gzip without a time stamp: keeping the same run again writes the same bytes
+    first = (kept / "metrics.jsonl.gz").read_bytes()
+    assert keep_run(original, store) and (kept / "metrics.jsonl.gz").read_bytes() == first
+
+    for path in kept.rglob("*"):  # a clone of the store: its files dated at the checkout
+        os.utime(path, None)
+    fresh = _sweep(tmp_path / "fresh", grid={"seed": [0, 1]})  # the next machine
+    assert restore_runs(store, sweep_dir(fresh)) == [runs[0].name]
+    back = sweep_dir(fresh) / runs[0].name
+    assert is_finished(back) and run_state(back) == "finished"
+    assert finished_at(back) == FINISHED_AT  # the sweep's time-left estimate reads it
+    assert (sweep_dir(fresh) / BASE_EVAL_FILE).read_text() == '{"sets": {}}'
+    a, b = load_run(original), load_run(back)
+    assert set(a.rows) == set(b.rows) == {1, 2, 3}
+    assert a.rows[3] == b.rows[3] and b.rows[2]["kl/pi_ref"] != b.rows[2]["kl/pi_ref"]  # NaN kept
+    assert (a.config, a.finished, a.final_eval) == (b.config, b.finished, b.final_eval)
+    assert (back / "provenance.jsonl").read_text() == (original / "provenance.jsonl").read_text()
+    assert "restored_from" in json.loads((back / KEPT_FILE).read_text())
+    # the sweep's invariant holds over it (the same settings): skipped, the other one run
+    assert changed_runs(fresh, runs, validate_runs(fresh, runs)) == []
+    launcher = FakeLauncher()
+    outcomes, _ = run_sweep(fresh, runs, validate_runs(fresh, runs), launcher)
+    assert [o.status for o in outcomes] == ["skipped", "finished"]
+    assert [name for name, _, _ in launcher.started] == [runs[1].name]
+    assert restore_runs(store, sweep_dir(fresh)) == []  # there now: put back once
+
+
+def test_a_partial_run_is_set_aside_for_the_kept_one_and_a_finished_one_stays(tmp_path):
+    cfg = _sweep(tmp_path / "a", grid={"seed": [0, 1]})
+    runs = expand(cfg)
+    store = tmp_path / "kept"
+    for run in runs:
+        keep_run(finished_run(cfg, run), store)
+    there = _sweep(tmp_path / "b", grid={"seed": [0, 1]})
+    partial = sweep_dir(there) / runs[0].name
+    partial.mkdir(parents=True)
+    (partial / "metrics.jsonl").write_text('{"step": 1}\n')
+    done = finished_run(there, runs[1], accuracy=0.9)
+    assert restore_runs(store, sweep_dir(there)) == [runs[0].name]
+    aside = list((sweep_dir(there) / "replaced").iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith(runs[0].name)
+    assert (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert run_state(partial) == "finished"
+    assert json.loads((done / FINAL_EVAL_FILE).read_text())["sets"]["in_domain"]["accuracy"] == 0.9
+    assert (done / "final" / "model.safetensors").is_file()  # untouched, weights and all
+    # its evaluation differs from the kept one's: keeping it would change the store
+    assert not is_kept(done, store)
+
+
+def test_only_a_finished_evaluated_run_is_kept_and_a_half_keep_is_never_read(tmp_path):
+    cfg = _sweep(tmp_path / "a", grid={"seed": [0]})
+    run = expand(cfg)[0]
+    run_dir = finished_run(cfg, run)
+    (run_dir / FINAL_EVAL_FILE).unlink()
+    with pytest.raises(ValueError, match="not finished and evaluated"):
+        keep_run(run_dir, tmp_path / "kept")
+    # a keep cut short leaves its staging directory, which is not a kept run
+    (tmp_path / "kept" / f".{run.name}.partial").mkdir(parents=True)
+    assert kept_runs(tmp_path / "kept") == []
+    assert restore_runs(tmp_path / "kept", tmp_path / "fresh") == []
+
+
+def test_the_keep_directory_is_refused_inside_the_sweep_or_as_a_file(tmp_path):
+    root = tmp_path / "runs" / "sweep"
+    root.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="inside the sweep directory"):
+        check_store(root / "kept", root)
+    with pytest.raises(ConfigError, match="inside the sweep directory"):
+        check_store(root, root)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_store(tmp_path / "file", root)
+    with pytest.raises(ConfigError, match="cannot create it"):
+        check_store(tmp_path / "file" / "kept", root)
+    check_store(tmp_path / "kept", root)  # new, beside the sweep: fine
+
+
+def test_max_runs_starts_that_many_unfinished_runs_and_says_so(tmp_path, capsys):
+    from cluster.cli.cmd_sweep import _summarise
+    from cluster.cli.main import main
+
+    cfg = _sweep(tmp_path, grid={"seed": [0, 1, 2]})
+    runs = expand(cfg)
+    launcher = FakeLauncher()
+    outcomes, _ = run_sweep(cfg, runs, validate_runs(cfg, runs), launcher, max_runs=1)
+    assert [name for name, _, _ in launcher.started] == [runs[0].name]
+    assert "starting 1 of the 3 unfinished run(s) (--max-runs)" in capsys.readouterr().out
+    assert _summarise(cfg, runs, outcomes, None, write=False) == 0
+    assert "1 finished, 0 skipped (finished before), 0 failed, 0 stopped, 2 not started" \
+        in capsys.readouterr().out
+    again = FakeLauncher()
+    run_sweep(cfg, runs, validate_runs(cfg, runs), again, max_runs=5)
+    assert [name for name, _, _ in again.started] == [r.name for r in runs[1:]]
+    assert f"1 of 3 run(s) finished before, skipped: {runs[0].name}" in capsys.readouterr().out
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "m", "train_config": str(TINY),
+                                    "output_dir": str(tmp_path)}))
+    with pytest.raises(SystemExit) as exit_:
+        main(["sweep", str(path), "--max-runs", "0"])
+    assert exit_.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+class MetricsLauncher(FakeLauncher):
+    """FakeLauncher whose runs log the KL metric the report reads."""
+
+    def start(self, cfg, run, state):
+        handle = super().start(cfg, run, state)
+        (sweep_dir(cfg) / run.name / "metrics.jsonl").write_text(
+            json.dumps({"step": 1, "kl/pi_ref": 0.01}) + "\n")
+        return handle
+
+
+class SweepChild:
+    """results.py's child, with the sweep's real run loop (`run_sweep`, --max-runs honoured)
+    over a launcher that trains nothing (MetricsLauncher), and final evaluations that write
+    their record: what make results does, less the training and the engines."""
+
+    signalled = None
+
+    def __init__(self, cfg, fail=()):
+        self.cfg, self.fail, self.sweeps = cfg, set(fail), []
+
+    def run(self, module, *args, log=None):
+        from cluster.cli.cmd_sweep import _summarise
+
+        if module == "cluster.cli":
+            max_runs = int(args[args.index("--max-runs") + 1]) if "--max-runs" in args else None
+            runs = expand(self.cfg)
+            launcher = MetricsLauncher(fail=self.fail)
+            outcomes, _ = run_sweep(self.cfg, runs, validate_runs(self.cfg, runs), launcher,
+                                    max_runs)
+            self.sweeps.append([name for name, _, _ in launcher.started])
+            return _summarise(self.cfg, runs, outcomes, None, write=False)
+        run_dir, problems = args[0], int(args[args.index("--problems") + 1])
+        target = (sweep_dir(self.cfg) / BASE_EVAL_FILE if "--base" in args
+                  else sweep_dir(self.cfg) / os.path.basename(run_dir) / FINAL_EVAL_FILE)
+        target.write_text(json.dumps({
+            "problems": problems, "seed": int(args[args.index("--seed") + 1]),
+            "asked": sorted(args[args.index("--sets") + 1].split(",")),
+            "sets": {"in_domain": {"accuracy": 0.5, "problems": problems}}}))
+        return 0
+
+
+def _results(tmp_path, monkeypatch, child, *extra):
+    from cluster.experiments import results
+
+    monkeypatch.setattr(results, "_Child", lambda: child)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(child.cfg.model_dump(mode="json")))
+    return results.main([str(path), "--out", str(tmp_path / "report"), *extra])
+
+
+def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkeypatch, capsys):
+    cfg = _sweep(tmp_path / "runs", grid={"seed": [0, 1, 2]})
+    child = SweepChild(cfg)
+    store = tmp_path / "kept"
+    assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 0
+    assert child.sweeps == [["s0"], ["s1"], ["s2"]]  # one run a sweep
+    out = capsys.readouterr().out
+    # each run kept before the next started: its "kept" line comes before the next "started"
+    assert out.index("kept: s0") < out.index("[2/3] s1: started") < out.index("kept: s1")
+    assert kept_runs(store) == ["s0", "s1", "s2"] and (store / BASE_EVAL_FILE).is_file()
+    assert (tmp_path / "report" / "report.md").is_file()
+
+    # the machine is lost: a fresh sweep directory, the same store; nothing runs again
+    fresh = _sweep(tmp_path / "fresh", grid={"seed": [0, 1, 2]})
+    child = SweepChild(fresh)
+    assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 0
+    assert child.sweeps == [[]]
+    assert "put back from" in capsys.readouterr().out
+
+
+def test_with_keep_a_failed_run_stops_make_results_with_the_runs_before_it_kept(
+        tmp_path, monkeypatch, capsys):
+    cfg = _sweep(tmp_path / "runs", grid={"seed": [0, 1, 2]})
+    child = SweepChild(cfg, fail={"s1"})
+    store = tmp_path / "kept"
+    assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 1
+    assert child.sweeps == [["s0"], ["s1"]]  # s2 not started: the command again retries s1
+    assert kept_runs(store) == ["s0"]
+    assert "FAILED s1" in capsys.readouterr().err
+    # without --keep the sweep runs them all in one go, past the failure
+    plain = SweepChild(_sweep(tmp_path / "plain", grid={"seed": [0, 1, 2]}), fail={"s1"})
+    assert _results(tmp_path, monkeypatch, plain) == 1
+    assert plain.sweeps == [["s0", "s1", "s2"]]
