@@ -182,7 +182,7 @@ class SweepChild:
     signalled = None
 
     def __init__(self, cfg, fail=()):
-        self.cfg, self.fail, self.sweeps = cfg, set(fail), []
+        self.cfg, self.fail, self.sweeps, self.evaluated = cfg, set(fail), [], []
 
     def run(self, module, *args, log=None):
         from cluster.cli.cmd_sweep import _summarise
@@ -196,6 +196,8 @@ class SweepChild:
             self.sweeps.append([name for name, _, _ in launcher.started])
             return _summarise(self.cfg, runs, outcomes, None, write=False)
         run_dir, problems = args[0], int(args[args.index("--problems") + 1])
+        if "--base" not in args:
+            self.evaluated.append(os.path.basename(run_dir))
         target = (sweep_dir(self.cfg) / BASE_EVAL_FILE if "--base" in args
                   else sweep_dir(self.cfg) / os.path.basename(run_dir) / FINAL_EVAL_FILE)
         target.write_text(json.dumps({
@@ -220,6 +222,7 @@ def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkey
     store = tmp_path / "kept"
     assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 0
     assert child.sweeps == [["s0"], ["s1"], ["s2"]]  # one run a sweep
+    assert child.evaluated == ["s0", "s1", "s2"]
     out = capsys.readouterr().out
     # each run kept before the next started: its "kept" line comes before the next "started"
     assert out.index("kept: s0") < out.index("[2/3] s1: started") < out.index("kept: s1")
@@ -230,7 +233,7 @@ def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkey
     fresh = _sweep(tmp_path / "fresh", grid={"seed": [0, 1, 2]})
     child = SweepChild(fresh)
     assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 0
-    assert child.sweeps == [[]]
+    assert child.sweeps == [[]] and child.evaluated == []  # their evaluations were kept
     assert "put back from" in capsys.readouterr().out
 
 
@@ -247,3 +250,19 @@ def test_with_keep_a_failed_run_stops_make_results_with_the_runs_before_it_kept(
     plain = SweepChild(_sweep(tmp_path / "plain", grid={"seed": [0, 1, 2]}), fail={"s1"})
     assert _results(tmp_path, monkeypatch, plain) == 1
     assert plain.sweeps == [["s0", "s1", "s2"]]
+
+
+def test_a_put_back_run_asked_for_another_evaluation_fails_saying_why(
+        tmp_path, monkeypatch, capsys):
+    """A run put back without its weights cannot be evaluated again (other problems or sets
+    than its kept evaluation): make results says so and exits 1, and starts no evaluation of
+    it (one would fail inside the engine, on a model without weights)."""
+    cfg = _sweep(tmp_path / "runs", grid={"seed": [0]})
+    store = tmp_path / "kept"
+    keep_run(finished_run(cfg, expand(cfg)[0]), store)  # evaluated on 10 problems
+    fresh = _sweep(tmp_path / "fresh", grid={"seed": [0]})
+    child = SweepChild(fresh)
+    assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 1
+    assert child.evaluated == []  # asked for 1000 problems: none started
+    err = capsys.readouterr().err
+    assert "FAILED: s0 was put back by --keep without its weights" in err

@@ -32,7 +32,14 @@ from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
-from cluster.experiments.keep import is_kept, check_store, keep_base_eval, keep_run, restore_runs
+from cluster.experiments.keep import (
+    KEPT_FILE,
+    check_store,
+    is_kept,
+    keep_base_eval,
+    keep_run,
+    restore_runs,
+)
 from cluster.experiments.prereg import Rules, load_preregistration, rules_of
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
@@ -116,6 +123,13 @@ def _evaluate_finished(child: _Child, root: Path, rules: Rules, took: list[float
     todo = [d for d in sorted(root.iterdir()) if d.is_dir()
             and needs_evaluation(d, rules.final_problems, rules.final_eval_seed, rules.final_sets)]
     status = 0
+    for run_dir in [d for d in todo if (d / KEPT_FILE).is_file()]:  # put back, no weights
+        print(f"FAILED: {run_dir.name} was put back by --keep without its weights "
+              f"({run_dir / KEPT_FILE}), and its evaluation was on other problems or sets than "
+              f"these ({rules.final_problems} per set on {', '.join(rules.final_sets)}): "
+              "evaluate it where its run directory, weights and all, still is", file=sys.stderr)
+        todo.remove(run_dir)
+        status = 1
     for i, run_dir in enumerate(todo, 1):
         status = max(status, _final_eval(
             child, f"[{i}/{len(todo)}] final checkpoint of {run_dir.name}", run_dir,
