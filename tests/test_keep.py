@@ -152,10 +152,21 @@ def test_max_runs_starts_that_many_unfinished_runs_and_says_so(tmp_path, capsys)
     assert _summarise(cfg, runs, outcomes, None, write=False) == 0
     assert "1 finished, 0 skipped (finished before), 0 failed, 0 stopped, 2 not started" \
         in capsys.readouterr().out
+    # s0 took 20 minutes in one go: the estimate counts both runs left, not the one started
+    (sweep_dir(cfg) / "s0" / "provenance.jsonl").write_text(json.dumps(
+        {"started_at": "2026-01-01T10:00:00+0000", "resumed": False}) + "\n")
+    ten_twenty = 1767262800.0  # 2026-01-01 10:20 UTC
+    os.utime(sweep_dir(cfg) / "s0" / "final" / "config.json", (ten_twenty, ten_twenty))
     again = FakeLauncher()
-    run_sweep(cfg, runs, validate_runs(cfg, runs), again, max_runs=5)
-    assert [name for name, _, _ in again.started] == [r.name for r in runs[1:]]
-    assert f"1 of 3 run(s) finished before, skipped: {runs[0].name}" in capsys.readouterr().out
+    run_sweep(cfg, runs, validate_runs(cfg, runs), again, max_runs=1)
+    out = capsys.readouterr().out
+    assert f"1 of 3 run(s) finished before, skipped: {runs[0].name}" in out
+    assert "1 run(s) finished before in one go; 2 to go, about 40m00s at 20m00s a run" in out
+    assert [name for name, _, _ in again.started] == ["s1"]
+    last = FakeLauncher()
+    run_sweep(cfg, runs, validate_runs(cfg, runs), last, max_runs=5)  # more than are left
+    assert [name for name, _, _ in last.started] == ["s2"]
+    assert "--max-runs" not in capsys.readouterr().out
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"name": "m", "train_config": str(TINY),
                                     "output_dir": str(tmp_path)}))

@@ -5,7 +5,7 @@ A sweep that outlives the machine it runs on (a preemptible node, a lease or a j
 loses every run whose directory goes with it. With `--keep DIR`, each run, once finished and
 given its final evaluation, leaves in DIR/<run>/ what the report reads of it: config.yaml,
 provenance.jsonl, final_eval.json, metrics.jsonl (gzipped) and the final model's config.json
-(final/, without the weights), a few hundred KB a run, small enough to commit; and the
+(final/, without the weights), about 0.5 MB for 2000 steps, small enough to commit; and the
 sweep's base_eval.json. Not the weights, and not the logs. On the next machine, `--keep DIR`
 puts the kept runs back into the sweep directory before the sweep starts: the sweep skips
 them as finished, make results finds their evaluation done, and the report reads them as if

@@ -101,11 +101,12 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
     if outcomes:  # one line, however many: make results --keep starts the sweep once a run
         _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
              + ", ".join(o.run.name for o in outcomes))
+    # a restarted sweep's estimate: of every unfinished run, those --max-runs leaves included
+    if ahead := time_left(took, len(todo), cfg.parallel):
+        _say(console, f"{len(took)} run(s) finished before in one go{ahead}")
     if max_runs is not None and len(todo) > max_runs:
         _say(console, f"starting {max_runs} of the {len(todo)} unfinished run(s) (--max-runs)")
         todo = todo[:max_runs]
-    if ahead := time_left(took, len(todo), cfg.parallel):  # a restarted sweep's estimate
-        _say(console, f"{len(took)} run(s) finished before in one go{ahead}")
     active: dict[str, _Active] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
