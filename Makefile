@@ -80,7 +80,9 @@ figures: $(STAMP)
 # (`klrl sweep`, resumable), each finished run's final checkpoint evaluated on the problems its
 # pre-registration names, and its report rewritten into docs/sweeps/<sweep name>/, e.g.
 #   make results SWEEP=configs/sweeps/offpolicy_tiny_confirm.yaml ARGS="output_dir=/root/klrl-confirm"
-# ARGS: the sweep file's overrides, and --out DIR for the report. docs/sweeps.md, "Results".
+# ARGS: the sweep file's overrides, --out DIR for the report, and --keep DIR to keep each
+# finished run's records outside the sweep directory (a sweep longer than its machine).
+# docs/sweeps.md, "Results".
 SWEEP ?=
 results: $(STAMP)
 	@test -n "$(SWEEP)" || { echo "usage: make results SWEEP=configs/sweeps/NAME.yaml [ARGS=...]"; exit 2; }
