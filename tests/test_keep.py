@@ -87,6 +87,7 @@ def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
     assert [o.status for o in outcomes] == ["skipped", "finished"]
     assert [name for name, _, _ in launcher.started] == [runs[1].name]
     assert restore_runs(store, sweep_dir(fresh)) == []  # there now: put back once
+    assert is_kept(back, store)  # as kept: make results does not keep it again
 
 
 def test_a_partial_run_is_set_aside_for_the_kept_one_and_a_finished_one_stays(tmp_path):
@@ -245,7 +246,8 @@ def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkey
     child = SweepChild(fresh)
     assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 0
     assert child.sweeps == [[]] and child.evaluated == []  # their evaluations were kept
-    assert "put back from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "put back from" in out and "kept: s" not in out  # nor kept again
 
 
 def test_with_keep_a_failed_run_stops_make_results_with_the_runs_before_it_kept(

@@ -74,8 +74,9 @@ def is_kept(run_dir: Path, store: Path) -> bool:
     record = store / run_dir.name / KEPT_FILE
     if not record.is_file():
         return False
-    kept = json.loads(record.read_text())
-    return (kept.get("finished_at") == finished_at(run_dir)
+    kept, end = json.loads(record.read_text()), finished_at(run_dir)
+    # within a millisecond: a time put back through os.utime may come back rounded
+    return (end is not None and abs(kept.get("finished_at", -1.0) - end) < 1e-3
             and (store / run_dir.name / FINAL_EVAL_FILE).read_bytes()
             == (run_dir / FINAL_EVAL_FILE).read_bytes())
 
