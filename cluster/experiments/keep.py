@@ -83,33 +83,27 @@ def is_kept(run_dir: Path, store: Path) -> bool:
 
 def keep_run(run_dir: Path, store: Path) -> Path:
     """Copy what the report reads of finished, evaluated `run_dir` into store/<run>/ (replacing
-    an older copy); returns that directory. The copy is written beside it and renamed into
-    place, so that an interrupted keep leaves the previous copy or none, never half of one."""
+    an older copy); returns that directory. An interrupted keep leaves the previous copy or
+    none, never half of one (_write_staged)."""
     end = finished_at(run_dir)
     if end is None or not (run_dir / FINAL_EVAL_FILE).is_file():
         raise ValueError(f"{run_dir} is not finished and evaluated: nothing to keep yet")
     store.mkdir(parents=True, exist_ok=True)
-    dest, staging = store / run_dir.name, store / f".{run_dir.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    for name in _PLAIN:
-        if (run_dir / name).is_file():
-            shutil.copy2(run_dir / name, staging / name)
-    # mtime=0: the same run gives the same bytes, so a commit of the store changes only
-    # where a run did
-    with open(run_dir / METRICS_FILE, "rb") as src, open(staging / _METRICS_GZ, "wb") as raw, \
-            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
-        shutil.copyfileobj(src, out)
-    (staging / "final").mkdir()
-    for name in _FINAL_MARKERS:
-        if (final_dir(run_dir) / name).is_file():
-            shutil.copy2(final_dir(run_dir) / name, staging / "final" / name)
-    (staging / KEPT_FILE).write_text(json.dumps({
-        "finished_at": end, "kept_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "from": str(run_dir.resolve()), "weights": "not kept"}, indent=1) + "\n")
-    if dest.exists():
-        shutil.rmtree(dest)
-    staging.rename(dest)
+    dest = store / run_dir.name
+
+    def fill(staging: Path) -> None:
+        _copy_records(run_dir, staging)
+        # mtime=0: the same run gives the same bytes, so a commit of the store changes only
+        # where a run did
+        with open(run_dir / METRICS_FILE, "rb") as src, \
+                open(staging / _METRICS_GZ, "wb") as raw, \
+                gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+            shutil.copyfileobj(src, out)
+        (staging / KEPT_FILE).write_text(json.dumps({
+            "finished_at": end, "kept_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "from": str(run_dir.resolve()), "weights": "not kept"}, indent=1) + "\n")
+
+    _write_staged(dest, dest.with_name(f".{dest.name}.partial"), fill)
     return dest
 
 
@@ -147,24 +141,43 @@ def restore_runs(store: Path, sweep_root: Path) -> list[str]:
 
 
 def _restore(kept: Path, run_dir: Path) -> None:
-    """One kept run back into `run_dir`, written beside it and renamed into place; final/
-    config.json last, since it marks the run finished (run_log.is_finished)."""
+    """One kept run back into `run_dir` (_write_staged); final/'s marker dated when the run
+    finished, which the sweep's time-left estimate reads."""
     record = json.loads((kept / KEPT_FILE).read_text())
-    staging = run_dir.with_name(f".{run_dir.name}.restoring")
+
+    def fill(staging: Path) -> None:
+        with gzip.open(kept / _METRICS_GZ, "rb") as src, \
+                open(staging / METRICS_FILE, "wb") as out:
+            shutil.copyfileobj(src, out)
+        (staging / KEPT_FILE).write_text(json.dumps(
+            {**record, "restored_from": str(kept.resolve()),
+             "restored_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
+        for marker in _copy_records(kept, staging):
+            os.utime(marker, (record["finished_at"], record["finished_at"]))
+
+    _write_staged(run_dir, run_dir.with_name(f".{run_dir.name}.restoring"), fill)
+
+
+def _copy_records(src: Path, dest: Path) -> list[Path]:
+    """The files a run and its kept copy share, as they are: config, provenance, final
+    evaluation, and final/'s marker of a finished run (run_log.finished_at) without the
+    weights. Returns the markers written."""
+    for name in _PLAIN:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+    final_dir(dest).mkdir()
+    markers = [final_dir(dest) / n for n in _FINAL_MARKERS if (final_dir(src) / n).is_file()]
+    for marker in markers:
+        shutil.copy2(final_dir(src) / marker.name, marker)
+    return markers
+
+
+def _write_staged(dest: Path, staging: Path, fill) -> None:
+    """`fill` a fresh `staging` directory beside `dest`, then rename it into place (replacing
+    `dest`): whoever reads `dest` sees the whole of one copy or none, never half of one."""
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name in _PLAIN:
-        if (kept / name).is_file():
-            shutil.copy2(kept / name, staging / name)
-    with gzip.open(kept / _METRICS_GZ, "rb") as src, open(staging / METRICS_FILE, "wb") as out:
-        shutil.copyfileobj(src, out)
-    (staging / KEPT_FILE).write_text(json.dumps(
-        {**record, "restored_from": str(kept.resolve()),
-         "restored_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
-    final = final_dir(staging)
-    final.mkdir()
-    for name in _FINAL_MARKERS:
-        if (kept / "final" / name).is_file():
-            shutil.copy2(kept / "final" / name, final / name)
-            os.utime(final / name, (record["finished_at"], record["finished_at"]))
-    staging.rename(run_dir)
+    fill(staging)
+    if dest.exists():
+        shutil.rmtree(dest)
+    staging.rename(dest)

@@ -149,10 +149,11 @@ def _put_back(store: Path, root: Path) -> None:
               flush=True)
 
 
-def _keep_done(root: Path, store: Path, rules: Rules) -> None:
-    """--keep: every finished run evaluated on the rules' problems, and the base model's
-    evaluation, copied into `store` where it is not there as it is now (keep.py)."""
-    for run in find_runs(root):
+def _keep_done(root: Path, runs: list[RunData], store: Path, rules: Rules) -> None:
+    """--keep: every finished run of `runs` (the sweep directory's, as main read them)
+    evaluated on the rules' problems, and the base model's evaluation, copied into `store`
+    where it is not there as it is now (keep.py)."""
+    for run in runs:
         if run.finished and not needs_evaluation(run.dir, rules.final_problems,
                                                  rules.final_eval_seed, rules.final_sets) \
                 and not is_kept(run.dir, store):
@@ -212,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         if store is None or ran or all(run_state(root / r.name) == "finished"
                                        for r in expand(cfg)):
             break  # with --keep, a failed run stops here: the command again retries it
-        _keep_done(root, store, rules)
+        _keep_done(root, runs, store, rules)
     status = max(status, _evaluate_base(child, root, runs, rules))
     if child.signalled:
         return 128 + child.signalled
     if store is not None:
-        _keep_done(root, store, rules)
+        _keep_done(root, runs, store, rules)
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
     try:
         print(f"report: {write_report(root, cfg.report, out=out)}")
