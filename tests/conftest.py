@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,29 @@ import pytest
 # to good effect (docs/training.md), so only the suite sets it; a value set outside is kept.
 # Set before anything loads torch: OpenMP reads it once.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_configure(config):
+    """The slow tests start some 60 vLLM engines. Each engine's first sampling step compiles
+    vLLM's log-prob gather with torch inductor, which first checks which of the vector
+    instruction sets this x86 CPU reports its compiler builds and a process loads: compiles
+    (cached on disk) and one new Python process per set, 1.2 of the 1.4 s inductor spends
+    there on this machine (0.2 s with the check skipped), in every engine start. Its answer
+    cannot change within a session, so it is made once here, in the process that starts all
+    others (xdist's workers and everything they start inherit the environment), and, where
+    every set the CPU reports passed, handed on as TORCHINDUCTOR_VEC_ISA_OK=1, with which
+    inductor takes those sets as they are: the same sets, the same one picked. Otherwise (a
+    set failed, another architecture, the variable set outside) each engine checks as usual.
+    `make test-quick` starts no engine and skips this."""
+    if ("not slow" in (config.option.markexpr or "") or os.environ.get("PYTEST_XDIST_WORKER")
+            or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or platform.machine() != "x86_64"):
+        return
+    from torch._inductor import cpu_vec_isa as vec
+
+    reported = [str(isa) for isa in vec.supported_vec_isa_list
+                if all(flag in vec.x86_isa_checker() for flag in str(isa).split())]
+    if reported and [str(isa) for isa in vec.valid_vec_isa_list()] == reported:
+        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
 
 
 @pytest.fixture(scope="session")
