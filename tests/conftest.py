@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config):
-    """The slow tests start some 60 vLLM engines. Each engine's first sampling step compiles
+    """The slow tests start dozens of vLLM engines. Each engine's first sampling step compiles
     vLLM's log-prob gather with torch inductor, which first checks which of the vector
     instruction sets this x86 CPU reports its compiler builds and a process loads: compiles
     (cached on disk) and one new Python process per set, 1.2 of the 1.4 s inductor spends
