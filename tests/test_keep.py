@@ -2,8 +2,8 @@
 run's records are kept outside the sweep directory and put back on a fresh machine, where the
 sweep skips it, the report reads it as the original and the time it finished survives; a
 partial run of that name is set aside, never deleted; make results starts the sweep once per
-run, keeping each as soon as it is evaluated, and a failed run stops it. The real runs' round
-trip is in tests/test_sweep.py's real sweep."""
+run, keeping each as soon as it is evaluated, leaving a failed run out until the next call.
+The real runs' round trip is in tests/test_sweep.py's real sweep."""
 from __future__ import annotations
 
 import json
@@ -201,10 +201,12 @@ class SweepChild:
 
         if module == "cluster.cli":
             max_runs = int(args[args.index("--max-runs") + 1]) if "--max-runs" in args else None
+            leave_out = frozenset(a.split("=", 1)[1] for a in args
+                                  if a.startswith("--leave-out="))
             runs = expand(self.cfg)
             launcher = MetricsLauncher(fail=self.fail)
             outcomes, _ = run_sweep(self.cfg, runs, validate_runs(self.cfg, runs), launcher,
-                                    max_runs)
+                                    max_runs, leave_out)
             self.sweeps.append([name for name, _, _ in launcher.started])
             return _summarise(self.cfg, runs, outcomes, None, write=False)
         run_dir, problems = args[0], int(args[args.index("--problems") + 1])
@@ -250,19 +252,42 @@ def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkey
     assert "put back from" in out and "kept: s" not in out  # nor kept again
 
 
-def test_with_keep_a_failed_run_stops_make_results_with_the_runs_before_it_kept(
+def test_with_keep_a_failed_run_is_left_out_the_others_go_on_and_the_next_call_retries_it(
         tmp_path, monkeypatch, capsys):
     cfg = _sweep(tmp_path / "runs", grid={"seed": [0, 1, 2]})
     child = SweepChild(cfg, fail={"s1"})
     store = tmp_path / "kept"
     assert _results(tmp_path, monkeypatch, child, "--keep", str(store)) == 1
-    assert child.sweeps == [["s0"], ["s1"]]  # s2 not started: the command again retries s1
-    assert kept_runs(store) == ["s0"]
-    assert "FAILED s1" in capsys.readouterr().err
-    # without --keep the sweep runs them all in one go, past the failure
+    assert child.sweeps == [["s0"], ["s1"], ["s2"]]  # past the failure, s1 started once
+    assert kept_runs(store) == ["s0", "s2"] and child.evaluated == ["s0", "s2"]
+    err = capsys.readouterr().err
+    assert "FAILED s1" in err and "failed, left out after: s1; the same command again" in err
+    # the same command again (the failure mended): only s1 runs, and is kept with the others
+    again = SweepChild(cfg)
+    assert _results(tmp_path, monkeypatch, again, "--keep", str(store)) == 0
+    assert again.sweeps == [["s1"]] and again.evaluated == ["s1"]
+    assert kept_runs(store) == ["s0", "s1", "s2"]
+    # without --keep the sweep runs them all in one go, past the failure, as before
     plain = SweepChild(_sweep(tmp_path / "plain", grid={"seed": [0, 1, 2]}), fail={"s1"})
     assert _results(tmp_path, monkeypatch, plain) == 1
     assert plain.sweeps == [["s0", "s1", "s2"]]
+
+
+def test_a_left_out_run_is_neither_started_nor_resumed_and_an_unknown_one_is_refused(
+        tmp_path, capsys):
+    cfg = _sweep(tmp_path, grid={"seed": [0, 1, 2]})
+    runs = expand(cfg)
+    (sweep_dir(cfg) / "s0").mkdir(parents=True)  # partial: would resume first
+    launcher = FakeLauncher()
+    run_sweep(cfg, runs, validate_runs(cfg, runs), launcher, 1, frozenset({"s0"}))
+    assert [name for name, _, _ in launcher.started] == ["s1"]
+    assert "left out (--leave-out), unfinished: s0" in capsys.readouterr().out
+    from cluster.cli.main import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert main(["sweep", str(path), "--leave-out", "s9", "--dry-run"]) == 2
+    assert "--leave-out s9: no run of sweep" in capsys.readouterr().err
 
 
 def test_a_put_back_run_asked_for_another_evaluation_fails_saying_why(

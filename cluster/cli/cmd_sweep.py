@@ -43,6 +43,9 @@ def _run_sweep(args) -> int:
             raise ConfigError(f"output_dir={cfg.output_dir!r}: with --address the runs are "
                               "written on the cluster; give an absolute path on storage shared "
                               "with this machine (e.g. output_dir=/shared/runs)")
+        if unknown := sorted(set(args.leave_out) - {r.name for r in runs}):
+            raise ConfigError(f"--leave-out {', '.join(unknown)}: no run of sweep {cfg.name} "
+                              f"has that name; its runs: {', '.join(r.name for r in runs)}")
         changed = changed_runs(cfg, runs, configs)  # runs recorded with other settings
         if changed and not args.rerun:
             raise ConfigError(describe_changed(cfg, changed))
@@ -82,7 +85,8 @@ def _run_sweep(args) -> int:
         print(f"warning: parallel={cfg.parallel} runs reserve {cfg.parallel * need:g} CPUs, this "
               f"machine has {cores}: they will share cores and each will run slower",
               file=sys.stderr)
-    outcomes, signum = run_sweep(cfg, runs, configs, launcher, args.max_runs)
+    outcomes, signum = run_sweep(cfg, runs, configs, launcher, args.max_runs,
+                                 frozenset(args.leave_out))
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
 
 
@@ -188,6 +192,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-runs", type=whole_in(1, 100_000), default=None, metavar="N",
                    help="start at most N of the unfinished runs, in the sweep's order, then "
                    "stop (the rest are 'not started'; the same command again goes on)")
+    p.add_argument("--leave-out", action="append", default=[], metavar="RUN",
+                   help="neither start nor resume run RUN this time (repeatable); it stays as "
+                   "it is, and the same command without the flag goes on with it (`make "
+                   "results --keep` leaves out the runs that failed in it)")
     p.add_argument("--rerun", action="store_true", help="runs in the sweep directory recorded "
                    "with settings other than the sweep's now (refused without this flag): move "
                    "them to SWEEP_DIR/replaced/ and run the grid's again with the new settings")

@@ -12,7 +12,9 @@ where they stopped. Three steps, each skipping what is done:
 
 With `--keep DIR` (keep.py) the runs kept in DIR are first put back into the sweep directory,
 and the sweep runs one run at a time, each kept in DIR once evaluated: a sweep that outlives
-its machine goes on from its kept runs on the next one. A failed run then stops the loop.
+its machine goes on from its kept runs on the next one. A run that fails is then left out
+(`klrl sweep --leave-out`) and the loop goes on with the others, as a sweep without `--keep`
+goes on past a failed run; the same command again retries it (from its last checkpoint).
 
 Each step runs as a child process in a session of its own; a signal to this one (Ctrl-C,
 SIGTERM) is passed on once, so the sweep checkpoints its runs and stops, and nothing after it
@@ -198,22 +200,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     child = _Child()
-    status, took = 0, []
+    status, took, failed = 0, [], []
     while True:  # once; with --keep, once a run, so that each is kept as soon as it is done
+        # with --keep, the run this sweep call starts: the first unfinished one not failed here
+        starts = next((r.name for r in expand(cfg) if r.name not in failed
+                       and run_state(root / r.name) != "finished"), None)
         ran = child.run("cluster.cli", "sweep", args.sweep, *args.overrides, "--no-report",
-                        *(["--max-runs", "1"] if store else []))
+                        *(["--max-runs", "1"] if store else []),
+                        *(f"--leave-out={name}" for name in failed))
         if ran not in (0, 1) or child.signalled:
             return ran or 128 + child.signalled
         status = max(status, ran)
+        if ran and store is not None and starts is not None:
+            failed.append(starts)
         runs = find_runs(root)
         rules = rules_of(prereg, runs)
         status = max(status, _evaluate_finished(child, root, rules, took))
         if child.signalled:
             return 128 + child.signalled
-        if store is None or ran or all(run_state(root / r.name) == "finished"
-                                       for r in expand(cfg)):
-            break  # with --keep, a failed run stops here: the command again retries it
+        if store is None or all(run_state(root / r.name) == "finished" or r.name in failed
+                                for r in expand(cfg)):
+            break
         _keep_done(root, runs, store, rules)
+    if failed:
+        print(f"failed, left out after: {', '.join(failed)}; the same command again retries "
+              "them, each from its last checkpoint (logs: "
+              f"{root / 'logs'}/)", file=sys.stderr)
     status = max(status, _evaluate_base(child, root, runs, rules))
     if child.signalled:
         return 128 + child.signalled

@@ -75,10 +75,12 @@ class _ForwardedSignals:
 
 
 def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
-              max_runs: int | None = None) -> tuple[list[Outcome], int | None]:
-    """Run every unfinished run (with `max_runs`, the first that many of them), `cfg.parallel`
-    at a time, showing progress. Returns the outcomes (in the order runs ended) and the signal
-    that stopped the sweep, if one did."""
+              max_runs: int | None = None,
+              leave_out: frozenset[str] = frozenset()) -> tuple[list[Outcome], int | None]:
+    """Run every unfinished run (with `max_runs`, the first that many of them; never those
+    named in `leave_out`, which stay as they are), `cfg.parallel` at a time, showing progress.
+    Returns the outcomes (in the order runs ended) and the signal that stopped the sweep, if
+    one did."""
     root = sweep_dir(cfg)
     if changed := changed_runs(cfg, runs, configs):  # the invariant, whoever calls
         raise ConfigError(describe_changed(cfg, changed))
@@ -96,8 +98,11 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
             outcomes.append(Outcome(run, "skipped"))
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
-        else:
+        elif run.name not in leave_out:
             todo.append((run, state))
+    if left := [run.name for run in runs if run.name in leave_out
+                and run_state(root / run.name) != "finished"]:
+        _say(console, f"left out (--leave-out), unfinished: {', '.join(left)}")
     if outcomes:  # one line, however many: make results --keep starts the sweep once a run
         _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
              + ", ".join(o.run.name for o in outcomes))
