@@ -206,3 +206,30 @@ def test_only_a_broken_learner_group_is_restarted_and_never_on_a_broken_invarian
     assert failure_line(hung, broken) == ("learner rank 0 did not finish train step 3 within "
                                           "70 s: it does not answer")
     assert failure_line(oom, broken).startswith("the learner failed (train_step on rank 1): ")
+
+
+def test_an_error_from_a_ray_actor_is_told_by_its_own_type_message_and_call():
+    """Ray's own first line of a RayTaskError names only the process (pid, ip, actor id); the
+    line a command prints is the original error's, with the call it was raised in, also when
+    an actor's call failed on another actor's error. Errors of the driver stay as they are."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayTaskError
+
+    from cluster.train.error_line import error_line
+    from cluster.train.learner_restarts import failure_line
+
+    setup = RayTaskError("setup", "Traceback ...\nRuntimeError: sizes differ",
+                         RuntimeError("sizes differ\nfor details see above"),
+                         proctitle="ray::LearnerRank.setup", pid=7, ip="10.0.0.1",
+                         actor_repr="<learner.rank.LearnerRank object>").as_instanceof_cause()
+    assert "ray::LearnerRank.setup()" in str(setup).splitlines()[0]  # all it printed before
+    assert error_line(setup) == "RuntimeError in LearnerRank.setup: sizes differ"
+    outer = RayTaskError("train_step", "Traceback ...", setup,
+                         proctitle="ray::LearnerGroup.train_step").as_instanceof_cause()
+    assert error_line(outer) == "RuntimeError in LearnerGroup.train_step: sizes differ"
+    no_title = RayTaskError("generate", "Traceback ...", ValueError("bad"), proctitle="python")
+    assert error_line(no_title) == "ValueError in generate: bad"
+    assert error_line(OSError("disk full\nmore"), limit=4) == "OSError: disk"
+    assert failure_line(setup, SimpleNamespace(failure="setup on rank 0")) == (
+        "the learner failed (setup on rank 0): RuntimeError in LearnerRank.setup: sizes differ")

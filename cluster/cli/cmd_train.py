@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.train.error_line import error_line
 from cluster.train.jobs import (
     JobFailed,
     SubmitError,
@@ -149,9 +150,8 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
                 traceback.print_exc()  # the whole story, into the log
                 failed = ("the run failed and was torn down" if isinstance(exc, RayError)
                           else "the run failed")
-                first = (str(exc).strip().splitlines() or [""])[0][:300]
                 where = run_dir / "train.log" if run_dir.is_dir() else log
-                print(f"error: {failed}: {type(exc).__name__}: {first}"
+                print(f"error: {failed}: {error_line(exc)}"
                       + ("" if verbose else f" (full log: {where})"), file=sys.stderr)
                 code = 1
     finally:  # the log joins the run's directory; without one it is kept only if named above

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from cluster.cli.eval_target import EvalTarget
+from cluster.train.error_line import error_line
 
 PIPED_WIDTH = 200  # columns of the table when stdout is no terminal (a file, a pipe, a test)
 
@@ -40,8 +41,7 @@ def run_eval(args, task, splits, target: EvalTarget, model: str) -> int:
             traceback.print_exc()  # the whole story, into the log
             error = exc
     if error is not None:
-        first = (str(error).strip().splitlines() or [""])[0][:300]
-        print(f"error: the evaluation failed: {type(error).__name__}: {first}"
+        print(f"error: the evaluation failed: {error_line(error)}"
               + ("" if args.verbose else f" (full output: {log})"), file=sys.stderr)
         return 1
     if not args.log:

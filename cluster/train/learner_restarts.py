@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayError
 
 from cluster.train.deadlines import LearnerHung
+from cluster.train.error_line import error_line
 from cluster.train.stopping import RunStopped
 
 
@@ -40,9 +41,8 @@ def failure_line(failure: BaseException, learner) -> str:
     """One line on what failed: the hang's own message, or the failed call and its error."""
     if isinstance(failure, LearnerHung):
         return str(failure).removesuffix("; its last complete checkpoint is kept")
-    first = (str(failure).strip().splitlines() or [""])[0][:200]
     where = f" ({learner.failure})" if getattr(learner, "failure", None) else ""
-    return f"the learner failed{where}: {type(failure).__name__}: {first}"
+    return f"the learner failed{where}: {error_line(failure, 200)}"
 
 
 @dataclass
