@@ -45,7 +45,7 @@ from cluster.experiments.keep import (
 from cluster.experiments.prereg import Rules, load_preregistration, rules_of
 from cluster.experiments.report import find_runs, write_report
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
-from cluster.experiments.sweep import expand, load_sweep, run_state, sweep_dir
+from cluster.experiments.sweep import expand, load_sweep, sweep_dir, unfinished_runs
 from cluster.experiments.sweep_run import time_left
 
 
@@ -201,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     child = _Child()
     status, took, failed = 0, [], []
+    planned = expand(cfg)
     while True:  # once; with --keep, once a run, so that each is kept as soon as it is done
         # with --keep, the run this sweep call starts: the first unfinished one not failed here
-        starts = next((r.name for r in expand(cfg) if r.name not in failed
-                       and run_state(root / r.name) != "finished"), None)
+        starts = next((run.name for run, _ in unfinished_runs(root, planned, failed)), None)
         ran = child.run("cluster.cli", "sweep", args.sweep, *args.overrides, "--no-report",
                         *(["--max-runs", "1"] if store else []),
                         *(f"--leave-out={name}" for name in failed))
@@ -218,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         status = max(status, _evaluate_finished(child, root, rules, took))
         if child.signalled:
             return 128 + child.signalled
-        if store is None or all(run_state(root / r.name) == "finished" or r.name in failed
-                                for r in expand(cfg)):
+        if store is None or not unfinished_runs(root, planned, failed):
             break
         _keep_done(root, runs, store, rules)
     if failed:

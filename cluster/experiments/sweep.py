@@ -21,6 +21,7 @@ import itertools
 import json
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -357,6 +358,14 @@ def run_state(run_dir: Path) -> RunState:
     if is_finished(run_dir):
         return "finished"
     return "partial" if run_dir.exists() else "new"
+
+
+def unfinished_runs(root: Path, runs: list[RunSpec], leave_out: Collection[str] = ()
+                    ) -> list[tuple[RunSpec, RunState]]:
+    """The runs a sweep call starts or resumes, in the sweep's order, with their state: every
+    run in `root` that is not finished, but those named in `leave_out`."""
+    return [(run, state) for run in runs if run.name not in leave_out
+            and (state := run_state(root / run.name)) != "finished"]
 
 
 def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:

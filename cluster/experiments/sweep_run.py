@@ -28,6 +28,7 @@ from cluster.experiments.sweep import (
     describe_changed,
     run_state,
     sweep_dir,
+    unfinished_runs,
 )
 from cluster.train.progress import format_duration
 from cluster.train.run_log import finished_at, last_step, read_provenance, started_at
@@ -87,21 +88,18 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
     root.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, root / "sweep.yaml")
     console, n = Console(), len(runs)
-    outcomes, todo = [], []
+    outcomes: list[Outcome] = []
     # Seconds of each run that went in one go, before (`one_go_seconds`) or here: the time
     # left is read off them. A resumed run's time is that of its last part only (or, before,
     # includes the pause), which would make the rest look short (or long).
     took: list[float] = []
     for run in runs:
-        state = run_state(root / run.name)
-        if state == "finished":
+        if run_state(root / run.name) == "finished":
             outcomes.append(Outcome(run, "skipped"))
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
-        elif run.name not in leave_out:
-            todo.append((run, state))
-    if left := [run.name for run in runs if run.name in leave_out
-                and run_state(root / run.name) != "finished"]:
+    todo = unfinished_runs(root, runs, leave_out)
+    if left := [run.name for run, _ in unfinished_runs(root, runs) if run.name in leave_out]:
         _say(console, f"left out (--leave-out), unfinished: {', '.join(left)}")
     if outcomes:  # one line, however many: make results --keep starts the sweep once a run
         _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
