@@ -288,6 +288,18 @@ class RolloutWorker:
         self._version, self._broken = update.version, None
         return self._version
 
+    def rewind_weights(self, update: WeightUpdate) -> int:
+        """A learner restart that kept this worker: load `update`, the restored checkpoint's
+        weights, though the engine holds a later version. As `load_weights` otherwise; the
+        engine counts as broken (generate refuses) until the load succeeds, so a failed rewind
+        never generates with weights labelled older than they are. The controller calls it
+        with no generate call in flight (WorkerPool.settle), so no request mixes the versions.
+        """
+        if update.version < self._version:
+            self._broken = f"rewinding from version {self._version} to {update.version}"
+            self._version = update.version
+        return self.load_weights(update)
+
     def init_weight_transfer(self, init_info: dict | None = None) -> None:
         """Ready the engine for its transport's weight transfer (GPU only; the engine was
         built for it, `engine_options`): nccl joins the group with `init_info`

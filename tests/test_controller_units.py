@@ -170,8 +170,12 @@ def test_learner_restarts_count_the_steps_they_cost_and_stop_past_the_limit():
 
     restarts = LearnerRestarts(limit=2)
     restarts.take("rank 0 died", step=11, back_to=8)
-    assert "steps 9-11 are redone (3 lost; 3 over the run)" in restarts.describe(
-        "step_000000008", 11, 8, 1.0)
+    line = restarts.describe("step_000000008", 11, 8, 1.0, workers_kept=True)
+    assert line.startswith("learner restarted from step_000000008 in 1.0s (restart 1/2; "
+                           "rollout workers kept, rewound to its weights): "), line
+    assert line.endswith("steps 9-11 are redone (3 lost; 3 over the run)"), line
+    assert "rollout workers started again" in restarts.describe("step 0", 11, 8, 1.0,
+                                                                workers_kept=False)
     restarts.take("rank 0 died", step=8, back_to=8)  # died again before a step was done
     assert restarts.metrics() == {"faults/learner_restarts": 2, "faults/learner_steps_lost": 3}
     with pytest.raises(LearnerRestartsExhausted) as stop:

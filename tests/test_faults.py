@@ -103,6 +103,17 @@ class TrainProcess:
                     continue
             time.sleep(0.01)
 
+    def pids_titled(self, title: str) -> set[int]:
+        """The live descendants whose process title starts with `title`."""
+        found = set()
+        for p in self._descendants():
+            try:
+                if p.cmdline()[:1] and p.cmdline()[0].startswith(title):
+                    found.add(p.pid)
+            except psutil.Error:
+                continue
+        return found
+
     def wait_for_output(self, text: str, timeout: float = 240) -> str:
         """The first line of the command's output that holds `text`, once there is one."""
         deadline = time.monotonic() + timeout
@@ -313,7 +324,8 @@ def test_frozen_learner_rank_is_restarted_in_the_run_and_a_kill_past_the_limit_s
        them: the run goes on.
     2. A learner rank frozen mid-run (SIGSTOP: what a stuck collective or a wedged GPU leaves)
        is caught within its deadline (one line naming the rank and the call), the learner
-       group and the workers are started again from the last complete checkpoint, and the run
+       group is started again from the last complete checkpoint, the rollout workers keep
+       their engines (the same processes, rewound to the checkpoint's weights), and the run
        goes on; the frozen rank is gone and its /dev/shm buffers (RAM, which it cannot free
        itself) removed.
     3. The new rank killed (SIGKILL: a crash) uses up the restarts: the run stops at once with
@@ -329,6 +341,8 @@ def test_frozen_learner_rank_is_restarted_in_the_run_and_a_kill_past_the_limit_s
     assert sum(m.get("reward/score_failures", 0) for m in read_metrics(run.run_dir)) > 0
     frozen_buffers = _shm_buffers_of(run)
     assert frozen_buffers, "the learner made no /dev/shm buffer to check"
+    workers = run.pids_titled("ray::RolloutWorker")
+    assert len(workers) == 1, workers
     run.kill_titled("ray::LearnerRank", sig=signal.SIGSTOP)
     frozen_after = run.steps_done()
     restarted = run.wait_for_output("learner restarted from ", timeout=600)  # a whole start
@@ -338,8 +352,9 @@ def test_frozen_learner_rank_is_restarted_in_the_run_and_a_kill_past_the_limit_s
     assert "deadline:" in line and line.endswith("; restarting the learner"), line
     back_to = int(re.search(r"from step_0*(\d+) ", restarted).group(1))
     assert 2 <= back_to <= frozen_after + 1 and back_to % 2 == 0, restarted
-    assert "(restart 1/1)" in restarted, restarted
+    assert "(restart 1/1; rollout workers kept, rewound to its weights)" in restarted, restarted
     run.wait_for_step(frozen_after + 2)
+    assert run.pids_titled("ray::RolloutWorker") == workers, "the worker was started again"
     assert not [b for b in frozen_buffers if Path(b).exists()], "the frozen rank's buffers left"
 
     killed_buffers = _shm_buffers_of(run)

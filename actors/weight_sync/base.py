@@ -117,6 +117,10 @@ class WeightTransport(abc.ABC):
     on_learner_device: ClassVar[bool] = False
     reads_after_publish: ClassVar[bool] = False
     writes_shm_dir: ClassVar[bool] = False  # writes files in SyncConfig.shm_dir
+    # A learner restart may keep the rollout workers' engines (cluster/train/controller.py):
+    # their link to the learner is a file or an object each load reads, not a group or a
+    # handle into the failed learner's process.
+    engines_outlive_the_learner: ClassVar[bool] = False
     # Each transport class's payload field by its name, filled as the classes are defined
     # (importing this module runs the package's __init__, which imports every transport).
     _payload_fields: ClassVar[dict[str, str]] = {}
@@ -208,6 +212,8 @@ class SafetensorsTransport(WeightTransport):
     the learner may step the optimizer at once; a worker reloads them through klrl's worker
     extension (`klrl_reload_weights`), which also takes a LoRA adapter's files."""
 
+    engines_outlive_the_learner = True
+
     def publish(self, items, version, *, adapter, sender) -> WeightUpdate:
         t0 = time.perf_counter()
         tensors = cpu_tensors(items)
@@ -236,6 +242,10 @@ class VllmEngineTransport(WeightTransport):
     carries_adapter = False
     payload_field = "update_info"
     on_learner_device = True
+    # nccl's group holds the failed learner rank 0, and cuda_ipc's engines read its memory:
+    # a learner restart starts the engines again, as a fresh run does (whether vLLM's engine
+    # could join a second group instead is untested here: it needs a GPU).
+    engines_outlive_the_learner = False
 
     def engine_options(self) -> dict[str, Any]:
         return {"weight_transfer_config": {"backend": self.vllm_backend}}

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from actors.records import POOL_ERROR, Rollout, RolloutBatch, engine_idle_share
 from actors.seeds import generate_seed
+from actors.weight_sync import transport
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
@@ -136,6 +137,7 @@ class Controller:
             self.log.log({"step": 0, "policy_version": 0, **first})
             return first
         self._restore(state, self.resume_from)
+        self.weights.resume()
         self.pool.restarts = state.worker_restarts
         self.learner_restarts.count = state.learner_restarts
         self.learner_restarts.steps_lost = state.learner_steps_lost
@@ -145,36 +147,37 @@ class Controller:
     def _start_parts(self) -> None:
         """Start the rollout workers and the learner group, and join them for the weight sync:
         side by side, or on a GPU the learner may share, the engines first (launch.py)."""
-        def start_pool():
-            self.pool = WorkerPool(self.cfg, self.model_dir, on_restart=self.weights.resync)
-
-        def start_the_learner():
-            self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
-                                         steps=self._planned_steps(),
-                                         wait=LearnerDeadlines(self.cfg.faults))
+        def start_pool():  # a replaced worker is re-synced by the weight sync of the moment
+            self.pool = WorkerPool(self.cfg, self.model_dir,
+                                   on_restart=lambda worker: self.weights.resync(worker))
 
         start_engines_and_learner(self.cfg, start_pool, lambda: self.pool.wait_started(),
-                                  start_the_learner)
+                                  self._start_learner)
         self.weights.connect(self.learner, self.pool)
 
+    def _start_learner(self) -> None:
+        self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
+                                     steps=self._planned_steps(),
+                                     wait=LearnerDeadlines(self.cfg.faults))
+
     def _restore(self, state: ckpt.ControllerState, checkpoint: Path) -> None:
-        """Put the new learner and the schedule where the complete `checkpoint` left them, and
-        give every worker its weights; the batches that were in flight are generated again
-        from `prompt_position` on (same prompts, same seeds)."""
+        """Put the new learner and the schedule where the complete `checkpoint` left them; the
+        batches that were in flight are generated again from `prompt_position` on (same
+        prompts, same seeds). The caller gives the workers the restored weights."""
         self.step = self.learner.load_checkpoint(checkpoint, ckpt.LEARNER_TAG)
         assert self.step == state.step, \
             f"learner restored step {self.step}, controller {state.step}"
         self.prompts.position = state.prompt_position
         self.nonfinite_total, self.nonfinite_run = state.nonfinite_total, state.nonfinite_run
         self.dropped_stale = state.dropped_stale
-        self.weights.resume()
 
     def _restart_learner(self, failure: Exception) -> None:
         """The learner group broke (learner_restarts.heals): do in the run what `--resume`
-        does after it (cluster/train/learner_restarts.py). Every part but the log is stopped
-        and started again, the rollout workers too: a worker refuses weights older than its
-        own, and its generate calls in flight belong to the lost steps. Counts faults (worker
-        and learner restarts) on; everything the steps decide goes back to the checkpoint.
+        does after it (cluster/train/learner_restarts.py), counting faults on; everything the
+        steps decide goes back to the checkpoint. Where the transport allows
+        (`engines_outlive_the_learner`: shm, object_store) the rollout workers keep their
+        engines: their calls in flight, which belong to the lost steps, are settled and each
+        loads the checkpoint's weights; otherwise every part but the log is started again.
         LearnerRestartsExhausted when no restart is left."""
         t0 = time.perf_counter()
         checkpoint = ckpt.latest_checkpoint(self.run_dir)
@@ -183,26 +186,40 @@ class Controller:
         why = failure_line(failure, self.learner)
         self.learner_restarts.take(why, self.step, back_to)
         lost_from, worker_restarts = self.step, self.pool.restarts
+        keep = transport(self.cfg.sync.transport).engines_outlive_the_learner
         print(f"{why}; restarting the learner", file=sys.stderr, flush=True)
-        self._shutdown(raise_errors=True, keep_log=True)
-        self.pending.clear()
-        self.last_batches, self.reissued_logged = {}, 0
-        self.weights = WeightSyncState(self.cfg.sync, self.run_dir.name)
-        self.log.rewind(back_to)
-        ckpt.drop_hf_exports_after(self.run_dir, back_to)
+        self._shutdown(raise_errors=True, keep_log=True, keep_workers=keep)
         try:
-            self._start_parts()
-            self.pool.restarts = worker_restarts
+            if keep:  # the old transport's files stay until the loads queued on them are done
+                self.pool.settle([c for b in self.pending for c in b.calls]
+                                 + [load.call for load in self.weights.loads])
+                self.weights.cleanup()
+            self.pending.clear()
+            self.last_batches = {}
+            self.weights = WeightSyncState(self.cfg.sync, self.run_dir.name)
+            self.log.rewind(back_to)
+            ckpt.drop_hf_exports_after(self.run_dir, back_to)
+            if keep:
+                self._start_learner()
+                self.weights.connect(self.learner, self.pool)
+            else:
+                self._start_parts()
+                self.pool.restarts, self.reissued_logged = worker_restarts, 0
             if state is not None:
                 self._restore(state, checkpoint)
             else:  # no checkpoint yet: the new group holds the starting weights, as at step 0
                 self.step, self.prompts.position, self.dropped_stale = 0, 0, 0
                 self.nonfinite_total = self.nonfinite_run = 0
-        except RunStopped as stop:  # e.g. a new worker hung in its start: the new group does
+            if keep:
+                self.weights.rewind()
+            elif state is not None:
+                self.weights.resume()
+        except RunStopped as stop:  # e.g. a worker hung in its (re)start: the new group does
             stop.write_checkpoint = False  # not hold the run's state; the last one is kept
             raise
         print(self.learner_restarts.describe(checkpoint.name if checkpoint else "step 0",
-                                             lost_from, back_to, time.perf_counter() - t0),
+                                             lost_from, back_to, time.perf_counter() - t0,
+                                             workers_kept=keep),
               file=sys.stderr, flush=True)
 
     def _read_resume_state(self) -> ckpt.ControllerState | None:
@@ -416,16 +433,19 @@ class Controller:
             self._checkpoint()
         self.learner.save_hf(final_dir(self.run_dir))
 
-    def _shutdown(self, raise_errors: bool = True, keep_log: bool = False) -> None:
-        """Stop every part (but the log when `keep_log`: a learner restart), each on its own:
-        a part that fails (a log that cannot be closed) must not keep the others (workers,
-        learner ranks, shm files) alive. Every failure is printed; once all parts have run,
-        the first is raised (when `raise_errors`)."""
+    def _shutdown(self, raise_errors: bool = True, keep_log: bool = False,
+                  keep_workers: bool = False) -> None:
+        """Stop every part (but the log when `keep_log`, and the workers with the weights
+        published to them when `keep_workers`: a learner restart), each on its own: a part
+        that fails (a log that cannot be closed) must not keep the others (workers, learner
+        ranks, shm files) alive. Every failure is printed; once all parts have run, the first
+        is raised (when `raise_errors`)."""
         parts = [(name, getattr(part, method)) for name, part, method in (
             ("metrics log", None if keep_log else self.log, "close"),
-            ("rollout workers", self.pool, "kill_all"),
+            ("rollout workers", None if keep_workers else self.pool, "kill_all"),
             ("learner", self.learner, "shutdown")) if part is not None]
-        parts.append(("published weights", self.weights.cleanup))  # shm: /dev/shm is RAM
+        if not keep_workers:
+            parts.append(("published weights", self.weights.cleanup))  # shm: /dev/shm is RAM
         errors = []
         for name, stop in parts:
             try:

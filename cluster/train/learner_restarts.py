@@ -4,11 +4,13 @@
 A learner failure (a rank that died, a call that raised in a rank, a call that hung:
 cluster/train/deadlines.py) leaves the group broken: its ranks may be blocked in a collective
 with the failed one, so the whole group goes. The controller then does in the run what
-`klrl train --resume` does after it: a new group loads the last complete checkpoint, new rollout
-workers are synced to it, the data position goes back to the checkpoint's (the batches that
-were in flight are generated again, from the same prompts and seeds) and the logs are cut back
-to its step. So the guarantees of resume hold for a restart: bit-identical at max_lag 0,
-nothing skipped or trained twice above it (docs/checkpoints.md).
+`klrl train --resume` does after it: a new group loads the last complete checkpoint, the rollout
+workers are given its weights (kept with their engines, their calls in flight settled, where the
+transport allows: `WeightTransport.engines_outlive_the_learner`; started again otherwise), the
+data position goes back to the checkpoint's (the batches that were in flight are generated
+again, from the same prompts and seeds) and the logs are cut back to its step. So the
+guarantees of resume hold for a restart: bit-identical at max_lag 0, nothing skipped or trained
+twice above it (docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -64,12 +66,15 @@ class LearnerRestarts:
         self.count += 1
         self.steps_lost += step - back_to
 
-    def describe(self, back_to_name: str, step: int, back_to: int, seconds: float) -> str:
+    def describe(self, back_to_name: str, step: int, back_to: int, seconds: float,
+                 workers_kept: bool) -> str:
         lost = step - back_to
         redone = (f"steps {back_to + 1}-{step} are redone" if lost > 1 else
                   f"step {step} is redone" if lost == 1 else "no trained step is lost")
+        workers = ("rollout workers kept, rewound to its weights" if workers_kept
+                   else "rollout workers started again")
         return (f"learner restarted from {back_to_name} in {seconds:.1f}s "
-                f"(restart {self.count}/{self.limit}): {redone} ({lost} lost; "
+                f"(restart {self.count}/{self.limit}; {workers}): {redone} ({lost} lost; "
                 f"{self.steps_lost} over the run)")
 
     def metrics(self) -> dict[str, int]:

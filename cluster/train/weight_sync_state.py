@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.config import SyncConfig
 from actors.weight_sync import transport
 from cluster.train.deadlines import Deadline, Hung
+from cluster.train.error_line import error_line
 from cluster.train.worker_pool import InFlight, WorkerCall
 from learner.group import get_all
 
@@ -69,6 +70,25 @@ class WeightSyncState:
         for w in self.pool.workers:
             self.resync(w)
         self.published_version = self.learner.version
+
+    def rewind(self) -> None:
+        """A learner restart kept the workers (their calls settled): each loads the restored
+        weights though it holds a later version (`RolloutWorker.rewind_weights`). One that
+        fails to, dies or does not answer within sync.timeout_s is replaced (one restart) and
+        its replacement re-synced."""
+        update = self.learner.export_weights(self.cfg.transport)
+        calls = [self.pool.call(i, "rewind_weights", update) for i in range(len(self.pool))]
+        for call in calls:
+            try:
+                held = ray.get(call.ref, timeout=self.cfg.timeout_s)
+            except (RayError, GetTimeoutError) as exc:
+                self.pool.restart(call.worker, "could not load the checkpoint's weights "
+                                               f"({error_line(exc, 200)})")
+                continue
+            if held != update.version:
+                raise RuntimeError(f"rewound worker {call.worker} holds version {held}, the "
+                                   f"learner {update.version}")
+        self.published_version = update.version
 
     def publish(self, in_flight: Sequence[InFlight]) -> dict:
         """Publish the learner's new weights and queue their load on every worker, behind the

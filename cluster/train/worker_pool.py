@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.records import RolloutBatch
 from actors.weight_sync import transport
@@ -261,6 +261,44 @@ class WorkerPool:
 
     def restart(self, i: int, reason: str) -> None:
         """Replace worker i (dead or hung) and let the owner re-sync its weights."""
+        t0 = time.perf_counter()
+        self._replace(i, reason)
+        self.on_restart(self.workers[i])
+        print(f"rollout worker {i} {reason}; replaced and re-synced in "
+              f"{time.perf_counter() - t0:.1f}s ({self._restart_count()})", file=sys.stderr)
+
+    def settle(self, calls: list[WorkerCall]) -> None:
+        """A learner restart that keeps the workers (controller.py): their calls in flight
+        (`calls`, generate calls and weight loads) belong to the lost steps. The generate calls
+        not yet started are cancelled (Ray drops a queued actor call; one that runs finishes),
+        then every call is waited for, one way or another, without taking its value (a
+        cancelled or failed one has answered: the owner loads the checkpoint's weights over
+        whatever it left). A worker that dies or hangs meanwhile is replaced (one restart)
+        without a re-sync: the owner re-syncs every worker next. Weight loads are not
+        cancelled: with in-flight updates a running generate call may wait for its version."""
+        for call in calls:
+            if call.method == "generate" and self.is_current(call):
+                ray.cancel(call.ref)
+        for call in calls:
+            if not self.is_current(call):
+                continue  # its worker was replaced during this wait
+            try:
+                self._wait(call.worker, call.ref, call.method, call.method)
+                continue
+            except Hung as hang:
+                reason = hang.detail
+            except RayActorError as exc:
+                reason = f"died during {call.method}: {type(exc).__name__}"
+            except RayError:
+                continue  # cancelled, or failed: it has answered
+            self._replace(call.worker, reason)
+            print(f"rollout worker {call.worker} {reason}; replaced during the learner restart "
+                  f"({self._restart_count()})", file=sys.stderr)
+
+    def _replace(self, i: int, reason: str) -> None:
+        """Kill worker i (dead or hung) and start a new one on the same model, counting one
+        restart; WorkerRestartsExhausted when none is left or the transport cannot take a new
+        worker."""
         limit = self.cfg.faults.max_worker_restarts
         if why := transport(self.cfg.sync.transport).why_no_replacement():
             # the config allowed no restart under this transport (TrainConfig): say why
@@ -271,7 +309,6 @@ class WorkerPool:
                 f"rollout worker {i} {reason}; all faults.max_worker_restarts={limit} restarts "
                 "are used up, so the run stops here")
         self.restarts += 1
-        t0 = time.perf_counter()
         ray.kill(self.workers[i], no_restart=True)
         self.workers[i] = start_worker(self.cfg, self.model_dir, i)
         self.incarnation[i] += 1
@@ -283,9 +320,9 @@ class WorkerPool:
         except Hung as hang:
             raise WorkerRestartsExhausted(
                 f"the replacement of rollout worker {i} {hang.detail}") from None
-        self.on_restart(self.workers[i])
-        print(f"rollout worker {i} {reason}; replaced and re-synced in "
-              f"{time.perf_counter() - t0:.1f}s (restart {self.restarts}/{limit})", file=sys.stderr)
+
+    def _restart_count(self) -> str:
+        return f"restart {self.restarts}/{self.cfg.faults.max_worker_restarts}"
 
     def kill_all(self) -> None:
         for w in self.workers:
