@@ -87,7 +87,8 @@ def work(monkeypatch, tmp_path) -> Path:
 def model_dir(w: Path, name: str = "model", *, config: str | None = "{}", weights: str = "good",
               tokenizer: bool = True) -> Path:
     """A model directory: config.json (None: none), weights ("good", "none", "cut": a
-    safetensors file cut short, "bin-garbage") and a tokenizer file."""
+    safetensors file cut short, "bin-garbage", "decoder": a decoder LM's embedding, 10 x 4, and
+    two layers) and a tokenizer file."""
     path = w / name
     path.mkdir(parents=True)
     if config is not None:
@@ -99,6 +100,10 @@ def model_dir(w: Path, name: str = "model", *, config: str | None = "{}", weight
     if weights == "cut":
         data = (path / "model.safetensors").read_bytes()
         (path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    if weights == "decoder":
+        save_file({"model.embed_tokens.weight": torch.zeros(10, 4),
+                   "model.layers.0.mlp.weight": torch.zeros(4, 4),
+                   "model.layers.1.mlp.weight": torch.zeros(4, 4)}, path / "model.safetensors")
     if weights == "bin-garbage":
         (path / "pytorch_model.bin").write_bytes(b"not a torch file")
     return path
@@ -295,6 +300,13 @@ CASES = [
         f"model.path={model_dir(w, config='{not json')}"]), ("config.json is not JSON",)),
     Case("model-weights-cut-short", train_with(lambda w: [
         f"model.path={model_dir(w, weights='cut')}"]), ("model.safetensors cannot be loaded",)),
+    Case("model-config-of-another-size", train_with(lambda w: ["model.path=" + str(model_dir(
+        w, config=json.dumps({"vocab_size": 10, "hidden_size": 8}), weights="decoder"))]),
+         ("config.json says vocab_size=10 and hidden_size=8", "embed_tokens.weight is 10 x 4",
+          "put back the one saved with them")),
+    Case("model-config-with-other-layers", train_with(lambda w: ["model.path=" + str(model_dir(
+        w, config=json.dumps({"num_hidden_layers": 3}), weights="decoder"))]),
+         ("num_hidden_layers=3", "the weights hold 2 decoder layers")),
     Case("model-bin-garbage", train_with(lambda w: [
         f"model.path={model_dir(w, weights='bin-garbage')}"]), ("pytorch_model.bin cannot",)),
     Case("model-relative-missing-offline", train("model.path=models/my-model"),
@@ -432,6 +444,10 @@ def test_a_model_directory_that_is_whole_and_a_cached_hub_name_pass(work, monkey
     model = model_dir(work, config=json.dumps({"max_position_embeddings": 512}))
     with pytest.raises(GotPastTheDoor):
         main(["train", DEMO, "output_dir=runs", f"model.path={model}"])
+    decoder = model_dir(work, "decoder", weights="decoder", config=json.dumps(
+        {"vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2}))
+    with pytest.raises(GotPastTheDoor):  # its config.json is the weights'
+        main(["train", DEMO, "output_dir=runs", f"model.path={decoder}"])
     # a hub name that is in the Hugging Face cache passes offline, its config checked
     snapshot = (work.parent / "hf-cache" / "models--org--cached" / "snapshots" / "abc")
     snapshot.mkdir(parents=True)

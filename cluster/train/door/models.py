@@ -2,8 +2,9 @@
 loads them (the learner ranks with transformers, the rollout engines with vLLM, `klrl eval`).
 
 A directory must hold a parseable config.json, weights whose headers read (safetensors: the
-JSON header and the data it announces; .bin: a torch archive) and, for a policy, a tokenizer;
-its context must hold the engine's (`max_position_embeddings` >= rollout.max_model_len). A
+JSON header and the data it announces; .bin: a torch archive) and agree with the config where
+both name the shape (`check_shapes`), and, for a policy, a tokenizer; its context must hold the
+engine's (`max_position_embeddings` >= rollout.max_model_len). A
 path that is not here is a hub name only when the name is in the Hugging Face cache or the hub
 answers for it (never with HF_HUB_OFFLINE=1); otherwise it is refused here, rather than taken
 for a repository id deep inside a learner rank.
@@ -29,6 +30,9 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `gpt2`,
 # config.json keys that hold a model's context length, by architecture family.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _HEADER_LIMIT = 100 * 2**20  # safetensors caps its JSON header at 100 MB
+# The tensor names of Llama, Qwen2, Mistral and most Hugging Face decoder LMs (`check_shapes`).
+_EMBEDDING = "model.embed_tokens.weight"
+_DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def check_model_dir(path: str | Path, field: str, tokenizer: bool = True) -> dict:
@@ -48,7 +52,7 @@ def check_model_dir(path: str | Path, field: str, tokenizer: bool = True) -> dic
         raise ConfigError(f"{field}={path}: this model directory has no tokenizer (none of "
                           f"{', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer beside "
                           "the model (`tokenizer.save_pretrained(DIR)`)")
-    check_weights(local, field)
+    check_shapes(config, check_weights(local, field), field, local)
     return config
 
 
@@ -80,10 +84,11 @@ def read_model_config(config_file: Path, field: str) -> dict:
     return config
 
 
-def check_weights(model_dir: Path, field: str) -> None:
+def check_weights(model_dir: Path, field: str) -> dict[str, list[int]]:
     """Weights present, and each file's header readable: every *.safetensors file (and every
     shard a *.safetensors.index.json names) a JSON header whose tensors fit in the file, every
-    *.bin a torch archive (zip) or pickle."""
+    *.bin a torch archive (zip) or pickle. Returns the shape of each tensor the safetensors
+    headers announce (.bin files are not opened further)."""
     shards = set()
     for index in model_dir.glob("*.index.json"):
         try:
@@ -100,34 +105,62 @@ def check_weights(model_dir: Path, field: str) -> None:
         raise ConfigError(f"{field}={model_dir}: no weights in this model directory (no "
                           "*.safetensors or *.bin file); save the model with its weights "
                           "(`model.save_pretrained(DIR)`)")
+    shapes: dict[str, list[int]] = {}
     for weights in files:
-        if why := (_safetensors_problem(weights) if weights.suffix == ".safetensors"
-                   else _bin_problem(weights)):
+        if weights.suffix == ".safetensors":
+            why, header = _safetensors_header(weights)
+            shapes |= {name: t["shape"] for name, t in header.items()
+                       if isinstance(t, dict) and isinstance(t.get("shape"), list)}
+        else:
+            why = _bin_problem(weights)
+        if why:
             raise ConfigError(f"{field}: {weights} cannot be loaded ({why}); the file is "
                               "damaged or cut short: copy or save it again")
+    return shapes
 
 
-def _safetensors_problem(path: Path) -> str | None:
-    """Why a safetensors file cannot load (reading only its header), or None."""
+def check_shapes(config: dict, shapes: dict[str, list[int]], field: str,
+                 model_dir: Path) -> None:
+    """config.json against the weights, where both name the shape (a decoder LM's usual tensor
+    names; other layouts pass): the token embedding is vocab_size x hidden_size, and the
+    weights hold num_hidden_layers decoder layers. A config that is not the weights' (edited,
+    or copied from another size) otherwise fails inside every learner rank and engine."""
+    fix = "; the config.json is not these weights': put back the one saved with them"
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
+    embedding = shapes.get(_EMBEDDING)
+    if (isinstance(vocab, int) and isinstance(hidden, int) and embedding is not None
+            and embedding != [vocab, hidden]):
+        raise ConfigError(f"{field}={model_dir}: config.json says vocab_size={vocab} and "
+                          f"hidden_size={hidden}, but the weights' {_EMBEDDING} is "
+                          f"{' x '.join(map(str, embedding))}{fix}")
+    layers = {int(m.group(1)) for name in shapes if (m := _DECODER_LAYER.match(name))}
+    expected = config.get("num_hidden_layers")
+    if isinstance(expected, int) and layers and len(layers) != expected:
+        raise ConfigError(f"{field}={model_dir}: config.json says num_hidden_layers={expected}, "
+                          f"but the weights hold {len(layers)} decoder layers{fix}")
+
+
+def _safetensors_header(path: Path) -> tuple[str | None, dict]:
+    """(why a safetensors file cannot load, or None; its header), reading only the header."""
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            return "shorter than a safetensors header"
+            return "shorter than a safetensors header", {}
         (length,) = struct.unpack("<Q", head)
         if length > min(_HEADER_LIMIT, size - 8):
-            return f"its header claims {length} bytes, the file holds {size - 8}"
+            return f"its header claims {length} bytes, the file holds {size - 8}", {}
         try:
             header = json.loads(fh.read(length))
         except ValueError:
-            return "its header is not JSON"
+            return "its header is not JSON", {}
     if not isinstance(header, dict):
-        return "its header is not a JSON object"
+        return "its header is not a JSON object", {}
     ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"
             and isinstance(t, dict) and len(t.get("data_offsets", ())) == 2]
     if max(ends, default=0) > size - 8 - length:
-        return f"its tensors need {8 + length + max(ends)} bytes, the file holds {size}"
-    return None
+        return f"its tensors need {8 + length + max(ends)} bytes, the file holds {size}", header
+    return None, header
 
 
 def _bin_problem(path: Path) -> str | None:
