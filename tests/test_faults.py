@@ -91,12 +91,10 @@ class TrainProcess:
             assert time.monotonic() < deadline, f"never saw {title!r}:\n{self.output()}"
             if self.proc.poll() is not None:
                 return
-            for p in self._descendants():
+            for p, name in self._titled(title):
                 try:
-                    cmdline = p.cmdline()  # read once: a dying process's changes under us
-                    if (cmdline and cmdline[0].startswith(title)
-                            and p.status() != psutil.STATUS_STOPPED):  # frozen: had its signal
-                        self.killed.append(cmdline[0])
+                    if p.status() != psutil.STATUS_STOPPED:  # frozen: had its signal
+                        self.killed.append(name)
                         p.send_signal(sig)
                         break
                 except psutil.Error:
@@ -105,14 +103,17 @@ class TrainProcess:
 
     def pids_titled(self, title: str) -> set[int]:
         """The live descendants whose process title starts with `title`."""
-        found = set()
+        return {p.pid for p, _ in self._titled(title)}
+
+    def _titled(self, title: str):
+        """(process, its title) of each live descendant whose title starts with `title`."""
         for p in self._descendants():
             try:
-                if p.cmdline()[:1] and p.cmdline()[0].startswith(title):
-                    found.add(p.pid)
+                cmdline = p.cmdline()  # read once: a dying process's changes under us
             except psutil.Error:
                 continue
-        return found
+            if cmdline and cmdline[0].startswith(title):
+                yield p, cmdline[0]
 
     def wait_for_output(self, text: str, timeout: float = 240) -> str:
         """The first line of the command's output that holds `text`, once there is one."""

@@ -93,13 +93,15 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
     # left is read off them. A resumed run's time is that of its last part only (or, before,
     # includes the pause), which would make the rest look short (or long).
     took: list[float] = []
+    unfinished = unfinished_runs(root, runs)  # each run's state read once
+    waiting = {run.name for run, _ in unfinished}
     for run in runs:
-        if run_state(root / run.name) == "finished":
+        if run.name not in waiting:
             outcomes.append(Outcome(run, "skipped"))
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
-    todo = unfinished_runs(root, runs, leave_out)
-    if left := [run.name for run, _ in unfinished_runs(root, runs) if run.name in leave_out]:
+    todo = [(run, state) for run, state in unfinished if run.name not in leave_out]
+    if left := [run.name for run, _ in unfinished if run.name in leave_out]:
         _say(console, f"left out (--leave-out), unfinished: {', '.join(left)}")
     if outcomes:  # one line, however many: make results --keep starts the sweep once a run
         _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
