@@ -225,11 +225,11 @@ def test_frozen_worker_is_replaced_a_slow_live_one_is_not_a_wedged_engine_is_and
     (tmp_path / "wedge.tmp").rename(wedge)
     line = run.wait_for_output("its engine has been in one step")
     found = re.search(r"rollout worker 0 did not finish generate within (\d+) s: it answers, "
-                      r"but its engine has been in one step for (\d+) s after \d+ steps "
+                      r"but its engine has been in one step for ([\d.]+) s after \d+ steps "
                       rf"\(wedged\) \(deadline: faults.engine_stall_s={ENGINE_STALL_S}\); "
                       r"replaced and re-synced in .*\(restart 2/2\)", line)
     assert found and not wedge.exists(), line
-    stalled, waited = int(found.group(2)), int(found.group(1))
+    stalled, waited = float(found.group(2)), int(found.group(1))
     # the step may have begun a moment before the controller's wait on its call did
     assert ENGINE_STALL_S < stalled <= waited + 1 and waited <= WEDGE_CAUGHT_WITHIN_S, line
     run.wait_for_step(wedged_from + 3)  # trained on by the replacement

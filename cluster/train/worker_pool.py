@@ -236,7 +236,7 @@ class WorkerPool:
                 return None
             return f"rollout worker {i}", (
                 f"it answers, but its engine has been in one step for "
-                f"{progress.step_running_s:.0f} s after {progress.steps} steps (wedged)")
+                f"{progress.step_running_s:.1f} s after {progress.steps} steps (wedged)")
 
         return Watch(every_s, check, limit)
 
