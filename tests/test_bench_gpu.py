@@ -65,7 +65,7 @@ def test_gpu_workloads_share_one_gpu_and_validate_as_train_configs(monkeypatch):
     ipc = "cuda_ipc" in TRANSPORTS
     for dtype, transport in (("float32", None), ("bfloat16", None), ("float32", "shm")):
         for plan in (gpu_plan(FULL, dtype, transport), gpu_plan(QUICK, dtype, transport)):
-            assert plan.device == "cuda" and plan.lags == (0, 2) and not plan.one_core_reference
+            assert plan.device == "cuda" and plan.lags == (0, 2) and plan.reference == "max_lag 0"
             runs_ipc = ipc and transport is None
             assert plan.transports == ("shm", "object_store") + (("cuda_ipc",) if runs_ipc else ())
             names = [w.name for w in plan.workloads]

@@ -45,6 +45,11 @@ def test_in_flight_runs_get_the_bound_and_a_speed_up_over_their_batch_level_run(
     assert p.in_flight_speedup(0) is None  # no in-flight run at max_lag 0
     assert p.best_lag == 2  # batch-level
     d = p.to_dict()
+    # the bound: the reference's work of one step spread over the 2 cores; the ideal above
+    # max_lag 0: one step's samples over the longer of the two phases (pipeline.py)
+    assert d["bound_samples_per_s"] == pytest.approx(2 * 32 / (0.5 + 1.0))
+    assert p.ideal_samples_per_s(1) == pytest.approx(32 / 1.0) == p.ideal_samples_per_s(2, True)
+    assert p.efficiency(1) == pytest.approx((32 / 1.6) / 32.0)
     flying = [r for r in d["runs"] if r["in_flight"]]
     assert [r["max_lag"] for r in flying] == [1, 2]
     for r in d["runs"]:
@@ -214,3 +219,34 @@ def test_an_in_flight_run_with_nothing_in_flight_says_so_and_fails_the_gpu_check
     preempted_only = _with_lag2_in_flight(result, multi_version_share=0.0, preempted=2.0)
     assert "| 0% | 2.0 |" in _lag2_in_flight_row(preempted_only)
     assert check_result(preempted_only | {"device": "cuda"}) == []
+
+
+def test_without_a_reference_run_the_runs_are_reported_and_no_bound_is_asked_for():
+    """`klrl bench --quick` runs no reference (pipeline.py): its runs' figures are kept, the
+    bound, ideal and efficiency are None in the JSON, left out of the top-level keys, not
+    required by the check, and printed as n/a."""
+    with pytest.raises(ValueError, match="reference"):
+        PipelineResult("w", _run(0, 2.0), cores=2, reference="none")
+    with pytest.raises(ValueError, match="reference"):
+        PipelineResult("w", None, cores=2)
+    p = PipelineResult("w", None, cores=2, reference="none")
+    p.runs.append(_run(2, 1.5))
+    d = p.to_dict()
+    assert d["reference"] == "none" and d["best_lag"] == 2
+    assert d["bound_samples_per_s"] is d["t_gen_seconds"] is d["one_core_samples_per_s"] is None
+    [r] = d["runs"]
+    assert r["samples_per_s"] == pytest.approx(32 / 1.5) and r["token_lag_mean"] == 1.4
+    assert r["ideal_samples_per_s"] is r["overlap_efficiency"] is r["of_bound"] is None
+    result = _before_in_flight()
+    result["workloads"][result["headline_workload"]]["pipeline"] = d
+    result = {k: v for k, v in result.items() if not k.startswith(("of_bound", "overlap_eff"))}
+    result |= summary(result["workloads"], result["headline_workload"],
+                      result.get("outside_engine"))
+    assert not any(k.startswith(("of_bound", "overlap_efficiency")) for k in result)
+    assert check_result(result) == []
+    page = report.markdown(result)
+    assert f"| {result['headline_workload']} | 2 | **21.3** | n/a | n/a | n/a | n/a |" in page
+    assert f"{result['headline_workload']}: none run (--quick)" in page
+    # with the reference, the same result missing its efficiency fails the check
+    d["reference"] = "one-core"
+    assert check_result(result) == ["overlap_efficiency_lag2"]

@@ -21,8 +21,8 @@ phase gets every core, above each part its own). Two yardsticks:
   share the worker's core too, which can beat it: above 1 then). At max_lag 0 the ideal is the
   bound (each phase perfectly parallel on every core).
 
-On one GPU shared by the learner and the rollout worker (`one_core=False`, `klrl bench
---device cuda`) there are no cores to split: the reference is the max_lag 0 run itself, where
+On one GPU shared by the learner and the rollout worker (`reference="max_lag 0"`, `klrl
+bench --device cuda`) there are no cores to split: the reference is the max_lag 0 run itself, where
 generation and training alternate on the GPU, and the GPU counts as the one "core". Then the
 bound is batch / (T_gen + T_train) of that run, and the ideal at max_lag >= 1 is batch /
 max(T_gen, T_train): the two phases overlapping perfectly, which their contention for the
@@ -39,6 +39,12 @@ to shrink), the tokens' lag, the share of samples that span several versions and
 an update preempted per step (what they cost, and whether anything was in flight at all: both
 0 means every update found the engines idle), and the responses' mean and longest length (how
 much a batch-level step waits for its longest response).
+
+`reference="none"` (`klrl bench --quick`, which checks the machinery, not the figures) runs no
+reference: the runs' samples/s, lags and step means are measured; the bound, the ideal and the
+efficiency are None. The reference run goes through the same `_measure` as every other run,
+and the arithmetic on it is tests/test_bench_in_flight.py's, so the quick bench saves a whole
+run (engine and learner start-up: about 30 s on 2 cores) and checks nothing less.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ from cluster.config.train_config import load_train_config
 from cluster.train.run import train
 from cluster.train.run_log import read_metrics
 
+REFERENCES = ("one-core", "max_lag 0", "none")  # PipelineResult.reference; docstring above
 ONE_THREAD = ("rollout.threads_per_worker=1", "learner.threads_per_rank=1")
 IN_FLIGHT = "rollout.in_flight_updates=true"
 # LagRun field <- the metric whose mean over the measured steps it holds. None where no
@@ -95,14 +102,20 @@ class LagRun:
 class PipelineResult:
     """A workload's end-to-end runs: the reference run, one per max_lag and one per in-flight
     max_lag, from which the ideal overlap, the efficiency, the bound and the in-flight
-    speed-up follow. A run is named by its max_lag and whether it is in flight."""
+    speed-up follow (the first three None without a reference run). A run is named by its
+    max_lag and whether it is in flight."""
 
     workload: str
-    # the reference run: max_lag 0, one thread per part (GPU: the max_lag 0 run)
-    one_core: LagRun
+    # the reference run: max_lag 0, one thread per part (GPU: the max_lag 0 run; None: none)
+    one_core: LagRun | None
     cores: int                 # CPU cores the run has (GPU: 1, the one GPU)
     runs: list[LagRun] = field(default_factory=list)
-    reference: str = "one-core"  # "one-core", or "max_lag 0" (one shared GPU)
+    reference: str = "one-core"  # REFERENCES: "one-core", "max_lag 0" (one shared GPU), "none"
+
+    def __post_init__(self) -> None:
+        no_run = self.one_core is None
+        if self.reference not in REFERENCES or no_run != (self.reference == "none"):
+            raise ValueError(f"reference {self.reference!r} with reference run {self.one_core}")
 
     def run(self, lag: int, in_flight: bool = False) -> LagRun:
         return next(r for r in self.runs if r.max_lag == lag and r.in_flight == in_flight)
@@ -111,27 +124,31 @@ class PipelineResult:
         return any(r.max_lag == lag and r.in_flight == in_flight for r in self.runs)
 
     @property
-    def t_gen(self) -> float:
-        return self.one_core.gen_seconds
+    def t_gen(self) -> float | None:
+        return None if self.one_core is None else self.one_core.gen_seconds
 
     @property
-    def t_train(self) -> float:
-        return self.one_core.train_seconds
+    def t_train(self) -> float | None:
+        return None if self.one_core is None else self.one_core.train_seconds
 
     @property
-    def bound_samples_per_s(self) -> float:
+    def bound_samples_per_s(self) -> float | None:
+        if self.one_core is None:
+            return None
         return self.one_core.samples_per_step * self.cores / (self.t_gen + self.t_train)
 
-    def ideal_samples_per_s(self, lag: int, in_flight: bool = False) -> float:
-        if lag == 0:
+    def ideal_samples_per_s(self, lag: int, in_flight: bool = False) -> float | None:
+        if self.one_core is None or lag == 0:
             return self.bound_samples_per_s
         return self.run(lag, in_flight).samples_per_step / max(self.t_gen, self.t_train)
 
-    def efficiency(self, lag: int, in_flight: bool = False) -> float:
-        return self.run(lag, in_flight).samples_per_s / self.ideal_samples_per_s(lag, in_flight)
+    def efficiency(self, lag: int, in_flight: bool = False) -> float | None:
+        ideal = self.ideal_samples_per_s(lag, in_flight)
+        return None if ideal is None else self.run(lag, in_flight).samples_per_s / ideal
 
-    def of_bound(self, lag: int, in_flight: bool = False) -> float:
-        return self.run(lag, in_flight).samples_per_s / self.bound_samples_per_s
+    def of_bound(self, lag: int, in_flight: bool = False) -> float | None:
+        bound = self.bound_samples_per_s
+        return None if bound is None else self.run(lag, in_flight).samples_per_s / bound
 
     def in_flight_speedup(self, lag: int) -> float | None:
         """In-flight samples/s over batch-level samples/s at `lag` (None unless both ran)."""
@@ -149,7 +166,8 @@ class PipelineResult:
         return {"workload": self.workload, "reference": self.reference, "t_gen_seconds": self.t_gen,
                 "t_train_seconds": self.t_train, "cores": self.cores,
                 "bound_samples_per_s": self.bound_samples_per_s,
-                "one_core_samples_per_s": self.one_core.samples_per_s,
+                "one_core_samples_per_s": None if self.one_core is None
+                else self.one_core.samples_per_s,
                 "best_lag": self.best_lag,
                 "runs": [self._run_dict(r) for r in self.runs]}
 
@@ -169,26 +187,31 @@ class PipelineResult:
 
 
 def measure_pipeline(workload: str, overrides: list[str], out_dir: Path, measured_steps: int,
-                     lags: tuple[int, ...] = (0, 1, 2), one_core: bool = True,
+                     lags: tuple[int, ...] = (0, 1, 2), reference: str = "one-core",
                      in_flight_lags: tuple[int, ...] = ()) -> PipelineResult:
     """The one-core reference run, then a run at each max_lag in `lags`, then one with
     in-flight weight updates at each max_lag in `in_flight_lags`, with the demo config plus
-    `overrides`; Ray must already be running (the runs share it). one_core=False (one shared
-    GPU): no reference run, the max_lag 0 run (which `lags` must hold) is the reference."""
+    `overrides`; Ray must already be running (the runs share it). reference "max_lag 0" (one
+    shared GPU): no reference run, the max_lag 0 run (which `lags` must hold) is the
+    reference; "none": no reference at all (the module's docstring)."""
     if 0 in in_flight_lags:  # the config refuses it too, but only once the runs before it ran
         raise ValueError("in-flight weight updates need max_lag >= 1 (at max_lag 0 nothing is "
                          f"in flight at an update): in_flight_lags {in_flight_lags}")
-    if one_core:
-        reference = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0,
-                             "-1core")
-        cores = load_train_config(DEMO_CONFIG, overrides).reserved_cpus  # the cores the run has
-        result = PipelineResult(workload, reference, cores=int(cores))
-    elif 0 not in lags:
+    if reference not in REFERENCES:
+        raise ValueError(f"reference {reference!r}: one of {', '.join(REFERENCES)}")
+    if reference == "max_lag 0" and 0 not in lags:
         raise ValueError("without the one-core run the max_lag 0 run is the reference: "
                          f"lags {lags}")
+    cores = int(load_train_config(DEMO_CONFIG, overrides).reserved_cpus)  # the run's cores
+    if reference == "one-core":
+        one_core = _measure(workload, [*overrides, *ONE_THREAD], out_dir, measured_steps, 0,
+                            "-1core")
+        result = PipelineResult(workload, one_core, cores=cores)
     runs = [_measure(workload, overrides, out_dir, measured_steps, lag, "") for lag in lags]
-    if not one_core:
-        result = PipelineResult(workload, runs[lags.index(0)], cores=1, reference="max_lag 0")
+    if reference == "max_lag 0":
+        result = PipelineResult(workload, runs[lags.index(0)], cores=1, reference=reference)
+    elif reference == "none":
+        result = PipelineResult(workload, None, cores=cores, reference=reference)
     runs += [_measure(workload, [*overrides, IN_FLIGHT], out_dir, measured_steps, lag,
                       "-inflight", in_flight=True) for lag in in_flight_lags]
     result.runs.extend(runs)

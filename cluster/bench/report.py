@@ -195,12 +195,15 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
         for r in p["runs"]:
             lag = f"{r['max_lag']}, in flight" if r.get("in_flight") else r["max_lag"]
             lines.append(f"| {name} | {lag} | **{r['samples_per_s']:.1f}** "
-                         f"| {r['ideal_samples_per_s']:.1f} | {r['overlap_efficiency']:.2f} "
-                         f"| {p['bound_samples_per_s']:.1f} | {r['of_bound']:.2f} "
+                         f"| {_num(r['ideal_samples_per_s'], '.1f')} "
+                         f"| {_num(r['overlap_efficiency'])} "
+                         f"| {_num(p['bound_samples_per_s'], '.1f')} | {_num(r['of_bound'])} "
                          f"| {r['wait_for_rollouts_seconds']:.3f} "
                          f"| {r['train_plus_publish_seconds']:.3f} |")
     refs = [f"{name}: T_gen {p['t_gen_seconds']:.3f} s, T_train {p['t_train_seconds']:.3f} s "
-            f"({p['one_core_samples_per_s']:.1f} samples/s)" for name, p in pipelines.items()]
+            f"({p['one_core_samples_per_s']:.1f} samples/s)" if p.get("t_gen_seconds") is not None
+            else f"{name}: none run (--quick), so no ideal, efficiency or bound"
+            for name, p in pipelines.items()]
     what = ("Reference (the max_lag 0 run, learner and worker sharing the GPU)" if gpu else
             "One-core reference (max_lag 0, one thread per part)")
     lines += ["", f"{what}: " + "; ".join(refs) + "."]

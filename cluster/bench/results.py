@@ -76,8 +76,10 @@ def _pipeline_summary(runs: list[dict], best_lag: int) -> dict[str, Any]:
     (no `in_flight`, as JSONs from before in-flight runs have them) and in-flight ones."""
     batch = {r["max_lag"]: r for r in runs if not r.get("in_flight")}
     flying = {r["max_lag"]: r for r in runs if r.get("in_flight")}
+    # both None without a reference run (`klrl bench --quick`): left out
     out: dict[str, Any] = {"of_bound_best_lag": batch[best_lag]["of_bound"]}
     out |= {f"overlap_efficiency_lag{lag}": r["overlap_efficiency"] for lag, r in batch.items()}
+    out = {k: v for k, v in out.items() if v is not None}
     out |= {f"engine_idle_share_lag{lag}": r["engine_idle_share"] for lag, r in batch.items()
             if r.get("engine_idle_share") is not None}
     # each in-flight run's own (PipelineResult.in_flight_speedup; absent without a
@@ -138,9 +140,11 @@ def check_result(result: dict[str, Any]) -> list[str]:
         required += ["rollout_overhead_ratio", "learner_overhead_ratio", FLOOR_KEY, OUTSIDE_KEY]
     if "e2e" in parts:
         head = (result.get("workloads") or {}).get(result.get("headline_workload")) or {}
-        runs = (head.get("pipeline") or {}).get("runs") or []
+        pipeline = head.get("pipeline") or {}
+        runs = pipeline.get("runs") or []
         lags = [r["max_lag"] for r in runs if r["max_lag"] >= 1 and not r.get("in_flight")]
-        required += [f"overlap_efficiency_lag{lag}" for lag in lags or [1, 2]]
+        if pipeline.get("reference") != "none":  # efficiency is measured against the reference
+            required += [f"overlap_efficiency_lag{lag}" for lag in lags or [1, 2]]
         flying = [r["max_lag"] for r in runs if r.get("in_flight")]
         required += [f"in_flight_speedup_lag{lag}" for lag in flying]
         if result.get("device") == "cuda":  # what the GPU bench's in-flight runs are for:

@@ -113,7 +113,9 @@ class BenchPlan:
     # End to end again with rollout.in_flight_updates=true (each >= 1; the speed-up is
     # against the batch-level run of the same max_lag, so each is in `lags` too).
     in_flight_lags: tuple[int, ...] = (1, 2)
-    one_core_reference: bool = True    # CPU: the one-core reference run (pipeline.py)
+    # The end-to-end runs' reference (pipeline.py): CPU "one-core", a GPU "max_lag 0", none
+    # where only the machinery is checked.
+    reference: str = "one-core"
     # On CUDA (`gpu_plan`), the workload that replaces the headline: one a GPU is sized for.
     gpu_headline: Workload | None = None
 
@@ -167,13 +169,14 @@ QUICK = BenchPlan(
     outside=Workload("tiny-random", "tiny", SHAPE), outside_reps=1,
     # Every end-to-end lag is a whole run (engine and learner start-up included, about 30 s
     # of the test suite each on 2 cores): the quick plan runs the deepest lag of the full
-    # plan, batch-level, beside the one-core reference (its max_lag 0 run). Not in flight:
+    # plan, batch-level, and no reference run (so no bound or efficiency: the reference goes
+    # through the same code as this run, the arithmetic on it is tested apart). Not in flight:
     # that run is the full plan's, its arithmetic and report are tests/test_bench_in_flight.py's
     # and a run in flight tests/test_in_flight.py's, so a third run would check nothing more.
     # One measured step per run, as one repetition of everything else, and no warm-up call:
     # the machinery, not the figures (each further step is a step of both runs, and the
     # fixed-shape workload's two warm-ups alone generate 2 x 16384 tokens).
-    lags=(2,), in_flight_lags=(), warmup_reps=0)
+    lags=(2,), in_flight_lags=(), warmup_reps=0, reference="none")
 
 
 def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = None) -> BenchPlan:
@@ -194,7 +197,7 @@ def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = No
         plan, workloads=tuple(workloads), headline=headline, device="cuda",
         overrides=gpu.gpu_overrides(dtype, transport),
         transports=gpu.measured_transports(transport), lags=gpu.GPU_LAGS,
-        in_flight_lags=gpu.GPU_IN_FLIGHT_LAGS, one_core_reference=False)
+        in_flight_lags=gpu.GPU_IN_FLIGHT_LAGS, reference="max_lag 0")
 
 
 @dataclass
@@ -310,7 +313,7 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, parts: Sequence[str],
               + (f", in flight at {flying}" if flying else ""), flush=True)
         result.pipeline = measure_pipeline(w.name, workload_overrides(w, cfg.model.path, plan),
                                            runs_dir, plan.measured_steps, plan.lags,
-                                           one_core=plan.one_core_reference,
+                                           reference=plan.reference,
                                            in_flight_lags=plan.in_flight_lags)
     return result
 
