@@ -3,6 +3,7 @@ model: only the adapters train and travel; the reference is the base with the ad
 max_lag 0 the engine serves exactly the learner's policy (ratios 1 within 1e-4) through shm and
 object_store, at ZeRO-0 and ZeRO-3; resume is bit-exact; final/ holds the adapter, and the
 merged model loads in transformers and vLLM. And what is refused before anything starts."""
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,8 +39,14 @@ def _cfg(tiny_model_dir, out, name, steps, *extra):
 def runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-runs")
     common = ("sync.transport=object_store", "learner.lora.save_merged=true")
-    straight, _ = train(_cfg(tiny_model_dir, out, "straight", 4, *common))
-    train(_cfg(tiny_model_dir, out, "halves", 2, "checkpoint_every=2", *common))
+    straight, _ = train(_cfg(tiny_model_dir, out, "straight", 4, "checkpoint_every=2", *common))
+    # The same run cut short after its step-2 checkpoint (its machine lost before the next one):
+    # its directory without the later checkpoint and the final weights, resumed. This saves a
+    # run (an engine and a learner start); test_resume.py resumes a run stopped at its end.
+    halves = out / "halves"
+    shutil.copytree(straight, halves)
+    shutil.rmtree(halves / "final")
+    shutil.rmtree(ckpt.checkpoint_root(halves) / "step_000000004")
     resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2", *common),
                        resume=True)
     zero3, _ = train(_cfg(tiny_model_dir, out, "zero3", 3, "learner.zero_stage=3",
@@ -76,6 +83,8 @@ def test_only_adapters_train_and_the_engine_serves_them_exactly(runs):
 
 def test_resume_with_lora_is_bit_exact_and_checkpoints_hold_only_the_adapters(runs):
     straight, resumed, _ = runs
+    # steps 3 and 4 trained again from the step-2 checkpoint, each logged once
+    assert [m["step"] for m in read_metrics(resumed)] == [0, 1, 2, 3, 4]
     a, b = _adapter(straight), _adapter(resumed)
     assert a.keys() == b.keys()
     for name in a:
