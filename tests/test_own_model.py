@@ -5,6 +5,7 @@ command (dry run), and one real run trains it on CPU, which the page's `klrl eva
 evaluates (slow). The GPU run is `gpu`-marked."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -138,6 +139,32 @@ def test_the_page_config_trains_on_cpu(user_dir, monkeypatch):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     row = [line for line in done.stdout.splitlines() if "in_domain" in line][-1]  # the table's
     assert re.search(r"in_domain\W+3\W", row), done.stdout  # the page's three problems
+
+
+@pytest.mark.slow
+def test_klrl_eval_that_fails_after_its_door_says_why_in_one_line_and_keeps_the_log(user_dir):
+    """A config.json edited past what the door compares with the weights (intermediate_size;
+    the door checks the embedding and the layer count: cluster/train/door/models.py) passes
+    the door, and the engine fails loading the weights. `klrl eval` then prints one error line,
+    the failure and where the whole output is, exits 1 and writes no JSON; the log it names
+    holds the traceback. In a process of its own (vLLM keeps an in-process engine's state)."""
+    model = user_dir / "models" / "my-model"
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    log, out = user_dir / "eval.log", user_dir / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(model), "--n", "4",
+                           "--samples", "0", "--log", str(log), "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    shown = done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 1, shown
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, shown
+    found = re.fullmatch(rf"error: the evaluation failed: (\w+Error: .+) \(full output: "
+                         rf"{re.escape(str(log))}\)", errors[0])
+    assert found, errors[0]
+    assert "Traceback" in log.read_text() and found.group(1)[:60] in log.read_text()
+    assert not out.exists()
 
 
 # On fewer GPUs than the page's command asks for (a GPU each for the worker and the learner
