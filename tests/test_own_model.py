@@ -158,8 +158,8 @@ def test_klrl_eval_that_fails_after_its_door_says_why_in_one_line_and_keeps_the_
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     shown = done.stdout[-2000:] + done.stderr[-2000:]
     assert done.returncode == 1, shown
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, shown
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, shown  # the exit's noise (Triton's leak report) went to the log
     found = re.fullmatch(rf"error: the evaluation failed: (\w+Error: .+) \(full output: "
                          rf"{re.escape(str(log))}\)", errors[0])
     assert found, errors[0]

@@ -4,6 +4,7 @@ train` sends it (cluster/train/run_output.py), the table (its full width when pi
 would squeeze it to 80 columns) and the JSON, with every completion."""
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import tempfile
@@ -42,7 +43,9 @@ def run_eval(args, task, splits, target: EvalTarget, model: str) -> int:
             error = exc
     if error is not None:
         print(f"error: the evaluation failed: {error_line(error)}"
-              + ("" if args.verbose else f" (full output: {log})"), file=sys.stderr)
+              + ("" if args.verbose else f" (full output: {log})"), file=sys.stderr, flush=True)
+        if not args.verbose:
+            atexit.register(_exit_output_to, log)
         return 1
     if not args.log:
         log.unlink(missing_ok=True)
@@ -51,6 +54,15 @@ def run_eval(args, task, splits, target: EvalTarget, model: str) -> int:
         with open(args.json, "w") as f:
             f.write(result.model_dump_json(indent=2) + "\n")
     return 0
+
+
+def _exit_output_to(log: Path) -> None:
+    """fd 2 to `log` while the interpreter exits (atexit runs before the modules are torn
+    down): an engine that failed was never shut down, and Triton's bindings then report the
+    objects it leaked, some thirty lines that belong in the log, not after the error line."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _evaluate(args, task, splits, target: EvalTarget, model: str):
