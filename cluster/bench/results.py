@@ -129,7 +129,8 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 def check_result(result: dict[str, Any]) -> list[str]:
     """Names of required figures that are missing, non-finite or not positive (engine idle
     shares: not in [0, 1]), for the parts the result holds (a JSON from before `--only`:
-    engines, sync, e2e); on CUDA, an in-flight run whose samples never spanned two versions
+    engines, sync, e2e; the overlap efficiencies only where a reference run was measured); on
+    CUDA, an in-flight run whose samples never spanned two versions
     and whose updates preempted no request (nothing was in flight at an update, so its
     speed-up measured no in-flight update); with
     the tests part, the gpu-marked tests unless they all passed or skipped."""
