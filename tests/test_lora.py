@@ -52,15 +52,11 @@ def runs(tiny_model_dir, tmp_path_factory):
     shutil.rmtree(ckpt.checkpoint_root(halves) / "step_000000004")
     # ... and losing its learner rank in step 4's train step: the learner restarts in the run
     # from the step-2 checkpoint, its rollout worker kept and rewound to the adapters there
-    killer, printed = LearnerKiller(halves, after_step=3), io.StringIO()
-    killer.start()
-    try:
-        with contextlib.redirect_stderr(printed):  # where the restart line goes
-            resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2",
-                                    *common), resume=True)
-    finally:
-        killer.done.set()
-        killer.join()
+    printed = io.StringIO()
+    with LearnerKiller(halves, after_step=3) as killer, \
+            contextlib.redirect_stderr(printed):  # where the restart line goes
+        resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2",
+                                *common), resume=True)
     assert killer.killed, "the learner rank was never seen in a train step after step 3"
     assert "(restart 1/2; rollout workers kept, rewound to its weights)" in printed.getvalue()
     zero3, _ = train(_cfg(tiny_model_dir, out, "zero3", 3, "learner.zero_stage=3",

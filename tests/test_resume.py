@@ -78,14 +78,9 @@ def runs(tiny_model_dir, tmp_path_factory):
         f.write(json.dumps({"step": 3, "response": "from the lost attempt"}) + "\n")
     (ckpt.hf_root(half) / "step_000000003").mkdir()
     (ckpt.hf_root(half) / "step_000000003" / "lost").write_text("")
-    killer = LearnerKiller(half, after_step=3)
-    killer.start()
-    try:
+    with LearnerKiller(half, after_step=3) as killer:
         resumed, _ = train(_cfg(tiny_model_dir, out, "halves", 4, "checkpoint_every=2",
                                 "hf_every=1"), resume=True)
-    finally:
-        killer.done.set()
-        killer.join()
     assert killer.killed, "the learner rank was never seen in a train step after step 3"
     return straight, half, resumed
 

@@ -12,7 +12,7 @@ import psutil
 
 from cluster.config.loader import DEMO_CONFIG
 from cluster.config.train_config import load_train_config
-from cluster.train.run_log import read_metrics
+from cluster.train.run_log import last_step
 
 
 def tiny_run_overrides(tiny_model_dir, out, name, steps, *extra, lr=1e-3) -> list[str]:
@@ -32,7 +32,8 @@ def tiny_run_config(tiny_model_dir, out, name, steps, *extra, lr=1e-3):
 class LearnerKiller(threading.Thread):
     """SIGKILLs this process's learner rank (its Ray cluster is this process's own: every rank is
     a descendant) once `run_dir` has logged `after_step` and the rank runs a train step (Ray
-    titles the process `ray::LearnerRank.train_step` then): the next step's train step dies."""
+    titles the process `ray::LearnerRank.train_step` then): the next step's train step dies.
+    A context manager: watching within the block; `killed` holds the pid it killed."""
 
     def __init__(self, run_dir, after_step: int):
         super().__init__(daemon=True)
@@ -40,9 +41,17 @@ class LearnerKiller(threading.Thread):
         self.killed: list[int] = []
         self.done = threading.Event()
 
+    def __enter__(self) -> "LearnerKiller":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+
     def run(self):
         while not self.done.is_set() and not self.killed:
-            if max((m["step"] for m in _rows(self.run_dir)), default=-1) >= self.after_step:
+            if last_step(self.run_dir) >= self.after_step:  # the log's tail only, every 10 ms
                 for p in psutil.Process(os.getpid()).children(recursive=True):
                     try:
                         if p.cmdline()[:1] == ["ray::LearnerRank.train_step"]:
@@ -52,10 +61,3 @@ class LearnerKiller(threading.Thread):
                     except psutil.Error:
                         continue
             time.sleep(0.01)
-
-
-def _rows(run_dir) -> list[dict]:
-    try:
-        return read_metrics(run_dir)
-    except FileNotFoundError:
-        return []
