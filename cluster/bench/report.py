@@ -201,7 +201,7 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
                          f"| {r['wait_for_rollouts_seconds']:.3f} "
                          f"| {r['train_plus_publish_seconds']:.3f} |")
     refs = [f"{name}: T_gen {p['t_gen_seconds']:.3f} s, T_train {p['t_train_seconds']:.3f} s "
-            f"({p['one_core_samples_per_s']:.1f} samples/s)" if p.get("t_gen_seconds") is not None
+            f"({p['one_core_samples_per_s']:.1f} samples/s)" if p.get("reference") != "none"
             else f"{name}: none run (--quick), so no ideal, efficiency or bound"
             for name, p in pipelines.items()]
     what = ("Reference (the max_lag 0 run, learner and worker sharing the GPU)" if gpu else
