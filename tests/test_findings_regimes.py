@@ -346,6 +346,7 @@ def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_eva
     out = tmp_path / "report"
     md = write_report(root, ReportConfig(figures=False), out=out).read_text()
     table = md[md.index("### Measures per configuration"):]
+    assert "mean ± sample sd over the configuration's runs" in table  # not the claims' SE
     assert "| final in-domain | final out-of-domain | final retained |" in table
     assert "| 0.750 ± 0.000 | 0.140 ± 0.000 | 0.555 ± 0.007 |" in table
     # the model they started from, on the same problems: what was gained and forgotten

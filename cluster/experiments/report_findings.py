@@ -154,7 +154,10 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
            "one is *fragile*."), "", *(sensitivity or ["No claim to test."]), "",
-           "### Measures per configuration", "", *_measures_table(used, groups, base), "",
+           "### Measures per configuration", "",
+           ("Each cell: mean ± sample sd over the configuration's runs (seeds), the spread of one "
+            "run; the claims table's ± is the standard error of the mean."), "",
+           *_measures_table(used, groups, base), "",
            (f"Every run's values (final accuracies, last evaluation, area under the accuracy "
            f"curve, KL at the end, mean lag, broken and why, under each variant): "
            f"[{CSV_FILE}]({CSV_FILE})."),
