@@ -115,8 +115,8 @@ class NcclTransport(VllmEngineTransport):
     replace a worker (the group is fixed once formed)."""
 
     name = "nccl"
-    summary = ("GPU only, a broadcast through vLLM's NCCL weight-transfer engine; learner rank "
-               "0 and every worker need a GPU of their own")
+    summary = ("GPU only, not yet run on GPUs (it needs two): a broadcast through vLLM's NCCL "
+               "weight-transfer engine; learner rank 0 and every worker need a GPU of their own")
     vllm_backend = "nccl"
     shares_a_gpu = False
     reads_after_publish = True  # the broadcast runs on after publish returns
