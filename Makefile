@@ -71,8 +71,9 @@ gpu-check:
 kl-table: $(STAMP)
 	$(BIN)/klrl kl-table $(ARGS)
 
-# Reruns the demo (3 seeds x max_lag 0, 2, and plain GRPO; about 45 minutes on 2 cores) and
-# rewrites the docs' model, demo and learning figures with what this machine measured.
+# Reruns the demo (3 seeds x max_lag 0, 2, plain GRPO and LoRA) and four builds of the model
+# (most of an hour on 2 cores), and rewrites the docs' model, demo, learning, LoRA and spread
+# figures with what this machine measured.
 figures: $(STAMP)
 	$(BIN)/klrl figures $(ARGS)
 
