@@ -67,8 +67,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "figures", help="rerun the demo and rewrite the docs' demo and model figures",
         description="Run `klrl demo` at max_lag 0 and 2, plain GRPO at max_lag 0 and the demo "
-        "with rank-8 LoRA for each seed (about 3 minutes each on 2 cores), read the embedded model's build figures, build "
-        "the default model under four sets of CPU kernels (the spread block, no timing), and "
+        "with rank-8 LoRA for each seed (about 3 minutes each on 2 cores), read the embedded "
+        "model's build figures, build the default model under four sets of CPU kernels (the "
+        "spread block, no timing), and "
         "rewrite the docs blocks between <!-- figures:NAME --> markers and "
         "docs/figures/NAME.json with what this machine measured.")
     p.add_argument("--seeds", type=_seeds, default=[0, 1, 2], metavar="LIST",
