@@ -21,6 +21,7 @@ def records(offline_run: Path, timeout_s: float = 60) -> list:
 
 
 def _read(offline_run: Path) -> list:
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = next(offline_run.glob("run-*.wandb")).read_bytes()
@@ -32,11 +33,16 @@ def _read(offline_run: Path) -> list:
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         if length == 0 and kind == 0:  # zeros: the end of what was written so far
             break
+        if pos + 7 + length > len(data):  # a chunk the service is still writing
+            break
         chunk += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             parsed = pb.Record()
-            parsed.ParseFromString(chunk)
+            try:
+                parsed.ParseFromString(chunk)
+            except DecodeError:  # its bytes not all on disk yet: `records` reads again
+                break
             out.append(parsed)
             chunk = b""
     return out
