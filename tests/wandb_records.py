@@ -33,7 +33,7 @@ def _read(offline_run: Path) -> list:
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         if length == 0 and kind == 0:  # zeros: the end of what was written so far
             break
-        if pos + 7 + length > len(data):  # a chunk the service is still writing
+        if pos + 7 + length > len(data):  # the file ends inside this chunk: still being written
             break
         chunk += data[pos + 7:pos + 7 + length]
         pos += 7 + length
@@ -41,8 +41,8 @@ def _read(offline_run: Path) -> list:
             parsed = pb.Record()
             try:
                 parsed.ParseFromString(chunk)
-            except DecodeError:  # its bytes not all on disk yet: `records` reads again
-                break
+            except DecodeError:  # its header is written, its body not yet (still zeros)
+                break              # `records` reads the file again until its exit record
             out.append(parsed)
             chunk = b""
     return out
