@@ -63,7 +63,7 @@ def _set_importance(run_dir, importance):
 
 def verdicts(root) -> dict[tuple[str, str], str]:
     runs = find_runs(root)
-    _, _, found, _ = directory_findings(runs, group_runs(runs), None, root.name)
+    _, _, found, _, _ = directory_findings(runs, group_runs(runs), None, root.name)
     return {(f.claim, f.setting): f.verdict for f in found}
 
 
@@ -79,7 +79,9 @@ def test_clear_evidence_reproduces_the_papers_claims(tmp_path):
     assert v[(BEST, LAG0)] == "reproduced"
     assert v[(K1L, LAG4)] == "reproduced"
     assert v[(K3L, LAG4)] == "reproduced"
-    assert v[(K3R, LAG4)] == "contradicted"
+    # 0 of 8 against 0 of 8: nothing could show that K3 in the reward breaks more, so nothing
+    # contradicts it either (the earlier rule called this contradicted, issue 63)
+    assert v[(K3R, LAG4)] == "not testable here"
     # No control, no prefix runs: said, not guessed.
     assert v[(STABLE, CONTROL)] == "not run here"
 
@@ -101,12 +103,14 @@ def test_opposite_evidence_contradicts_and_noise_is_inconclusive(tmp_path):
     v = verdicts(tmp_path / "worse")
     assert v[(BEST, LAG4)] == "contradicted"
     assert v[(K3L, LAG4)] == "contradicted"
-    assert v[(K1L, LAG4)] == "contradicted"
+    # nothing broke anywhere: "K1 in the loss is unstable" could not be shown, so it is not
+    # contradicted by that (the earlier absolute rule, break rate below 1/2, said contradicted)
+    assert v[(K1L, LAG4)] == "not testable here"
     grid(tmp_path / "alike")  # every configuration ends at the same accuracy, 3 seeds
     v = verdicts(tmp_path / "alike")
-    # Paired by seed, the configurations tie exactly on every seed (the grid's only spread is
-    # the seed's, shared by all): K1 in the reward's lead is shown below the margin.
-    assert v[(BEST, LAG4)] == "contradicted"
+    # The configurations tie exactly on every seed: nothing moved the accuracy, so no
+    # configuration can be shown ahead or behind (the earlier rule contradicted "best" here).
+    assert v[(BEST, LAG4)] == "not testable here"
 
 
 def test_controls_decide_the_stabilisation_and_repair_claims(tmp_path):
@@ -199,10 +203,14 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     rows = [line for line in md.splitlines() if line.startswith("| ") and "| beta 0.3" in line
             and line.split(" | ")[3].startswith("**")]  # the findings table: a verdict in bold
     assert len(rows) == 7  # the sweep's pre-registered family, the claims not run included
-    assert md.count("**not run here**") == 2  # no control, no prefix runs
-    tally = next(line for line in md.splitlines() if line.startswith("7 claim(s): "))
-    assert "2 not run here" in tally  # the line above the table counts the verdicts
-    assert sum(int(part.split()[0]) for part in tally[len("7 claim(s): "):-1].split(", ")) == 7
+    # no control, no prefix runs; both verdict columns (registered, gated) say so
+    assert md.count("| **not run here** | **not run here** |") == 2
+    for how in ("as registered", "under the gates"):  # a line above the table counts each
+        head = f"7 claim(s) {how}: "
+        tally = next(line for line in md.splitlines() if line.startswith(head))
+        assert "2 not run here" in tally
+        assert sum(int(part.split()[0]) for part in tally[len(head):-1].split(", ")) == 7
+    assert "a change of the rules made after these runs (issue 63)" in md
     csv = (root / "report" / "runs.csv").read_text().splitlines()
     assert len(csv) == 1 + len(list(root.glob("*-s*")))
     assert "final checkpoint, 1000 problems" in csv[1]
@@ -234,14 +242,15 @@ def test_the_report_says_whether_the_pre_registration_predates_the_runs(tmp_path
 def test_a_verdict_that_a_threshold_variant_changes_is_fragile(tmp_path):
     """K3 in the reward's gradient norm climbs to 15 x its early level: no blow-up at the
     registered 20 x, one at half that. 'K3 in the reward breaks' is then contradicted (0 of 8
-    broken) under the registered threshold and reproduced (8 of 8) under half of it: fragile."""
+    broken: nothing could be shown, not testable) under the registered threshold and
+    reproduced (8 of 8) under half of it: fragile."""
     grid(tmp_path, seeds=EIGHT, grad={("k3", "reward"): lambda s: 2.0 if s < 10 else 30.0})
     runs = find_runs(tmp_path)
-    _, _, found, table = directory_findings(runs, group_runs(runs), None, "x")
+    _, _, found, table, _ = directory_findings(runs, group_runs(runs), None, "x")
     k3r = next(f for f in found if f.claim == K3R)
-    assert k3r.verdict == "contradicted" and k3r.fragile
-    assert f"| {K3R} | {LAG4} | contradicted | contradicted | reproduced | contradicted | " \
-        "contradicted | **yes** |" in table
+    assert k3r.verdict == "not testable here" and k3r.fragile
+    assert f"| {K3R} | {LAG4} | not testable here | not testable here | reproduced | " \
+        "not testable here | not testable here | **yes** |" in table
     assert not next(f for f in found if f.claim == K1L).fragile
     assert "(fragile)" in "\n".join(findings_markdown(found))
 

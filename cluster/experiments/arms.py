@@ -86,13 +86,17 @@ def arm_key(config: dict) -> ArmKey:
 
 
 class Study:
-    """The configurations of a directory (or simulated ones), by ArmKey."""
+    """The configurations of a directory (or simulated ones), by ArmKey, and the base model's
+    accuracy on the same problems (set -> accuracy; empty when base_eval.json is missing),
+    against which a gate tells whether anything was forgotten (gates.py)."""
 
-    def __init__(self, arms: dict[ArmKey, Arm]):
+    def __init__(self, arms: dict[ArmKey, Arm], base: dict[str, float] | None = None):
         self.arms = arms
+        self.base = dict(base or {})
 
     @classmethod
-    def of(cls, measures: Sequence[Measures], variant: str = PRIMARY) -> Study:
+    def of(cls, measures: Sequence[Measures], variant: str = PRIMARY,
+           base: dict[str, float] | None = None) -> Study:
         """The finished runs' arms, a run broken as the failure definition (or `variant`)
         says."""
         runs: dict[ArmKey, list[Measures]] = {}
@@ -110,7 +114,7 @@ class Study:
             {s: tuple(m.seed for m in finite(ms, s)) for s in sets},
             tuple(m.seed for m in ms), sum(bool(m.drifted) for m in ms),
             tuple(m.break_step for m in ms if m.broken[variant] and m.break_step is not None))
-            for key, ms in runs.items()})
+            for key, ms in runs.items()}, base)
 
     def arm(self, estimator: str | None, placement: str | None, beta: float, lag: int,
             importance: str = "none") -> Arm | None:
@@ -170,6 +174,9 @@ class Outcome:
     fragile: bool = False    # the verdict differs under a threshold variant (`robust`)
     adjusted: tuple[float, float] = (math.nan, math.nan)  # Holm-adjusted (reproduce, contradict)
     toy: tuple[tuple[str, int], ...] = ()  # (arm name, lag) of the configurations it is about
+    # Under gates: the smallest p the claim's own comparison could reach with these margins; a
+    # contradiction counts only where that reaches Holm's first level (findings.decide).
+    reach: float = 0.0
 
 
 def not_run(claim: str, source: str, setting: str, needs: str) -> Outcome:
@@ -177,7 +184,7 @@ def not_run(claim: str, source: str, setting: str, needs: str) -> Outcome:
 
 
 def outcome(claim, source, setting, rep: Sequence[stats.Test], con: Sequence[stats.Test],
-            alpha: float, evidence: list[str]) -> Outcome:
+            alpha: float, evidence: list[str], reach: float = 0.0) -> Outcome:
     """Intersection-union over `rep` (every test must pass: the largest p), Bonferroni over
     `con` (any one suffices). A side none of whose tests can reach alpha is not testable."""
     rep_ok = bool(rep) and all(t.testable and stats.reaches(t.min_p, alpha) for t in rep)
@@ -185,7 +192,8 @@ def outcome(claim, source, setting, rep: Sequence[stats.Test], con: Sequence[sta
     p_rep = max(t.p for t in rep) if rep_ok else math.nan
     p_con = min(1.0, len(con) * min(t.p for t in con)) if con else math.nan
     status = "tested" if rep_ok or con else "not testable here"
-    return Outcome(claim, source, setting, p_rep, p_con, "; ".join(evidence), status)
+    return Outcome(claim, source, setting, p_rep, p_con, "; ".join(evidence), status,
+                   reach=reach)
 
 
 def accuracy_lines(a: Arm, b: Arm, key: str, label: str, margin: float) -> tuple:

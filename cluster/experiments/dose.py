@@ -15,10 +15,11 @@ findings.py's: an equivalence claim on-policy and the dose-response of breaking.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
-from cluster.experiments import stats
+from cluster.experiments import gates, stats
 from cluster.experiments.arms import (
     Arm,
     Outcome,
@@ -43,10 +44,13 @@ def k1_loss_regularises_nothing(study: Study, beta: float, lag: int, rules: Rule
     if k1l is None or nokl is None or lag != 0:
         return not_run(claim, "klrl (theory, on-policy)", setting,
                        "needs K1 in the loss and the no-KL control at max_lag 0")
-    m = rules.kl_log_margin
+    m, whence = gates.kl_margin(study, beta, lag, rules)
+    if not math.isfinite(m):
+        return outcome(claim, "klrl (theory, on-policy)", setting, [], [], rules.alpha,
+                       [f"{k1l.flags()}; {nokl.flags()}", whence])
     above, below = compare(k1l, nokl, "kl", "greater", -m), compare(k1l, nokl, "kl", "less", m)
     closer = compare(k1l, nokl, "kl", "less", -m)
-    lines = [f"{k1l.flags()}; {nokl.flags()}",
+    lines = [f"{k1l.flags()}; {nokl.flags()}", *([whence] if whence else []),
              f"log KL ratio {below.effect.replace('mean paired difference ', '')}: above "
              f"-{m:.3g}: {above.text}; below +{m:.3g}: {below.text}; below -{m:.3g} "
              f"(regularises): {closer.text}"]
@@ -68,8 +72,10 @@ def kl_keeps_retained(study: Study, beta: float, lag: int, rules: Rules) -> Outc
         return not_run(claim, "klrl (the anchor's premise)", setting,
                        "needs K1 in the reward and the no-KL control at the same lag")
     ahead, short, line = accuracy_lines(k1r, nokl, rules.retained, label, rules.accuracy_margin)
-    return outcome(claim, "klrl (the anchor's premise)", setting, [ahead], [short], rules.alpha,
-                   [f"{k1r.flags()}; {nokl.flags()}", line])
+    decidable, why = gates.moved(study, rules.retained, label, beta, lag, rules)
+    return outcome(claim, "klrl (the anchor's premise)", setting, [ahead] if decidable else [],
+                   [short] if decidable else [], rules.alpha,
+                   [f"{k1r.flags()}; {nokl.flags()}", *([why] if why else []), line])
 
 
 def _time_to_break(arm: Arm) -> str:
@@ -103,9 +109,15 @@ def breaks_with_dose(study: Study, beta: float, lag: int, rules: Rules, configur
     trend = stats.trend([a.broken for a in arms], [a.n for a in arms],
                         [float(i) for i in range(len(doses))])
     top = arms[-1]
-    none_there = stats.binomial(top.broken, top.n, rules.break_rate, "less")
     cells = "; ".join(f"{over} {d:g}: {a.broken}/{a.n} broken (95% upper bound "
                       f"{stats.rate_bound(a.broken, a.n):.2f}; time-to-break {_time_to_break(a)}"
                       f"; {a.drifted} drifted)" for d, a in zip(doses, arms))
+    trend_line = f"{trend.text} (smallest reachable p {trend.min_p:.2g})"
+    if rules.gates is not None:  # the most against the least expected dose, where testable
+        con, line = gates.more_breaks_contradicted(top, arms[0], rules)
+        return outcome(claim, source, setting, [trend], con, rules.alpha,
+                       [cells, trend_line, f"at {over} {doses[-1]:g} against {doses[0]:g}: "
+                        + line], reach=trend.min_p)
+    none_there = stats.binomial(top.broken, top.n, rules.break_rate, "less")
     return outcome(claim, source, setting, [trend], [none_there], rules.alpha,
-                   [cells, trend.text, f"at {over} {doses[-1]:g}: {none_there.text}"])
+                   [cells, trend_line, f"at {over} {doses[-1]:g}: {none_there.text}"])

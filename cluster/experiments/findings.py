@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import get_args
 
-from cluster.experiments import dose, stats
+from cluster.experiments import dose, gates, stats
 from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' vocabulary)
     ARM_KEYS,
     IN,
@@ -78,24 +78,36 @@ def k1_reward_best(study: Study, beta: float, lag: int, rules: Rules) -> Outcome
               if (a := study.arm(e, p, beta, lag))]
     if best is None or len(others) < 3:
         return not_run(claim, source, setting, "needs the four KL configurations")
-    rep, con, lines = [], [], []
+    rep, con, lines, whole = [], [], [], True
     for key, label in ((IN, "in-domain"), (rules.retained, _label(rules))):
+        decidable, why = gates.moved(study, key, label, beta, lag, rules, [best, *others])
+        lines += [why] if why else []
+        whole &= decidable
         for other in others:
             ahead, short, line = accuracy_lines(best, other, key, label, rules.accuracy_margin)
-            rep.append(ahead)
-            con.append(short)
+            if decidable:
+                rep.append(ahead)
+                con.append(short)
             lines.append(line)
-    return outcome(claim, source, setting, rep, con, rules.alpha, lines)
+    # a claim about both sets is reproduced only where both could be decided
+    return outcome(claim, source, setting, rep if whole else [], con, rules.alpha, lines)
 
 
 def _breaks_more(claim: str, source: str, setting: str, a: Arm, b: Arm, rules: Rules) -> Outcome:
-    """a breaks in more of its runs than b (Fisher); contradicted when a's break rate is
-    shown below rules.break_rate (exact binomial)."""
+    """a breaks in more of its runs than b (Fisher). Contradicted, under gates, when the
+    comparison was testable (Outcome.reach) and rate(a) - rate(b) is shown below
+    Gates.break_difference; without gates (as the first two pre-registrations registered it)
+    when a's break rate is shown below rules.break_rate (exact binomial)."""
     more = stats.fisher(a.broken, a.n, b.broken, b.n)
+    lines = [f"{a.flags()}, {b.flags()}: {more.text}, {more.effect} (smallest reachable p "
+             f"{more.min_p:.2g})"]
+    if rules.gates is not None:
+        con, line = gates.more_breaks_contradicted(a, b, rules)
+        return outcome(claim, source, setting, [more], con, rules.alpha, [*lines, line],
+                       reach=more.min_p)
     stable = stats.binomial(a.broken, a.n, rules.break_rate, "less")
     return outcome(claim, source, setting, [more], [stable], rules.alpha,
-                    [f"{a.flags()}, {b.flags()}: {more.text}, {more.effect}",
-                     f"{a.name}: {stable.text}"])
+                   [*lines, f"{a.name}: {stable.text}"])
 
 
 def k1_loss_unstable(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
@@ -137,8 +149,12 @@ def k3_loss_stable_worse_ood(study: Study, beta: float, lag: int, rules: Rules) 
     unstable = stats.binomial(k3l.broken, k3l.n, rules.break_rate, "greater")
     ahead, short, line = accuracy_lines(k1r, k3l, rules.retained, _label(rules),
                                         rules.accuracy_margin)
-    return outcome(claim, source, setting, [stable, ahead], [unstable, short], rules.alpha,
-                    [f"{k3l.name}: {stable.text}", line])
+    decidable, why = gates.moved(study, rules.retained, _label(rules), beta, lag, rules,
+                                 [k1r, k3l])
+    # "stable but worse": reproduced only where "worse" could be decided
+    return outcome(claim, source, setting, [stable, ahead] if decidable else [],
+                   [unstable, short] if decidable else [unstable], rules.alpha,
+                   [f"{k3l.name}: {stable.text}", *([why] if why else []), line])
 
 
 def kl_stabilises_async(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:
@@ -156,13 +172,17 @@ def kl_stabilises_async(study: Study, beta: float, lag: int, rules: Rules) -> Ou
         return not_run(claim, "paper", setting,
                         "needs the no-KL control (kl.beta 0) and K1 in reward at a lag")
     more = stats.fisher(nokl.broken, nokl.n, k1r.broken, k1r.n)
+    head = (f"{nokl.flags()}, {k1r.flags()}: {more.text}, {more.effect} (smallest reachable p "
+            f"{more.min_p:.2g}; 95% upper bound on no KL's break rate "
+            f"{stats.rate_bound(nokl.broken, nokl.n):.2f})")
+    if rules.gates is not None:
+        con, line = gates.more_breaks_contradicted(nokl, k1r, rules)
+        return outcome(claim, "paper", setting, [more], con, rules.alpha, [head, line],
+                       reach=more.min_p)
     breaks = stats.binomial(k1r.broken, k1r.n, rules.break_rate, "greater")
-    evidence = [(f"{nokl.flags()}, {k1r.flags()}: {more.text}, {more.effect} (smallest reachable p "
-                f"{more.min_p:.2g}; 95% upper bound on no KL's break rate "
-                f"{stats.rate_bound(nokl.broken, nokl.n):.2f})"), f"{k1r.name}: {breaks.text}"]
     return outcome(claim, "paper", setting, [more],
                     [breaks] if stats.reaches(more.min_p, rules.alpha) else [], rules.alpha,
-                    evidence)
+                    [head, f"{k1r.name}: {breaks.text}"])
 
 
 def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
@@ -186,9 +206,15 @@ def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
         lines.append(f"{plain.flags()} -> {fixed.flags()}: {more.text}, {more.effect}")
         if stats.reaches(more.min_p, rules.alpha):
             rep.append(more)
-            con.append(stats.binomial(fixed.broken, fixed.n, rules.break_rate, "greater"))
-            lines.append(f"{fixed.name}: {con[-1].text}")
-    return outcome(claim, "klrl", setting, rep, con, rules.alpha, lines)
+            if rules.gates is not None:
+                tests, line = gates.more_breaks_contradicted(plain, fixed, rules)
+                con += tests
+                lines.append(line)
+            else:
+                con.append(stats.binomial(fixed.broken, fixed.n, rules.break_rate, "greater"))
+                lines.append(f"{fixed.name}: {con[-1].text}")
+    reach = max((t.min_p for t in rep), default=0.0) if rules.gates is not None else 0.0
+    return outcome(claim, "klrl", setting, rep, con, rules.alpha, lines, reach=reach)
 
 
 CLAIMS: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
@@ -205,10 +231,24 @@ ON_POLICY = (k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood,
              dose.k1_loss_regularises_nothing)
 
 
+def _testable(o: Outcome, level: float) -> Outcome:
+    """Tarone's rule for a contradiction under gates: a claim whose own comparison could not
+    reach Holm's first `level` with these margins (Outcome.reach) cannot be contradicted by
+    it either; with nothing left to test it is not testable here."""
+    if o.status != "tested" or stats.reaches(o.reach, level):
+        return o
+    note = (f"; not testable: its comparison's smallest reachable p, {o.reach:.2g}, is above "
+            f"Holm's first level {level:.2g}, so seeing no difference shows nothing")
+    return replace(o, contradict=math.nan, evidence=o.evidence + note,
+                   status="tested" if math.isfinite(o.reproduce) else "not testable here")
+
+
 def decide(outcomes: Sequence[Outcome], alpha: float) -> list[Outcome]:
     """Verdicts after Holm's correction across `outcomes` and both directions (one family of
     2 x len(outcomes) p-values: "reproduced" and "contradicted" together keep the family-wise
     error at alpha; claims not run or not testable count in it with p = 1)."""
+    level = alpha / (2 * max(1, len(outcomes)))
+    outcomes = [_testable(o, level) for o in outcomes]
     both = stats.holm([o.reproduce for o in outcomes] + [o.contradict for o in outcomes])
     rep, con = both[:len(outcomes)], both[len(outcomes):]
     out = []
@@ -278,10 +318,12 @@ def about(claim: Callable, lag: int, extra: dict) -> tuple[tuple[str, int], ...]
 
 
 def findings(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
-             variant: str = PRIMARY, family_of_all: bool = False) -> list[Outcome]:
+             variant: str = PRIMARY, family_of_all: bool = False,
+             base: dict[str, float] | None = None) -> list[Outcome]:
     """Every planned claim, decided. `family_of_all`: claims not run here stay in the Holm
-    family (a pre-registration's); otherwise they are listed after it, outside."""
-    study = Study.of(measures, variant)
+    family (a pre-registration's); otherwise they are listed after it, outside. `base`: the
+    base model's accuracy per set on the same problems (the retained gate's reference)."""
+    study = Study.of(measures, variant, base)
     outcomes = [replace(claim(study, beta, lag, rules, **extra), toy=about(claim, lag, extra))
                 for claim, beta, lag, extra in todo]
     if family_of_all:
@@ -292,11 +334,12 @@ def findings(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
 
 
 def robust(measures: Sequence[Measures], rules: Rules, todo: Sequence[tuple],
-           family_of_all: bool = False) -> tuple[list[Outcome], list[str]]:
+           family_of_all: bool = False, base: dict[str, float] | None = None
+           ) -> tuple[list[Outcome], list[str]]:
     """The findings under the failure definition, each marked fragile where a threshold
     variant (rules.sensitivity) changes its verdict, and the sensitivity table (markdown)."""
-    primary = findings(measures, rules, todo, PRIMARY, family_of_all)
-    variants = {v.name: findings(measures, rules, todo, v.name, family_of_all)
+    primary = findings(measures, rules, todo, PRIMARY, family_of_all, base)
+    variants = {v.name: findings(measures, rules, todo, v.name, family_of_all, base)
                 for v in rules.sensitivity}
     marked = [replace(f, fragile=any(v[i].verdict != f.verdict for v in variants.values()))
               for i, f in enumerate(primary)]
@@ -318,20 +361,40 @@ class ToyRows:
     beta: float          # the beta its toy trained at
 
 
-def findings_markdown(found: Sequence[Outcome], toy: ToyRows | None = None) -> list[str]:
+def _adjusted(f: Outcome) -> str:
+    return " / ".join("-" if not math.isfinite(p) else f"{p:.2g}" for p in f.adjusted)
+
+
+def findings_markdown(found: Sequence[Outcome], toy: ToyRows | None = None,
+                      gated: Sequence[Outcome] | None = None) -> list[str]:
     """The claims table; with `toy`, a column linking the rows of the configurations each
-    claim is about (Outcome.toy) that the toy's table has."""
+    claim is about (Outcome.toy) that the toy's table has. With `gated` (the same claims
+    decided under prereg.Gates, for a pre-registration that registered none), both verdicts
+    side by side and the gated evidence, which says what each gate saw."""
     if not found:
         return ["No finished run with a KL penalty: no claim to test."]
-    head = ("| claim | from | setting | verdict | Holm-adjusted p (reproduce / contradict) | "
-            "evidence (mean ± standard error over seeds; each test's statistics) |")
+    if gated is not None:
+        head = ("| claim | from | setting | verdict as registered | verdict under the gates "
+                "(a rule change made after the runs) | Holm-adjusted p (reproduce / "
+                "contradict): registered; gated | evidence (mean ± standard error over seeds; "
+                "each test's statistics; what each gate saw) |")
+    else:
+        head = ("| claim | from | setting | verdict | Holm-adjusted p (reproduce / contradict) "
+                "| evidence (mean ± standard error over seeds; each test's statistics) |")
     lines = [head + (f" the toy at beta {toy.beta:g}: where theory expects it to end |"
                      if toy else ""),
-             "|---|---|---|---|---|---|" + ("---|" if toy else "")]
-    for f in found:
-        adj = " / ".join("-" if not math.isfinite(p) else f"{p:.2g}" for p in f.adjusted)
+             "|---|---|---|---|---|---|" + ("---|" if gated is not None else "")
+             + ("---|" if toy else "")]
+    for i, f in enumerate(found):
         verdict = f"**{f.verdict}**" + (" (fragile)" if f.fragile else "")
-        row = f"| {f.claim} | {f.source} | {f.setting} | {verdict} | {adj} | {f.evidence} |"
+        if gated is not None:
+            g = gated[i]
+            verdict += f" | **{g.verdict}**" + (" (fragile)" if g.fragile else "")
+            row = (f"| {f.claim} | {f.source} | {f.setting} | {verdict} | {_adjusted(f)}; "
+                   f"{_adjusted(g)} | {g.evidence} |")
+        else:
+            row = f"| {f.claim} | {f.source} | {f.setting} | {verdict} | {_adjusted(f)} | " \
+                f"{f.evidence} |"
         if toy:
             links = [f"[{name}, lag {lag}]({toy.path}#{a})" for name, lag in f.toy
                      if (a := toy_anchor(name, lag)) in toy.anchors]

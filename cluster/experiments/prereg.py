@@ -96,6 +96,36 @@ def _default_variants() -> list[Variant]:
                     kinds=[*INSTABILITY, "kl_drift"])]
 
 
+class Gates(_Strict):
+    """When a claim can be decided at all (issue 63): a comparison of break rates is
+    contradicted only where it was testable and the difference is shown below a margin, an
+    accuracy comparison is decided only on a set that moved, and the KL equivalence margin is a
+    share of what a working regulariser does. The first two pre-registrations had none of these
+    (`Rules.gates` null); their reports show the verdicts as registered beside the verdicts
+    under these gates, a change made after their runs."""
+
+    break_difference: float = Field(0.5, gt=0, le=1, description="'X breaks more than Y' (a "
+                                    "dose trend: the most against the least expected dose) is "
+                                    "contradicted only when the comparison could have been "
+                                    "reproduced at Holm's first level (Tarone) and the upper "
+                                    "confidence bound of rate(X) - rate(Y) is shown below this.")
+    retained_loss: float = Field(2.0, ge=1, le=50, description="A comparison on the retained "
+                                 "set is decided only where the no-KL control at that lag lost "
+                                 "at least this many accuracy margins of it against the base "
+                                 "model (base_eval.json): otherwise nothing was forgotten, and "
+                                 "no configuration can keep more of it.")
+    placement_moved: float = Field(1.0, ge=0, le=50, description="A comparison between KL "
+                                   "configurations on any other set is decided only where K1 in "
+                                   "the reward and the no-KL control at that lag differ there by "
+                                   "at least this many accuracy margins: otherwise the KL "
+                                   "changed nothing there to place well or badly.")
+    kl_margin_share: float = Field(0.5, gt=0, le=1, description="The KL equivalence margin, as "
+                                   "a share of the paired log-KL effect of K1 in the reward "
+                                   "against no KL at the same setting (a working regulariser's "
+                                   "effect): 'the same distance' means within half of what a "
+                                   "working regulariser does, not a fixed ratio.")
+
+
 class Rules(_Strict):
     """The decision rules of the findings (docs/sweeps.md, Findings)."""
 
@@ -128,6 +158,10 @@ class Rules(_Strict):
         default_factory=lambda: ["in_domain", "out_of_domain"], min_length=1,
         description="The evaluation sets of the final checkpoint's evaluation (those the "
         "claims compare; a set the runs do not evaluate is left out).")
+    gates: Gates | None = Field(None, description="Testability and measurability gates "
+                                "(null: none, as the first two pre-registrations registered "
+                                "their rules; kept to recompute their registered verdicts). "
+                                "Exploratory reports and new pre-registrations use them.")
     failure: FailureRule = Field(default_factory=FailureRule, description="The failure "
                                  "definition of every claim.")
     sensitivity: list[Variant] = Field(default_factory=_default_variants, max_length=10,
@@ -142,7 +176,8 @@ def exploratory_rules(runs: Iterable[RunData]) -> Rules:
     forget), else on out_of_domain as before."""
     evaluated = {name for run in runs for name in run.evaluated_sets}
     sets = [name for name in EVAL_SETS if name in evaluated] or Rules().final_sets
-    return Rules(final_sets=sets, retained="retained" if "retained" in sets else Rules().retained)
+    return Rules(final_sets=sets, retained="retained" if "retained" in sets else Rules().retained,
+                 gates=Gates())
 
 
 class ClaimSpec(_Strict):

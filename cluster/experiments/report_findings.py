@@ -28,6 +28,7 @@ from cluster.experiments.measures import (
     write_csv,
 )
 from cluster.experiments.prereg import (
+    Gates,
     Preregistration,
     Rules,
     file_commit,
@@ -115,17 +116,30 @@ def _prereg_head(cfg, prereg: Preregistration, sweep: str, runs: list[RunData]) 
 
 
 def directory_findings(runs: list[RunData], groups: dict, prereg: Preregistration | None,
-                       sweep: str) -> tuple[list[Measures], list[Measures], list, list[str]]:
-    """(every run's measures, those the findings use, the findings, the sensitivity table):
-    the pre-registration's claims and seeds, or (None) exploratory ones (rules_of)."""
+                       sweep: str, base: dict | None = None
+                       ) -> tuple[list[Measures], list[Measures], list, list[str], list | None]:
+    """(every run's measures, those the findings use, the findings, the sensitivity table, the
+    same findings under prereg.Gates where the pre-registration registered none, else None):
+    the pre-registration's claims and seeds, or (None) exploratory ones (rules_of). `base`:
+    base_eval.json's contents (the retained gate's reference)."""
     rules = rules_of(prereg, runs)
     label = {r.name: lab for lab, g in groups.items() for r in g}
     measures = [measure(r, label[r.name], run_commit(r), rules) for r in runs]
     used = [m for m in measures if prereg is None
             or prereg.registered(sweep, m.seed, m.config.get("total_steps"))]
     todo = fnd.plan(fnd.Study.of(used), prereg, sweep)
-    found, sensitivity = fnd.robust(used, rules, todo, family_of_all=prereg is not None)
-    return measures, used, found, sensitivity
+    accuracy = base_accuracy(base)
+    found, sensitivity = fnd.robust(used, rules, todo, prereg is not None, accuracy)
+    gated = None
+    if rules.gates is None:
+        gated, _ = fnd.robust(used, rules.model_copy(update={"gates": Gates()}), todo,
+                              prereg is not None, accuracy)
+    return measures, used, found, sensitivity, gated
+
+
+def base_accuracy(base: dict | None) -> dict[str, float]:
+    """set -> the base model's accuracy, from base_eval.json's contents (empty without)."""
+    return {k: v["accuracy"] for k, v in (base or {}).get("sets", {}).items()}
 
 
 def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Path
@@ -137,9 +151,10 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     if prereg and sweep not in prereg.sweeps:
         raise ConfigError(f"report.preregistration: {cfg.preregistration} has no claims for "
                           f"sweep {sweep!r} (it lists {', '.join(prereg.sweeps)})")
-    measures, used, found, sensitivity = directory_findings(runs, groups, prereg, sweep)
-    write_csv(measures, out / CSV_FILE, [v.name for v in rules.sensitivity])
     base = _base_eval(path, out, rules)
+    measures, used, found, sensitivity, gated = directory_findings(runs, groups, prereg, sweep,
+                                                                   base)
+    write_csv(measures, out / CSV_FILE, [v.name for v in rules.sensitivity])
     md = ["## Findings", ""]
     md += _prereg_head(cfg, prereg, sweep, runs) if prereg else [
         ("**Exploratory**: no pre-registration (`report.preregistration`), so the claims "
@@ -149,7 +164,12 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     md += ["", *_deviations(measures, used, prereg, rules, sweep), *_pooled(runs),
            *(_seed_sd_lines(used, prereg, family) if prereg else []),
            *(_rules_text(rules, family) if family else ["No claim could be tested on these runs."]),
-           "", *_tally(found), *fnd.findings_markdown(found, _toy_table(out)), "",
+           *(gates_text(Gates(), registered=False) if gated is not None else
+             gates_text(rules.gates, registered=True) if rules.gates is not None and family
+             else []),
+           "", *_tally(found, "as registered" if gated is not None else ""),
+           *(_tally(gated, "under the gates") if gated is not None else []),
+           *fnd.findings_markdown(found, _toy_table(out), gated), "",
            "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
@@ -169,11 +189,30 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     return md, measures, quote
 
 
-def _tally(found) -> list[str]:
-    """One line above the claims table: how many claims got each verdict."""
+def _tally(found, how: str = "") -> list[str]:
+    """One line above the claims table: how many claims got each verdict (`how`: under which
+    rules, where the table shows two)."""
     counts = Counter(f.verdict for f in found)  # in the order the verdicts first appear
-    return [f"{len(found)} claim(s): " + ", ".join(f"{n} {v}" for v, n in counts.items())
-            + ".", ""] if found else []
+    return [f"{len(found)} claim(s){' ' + how if how else ''}: "
+            + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".", ""] if found else []
+
+
+def gates_text(gates: Gates, registered: bool) -> list[str]:
+    """The gates in words (prereg.Gates): registered with the claims, or (not `registered`)
+    applied beside the registered rules as a change made after the runs (issue 63)."""
+    when = "part of the rules above" if registered else (
+        "**not** registered: a change of the rules made after these runs (issue 63), shown "
+        "beside the registered verdicts, never instead of them")
+    return ["", (f"Gates ({when}; docs/sweeps.md, Gates): a comparison of break rates is "
+                 f"contradicted only where its own test could have reproduced it at Holm's "
+                 f"first level (Tarone) and the 95%-style upper bound of the difference of "
+                 f"rates is shown below {gates.break_difference:g} (Newcombe's score "
+                 f"interval); an accuracy comparison on the retained set is decided only where "
+                 f"the no-KL control lost at least {gates.retained_loss:g} accuracy margins "
+                 f"of it against the base model, on another set only where K1 in the reward "
+                 f"and no KL differ there by at least {gates.placement_moved:g} margin(s); "
+                 f"the KL equivalence margin is {gates.kl_margin_share:g} x the log-KL effect "
+                 "of K1 in the reward against no KL at the same setting.")]
 
 
 TOY_TABLE = REPO_ROOT / "docs" / "sweeps" / "toy" / "table.md"  # `klrl kl-fixed-points`'s
@@ -306,8 +345,10 @@ def _rules_text(rules: Rules, m: int) -> list[str]:
             f"{rules.break_rate:g} by the exact binomial test, a dose trend by the "
             f"Cochran-Armitage test; Holm's correction across the {m} claims of the family and "
             f"both directions ({2 * m} p-values) at alpha = {rules.alpha:g}; 'contradicted' "
-            f"needs an accuracy lead shown below {rules.accuracy_margin:g} or a break rate "
-            f"shown on the wrong side of {rules.break_rate:g}. A run is broken when "
+            f"needs an accuracy lead shown below {rules.accuracy_margin:g} or "
+            + (f"a break rate shown on the wrong side of {rules.break_rate:g}"
+               if rules.gates is None else "a difference of break rates shown below the "
+               "gates' margin (below)") + ". A run is broken when "
             f"{'; or '.join(kinds)}.{drift}")]
 
 

@@ -37,7 +37,7 @@ class Test:
     a group for Welch's t); `min_p` is the smallest p-value the test could have given with
     these group sizes and (Fisher) these margins, whatever the outcome."""
 
-    kind: Literal["welch", "paired", "fisher", "binomial", "trend"]
+    kind: Literal["welch", "paired", "fisher", "binomial", "trend", "difference"]
     p: float
     min_p: float
     text: str      # the statistic, its degrees of freedom and p, as the report prints them
@@ -170,6 +170,76 @@ def binomial(broken: int, n: int, rate: float, alternative: Alternative) -> Test
     min_p = float(st.binomtest(extreme, n, rate, alternative=alternative).pvalue)
     return Test("binomial", p, min_p, f"{broken}/{n} broken, binomial one-sided ({alternative} "
                 f"than {rate:g}) {_p(p)}", f"rate {broken / n:.2f}")
+
+
+def _wilson(x: int, n: int, z: float) -> tuple[float, float]:
+    """Wilson's score interval of a rate x/n at normal quantile z."""
+    p, z2 = x / n, z * z
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), \
+        z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def difference_upper(x_a: int, n_a: int, x_b: int, n_b: int, z: float) -> float:
+    """Newcombe's hybrid score upper bound of rate(a) - rate(b) at normal quantile z (his
+    method 10: each rate's Wilson interval, combined as a square root of squares), one-sided
+    confidence Phi(z). Near its nominal coverage at small n where the Wald interval is not."""
+    pa, pb = x_a / n_a, x_b / n_b
+    ua, lb = _wilson(x_a, n_a, z)[1], _wilson(x_b, n_b, z)[0]
+    return pa - pb + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
+
+
+def _newcombe_p(x_a: int, n_a: int, x_b: int, n_b: int, delta: float) -> float:
+    """The one-sided level at which Newcombe's upper bound of rate(a) - rate(b) reaches
+    `delta` (bisection on the quantile: the bound falls as the level rises); 1 when the
+    observed difference is delta or more. Approximate: the ordering of the exact test below."""
+    if x_a / n_a - x_b / n_b >= delta:
+        return 1.0
+    low, high = 0.0, 40.0
+    if difference_upper(x_a, n_a, x_b, n_b, high) < delta:
+        return 0.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if difference_upper(x_a, n_a, x_b, n_b, mid) < delta \
+            else (low, mid)
+    return float(st.norm.sf(low))
+
+
+@functools.lru_cache(maxsize=64)
+def _difference_null(n_a: int, n_b: int, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """(every table's Newcombe p, (n_a + 1) x (n_b + 1); each table's probability at each
+    nuisance value on the null's boundary rate(a) = rate(b) + delta, as a matrix of the
+    nuisance grid by (x_a, x_b))."""
+    order = np.array([[_newcombe_p(x, n_a, y, n_b, delta) for y in range(n_b + 1)]
+                      for x in range(n_a + 1)])
+    rate_b = np.linspace(0.0, 1.0 - delta, 501)
+    pa = st.binom.pmf(np.arange(n_a + 1)[:, None], n_a, rate_b[None, :] + delta)
+    pb = st.binom.pmf(np.arange(n_b + 1)[:, None], n_b, rate_b[None, :])
+    return order, np.einsum("xg,yg->gxy", pa, pb)
+
+
+@functools.lru_cache(maxsize=4096)
+def rate_difference_below(broken_a: int, n_a: int, broken_b: int, n_b: int, delta: float
+                          ) -> Test:
+    """The exact unconditional test that rate(a) - rate(b) is below `delta`: tables are
+    ordered by Newcombe's approximate p (difference_upper), and the p-value is the largest
+    probability, over the nuisance rate on the null's boundary rate(a) - rate(b) = delta, of a
+    table at least as extreme as the one seen. Exact where Newcombe's interval alone is not
+    (at 16 runs a side it passes 0.01 about twice as often as it should). `min_p`: that of the
+    most extreme table (a never breaks, b always). What contradicts "a breaks more than b" by
+    a registered delta (gates.py), only where the comparison itself was testable."""
+    order, null = _difference_null(n_a, n_b, delta)
+
+    def p_of(xa: int, xb: int) -> float:
+        extreme = order <= order[xa, xb] * (1 + 1e-12)
+        return float(min(1.0, (null * extreme[None]).sum(axis=(1, 2)).max()))
+
+    p = p_of(broken_a, broken_b) if broken_a / n_a - broken_b / n_b < delta else 1.0
+    bound = difference_upper(broken_a, n_a, broken_b, n_b, float(st.norm.isf(0.05)))
+    return Test("difference", p, p_of(0, n_b), f"{broken_a}/{n_a} vs {broken_b}/{n_b} broken: "
+                f"difference of rates below {delta:g}, exact unconditional one-sided {_p(p)}",
+                f"difference {broken_a / n_a - broken_b / n_b:+.2f} (Newcombe's 95% upper "
+                f"bound {bound:+.2f})")
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
