@@ -20,19 +20,28 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
+import yaml
+
+from cluster.config.loader import REPO_ROOT
 from cluster.experiments import findings as fnd
 from cluster.experiments.measures import (PRIMARY, Measures, accuracy_kl_correlation,
                                           observed_paired_sd, observed_seed_sd, seed_share,
                                           trained)
-from cluster.experiments.prereg import load_preregistration
+from cluster.experiments.prereg import Gates, load_preregistration
+from cluster.experiments.report_findings import base_accuracy, gates_text
+from cluster.experiments.runs import BASE_EVAL_FILE
 from cluster.experiments.stats import paired_detectable_lead, unpaired_detectable_lead
 
-_LABEL = re.compile(r"^(?P<est>k\d)-(?P<place>[a-z+]+)-is_(?P<imp>[a-z]+)-b(?P<beta>[\d.]+)"
-                    r"-lag(?P<lag>\d+)$")
+# A configuration's label names only the keys that vary in its sweep (labels.py): the rest
+# come from the sweep file's overrides (sweep_defaults).
+_LABEL = re.compile(r"^(?P<est>k\d)-(?P<place>[a-z+]+)(-is_(?P<imp>[a-z]+))?-b(?P<beta>[\d.]+)"
+                    r"(-lag(?P<lag>\d+))?$")
 _STEP = re.compile(r"at step (\d+)")
 
 
@@ -40,9 +49,21 @@ def _number(text: str) -> float:
     return float(text) if text not in ("", None) else math.nan
 
 
-def read_runs_csv(path: Path, drift_breaks: bool = False) -> list[Measures]:
+def sweep_defaults(sweep: str) -> dict:
+    """The claim keys a sweep's labels leave out (held fixed by its overrides): importance
+    and max_lag from configs/sweeps/<sweep>.yaml where it exists, else none and 0."""
+    file = REPO_ROOT / "configs" / "sweeps" / f"{sweep}.yaml"
+    fixed = (yaml.safe_load(file.read_text()) or {}).get("overrides", {}) \
+        if file.is_file() else {}
+    return {"imp": fixed.get("kl.importance", "none"), "lag": fixed.get("max_lag", 0)}
+
+
+def read_runs_csv(path: Path, drift_breaks: bool = False, defaults: dict | None = None
+                  ) -> list[Measures]:
     """Measures from runs.csv; its "broken" column under the current failure definition
-    (a KL blow-up counts only with `drift_breaks`, the first pre-registration's rule)."""
+    (a KL blow-up counts only with `drift_breaks`, the first pre-registration's rule).
+    `defaults`: the keys a label leaves out (sweep_defaults)."""
+    fixed = defaults or {"imp": "none", "lag": 0}
     out = []
     for row in csv.DictReader(path.open()):
         m = _LABEL.match(row["configuration"])
@@ -50,8 +71,8 @@ def read_runs_csv(path: Path, drift_breaks: bool = False) -> list[Measures]:
             raise ValueError(f"{path}: configuration {row['configuration']!r} is not "
                              "<est>-<placement>-is_<importance>-b<beta>-lag<lag>")
         config = {"kl.estimator": m["est"], "kl.placement": m["place"],
-                  "kl.importance": m["imp"], "kl.beta": float(m["beta"]),
-                  "max_lag": int(m["lag"]), "seed": int(row["seed"])}
+                  "kl.importance": m["imp"] or fixed["imp"], "kl.beta": float(m["beta"]),
+                  "max_lag": int(m["lag"] or fixed["lag"]), "seed": int(row["seed"])}
         why = row["broken"]
         drift = why.startswith("KL blow-up")
         broken = why if why and (drift_breaks or not drift) else ""
@@ -66,14 +87,28 @@ def read_runs_csv(path: Path, drift_breaks: bool = False) -> list[Measures]:
     return out
 
 
+def base_of(path: Path) -> dict[str, float]:
+    """The base model's accuracy per set from the base_eval.json beside a runs.csv (empty
+    without one): the retained gate's reference."""
+    source = path.with_name(BASE_EVAL_FILE)
+    return base_accuracy(json.loads(source.read_text())) if source.is_file() else {}
+
+
 def reread(path: Path, preregistration: str, sweep: str, drift_breaks: bool = False
            ) -> list[str]:
-    """Markdown: the claims of `sweep` in the pre-registration, decided on runs.csv."""
+    """Markdown: the claims of `sweep` in the pre-registration, decided on runs.csv; where the
+    pre-registration registered no gates, beside the same claims under prereg.Gates (a rule
+    change made after the runs, issue 63)."""
     prereg = load_preregistration(preregistration)
     rules = prereg.rules.model_copy(update={"sensitivity": []})
-    measures = [m for m in read_runs_csv(path, drift_breaks) if m.seed in prereg.seeds]
+    measures = [m for m in read_runs_csv(path, drift_breaks, sweep_defaults(sweep))
+                if m.seed in prereg.seeds]
     todo = fnd.plan(fnd.Study.of(measures), prereg, sweep)
-    found = fnd.findings(measures, rules, todo, family_of_all=True)
+    base = base_of(path)
+    found = fnd.findings(measures, rules, todo, family_of_all=True, base=base)
+    gated = None if rules.gates is not None else fnd.findings(
+        measures, rules.model_copy(update={"gates": Gates()}), todo, family_of_all=True,
+        base=base)
     rule = "a KL blow-up counted as a break (the first rule)" if drift_breaks else \
         "a KL blow-up is drift, not a break (the current rule)"
     drifted = {m.configuration for m in measures if m.drifted}
@@ -88,7 +123,16 @@ def reread(path: Path, preregistration: str, sweep: str, drift_breaks: bool = Fa
             f"{len(measures)} runs of `{path}`, claims and seeds of `{preregistration}`; paired "
             f"by seed, one Holm family of {2 * len(found)} p-values (both directions) at alpha "
             f"{rules.alpha:g}. Exploratory: these rules were written after the runs were read.",
-            "", *fnd.findings_markdown(found), *unknown, ""]
+            "", *_tallies(found, gated), *(gates_text(Gates(), registered=False)[1:] + [""]
+                                           if gated is not None else []),
+            *fnd.findings_markdown(found, gated=gated), *unknown, ""]
+
+
+def _tallies(found, gated) -> list[str]:
+    def count(outcomes):
+        return ", ".join(f"{n} {v}" for v, n in Counter(o.verdict for o in outcomes).items())
+    return [f"{len(found)} claim(s) as registered: {count(found)}."
+            + (f" Under the gates: {count(gated)}." if gated is not None else ""), ""]
 
 
 def what_the_design_saw(path: Path, preregistration: str, sweep: str) -> list[str]:
@@ -100,7 +144,8 @@ def what_the_design_saw(path: Path, preregistration: str, sweep: str) -> list[st
     seeds match the paired lead, each seed's mean, and the correlation of final accuracy with
     log KL at the end, over all these runs and within seed. Descriptive."""
     prereg = load_preregistration(preregistration)
-    measures = [m for m in read_runs_csv(path, drift_breaks=True) if m.seed in prereg.seeds]
+    measures = [m for m in read_runs_csv(path, True, sweep_defaults(sweep))
+                if m.seed in prereg.seeds]
     runs, claims = trained(measures), len(fnd.plan(fnd.Study.of(measures), prereg, sweep))
     sets = [s for s in ("in_domain", "out_of_domain") if any(s in m.accuracy for m in runs)]
     seeds = len({m.seed for m in runs})
