@@ -19,7 +19,7 @@ def model_for(path: Path):
         return KLTableConfig
     if path.parent.name == "sweeps":
         return SweepConfig
-    if path.name == "tiny_cpu.yaml" or path.parent.name == "paper":
+    if path.name.startswith("tiny_cpu") or path.parent.name == "paper":
         return TrainConfig
     raise AssertionError(f"no config model is registered for {path}; add it to model_for()")
 
