@@ -17,6 +17,8 @@ from cluster.config.loader import ConfigError
 from cluster.experiments.keep import (
     KEPT_FILE,
     check_store,
+    compact_row,
+    compact_store,
     is_kept,
     keep_base_eval,
     keep_run,
@@ -76,7 +78,8 @@ def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
     assert (sweep_dir(fresh) / BASE_EVAL_FILE).read_text() == '{"sets": {}}'
     a, b = load_run(original), load_run(back)
     assert set(a.rows) == set(b.rows) == {1, 2, 3}
-    assert a.rows[3] == b.rows[3] and b.rows[2]["kl/pi_ref"] != b.rows[2]["kl/pi_ref"]  # NaN kept
+    assert b.rows[3] == compact_row(a.rows[3])  # the report's keys, as keep.py compacts them
+    assert b.rows[2]["kl/pi_ref"] != b.rows[2]["kl/pi_ref"]  # NaN kept
     assert (a.config, a.finished, a.final_eval) == (b.config, b.finished, b.final_eval)
     assert (back / "provenance.jsonl").read_text() == (original / "provenance.jsonl").read_text()
     assert "restored_from" in json.loads((back / KEPT_FILE).read_text())
@@ -304,3 +307,48 @@ def test_a_put_back_run_asked_for_another_evaluation_fails_saying_why(
     assert child.evaluated == []  # asked for 1000 problems: none started
     err = capsys.readouterr().err
     assert "FAILED: s0 was put back by --keep without its weights" in err
+
+
+def test_kept_records_are_compact_and_give_the_same_report(tmp_path):
+    """What a kept run loses (every metric the report does not read; digits past the sixth of
+    those it reads but does not average into runs.csv) changes nothing in the report: its
+    findings, runs.csv and flags are the same from the kept copy as from the run itself. A
+    non-finite value of an unread key is kept (the report's non-finite check reads every key),
+    and compacting a store twice changes nothing."""
+    import math
+
+    from test_report import write_run
+
+    from cluster.experiments.report import ReportConfig, write_report
+
+    extra = {s: {"time/step": 0.123456789 * s, "policy/entropy": 1 / 3} for s in range(1, 31)}
+    extra[17] = extra[17] | {"loss/kl": float("inf")}
+    originals = tmp_path / "own" / "sweep"  # the same name: the report is titled by it
+    for est, place, seed in (("k1", "reward", 0), ("k1", "reward", 1), ("k3", "loss", 0),
+                             ("k3", "loss", 1)):
+        write_run(originals / f"{est}-{place}-s{seed}", est, place, 4, seed, steps=30,
+                  kl=lambda s: 0.0123456789 * s, extra=extra)
+    store = tmp_path / "kept"
+    restored = tmp_path / "back" / "sweep"
+    for run in originals.iterdir():
+        (run / FINAL_EVAL_FILE).write_text(json.dumps(
+            {"problems": 10, "seed": 1, "sets": {"in_domain": {"accuracy": 0.4}}}))
+        (run / "provenance.jsonl").write_text("")
+        keep_run(run, store)
+    assert compact_store(store) == 4  # idempotent: compacting compact records again
+    restore_runs(store, restored)
+    row = load_run(restored / "k1-reward-s0").rows[17]
+    assert "time/step" not in row and math.isinf(row["loss/kl"])
+    assert row["kl/pi_ref"] == 0.0123456789 * 17  # averaged into runs.csv: kept as logged
+    assert row["grad/norm"] == float(f"{2.0 + math.sin(17):.6g}")
+    cfg = ReportConfig(figures=False)
+
+    def text(root):
+        md = write_report(root, cfg).read_text().splitlines()
+        return [line for line in md if "Written " not in line], \
+            (root / "report" / "runs.csv").read_text()
+
+    assert text(originals) == text(restored)
+    kept_bytes = sum(p.stat().st_size for p in store.rglob("metrics.jsonl.gz"))
+    own_bytes = sum(p.stat().st_size for p in originals.rglob("metrics.jsonl"))
+    assert kept_bytes < own_bytes / 4

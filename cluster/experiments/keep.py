@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import shutil
 import time
@@ -43,6 +44,22 @@ from cluster.train.run_log import (
 )
 from cluster.train.door.paths import check_creatable
 
+# What `klrl report` reads of a run's metrics, kept at every step: the failure rule and the
+# measures (runs.py, measures.py: eval/, kl/pi_ref, grad/norm, reward/mean, nonfinite,
+# lag/mean), the plots' panels (report_plots.py), the KL metric check (report.py: every kl/
+# key) and the x axis (rollout/policy_version), and faults/ (what a report says of restarts).
+# Values to 6 significant digits (a threshold of the failure rule sits far from that
+# precision), but those runs.csv averages (_EXACT_KEYS) as logged, so that a report from kept
+# records prints the same .6g figures as one from the run's own. Any other key is kept only
+# at a step where it is not finite, which runs.nonfinite_steps reads. tests/test_keep.py
+# checks that a report from compacted records equals the report from the run's own.
+_REPORT_KEYS = frozenset({
+    "step", "policy_version", "rollout/policy_version", "reward/mean", "grad/norm", "nonfinite",
+    "lag/mean", "is/ratio_min", "is/ratio_max", "is/tis_clipped_frac",
+    "is/ppo_clip_clipped_frac", "is/masked_token_frac", "is/masked_sample_frac",
+    "is/truncated_frac"})
+_REPORT_PREFIXES = ("eval/", "kl/", "faults/")
+_EXACT_KEYS = frozenset({"kl/pi_ref", "lag/mean"})  # measures.py: kl_end, lag_mean
 KEPT_FILE = "kept.json"  # in a kept run, and in a run put back: when, from where, what is left out
 _PLAIN = (CONFIG_FILE, PROVENANCE_FILE, FINAL_EVAL_FILE)  # copied as they are
 _METRICS_GZ = METRICS_FILE + ".gz"
@@ -95,16 +112,51 @@ def keep_run(run_dir: Path, store: Path) -> Path:
         _copy_records(run_dir, staging)
         # mtime=0: the same run gives the same bytes, so a commit of the store changes only
         # where a run did
-        with open(run_dir / METRICS_FILE, "rb") as src, \
-                open(staging / _METRICS_GZ, "wb") as raw, \
-                gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
-            shutil.copyfileobj(src, out)
+        write_compact(run_dir / METRICS_FILE, staging / _METRICS_GZ)
         (staging / KEPT_FILE).write_text(json.dumps({
             "finished_at": end, "kept_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "from": str(run_dir.resolve()), "weights": "not kept"}, indent=1) + "\n")
 
     _write_staged(dest, dest.with_name(f".{dest.name}.partial"), fill)
     return dest
+
+
+def compact_row(row: dict) -> dict:
+    """A metrics row as kept: the report's keys (rounded), and any other non-finite value."""
+    out = {}
+    for key, value in row.items():
+        wanted = key in _REPORT_KEYS or key.startswith(_REPORT_PREFIXES)
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if wanted:
+            rounded = isinstance(value, float) and finite and key not in _EXACT_KEYS
+            out[key] = float(f"{value:.6g}") if rounded else value
+        elif not finite:
+            out[key] = value
+    return out
+
+
+def write_compact(metrics: Path, dest: Path) -> None:
+    """metrics.jsonl (plain or gzipped) -> `dest`, gzipped, each row compact_row's. mtime=0:
+    the same run gives the same bytes, so a commit of the store changes only where a run
+    did."""
+    opener = gzip.open if metrics.suffix == ".gz" else open
+    with opener(metrics, "rt") as src:
+        rows = [json.loads(line) for line in src if line.strip()]
+    with open(dest, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+        for row in rows:
+            out.write((json.dumps(compact_row(row), separators=(",", ":")) + "\n").encode())
+
+
+def compact_store(store: Path) -> int:
+    """Rewrite every kept run's metrics in `store` as write_compact does (records kept before
+    compaction existed); returns how many. Idempotent."""
+    runs = kept_runs(store)
+    for name in runs:
+        gz = store / name / _METRICS_GZ
+        staged = gz.with_name(gz.name + ".partial")
+        write_compact(gz, staged)
+        staged.replace(gz)
+    return len(runs)
 
 
 def keep_base_eval(sweep_root: Path, store: Path) -> bool:
