@@ -12,7 +12,10 @@ klrl's off-policy extension of it, and says so.
 
 Each claim gives two p-values (`Outcome`): one for the evidence it predicts (`reproduce`), one
 for the opposite beyond an equivalence bound (`contradict`: an accuracy lead shown to be smaller
-than `Rules.accuracy_margin`, or a break rate shown on the wrong side of `Rules.break_rate`).
+than `Rules.accuracy_margin`, or, under `Rules.gates` (gates.py), a difference of break rates
+shown below the gates' margin where the comparison was testable; without gates, as the first
+two pre-registrations registered it, a break rate shown on the wrong side of
+`Rules.break_rate`). Under gates an accuracy comparison on a set nothing moved is not made.
 A claim made of several comparisons is reproduced only when each is (intersection-union: its
 p-value is the largest), and contradicted when any one is (Bonferroni within the claim). Holm's
 correction then runs across the claims, over both directions in one family (2 x claims
@@ -23,7 +26,8 @@ p-values), so that the family-wise error of a sweep's verdicts, "reproduced" and
 - *contradicted*: otherwise, the Holm-adjusted contradiction p-value is at most alpha;
 - *inconclusive*: neither;
 - *not testable here*: no outcome of this design could decide it (a break comparison whose
-  break counts leave no table extreme enough, e.g. a control that never broke: Tarone's rule);
+  break counts leave no table extreme enough, e.g. a control that never broke: Tarone's rule,
+  at Holm's first level under gates; an accuracy claim on sets nothing moved);
 - *not run here*: its configurations are not in the directory.
 
 The rules of each claim are in its function's docstring and in docs/sweeps.md.
