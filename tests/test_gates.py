@@ -159,3 +159,72 @@ def test_the_kl_equivalence_margin_is_a_share_of_a_working_regulariser():
     assert _decided(weak, claim, GATED) != ["reproduced"]
     o = dose.k1_loss_regularises_nothing(weak, 0.3, 0, GATED)
     assert "0.5 x |-0.262|" in o.evidence
+
+
+def _runs(name, n, broke_at=None, last=1000, curves=None, acc=0.7):
+    """An arm whose runs break at the steps in `broke_at` (None: censored at `last`)."""
+    arm = _arm(name, sum(b is not None for b in (broke_at or [])), n, acc)
+    times = tuple((b, True) if b is not None else (last, False)
+                  for b in (broke_at or [None] * n))
+    return Arm(arm.name, arm.accuracy, arm.broken, n, arm.kl_end, arm.seeds, arm.kl_seeds,
+               times=times, curves=curves or {})
+
+
+def test_the_time_to_break_separates_early_from_late_breaks():
+    """No KL breaks in 8 of 10 runs at steps 100-170, K1 in the reward in 3 at 700-720: the
+    log-rank test reproduces "KL delays breaking"; with the same times on both sides it does
+    not. Not testable where nothing broke."""
+    from cluster.experiments import claims_async as ca
+
+    def study(nokl, k1r):
+        return Study({(None, None, "none", 0.0, 8): nokl, ("k1", "reward", "none", 0.3, 8): k1r})
+
+    early = [100 + 10 * i for i in range(8)] + [None, None]
+    late = [700, 710, 720] + [None] * 7
+    claim = [(ca.kl_delays_breaks, 0.3, 8, {})]
+    assert _decided(study(_runs("no KL", 10, early), _runs("K1 in reward", 10, late)), claim,
+                    GATED) == ["reproduced"]
+    assert _decided(study(_runs("no KL", 10, early), _runs("K1 in reward", 10, early)), claim,
+                    GATED) == ["inconclusive"]
+    assert _decided(study(_runs("no KL", 10), _runs("K1 in reward", 10)), claim, GATED) == \
+        ["not testable here"]
+
+
+def test_kl_against_early_stopping_compares_at_matched_in_domain_accuracy():
+    """No KL climbs in-domain 0.5 -> 0.9 while forgetting 0.8 -> 0.5; K1 in the reward ends at
+    0.8 in-domain with 0.75 retained. Where no KL first reached 0.8 (step 750) it kept 0.575:
+    K1 in the reward is 0.175 ahead at matched accuracy, on every seed."""
+    from cluster.experiments import claims_async as ca
+
+    def curves(ind, ret):
+        return {s: {"in_domain": tuple(zip(range(0, 1001, 250), ind)),
+                    "retained": tuple(zip(range(0, 1001, 250), ret))} for s in range(N)}
+
+    nokl = _runs("no KL", N, curves=curves([0.5, 0.6, 0.7, 0.8, 0.9],
+                                           [0.8, 0.725, 0.65, 0.575, 0.5]), acc=0.5)
+    k1r = _runs("K1 in reward", N, curves={s: {"in_domain": ((0, 0.5), (1000, 0.8 + s / 1e3)),
+                                               "retained": ((0, 0.8), (1000, 0.75))}
+                                           for s in range(N)}, acc=0.8)
+    study = Study({(None, None, "none", 0.0, 8): nokl, ("k1", "reward", "none", 0.3, 8): k1r},
+                  {"retained": 0.8})
+    ours, stopped, missed = ca.matched_retained(k1r, nokl, "retained")
+    assert missed == 0 and stopped[0] == pytest.approx(0.575)
+    assert _decided(study, [(ca.kl_beats_early_stopping, 0.3, 8, {})], GATED) == ["reproduced"]
+
+
+def test_the_biased_configurations_gap_growing_with_beta_is_tested_paired():
+    """K1 in the loss and K3 in the reward trail K1 in the reward by 0.005 at beta 0.005 and
+    by 0.03 at beta 0.3, on every seed: reproduced. Level at both betas: contradicted."""
+    from cluster.experiments import claims_async as ca
+
+    def study(gap_low, gap_high):
+        arms = {}
+        for beta, gap in ((0.005, gap_low), (0.3, gap_high)):
+            arms[("k1", "reward", "none", beta, 8)] = _arm("K1 in reward", acc=0.6)
+            for e, p in (("k1", "loss"), ("k3", "reward")):
+                arms[(e, p, "none", beta, 8)] = _arm(f"{e} {p}", acc=0.6 - gap)
+        return Study(arms)
+
+    claim = [(ca.biased_loss_rises_with_beta, 0.3, 8, {"doses": [0.005, 0.3]})]
+    assert _decided(study(0.005, 0.03), claim, GATED) == ["reproduced"]
+    assert _decided(study(0.0, 0.0), claim, REGISTERED) == ["contradicted"]

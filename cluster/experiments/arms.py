@@ -41,6 +41,10 @@ class Arm:
     kl_seeds: tuple = ()            # the seeds of kl_end's values
     drifted: int = 0                # runs whose KL blew up (a flag, not a break)
     break_steps: tuple[int, ...] = ()  # the step each broken run broke at
+    # per run: (step it broke at, or its last step when it did not; whether it broke), the
+    # time-to-break censored at the run's end (empty where the length is unknown)
+    times: tuple[tuple[int, bool], ...] = ()
+    curves: dict = field(default_factory=dict)  # seed -> Measures.curve of that seed's run
 
     def text(self, key: str) -> str:
         values = self.accuracy.get(key, ())
@@ -113,7 +117,8 @@ class Study:
             sum(bool(m.broken[variant]) for m in ms), len(ms), tuple(m.kl_end for m in ms),
             {s: tuple(m.seed for m in finite(ms, s)) for s in sets},
             tuple(m.seed for m in ms), sum(bool(m.drifted) for m in ms),
-            tuple(m.break_step for m in ms if m.broken[variant] and m.break_step is not None))
+            tuple(m.break_step for m in ms if m.broken[variant] and m.break_step is not None),
+            _times(ms), {m.seed: m.curve for m in ms if m.curve})
             for key, ms in runs.items()}, base)
 
     def arm(self, estimator: str | None, placement: str | None, beta: float, lag: int,
@@ -129,6 +134,20 @@ class Study:
             if beta > 0:
                 lags[beta] = max(lag, lags.get(beta, lag))
         return sorted(lags.items())
+
+
+def _times(ms: Sequence[Measures]) -> tuple[tuple[int, bool], ...]:
+    """Each run's time-to-break under the failure definition itself (Measures.break_step is
+    its step; a threshold variant's breaks have no step of their own), censored at its last
+    step; () when a run's length is unknown (read from runs.csv) or a broken run's step is."""
+    out = []
+    for m in ms:
+        broke = bool(m.broken[PRIMARY])
+        at = m.break_step if broke else m.last_step
+        if at is None:
+            return ()
+        out.append((at, broke))
+    return tuple(out)
 
 
 def compare(a: Arm, b: Arm, key: str, alternative: stats.Sided, margin: float = 0.0

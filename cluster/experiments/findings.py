@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import get_args
 
-from cluster.experiments import dose, gates, stats
+from cluster.experiments import claims_async, dose, gates, stats
 from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' vocabulary)
     ARM_KEYS,
     IN,
@@ -224,7 +224,8 @@ def prefix_repairs(study: Study, beta: float, lag: int, rules: Rules,
 CLAIMS: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     k1_reward_best, k1_loss_unstable, k3_loss_stable_worse_ood, kl_stabilises_async,
     k3_reward_breaks, prefix_repairs, dose.k1_loss_regularises_nothing, dose.breaks_with_dose,
-    dose.kl_keeps_retained)}
+    dose.kl_keeps_retained, claims_async.async_breaks_control, claims_async.kl_delays_breaks,
+    claims_async.kl_beats_early_stopping, claims_async.biased_loss_rises_with_beta)}
 if set(CLAIMS) != set(get_args(ClaimId)):
     raise AssertionError("findings.CLAIMS must test exactly the claims prereg.ClaimId names")
 # What an exploratory report tests at each beta's largest lag (and, where the directory ran
@@ -276,6 +277,8 @@ def plan(study: Study, prereg: Preregistration | None, sweep: str) -> list[tuple
             if c.claim == "breaks_with_dose":
                 return {"configuration": c.configuration, "over": c.over, "doses": c.doses,
                         "direction": c.direction}
+            if c.claim == "biased_loss_rises_with_beta":
+                return {"doses": c.doses}
             return {}
 
         return [(CLAIMS[c.claim], c.beta or prereg.beta, c.max_lag, extra(c))
@@ -309,6 +312,10 @@ _ABOUT: dict[str, Callable[[dict], list[str]]] = {
     "k1_loss_regularises_nothing": lambda x: ["K1 in loss", "no KL"],
     "kl_keeps_retained": lambda x: ["K1 in reward", "no KL"],
     "breaks_with_dose": lambda x: [_named(x["configuration"])],
+    "async_breaks_control": lambda x: ["no KL"],
+    "kl_delays_breaks": lambda x: ["no KL", "K1 in reward"],
+    "kl_beats_early_stopping": lambda x: ["K1 in reward", "no KL"],
+    "biased_loss_rises_with_beta": lambda x: ["K1 in loss", "K3 in reward"],
 }
 if set(_ABOUT) != set(CLAIMS):
     raise AssertionError("findings._ABOUT must name the configurations of every claim")

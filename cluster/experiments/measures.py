@@ -19,7 +19,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,9 @@ class Measures:
     broken: dict[str, str]         # PRIMARY or variant name -> why it broke ("": it did not)
     break_step: int | None = None  # the step it broke at under PRIMARY (None: it did not)
     drifted: str = ""              # why its KL counts as blown up ("": it did not), a flag
+    last_step: int | None = None   # its last logged step: where an unbroken run is censored
+    # set -> (step, greedy accuracy) of each evaluation during training (empty from runs.csv)
+    curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
 
 def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
@@ -141,10 +144,12 @@ def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Meas
     broken |= {v.name: why_broken(run, rules, v.changes, v.kinds) for v in rules.sensitivity}
     drift = kl_blowup(*run.series(rules.failure.thresholds.kl_metric), rules.failure.thresholds)
     seed = run.config.get("seed")
+    curve = {name: tuple(zip(*run.series(f"eval/{name}/accuracy"))) for name in last}
     return Measures(run.name, configuration, seed if isinstance(seed, int) else None,
                     run.finished, run.config, commit, accuracy, source, last, auc,
                     kl_at_end(run), mean_lag(run), broken, step,
-                    f"KL blow-up at step {drift[0]}" if drift else "")
+                    f"KL blow-up at step {drift[0]}" if drift else "",
+                    max(run.rows, default=None), curve)
 
 
 def trained(measures: Sequence[Measures]) -> list[Measures]:

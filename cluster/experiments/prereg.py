@@ -27,7 +27,9 @@ from rewards.config import EVAL_SETS, EvalSetName
 # test of each (checked there at import).
 ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
                   "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
-                  "k1_loss_regularises_nothing", "breaks_with_dose", "kl_keeps_retained"]
+                  "k1_loss_regularises_nothing", "breaks_with_dose", "kl_keeps_retained",
+                  "async_breaks_control", "kl_delays_breaks", "kl_beats_early_stopping",
+                  "biased_loss_rises_with_beta"]
 # The configurations whose breaks per-decision weights are expected to repair (exploratory:
 # the two that broke at beta 0.3, max_lag 8), as "<estimator>-<placement>".
 REPAIRED = ("k1-loss", "k3-reward")
@@ -195,17 +197,26 @@ class ClaimSpec(_Strict):
                                       "KL).")
     over: Literal["beta", "max_lag"] | None = Field(None, description="breaks_with_dose: the "
                                                     "dose.")
-    doses: list[float] | None = Field(None, min_length=3, max_length=10, description="breaks_"
-                                      "with_dose: its values (at least three).")
+    doses: list[float] | None = Field(None, min_length=2, max_length=10, description="breaks_"
+                                      "with_dose: its values (at least three); biased_loss_"
+                                      "rises_with_beta: its betas (the smallest and largest "
+                                      "are compared).")
     direction: Literal["rises", "falls"] = Field("rises", description="breaks_with_dose: "
                                                  "whether breaks rise or fall with the dose.")
 
     @model_validator(mode="after")
     def _dose_fields(self) -> ClaimSpec:
+        if self.claim == "biased_loss_rises_with_beta":  # its doses are betas, nothing else
+            if self.doses is None or self.configuration is not None or self.over is not None:
+                raise ValueError(f"{self.claim}: give doses (its betas), and no configuration "
+                                 "or over")
+            return self
         dose = (self.configuration, self.over, self.doses)
         if (self.claim == "breaks_with_dose") != all(v is not None for v in dose):
             raise ValueError(f"{self.claim}: configuration, over and doses are given for "
                              "breaks_with_dose, and only for it")
+        if self.claim == "breaks_with_dose" and len(self.doses) < 3:
+            raise ValueError(f"breaks_with_dose: {len(self.doses)} doses; a trend needs three")
         return self
 
 

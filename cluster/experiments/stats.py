@@ -37,7 +37,7 @@ class Test:
     a group for Welch's t); `min_p` is the smallest p-value the test could have given with
     these group sizes and (Fisher) these margins, whatever the outcome."""
 
-    kind: Literal["welch", "paired", "fisher", "binomial", "trend", "difference"]
+    kind: Literal["welch", "paired", "fisher", "binomial", "trend", "difference", "logrank"]
     p: float
     min_p: float
     text: str      # the statistic, its degrees of freedom and p, as the report prints them
@@ -240,6 +240,31 @@ def rate_difference_below(broken_a: int, n_a: int, broken_b: int, n_b: int, delt
                 f"difference of rates below {delta:g}, exact unconditional one-sided {_p(p)}",
                 f"difference {broken_a / n_a - broken_b / n_b:+.2f} (Newcombe's 95% upper "
                 f"bound {bound:+.2f})")
+
+
+def logrank(times_a: Sequence[tuple[int, bool]], times_b: Sequence[tuple[int, bool]]
+            ) -> Test:
+    """The log-rank test, one-sided: a breaks sooner than b (its survival below b's), each run
+    a (step, broke) pair, an unbroken run censored at its last step (scipy.stats.logrank).
+    `min_p` is not computed (0): the claims that use it take Tarone's reach from the same
+    break counts' Fisher table."""
+    if not times_a or not times_b:
+        return Test("logrank", math.nan, math.nan, "untestable: a run's length is unknown "
+                    "(runs read from runs.csv)")
+    broke_a, broke_b = sum(b for _, b in times_a), sum(b for _, b in times_b)
+    if broke_a + broke_b == 0:
+        return Test("logrank", 1.0, 1.0, "no run broke: log-rank p = 1")
+
+    def data(times):
+        return st.CensoredData(uncensored=[t for t, b in times if b],
+                               right=[t for t, b in times if not b])
+
+    # scipy's "greater": the first group's hazard is the greater (it fails sooner; its
+    # statistic is observed minus expected breaks of the first group)
+    res = st.logrank(data(times_a), data(times_b), alternative="greater")
+    p = float(res.pvalue)
+    return Test("logrank", p, 0.0, f"log-rank Z = {float(res.statistic):.2f}, one-sided {_p(p)}",
+                f"{broke_a}/{len(times_a)} and {broke_b}/{len(times_b)} broke")
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
