@@ -33,6 +33,7 @@ from actors.engine import greedy_params, make_llm, sample_params, shutdown_llm
 from actors.prompting import PromptRenderer
 from actors.seeds import stream_seed
 from rewards.config import EvalConfig, TaskConfig
+from rewards.pass_at_k import default_ks, mean_pass_at_k
 
 DEFAULT_SPLITS = ("in_domain", "out_of_domain")  # `klrl eval`'s splits when none are named
 CHUNK = 128  # prompts per vLLM call: the granularity of the progress bar
@@ -70,6 +71,9 @@ class SplitResult(BaseModel):
     pass_at_k: float | None = Field(
         default=None, description="share of problems with at least one sample scoring > 0"
     )
+    pass_at: dict[int, float] = Field(default_factory=dict, description="k -> unbiased "
+                                      "pass@k over the problems (eval.pass_k; "
+                                      "rewards/pass_at_k.py)")
     failures: int = Field(0, description="completions whose scoring failed (scored 0)")
     greedy_reward: float | None = Field(None, description="mean plug-in reward (`reward`) of "
                                         "the greedy completions (None without one)")
@@ -122,6 +126,7 @@ def evaluate(
     scoring_pool: Any = None,
     reward: str | None = None,
     keep_completions: bool = False,
+    pass_k: Sequence[int] | None = None,
 ) -> EvalResult:
     """Evaluate a policy on `splits` of `task`.
 
@@ -139,7 +144,12 @@ def evaluate(
     reward: a plug-in scorer 'package.module:function' (as task.reward) that scores every
         completion too (greedy_reward, sampled_reward); accuracy stays the task scorer's.
     keep_completions: each split's `records` hold every problem with its completions.
+    pass_k: the k of each split's unbiased pass@k (`pass_at`), each at most `samples`; None:
+        1, 2, 4, ... up to `samples`, and `samples` (rewards.pass_at_k.default_ks).
     """
+    ks = list(pass_k) if pass_k is not None else default_ks(samples)
+    if any(not 1 <= k <= samples for k in ks):
+        raise ValueError(f"pass_k {ks}: each k is between 1 and samples ({samples})")
     task_obj = _get_task(task)
     task_name = getattr(task_obj, "name", task if isinstance(task, str) else type(task).__name__)
     max_tokens = max_tokens or int(getattr(task_obj, "max_new_tokens", 32))
@@ -157,7 +167,7 @@ def evaluate(
                 split: _evaluate_split(
                     llm, task_obj, split, n=n, samples=samples, seed=seed, sampler=sampler,
                     max_tokens=max_tokens, renderer=renderer, scorer=scorer, bar=bar,
-                    keep=keep_completions,
+                    keep=keep_completions, ks=ks,
                 )
                 for split in splits
             }
@@ -194,6 +204,8 @@ class EvalReport(BaseModel):
             out[f"eval/{name}/accuracy"] = r.greedy_accuracy
             if r.sampled_accuracy is not None:
                 out[f"eval/{name}/sampled_accuracy"] = r.sampled_accuracy
+            for k, value in r.pass_at.items():
+                out[f"eval/{name}/pass@{k}"] = value
             if r.greedy_reward is not None:
                 out[f"eval/{name}/reward"] = r.greedy_reward
             if r.sampled_reward is not None:
@@ -230,7 +242,8 @@ def evaluate_sets(llm: Any, cfg: EvalConfig, training: TaskConfig, *, default_ma
                           samples=cfg.samples, seed=cfg.seed,
                           max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
                           top_k=cfg.top_k, renderer=renderer, progress=False,
-                          scoring_pool=scoring_pool, reward=training.reward if own_task else None)
+                          scoring_pool=scoring_pool, reward=training.reward if own_task else None,
+                          pass_k=cfg.ks())
         sets[name] = result.splits[s.split]
     return EvalReport(sets=sets, seed=cfg.seed, max_tokens=budget,
                       seconds=round(time.perf_counter() - t0, 2))
@@ -244,7 +257,7 @@ def problems_of(task, split: str, asked: int, whole_when_smaller: bool) -> int:
 
 
 def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, renderer,
-                    scorer, bar, keep=False) -> SplitResult:
+                    scorer, bar, keep=False, ks: Sequence[int] = ()) -> SplitResult:
     problems = list(task.problems(split, n, seed))
     prompts = renderer.prompts(problems)  # rendered once, for the greedy and sampled passes
     stop = renderer.stop
@@ -258,6 +271,7 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
     greedy_reward, reward_fail = (_mean(plugin[0]), plugin[1]) if plugin else (None, 0)
 
     sampled_acc = pass_k = sampled_reward = None
+    pass_at: dict[int, float] = {}
     sampled, rewards, sampled_plugin = [[] for _ in problems], [], None
     if samples > 0:
         # One seed per problem: reproducible, and independent streams across problems.
@@ -275,6 +289,7 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
         sampled_acc = _mean(rewards)
         per_problem = [rewards[i * samples : (i + 1) * samples] for i in range(len(problems))]
         pass_k = _mean([float(any(r > 0 for r in rs)) for rs in per_problem])
+        pass_at = {k: mean_pass_at_k(per_problem, k) for k in ks}
         if sampled_plugin := scorer.plugin(texts, owners):
             sampled_reward, reward_fail = _mean(sampled_plugin[0]), reward_fail + sampled_plugin[1]
 
@@ -286,6 +301,7 @@ def _evaluate_split(llm, task, split, *, n, samples, seed, sampler, max_tokens, 
         samples=samples,
         sampled_accuracy=sampled_acc,
         pass_at_k=pass_k,
+        pass_at=pass_at,
         failures=failures,
         greedy_reward=greedy_reward,
         sampled_reward=sampled_reward,

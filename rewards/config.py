@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rewards.pass_at_k import default_ks
 from rewards.dataset_rows import counting_rows
 from rewards.records import Task
 from rewards.registry import (
@@ -195,6 +196,11 @@ class EvalConfig(_Strict):
     num_problems: int = Field(200, ge=1, le=100_000, description="Problems per set per evaluation.")
     samples: int = Field(4, ge=0, le=1024, description="Samples per problem (at `temperature`) for "
                          "eval/<set>/sampled_accuracy (the quantity RL optimises); 0: greedy only.")
+    pass_k: list[int] | None = Field(None, max_length=16, description="The k of "
+                                     "eval/<set>/pass@k, each at most `samples` (unbiased from "
+                                     "the samples per problem: rewards/pass_at_k.py); null: 1, "
+                                     "2, 4, ... up to `samples`, and `samples` itself; []: none. "
+                                     "avg@k is eval/<set>/sampled_accuracy for every k.")
     max_new_tokens: int | None = Field(None, ge=1, le=1_000_000, description="Completion budget "
                                        "of evaluation (eval/<set>/truncated counts completions "
                                        "it cuts); null: rollout.max_new_tokens, the training "
@@ -207,6 +213,23 @@ class EvalConfig(_Strict):
                        "-1 (or 0) = off.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Fixes the evaluated problems and the "
                       "sampling seeds, independently of the run's seed.")
+
+    @model_validator(mode="after")
+    def _pass_k_within_samples(self) -> EvalConfig:
+        if self.pass_k:
+            bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
+            if bad:
+                raise ValueError(
+                    f"eval.pass_k {bad}: each k is between 1 and eval.samples ({self.samples}), "
+                    "the samples per problem it is estimated from; raise eval.samples or drop "
+                    "those k")
+            if len(set(self.pass_k)) < len(self.pass_k):
+                raise ValueError(f"eval.pass_k {self.pass_k} names a k twice")
+        return self
+
+    def ks(self) -> list[int]:
+        """The k pass@k is logged at (pass_k, or its default for `samples`)."""
+        return sorted(self.pass_k) if self.pass_k is not None else default_ks(self.samples)
 
     def check_sets(self, training: TaskConfig, plugins: bool = False,
                    build: Build | None = None) -> None:

@@ -67,6 +67,12 @@ def test_evaluate_arithmetic_on_tiny_model(tiny_llm):
         assert r.problems == 24 and r.samples == 3 and r.failures == 0
         assert 0.0 <= r.greedy_accuracy <= 1.0 and 0.0 <= r.sampled_accuracy <= 1.0
         assert r.sampled_accuracy <= r.pass_at_k <= 1.0
+        # unbiased pass@k (default k: 1, 2, 3): pass@1 is the mean accuracy of the samples,
+        # pass@n whether any sample is right, and it rises with k
+        assert list(r.pass_at) == [1, 2, 3]
+        assert r.pass_at[1] == pytest.approx(r.sampled_accuracy)
+        assert r.pass_at[3] == pytest.approx(r.pass_at_k)
+        assert r.pass_at[1] <= r.pass_at[2] <= r.pass_at[3]
         assert 0 < r.mean_response_tokens <= 8
     metrics = _flat_metrics(result)
     assert "eval/in_domain/greedy_accuracy" in metrics

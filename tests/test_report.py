@@ -292,3 +292,22 @@ def test_ratio_axes_near_1_are_linear_with_readable_labels():
     assert "1" in labels and near.yaxis.get_offset_text().get_text() == ""
     assert far.get_yscale() == "log"
     plt.close(fig)
+
+
+def test_pass_at_k_is_drawn_where_runs_logged_it(tmp_path):
+    """A panel per set and k above 1 that a run logged (pass@1 is the sampled accuracy); no
+    figure where none did."""
+    from cluster.experiments.report_plots import pass_at_k_figure
+
+    plain = write_run(tmp_path / "plain" / "r")
+    assert pass_at_k_figure([load_run(plain)]).panels == ()
+    extra = {s: {f"eval/{name}/pass@{k}": 0.2 + 0.01 * s * k
+                 for name in ("in_domain", "out_of_domain") for k in (1, 2, 4)}
+             for s in range(0, 41, 10)}
+    run = load_run(write_run(tmp_path / "sweep" / "r", extra=extra))
+    fig = pass_at_k_figure([run])
+    assert [p.key for p in fig.panels] == ["eval/in_domain/pass@2", "eval/in_domain/pass@4",
+                                           "eval/out_of_domain/pass@2",
+                                           "eval/out_of_domain/pass@4"]
+    md = write_report(tmp_path / "sweep").read_text()
+    assert "](pass_at_k.png)" in md and (tmp_path / "sweep" / "report" / "pass_at_k.png").is_file()

@@ -27,6 +27,7 @@ from cluster.experiments.report_findings import findings_section, mean_sd, prove
 from cluster.experiments.report_plots import (
     ACCURACY_AGAINST_KL,
     FIGURES,
+    pass_at_k_figure,
     plot_accuracy_against_kl,
     plot_figure,
     report_window,
@@ -228,7 +229,8 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
 def _draw_figures(groups, runs, measures, cfg: ReportConfig, out: Path) -> list[tuple]:
     """Each figure drawn into `out` with the file name it was saved as, in the report's order
     (a figure with nothing to draw is left out)."""
-    figures = [(fig, name) for fig in FIGURES if (name := plot_figure(fig, groups, runs, cfg, out))]
+    figures = [(fig, name) for fig in (*FIGURES, pass_at_k_figure(runs))
+               if (name := plot_figure(fig, groups, runs, cfg, out))]
     if name := plot_accuracy_against_kl(measures, groups, out):
         figures.append((ACCURACY_AGAINST_KL, name))
     if name := plot_dose_response(Study.of(measures), out):

@@ -102,6 +102,24 @@ FIGURES = (
 )
 
 
+def pass_at_k_figure(runs: list) -> Figure:
+    """pass@k at each evaluation, a panel per set and logged k above 1 (pass@1 is the sampled
+    accuracy of accuracy.png): how much a policy solves given k tries, the measure RL on
+    verifiable rewards is said to trade for pass@1 (rewards/pass_at_k.py)."""
+    logged = {key for r in runs for row in r.rows.values() for key in row
+              if key.startswith("eval/") and "/pass@" in key}
+
+    def order(key: str) -> tuple:
+        _, name, measure = key.split("/")
+        return EVAL_SETS.index(name) if name in EVAL_SETS else 99, int(measure[len("pass@"):])
+
+    keys = sorted((k for k in logged if not k.endswith("/pass@1")), key=order)
+    return Figure("pass_at_k.png", "pass@k", "Unbiased pass@k from the samples of each "
+                  "evaluation (eval.pass_k): the share of problems that k tries would solve.",
+                  tuple(Panel(k, f"{SET_LABELS[k.split('/')[1]].capitalize()}, "
+                                 f"{k.split('/')[2]}", _ACC, **_EVAL) for k in keys))
+
+
 # Not a per-step figure: one point per run (report.py draws it with plot_accuracy_against_kl).
 ACCURACY_AGAINST_KL = Figure(
     "accuracy_vs_kl.png", "Accuracy against the distance to the reference",
