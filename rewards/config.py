@@ -43,6 +43,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class OverlongConfig(_Strict):
+    """What a long or truncated response costs (DAPO's recipe; rewards/shaping.py). Off by
+    default: the task reward as the scorer gave it, every sample trained on."""
+
+    buffer: int = Field(0, ge=0, le=1_000_000, description="The last this many tokens of "
+                        "rollout.max_new_tokens are penalised: a response of length |y| loses "
+                        "penalty x (|y| - (max_new_tokens - buffer)) / buffer of reward there, "
+                        "the whole penalty at the budget (DAPO's soft overlong punishment); 0: "
+                        "off. Must be below rollout.max_new_tokens.")
+    penalty: float = Field(1.0, gt=0.0, le=100.0, description="The largest length penalty, "
+                           "reached at the budget (DAPO: 1, the size of a 0/1 task reward).")
+    mask_truncated: bool = Field(False, description="Truncated responses (finish_reason "
+                                 "'length') get no task gradient: their task advantage is set "
+                                 "to 0 after the group baselines are computed (their reward "
+                                 "still enters their group's baselines). Their KL term stays: "
+                                 "with kl.placement loss, or reward with kl.kl_in_advantage "
+                                 "separate, a truncated sample is still pulled toward the "
+                                 "reference; a KL reward folded into the advantage would be "
+                                 "masked with it, so that combination is refused.")
+
+
 class TaskConfig(_Strict):
     """The training task: a prompt source and a verifiable scorer (rewards/), and how its
     prompts are put to the model (chat template, system prompt, stop strings). Training and
@@ -76,6 +97,9 @@ class TaskConfig(_Strict):
     system_prompt: str | None = Field(None, min_length=1, max_length=100_000, description=
                                       "System message before each prompt (needs a chat "
                                       "template); null: none.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="Length "
+                                     "shaping of the reward and masking of truncated responses "
+                                     "(DAPO); off by default.")
     stop: list[StopString] = Field(default_factory=list, max_length=64, description="Stop "
                                    "strings: a completion ends after the first one it generates "
                                    "(finish_reason 'stop'; the string is not part of the scored "

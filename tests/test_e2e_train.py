@@ -61,7 +61,10 @@ def lag0(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lag2(tiny_model_dir, tmp_path_factory):
-    return _run(tiny_model_dir, tmp_path_factory.mktemp("runs"), "lag2", 6, 2)
+    # with DAPO's overlong recipe on (docs/long-responses.md): its metrics come through the
+    # real controller; what it does to the loss is tests/test_overlong.py's
+    return _run(tiny_model_dir, tmp_path_factory.mktemp("runs"), "lag2", 6, 2,
+                "task.overlong.buffer=2", "task.overlong.mask_truncated=true")
 
 
 def test_lag0_metrics_and_exact_sync(lag0):
@@ -197,6 +200,12 @@ def test_lag2_is_asynchronous_and_bounded(lag2):
     # lagged batches hold no token of the trained weights: no fresh reading to merge in
     all_lagged = [m for m in steps if m["lag/max"] == m["lag/mean"] > 0]
     assert all_lagged and all(m["is/fresh_tokens"] == 0 for m in all_lagged)
+    # the overlong recipe's per-step readings: a share, a non-positive mean penalty (the
+    # last 2 of the 6-token budget), and no more masked samples than the 16 of a step
+    for m in steps:
+        assert 0.0 <= m["rollout/truncated_frac"] <= 1.0
+        assert -1.0 <= m["reward/overlong_penalty"] <= 0.0
+        assert m["task/masked_truncated"] == round(16 * m["rollout/truncated_frac"])
 
 
 def test_the_wandb_workspace_plots_metric_keys_klrl_logs(lag0, lag2):

@@ -297,6 +297,7 @@ class TrainConfig(_Strict):
                                         "rollout.samples_per_prompt")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
         self._check_truncated_sampling()
+        self._check_overlong()
         # The generation mode's refusals (in-flight updates: max_lag 0, LoRA) are the mode's.
         self.rollout.generation.check_run(max_lag=self.max_lag, lora=self.learner.lora is not None)
         self.eval.check_sets(self.task)  # every evaluated task has its split
@@ -337,6 +338,21 @@ class TrainConfig(_Strict):
                              f"leaves none of the run's {last_step} optimizer steps to decay "
                              "over: lower warmup_steps or use lr_schedule constant")
         return self
+
+    def _check_overlong(self) -> None:
+        """task.overlong's lengths must fit the budget, and masking a truncated sample's task
+        term must not silently drop its KL reward (folded into the same advantage)."""
+        shaping, budget = self.task.overlong, self.rollout.max_new_tokens
+        if shaping.buffer >= budget:
+            raise ValueError(f"task.overlong.buffer ({shaping.buffer}) must be below "
+                             f"rollout.max_new_tokens ({budget}): it is the last part of that "
+                             "budget where the length penalty grows")
+        if shaping.mask_truncated and self.kl.folds_into_advantage:
+            raise ValueError(
+                f"task.overlong.mask_truncated with kl.kl_in_advantage="
+                f"{self.kl.kl_in_advantage} (the KL reward folded into the advantage) would "
+                "mask a truncated sample's KL reward with its task term: set "
+                "kl.kl_in_advantage=separate, where the KL term stays, or drop the mask")
 
     def _check_truncated_sampling(self) -> None:
         """rollout.top_k / top_p sample a truncated mu with no mass where pi has some: no

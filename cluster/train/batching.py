@@ -14,26 +14,65 @@ import torch
 import kl
 from cluster.train.staleness import token_versions
 from learner.batch import TrainBatch
+from rewards.shaping import overlong_penalty
 
 if TYPE_CHECKING:
     from actors.records import Rollout
     from cluster.config.train_config import ModelConfig
+    from rewards.config import OverlongConfig
 
 
 def train_batch(rollouts: Sequence[Rollout], advantage_cfg, pad_id: int,
-                version: int | None = None) -> TrainBatch:
+                version: int | None = None, overlong: OverlongConfig | None = None,
+                budget: int | None = None) -> TrainBatch:
     """The batch the controller trains on: task advantages over these rollouts (the whole
     global batch) by `advantage_cfg` (kl.AdvantageConfig), then `pad_rollouts`; `version`: the
-    policy version the learner holds (each token's lag is counted from it)."""
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+    policy version the learner holds (each token's lag is counted from it). With `overlong`
+    (task.overlong) and the generation `budget` (rollout.max_new_tokens): each reward gets its
+    length penalty before the advantages (shaped_rewards), and with mask_truncated a truncated
+    sample's advantage is then set to 0. The loss sums tokens over a constant number of
+    sequences (learner/loss.py), so a zero advantage is exactly a masked task term; the KL
+    term is computed from the log-probs and never reads it (TrainConfig refuses a KL reward
+    folded into the advantage beside the mask)."""
+    rewards = torch.tensor(shaped_rewards(rollouts, overlong, budget), dtype=torch.float64)
     group_ids = torch.tensor([r.group_id for r in rollouts])
     adv = kl.compute_advantages(rewards, group_ids, estimator=advantage_cfg.estimator,
                                 normalize=advantage_cfg.normalize, eps=advantage_cfg.eps)
-    return pad_rollouts(rollouts, adv, pad_id=pad_id, version=version)
+    if overlong is not None and overlong.mask_truncated:
+        truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
+        adv = torch.where(truncated, torch.zeros_like(adv), adv)
+    return pad_rollouts(rollouts, adv, pad_id=pad_id, version=version, rewards=rewards)
+
+
+def shaped_rewards(rollouts: Sequence[Rollout], overlong: OverlongConfig | None,
+                   budget: int | None) -> list[float]:
+    """Each rollout's task reward plus its length penalty (rewards.shaping; none without a
+    buffer)."""
+    if overlong is None or not overlong.buffer:
+        return [r.reward for r in rollouts]
+    if budget is None:
+        raise ValueError("a length penalty needs the generation budget (rollout.max_new_tokens)")
+    return [r.reward + overlong_penalty(len(r.response_ids), budget, overlong.buffer,
+                                        overlong.penalty) for r in rollouts]
+
+
+def shaping_metrics(rollouts: Sequence[Rollout], overlong: OverlongConfig,
+                    budget: int) -> dict[str, float]:
+    """The step's truncation share, and with task.overlong on, the mean length penalty and
+    how many samples the mask took out of the task term."""
+    truncated = sum(r.finish_reason == "length" for r in rollouts)
+    out = {"rollout/truncated_frac": truncated / len(rollouts)}
+    if overlong.buffer:
+        raw = [r.reward for r in rollouts]
+        shaped = shaped_rewards(rollouts, overlong, budget)
+        out["reward/overlong_penalty"] = (sum(shaped) - sum(raw)) / len(rollouts)
+    if overlong.mask_truncated:
+        out["task/masked_truncated"] = float(truncated)
+    return out
 
 
 def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int,
-                 version: int | None = None) -> TrainBatch:
+                 version: int | None = None, rewards=None) -> TrainBatch:
     """Right-pad prompt + response of each rollout. `advantages` is [B] (any float dtype,
     tensor or sequence), aligned with `rollouts`. With `version` (the learner's), each response
     token's lag behind it (`token_lags`; staleness.token_versions says which version sampled
@@ -65,7 +104,10 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int,
         attention_mask=attention_mask,
         response_mask=response_mask,
         behaviour_logp=behaviour_logp,
-        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        # the rewards the advantages came from (shaped ones included): a KL reward folded
+        # into the advantage (learner/loss.py group_stats) recomputes them from these
+        rewards=(torch.tensor([r.reward for r in rollouts]) if rewards is None
+                 else torch.as_tensor(rewards)).to(torch.float32),
         advantages=adv,
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
         token_lags=token_lags,

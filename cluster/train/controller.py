@@ -31,7 +31,7 @@ from actors.weight_sync import transport
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
-from cluster.train.batching import pad_token_id, policy_tokenizer, train_batch
+from cluster.train.batching import pad_token_id, policy_tokenizer, shaping_metrics, train_batch
 from cluster.train.deadlines import LearnerDeadlines
 from cluster.train.launch import start_engines_and_learner, start_learner
 from cluster.train.learner_restarts import LearnerRestarts, failure_line, heals
@@ -342,8 +342,10 @@ class Controller:
 
     def _train(self, rollouts: list[Rollout]) -> dict:
         t0 = time.perf_counter()
-        batch = train_batch(rollouts, self.cfg.advantage, self.pad_id, version=self.step)
-        metrics = self.learner.train_step(batch)
+        shaping, budget = self.cfg.task.overlong, self.cfg.rollout.max_new_tokens
+        batch = train_batch(rollouts, self.cfg.advantage, self.pad_id, version=self.step,
+                            overlong=shaping, budget=budget)
+        metrics = self.learner.train_step(batch) | shaping_metrics(rollouts, shaping, budget)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
         return metrics | {"time/train": time.perf_counter() - t0,
