@@ -103,16 +103,19 @@ class ReferenceGrads:
 
 
 def reference_grads(toy: T.ToyProblem) -> ReferenceGrads:
-    sp, ref = toy.space, toy.ref_logits
+    """The exact gradients, over sequences, or (toy.env) over trajectories with environment
+    turns: the policy's tokens only, the environment's drawn from its own table."""
+    sp, ref, env = toy.space, toy.ref_logits, toy.env
 
     def e_sum_k2(x):
         lp, lr = T.token_logp(x, sp), T.token_logp(ref, sp)
-        return (lp.sum(-1).exp() * (0.5 * (lp - lr) ** 2).sum(-1)).sum()
+        prob = T.token_logp(toy.world(x), sp).sum(-1).exp()
+        return (prob * (0.5 * (lp - lr) ** 2 * toy.policy_mask).sum(-1)).sum()
 
     return ReferenceGrads(
-        g_star=T.grad_of(lambda x: T.sequence_kl(x, ref, sp), toy.logits),
-        token_reverse=T.grad_of(lambda x: T.token_kl(x, ref, sp, "reverse"), toy.logits),
-        token_forward=T.grad_of(lambda x: T.token_kl(x, ref, sp, "forward"), toy.logits),
+        g_star=T.grad_of(lambda x: T.sequence_kl(x, ref, sp, env), toy.logits),
+        token_reverse=T.grad_of(lambda x: T.token_kl(x, ref, sp, "reverse", env), toy.logits),
+        token_forward=T.grad_of(lambda x: T.token_kl(x, ref, sp, "forward", env), toy.logits),
         sum_k2=T.grad_of(e_sum_k2, toy.logits),
         toy=toy,
     )

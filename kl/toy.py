@@ -82,16 +82,22 @@ def prefix_prob(logits: torch.Tensor, space: SequenceSpace) -> torch.Tensor:
 
 
 def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor,
-                space: SequenceSpace) -> torch.Tensor:
-    """Exact KL(pi || pi_ref) over whole sequences (differentiable in `logits`)."""
+                space: SequenceSpace, env: Environment | None = None) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) over whole sequences (differentiable in `logits`); with `env`,
+    over trajectories, whose environment factors cancel: E_{P_pi}[sum over policy tokens of
+    log pi - log ref], P_pi drawing the environment's tokens from its own table."""
     lp, ref = token_logp(logits, space), token_logp(ref_logits, space)
-    return (lp.sum(-1).exp() * (lp - ref).sum(-1)).sum()
+    if env is None:
+        return (lp.sum(-1).exp() * (lp - ref).sum(-1)).sum()
+    prob = token_logp(env.world(logits), space).sum(-1).exp()
+    return (prob * ((lp - ref) * env.policy_mask(space)).sum(-1)).sum()
 
 
-def token_kl(logits, ref_logits, space, direction: str) -> torch.Tensor:
+def token_kl(logits, ref_logits, space, direction: str,
+             env: Environment | None = None) -> torch.Tensor:
     """Token-level KL summed over states with the state distribution held fixed (sg):
     sum_s sg(p_pi(s)) * KL(pi(.|s) || ref(.|s)) for "reverse", KL(ref(.|s) || pi(.|s)) for
-    "forward".
+    "forward"; with `env`, over the policy's states only, reached under the world's table.
     Its gradient is the 'token-level' KL gradient of docs/design.md's table."""
     lp, lr = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
     if direction == "reverse":
@@ -100,7 +106,10 @@ def token_kl(logits, ref_logits, space, direction: str) -> torch.Tensor:
         per_state = (lr.exp() * (lr - lp)).sum(-1)
     else:
         raise ValueError(direction)
-    return (prefix_prob(logits, space).detach() * per_state).sum()
+    if env is None:
+        return (prefix_prob(logits, space).detach() * per_state).sum()
+    reach = prefix_prob(env.world(logits), space).detach()
+    return (torch.where(env.rows, 0.0, reach) * per_state).sum()
 
 
 def grad_of(fn, logits: torch.Tensor) -> torch.Tensor:
@@ -111,13 +120,62 @@ def grad_of(fn, logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Environment:
+    """A multi-turn toy's environment: at the prefix states `rows` (bool [num_rows]) the next
+    token is the environment's answer, drawn from its own fixed table `logits` ([num_rows,
+    vocab]; rows outside `rows` unused), whatever the policy, the reference or the sampler say
+    there. An answer may be EOS: the environment ends the episode.
+
+    A trajectory's probability under policy x is then prod over policy positions of x and over
+    environment positions of the environment's table (`world`): the environment factors are
+    the same under the policy, the reference and the sampler, so they cancel from every ratio
+    and from KL(P_pi || P_ref), which is a sum over policy tokens only. A trainer that lets
+    environment tokens into its log-ratios, KL sums or importance products computes something
+    else (tests/test_kl_multi_turn.py)."""
+
+    rows: torch.Tensor
+    logits: torch.Tensor
+
+    @classmethod
+    def at_positions(cls, space: SequenceSpace, positions: Sequence[int], seed: int = 1,
+                     scale: float = 1.0) -> Environment:
+        """An environment answering at every prefix of a length in `positions` (the turn
+        structure: e.g. {1}: policy, environment, policy), with seeded random answer logits."""
+        rows = torch.tensor([len(p) in set(positions) for p in space.prefixes])
+        g = torch.Generator().manual_seed(seed)
+        logits = scale * torch.randn(space.num_rows, space.vocab, generator=g,
+                                     dtype=torch.float64)
+        return cls(rows, logits)
+
+    def world(self, table: torch.Tensor) -> torch.Tensor:
+        """The per-state table trajectories are drawn from when the policy's turns follow
+        `table`: the environment's rows replaced by its own."""
+        return torch.where(self.rows[:, None], self.logits.to(table.dtype), table)
+
+    def policy_mask(self, space: SequenceSpace) -> torch.Tensor:
+        """[N, T]: the positions the policy sampled (real tokens, not the environment's)."""
+        return space.mask & ~self.rows[space.rows]
+
+
+@dataclass(frozen=True)
 class ToyProblem:
-    """Policy, reference and behaviour logits on one sequence space (float64)."""
+    """Policy, reference and behaviour logits on one sequence space (float64); with `env`, a
+    multi-turn toy whose environment answers at some states (`Environment`)."""
 
     space: SequenceSpace
     logits: torch.Tensor
     ref_logits: torch.Tensor
     behaviour_logits: torch.Tensor
+    env: Environment | None = None
+
+    def world(self, table: torch.Tensor) -> torch.Tensor:
+        """`table` with the environment's rows (itself without an environment)."""
+        return table if self.env is None else self.env.world(table)
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """[N, T]: the positions the policy sampled (every real token without an environment)."""
+        return self.space.mask if self.env is None else self.env.policy_mask(self.space)
 
     @classmethod
     def make(cls, vocab=3, length=4, eos=True, seed=0, ref_scale=1.0, lag=0.0, drift=0.15):

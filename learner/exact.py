@@ -80,18 +80,22 @@ def enumerate_groups(toy: T.ToyProblem, n: int, reward: torch.Tensor,
                        dtype=torch.long).reshape(-1, n)
     seqs = one.repeat(J, 1)
     branch = torch.arange(J).repeat_interleave(one.shape[0])
-    mu_seq = torch.stack([T.sequence_prob(t, sp) for t in sampler.tables])  # [J, S]
+    # With an environment (toy.env), its turns are drawn from its own table in every branch.
+    tables = [toy.world(t) for t in sampler.tables]
+    mu_seq = torch.stack([T.sequence_prob(t, sp) for t in tables])  # [J, S]
     weight = sampler.weights[branch] * mu_seq[branch[:, None], seqs].prod(-1)
     rows = seqs.reshape(-1)
     B = rows.shape[0]
     # Each row's behaviour log-probs from its own branch's table: the row that drew each token.
-    behaviour = torch.stack([T.token_logp(t, sp) for t in sampler.tables])  # [J, S, T]
+    behaviour = torch.stack([T.token_logp(t, sp) for t in tables])  # [J, S, T]
     row_logp = behaviour[branch.repeat_interleave(n), rows]
 
     def pad(x, v):  # the one-token prompt in front
         return torch.cat([torch.full((B, 1), v, dtype=x.dtype), x], dim=1)
 
-    mask = pad(sp.mask[rows], False)
+    # The response mask holds the policy's tokens: environment answers are attended, never
+    # trained on (what a multi-turn trainer must do with them: tests/test_kl_multi_turn.py).
+    mask = pad(toy.policy_mask[rows], False)
     batch = TrainBatch(
         input_ids=pad(sp.tokens[rows], 0),
         attention_mask=pad(sp.mask[rows].long(), 1),
