@@ -51,6 +51,10 @@ class TrainerTableConfig(BaseModel):
         "columns in drift units (0: on-policy; 1: a batch's second update; 3: max_lag 3).")
     group_sizes: list[Annotated[int, Field(ge=2, le=3)]] = Field(
         [2, 3], min_length=1, max_length=2, description="Samples per prompt n of the groups.")
+    environment: list[Annotated[int, Field(ge=1, le=2)]] = Field(
+        [1], max_length=2, description="The multi-turn rows: positions at which an "
+        "environment answers between the policy's turns (kl.toy.Environment; [1]: policy, "
+        "environment, policy), the same table over trajectories; []: no multi-turn rows.")
     truncate: float = Field(1.2, gt=0, le=1e6, description="kl.truncate C of the capped "
                             "prefix rows (shown off-policy only: C >= 1 is inert on-policy).")
     mask_low: float | None = Field(None, ge=0, lt=1, description="learner.mask_low of the "

@@ -26,6 +26,8 @@ that group normalisation promises (|A| <= n / sqrt(n-1) for rloo, sqrt(n-1) for 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kl import toy as T
@@ -102,11 +104,17 @@ def advantage_bound(est: str, norm: str, n: int) -> float | None:
     return None if bound is None else bound(n)
 
 
-def compute_trainer_rows(cfg: TrainerTableConfig) -> dict:
+def compute_trainer_rows(cfg: TrainerTableConfig, multi_turn: bool = False) -> dict:
     """JSON-ready rows: one per (KL mode, estimator, normalize, n), with a cell per
-    (lag, task_off_policy)."""
+    (lag, task_off_policy). `multi_turn`: the same over trajectories whose environment answers
+    at cfg.environment's positions (kl.toy.Environment), the documented forms taken over the
+    policy's tokens only; the capped rows' bias has no multi-turn closed form there, so they
+    are computed without a claim."""
     torch.set_num_threads(1)
     toys = {lag: T.ToyProblem.make(3, cfg.length, True, cfg.seed, 1.0, lag) for lag in cfg.lags}
+    if multi_turn:
+        env = T.Environment.at_positions(toys[cfg.lags[0]].space, cfg.environment, cfg.seed + 5)
+        toys = {lag: replace(toy, env=env) for lag, toy in toys.items()}
     refs = reference_grads(toys[cfg.lags[0]])  # pi and ref are the same for every lag
     rows = []
     for n in cfg.group_sizes:
@@ -119,19 +127,22 @@ def compute_trainer_rows(cfg: TrainerTableConfig) -> dict:
                                             LearnerConfig(task_off_policy=o))
                     for lag, g in with_adv.items() for o in TASK_OFF_POLICIES}
             for mode in KL_MODES:
-                rows.append(_row(cfg, mode, est, norm, n, with_adv, base, refs, adv_cfg))
+                rows.append(_row(cfg, mode, est, norm, n, with_adv, base, refs, adv_cfg,
+                                 multi_turn))
     num_sequences = int(next(iter(toys.values())).space.tokens.shape[0])
     return {"config": cfg.model_dump(), "num_sequences": num_sequences,
             "tolerance": TOLERANCE, "rows": rows}
 
 
-def _row(cfg, mode, est, norm, n, with_adv: dict[float, Groups], base, refs, adv_cfg) -> dict:
+def _row(cfg, mode, est, norm, n, with_adv: dict[float, Groups], base, refs, adv_cfg,
+         multi_turn: bool = False) -> dict:
     cells = []
     for lag, g in with_adv.items():
         if mode[4] and lag == 0:
             continue  # a cap C >= 1 is inert on-policy: the uncapped row says it
         kl_cfg = _kl_cfg(mode, lag, cfg.beta, cfg.truncate)
         target, exact = documented(mode, est, norm, n, lag, cfg.beta, refs, g.toy, cfg.truncate)
+        exact = exact and not (multi_turn and mode[4])  # the cap's bias is single-turn
         for o in TASK_OFF_POLICIES:
             d = expected_grad(g, kl_cfg, adv_cfg, LearnerConfig(task_off_policy=o)) - base[(lag, o)]
             err = relative_error(d, target)

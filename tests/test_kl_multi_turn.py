@@ -97,3 +97,33 @@ def test_environment_tokens_left_in_the_mask_change_the_kl_gradient():
                  - expected_grad(g, KLConfig(beta=0.0), adv_cfg, lcfg))
             err = relative_error(d, BETA * REFS.g_star)
             assert (err <= TOLERANCE) if exact else (err > 1e-3), (lag, exact, err)
+
+
+def test_weight_updates_landing_between_turns_and_inside_one_keep_the_kl_exact():
+    """Two policy turns of two and one tokens around one environment answer (length 4, the
+    environment at position 2); a weight update lands before the first token, inside the
+    first turn, at the environment's turn or before the last token, or never (recomputed
+    prefix), each token carrying the log-prob of the version that drew it, as per-token
+    versions do across turns. With prefix weights the KL's share stays beta x the trajectory
+    KL gradient for every separate mode and task handling."""
+    base = T.ToyProblem.make(vocab=3, length=4, seed=2, lag=0.0)
+    toy = dataclasses.replace(base, env=T.Environment.at_positions(base.space, {2}, seed=7))
+    g = torch.Generator().manual_seed(3)
+    shape = base.logits.shape
+    old = base.logits + 0.4 * torch.randn(shape, generator=g, dtype=torch.float64)
+    new = base.logits + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+    sampler = T.switch_sampler(base.space, old, new, {0: 0.1, 1: 0.3, 2: 0.2, 3: 0.2, 4: 0.2})
+    refs = reference_grads(toy)
+    adv_cfg = AdvantageConfig(estimator="rloo", normalize="group")
+    groups = enumerate_groups(toy, 2, task_reward(toy.space), sampler).with_task_advantages(
+        adv_cfg)
+    for mode in (m for m in KL_MODES if m[1] == "separate" and not m[4]):
+        _, kia, placement, est, _ = mode
+        kl_cfg = KLConfig(estimator=est, placement=placement, importance="prefix", beta=BETA,
+                          kl_in_advantage=kia)
+        target, _ = documented(mode, "rloo", "group", 2, 1.0, BETA, refs, toy, 2.0)
+        for off in TASK_OFF_POLICIES:
+            lcfg = LearnerConfig(task_off_policy=off)
+            d = (expected_grad(groups, kl_cfg, adv_cfg, lcfg)
+                 - expected_grad(groups, KLConfig(beta=0.0), adv_cfg, lcfg))
+            assert relative_error(d, target) <= TOLERANCE, (mode[0], off)

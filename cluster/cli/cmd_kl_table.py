@@ -53,10 +53,11 @@ def print_table(result: dict) -> None:
     console.print(lag_table)
 
 
-def print_trainer_table(trainer: dict) -> None:
+def print_trainer_table(trainer: dict, what: str = "toy sequences") -> None:
     """The trainer-level rows: the KL's share of the learner's expected update against the
     documented form. A bare number is a claimed cell (must be at float64 precision); one in
-    parentheses is no claim, the distance from the on-policy form."""
+    parentheses is no claim, the distance from the on-policy form. `what`: the title's name of
+    what is enumerated (the multi-turn rows: trajectories)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -64,7 +65,7 @@ def print_trainer_table(trainer: dict) -> None:
 
     cfg = trainer["config"]
     table = Table(title="The trainer's loss, exactly over every group of n of "
-                        f"{trainer['num_sequences']} toy sequences (beta {cfg['beta']:g}): "
+                        f"{trainer['num_sequences']} {what} (beta {cfg['beta']:g}): "
                         "rel.err of the KL's share of E\\[update] against the documented form; "
                         "(x): no exact claim, distance from the on-policy form; masks: the "
                         f"worst of {', '.join(MASKING_TERMS)}")
@@ -107,6 +108,8 @@ def print_trainer_table(trainer: dict) -> None:
     claimed = [c["rel_error"] for r in trainer["rows"] for c in r["cells"] if c["exact"]]
     console.print(f"{len(claimed)} claimed cells, largest relative error {max(claimed):.1e} "
                   f"(tolerance {trainer['tolerance']:.0e})")
+    if "kl_part_variance" not in trainer:
+        return
     var = Table(title="Per-group variance of the KL's share of the update, on-policy, K1: "
                       "centered (sequence sum minus the group mean) / separate (reward-to-go, "
                       "leave-one-out baseline)")
@@ -201,8 +204,13 @@ def run(args) -> int:
     result["trainer"] = compute_trainer_rows(cfg.trainer)
     result["trainer"]["kl_part_variance"] = kl_part_variance(length=cfg.trainer.length)
     result["task_terms"] = compute_mask_rows(cfg.trainer)
+    if cfg.trainer.environment:
+        result["trainer_multi_turn"] = compute_trainer_rows(cfg.trainer, multi_turn=True)
     print_table(result)
     print_trainer_table(result["trainer"])
+    if "trainer_multi_turn" in result:
+        print_trainer_table(result["trainer_multi_turn"], "trajectories with an environment "
+                            f"turn at position(s) {cfg.trainer.environment}")
     print_mask_table(result["task_terms"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +220,8 @@ def run(args) -> int:
         plot(result, Path(args.plot))
         print(f"wrote {args.plot}")
     ok = all(r["matches_design_table"] for r in result["rows"])
-    ok = ok and all(r["ok"] for r in result["trainer"]["rows"])
+    ok = ok and all(r["ok"] for part in ("trainer", "trainer_multi_turn")
+                    for r in result.get(part, {}).get("rows", []))
     return 0 if ok and all(r["ok"] for r in result["task_terms"]["rows"]) else 1
 
 
