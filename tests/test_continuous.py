@@ -103,6 +103,14 @@ class _Probe(RolloutWorker):
         requests preempted, seconds idle and stepping)."""
         return self._driver.engine.stats()
 
+    def engine_facts(self) -> list[dict]:
+        """`actors.engine.engine_facts` of the worker's engine (its model runner, attention
+        backends), asked on the engine's own thread."""
+        from actors.engine import engine_facts
+
+        engine = self._driver.engine
+        return engine.call(lambda: engine_facts(engine.llm)).result()
+
     def probe_prompt(self, prompt_ids: list[int]) -> tuple[int, dict[int, float]]:
         """(prompt tokens served from the prefix cache, the log-probs of the 20 likeliest
         next tokens) of one request for `prompt_ids`."""
