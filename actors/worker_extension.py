@@ -8,15 +8,78 @@ that boundary: a path or bytes, never tensors (they do not survive the serialisa
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 EXTENSION = "actors.worker_extension.KlrlWorkerExtension"
 
 
+class WeightsNotLoaded(RuntimeError):
+    """A weight load left parameters of the engine's model with their old values."""
+
+
+def _models(runner) -> list:
+    """The model objects a load may go through: the runner's `model` (on a GPU possibly vLLM's
+    CUDA-graph wrapper, which the weight-transfer path calls) and `get_model()` (the unwrapped
+    model, which `reload_weights` calls)."""
+    found = []
+    for model in (getattr(runner, "model", None), runner.get_model()):
+        if model is not None and all(model is not f for f in found):
+            found.append(model)
+    return found
+
+
+@contextlib.contextmanager
+def recorded_loads(runner) -> Iterator[list[set[str] | None]]:
+    """Within it, every `load_weights` call on the runner's model adds the names vLLM reports
+    loaded to the yielded list (one set per call; None where the model reports nothing)."""
+    calls: list[set[str] | None] = []
+    models = _models(runner)
+    for model in models:
+        def load_weights(weights, _original=model.load_weights):
+            names = _original(weights)
+            calls.append(set(names) if names is not None else None)
+            return names
+        model.load_weights = load_weights  # this instance only, for this load
+    try:
+        yield calls
+    finally:
+        for model in models:
+            model.__dict__.pop("load_weights", None)
+
+
+def unloaded(runner, vllm_config, calls: list[set[str] | None]) -> list[str]:
+    """The model's parameters that none of `calls` loaded, as vLLM's own check names them
+    (`reload/inplace.py`, which only logs them at a level klrl's ERROR hides): a checkpoint name
+    that maps to no parameter would otherwise leave old layers in place without a word. No
+    check for quantized models (vLLM skips them too) or where a call reported nothing."""
+    if getattr(vllm_config.model_config, "quantization", None) is not None:
+        return []
+    if not calls:
+        return ["(no load_weights call: nothing was loaded)"]
+    if any(c is None for c in calls):
+        return []
+    lora = getattr(vllm_config, "lora_config", None) is not None
+    want = {n.replace(".base_layer.", ".") if lora else n
+            for n, _ in runner.get_model().named_parameters()}
+    return sorted(want - set().union(*calls))
+
+
+def refuse_unloaded(missing: list[str], where: str) -> None:
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
+                                          else "")
+        raise WeightsNotLoaded(f"{where} left {len(missing)} parameters of the engine's model "
+                               f"unloaded (they keep their old values): {shown}; the learner's "
+                               "names do not match the engine's model")
+
+
 class KlrlWorkerExtension:
     """The rollout worker's hands inside vLLM's worker: reloading safetensors weights in place
-    (the shm and object_store transports, actors/weight_sync/), naming its CUDA device, and
-    saying whether its NCCL weight-transfer group can move anything (the nccl transport)."""
+    (the shm and object_store transports, actors/weight_sync/), checking that a load reached
+    every parameter, naming its CUDA device, and saying whether its NCCL weight-transfer group
+    can move anything (the nccl transport)."""
 
     def klrl_reload_weights(self, source: str | bytes) -> dict[str, float]:
         """Replace the model's weights in place with the HF-named tensors in `source` (a
@@ -36,9 +99,24 @@ class KlrlWorkerExtension:
         t0 = time.perf_counter()
         tensors = load_tensors(source)
         t1 = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config):
+        with set_current_vllm_config(self.vllm_config), recorded_loads(self.model_runner) as calls:
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        refuse_unloaded(unloaded(self.model_runner, self.vllm_config, calls), "the weight load")
         return {"tensors": len(tensors), "read": t1 - t0, "reload": time.perf_counter() - t1}
+
+    def klrl_track_loads(self, start: bool) -> list[str] | None:
+        """Around a load through vLLM's weight-transfer engine (cuda_ipc, nccl: their
+        `update_weights` calls the model's `load_weights`): start=True records the loads,
+        start=False stops and returns the parameters left unloaded (`unloaded`)."""
+        if start:
+            self._klrl_loads = recorded_loads(self.model_runner)
+            self._klrl_calls = self._klrl_loads.__enter__()
+            return None
+        loads, self._klrl_loads = getattr(self, "_klrl_loads", None), None
+        if loads is None:
+            return ["(the loads were not being recorded)"]
+        loads.__exit__(None, None, None)
+        return unloaded(self.model_runner, self.vllm_config, self._klrl_calls)
 
     def klrl_cuda_device_uuid(self) -> str:
         """The UUID of the CUDA device this engine rank runs on (GPU only): the nccl transport

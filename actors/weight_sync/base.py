@@ -256,10 +256,18 @@ class VllmEngineTransport(WeightTransport):
         return Fetched(dict(update.update_info), {})
 
     def reload(self, llm, source) -> dict[str, float]:
+        from actors.worker_extension import refuse_unloaded
+
         t0 = time.perf_counter()
-        llm.start_weight_update()
-        llm.update_weights({"update_info": source})
-        llm.finish_weight_update()
+        llm.collective_rpc("klrl_track_loads", args=(True,))
+        try:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": source})
+            llm.finish_weight_update()
+        finally:  # stop recording even when the load failed
+            missing = llm.collective_rpc("klrl_track_loads", args=(False,))
+        refuse_unloaded(sorted({n for rank in missing for n in rank}),
+                        f"the {self.vllm_backend} weight load")
         return {"reload": time.perf_counter() - t0}
 
 
