@@ -160,3 +160,26 @@ def test_a_demo_runs_metrics_are_summarised_for_its_checks():
     assert found["steps"] == 4 and found["ratio_min"] == 0.95 and found["lag_max"] == 2
     assert found["multi_version_share_max"] == 0.25 and found["preempted"] == 10
     assert found["abs_log_ratio_max"] == 0.04 and found["step_s_mean_after_2"] == 2.0
+
+
+def test_the_verdict_window_on_a_machine_without_cuda_records_why_each_gpu_step_skipped(
+        tmp_path):
+    """The real first window, as `make gpu-smoke` runs it, here: the unpack step finds no
+    payload (and says what it found), every later step is recorded as skipped for want of
+    CUDA, and the run exits 3 (another window has to run them)."""
+    import os
+
+    out = tmp_path / "out"
+    done = subprocess.run([PY, "-m", "cluster.bench.gpu_smoke", "--deadline-s", "120", "--out",
+                           str(out), "--work", str(tmp_path / "work")], capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "GPU_DIR": str(tmp_path / "no-payload"),
+                               "PYTHON": PY})
+    assert done.returncode == 3, done.stdout + done.stderr
+    lines = _lines(out)
+    assert [r["step"] for r in lines] == [s.name for s in gpu_smoke.VERDICT]
+    assert lines[0]["status"] in ("passed", "skipped") and lines[0]["details"], lines[0]
+    for line in lines[1:]:
+        assert line["status"] == "skipped" and line["reason"].startswith("needs a CUDA GPU: ")
+    with tarfile.open(out / ARCHIVE) as tar:
+        assert "logs/unpack.log" in tar.getnames()

