@@ -183,3 +183,16 @@ def test_the_verdict_window_on_a_machine_without_cuda_records_why_each_gpu_step_
         assert line["status"] == "skipped" and line["reason"].startswith("needs a CUDA GPU: ")
     with tarfile.open(out / ARCHIVE) as tar:
         assert "logs/unpack.log" in tar.getnames()
+
+
+def test_the_batch_demo_checks_the_fp32_default_and_the_start_order_it_is_for(tmp_path,
+                                                                              monkeypatch):
+    from cluster.bench import gpu_probe
+    from cluster.config.loader import REPO_ROOT
+    from cluster.config.train_config import load_train_config
+
+    monkeypatch.setenv("SMOKE_WORK", str(tmp_path))
+    cfg = load_train_config(REPO_ROOT / "configs" / "tiny_cpu.yaml",
+                            gpu_probe._demo_overrides("batch_lag0"))
+    assert cfg.worker_rollout.dtype == "float32" and cfg.learner_may_share_a_gpu
+    assert not cfg.rollout.in_flight_updates  # batch mode: vLLM's async scheduling stays on

@@ -268,7 +268,16 @@ def demo(name: str) -> int:
         code = None
     run_dir = work_dir() / "runs" / f"smoke_{name}"
     rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    found: dict[str, Any] = {"returncode": code, "overrides": overrides} | summarise(rows)
+    from cluster.config.train_config import load_train_config
+
+    cfg = load_train_config(REPO_ROOT / "configs" / "tiny_cpu.yaml", overrides)
+    found: dict[str, Any] = {
+        "returncode": code, "overrides": overrides,
+        # what the config made of the settings the step is there to check
+        "engine_dtype": cfg.worker_rollout.dtype,
+        "start_order": ("the learner after every engine" if cfg.learner_may_share_a_gpu
+                        else "side by side"),
+        "engine_kwargs": cfg.rollout.engine_kwargs} | summarise(rows)
     want = int(next(o for o in overrides if o.startswith("total_steps="))
                .split("=")[1])
     checks = {"all steps ran": found["steps"] == want}
