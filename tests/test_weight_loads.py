@@ -1,5 +1,5 @@
 """A weight load that leaves a parameter of the engine's model unloaded raises
-(actors/worker_extension.py): vLLM only logs such names, at a level klrl hides. The recorder
+(actors/weight_sync/loads.py): vLLM only logs such names, at a level klrl hides. The recorder
 and the check, on a small torch model with vLLM's `load_weights` contract (it returns the
 names it loaded); tests/test_weight_sync.py checks the same through a real vLLM engine."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.worker_extension import WeightsNotLoaded, recorded_loads, refuse_unloaded, unloaded
+from actors.weight_sync.loads import WeightsNotLoaded, recorded_loads, refuse_unloaded, unloaded
 
 
 class _Model(torch.nn.Module):

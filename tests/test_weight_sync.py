@@ -163,7 +163,7 @@ def test_a_load_that_leaves_lm_head_unloaded_is_refused_naming_it(
     engine generates nothing until a load reaches every parameter."""
     from safetensors.torch import save_file
 
-    from actors.worker_extension import WeightsNotLoaded
+    from actors.weight_sync.loads import WeightsNotLoaded
 
     v = ray.get(worker.version.remote()) + 1
     learner = perturbed(tiny_model_dir, seed=100 + v)

@@ -26,6 +26,8 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
+from actors.weight_sync.loads import refuse_unloaded
+
 # `sync.transport`'s names, the Literal SyncConfig takes; the registry (registry.py) holds the
 # transport each names and checks the two agree. Here, so that this module, which every
 # transport imports, needs nothing of the registry.
@@ -256,8 +258,6 @@ class VllmEngineTransport(WeightTransport):
         return Fetched(dict(update.update_info), {})
 
     def reload(self, llm, source) -> dict[str, float]:
-        from actors.worker_extension import refuse_unloaded
-
         t0 = time.perf_counter()
         llm.collective_rpc("klrl_track_loads", args=(True,))
         try:
