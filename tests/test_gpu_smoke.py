@@ -11,6 +11,8 @@ import sys
 import tarfile
 import time
 
+import pytest
+
 from cluster.bench import gpu_smoke
 from cluster.bench.smoke import ARCHIVE, PACK_MARGIN_S, RESULTS, Smoke, Step, exit_code
 
@@ -196,3 +198,20 @@ def test_the_batch_demo_checks_the_fp32_default_and_the_start_order_it_is_for(tm
                             gpu_probe._demo_overrides("batch_lag0"))
     assert cfg.worker_rollout.dtype == "float32" and cfg.learner_may_share_a_gpu
     assert not cfg.rollout.in_flight_updates  # batch mode: vLLM's async scheduling stays on
+
+
+@pytest.mark.slow
+def test_the_probes_engine_and_its_hf_comparison_run_on_vllm_cpu(tmp_path, monkeypatch,
+                                                                  tiny_model_dir):
+    """The TF32 probe's plumbing, on vllm-cpu: an engine of klrl's building in a process of its
+    own reports its facts and samples, and their log-probs match HF fp32 to vllm-cpu's 1e-4
+    (on a GPU the same comparison measures the kernels' numerics)."""
+    from cluster.bench import gpu_probe
+
+    monkeypatch.setenv("SMOKE_WORK", str(tmp_path))
+    ran = gpu_probe.run_engine(tiny_model_dir, "float32", "cpu", 600)
+    assert ran["returncode"] == 0, ran.get("log_lines")
+    assert ran["facts"][0]["model_runner"] and ran["facts"][0]["dtype"] == "torch.float32"
+    assert len(ran["samples"]) == gpu_probe.PROMPTS
+    found = gpu_probe.compare(tiny_model_dir, ran["samples"], device="cpu")
+    assert found["tokens_compared"] > gpu_probe.PROMPTS and found["max_abs_logprob_diff"] < 1e-3

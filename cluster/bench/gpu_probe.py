@@ -156,8 +156,8 @@ def sanity() -> int:
     found["klrl_imports"] = "ok" if cli.returncode == 0 else cli.stderr[-500:]
     model = random_model()
     found["engines"] = {}
-    for dtype in ("float32", "bfloat16"):
-        left = time_left() - (time.perf_counter() - T0)
+    for k, dtype in enumerate(("float32", "bfloat16")):
+        left = (time_left() - (time.perf_counter() - T0)) / (2 - k)  # a hung first leaves half
         found["engines"][dtype] = {k: v for k, v in run_engine(model, dtype, dtype, left).items()
                                    if k != "samples"}
     details(found)
@@ -167,25 +167,34 @@ def sanity() -> int:
 # --------------------------------------------------------------------------- TF32
 
 
-def hf_logprobs(model_dir: Path, samples: list[dict[str, Any]]) -> list[list[float]]:
-    """Each sample's sampled-token log-probs under HF transformers on the GPU in exact fp32
-    (eager attention; TF32 off for matmuls and cuDNN)."""
+def hf_logprobs(model_dir: Path, samples: list[dict[str, Any]],
+                device: str = "cuda") -> list[list[float]]:
+    """Each sample's sampled-token log-probs under HF transformers in exact fp32 (eager
+    attention; TF32 off for matmuls and cuDNN) on `device`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").cuda().eval()
+                                                 attn_implementation="eager").to(device).eval()
     out = []
     with torch.no_grad():
         for s in samples:
-            ids = torch.tensor([s["prompt_ids"] + s["token_ids"]], device="cuda")
+            ids = torch.tensor([s["prompt_ids"] + s["token_ids"]], device=device)
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
             n = len(s["prompt_ids"])
-            rows = torch.arange(n - 1, n - 1 + len(s["token_ids"]), device="cuda")
-            out.append(logp[rows, torch.tensor(s["token_ids"], device="cuda")].tolist())
+            rows = torch.arange(n - 1, n - 1 + len(s["token_ids"]), device=device)
+            out.append(logp[rows, torch.tensor(s["token_ids"], device=device)].tolist())
     return out
+
+
+def compare(model_dir: Path, samples: list[dict[str, Any]], device: str = "cuda") -> dict:
+    """The largest and mean |engine - HF fp32| over the sampled tokens of `samples`."""
+    want = hf_logprobs(model_dir, samples, device)
+    diffs = [abs(a - b) for s, w in zip(samples, want) for a, b in zip(s["logprobs"], w)]
+    return {"max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+            "tokens_compared": len(diffs)}
 
 
 def tf32() -> int:
@@ -199,11 +208,7 @@ def tf32() -> int:
         row = {k: ran.get(k) for k in ("returncode", "seconds", "facts", "log_lines",
                                        "TRITON_F32_DEFAULT")}
         if ran.get("samples"):
-            want = hf_logprobs(model, ran["samples"])
-            diffs = [abs(a - b) for s, w in zip(ran["samples"], want)
-                     for a, b in zip(s["logprobs"], w)]
-            row |= {"max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff":
-                    sum(diffs) / len(diffs), "tokens_compared": len(diffs)}
+            row |= compare(model, ran["samples"])
         found[precision] = row
     ok = all("max_abs_logprob_diff" in found[p] for p in ("tf32", "ieee"))
     if ok:
