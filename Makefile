@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.klrl-installed
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick test-durations test-gpu gpu-check venv kl-table figures results docs clean-venv slurm-packages
+.PHONY: demo test test-quick test-durations test-gpu gpu-check gpu-smoke venv kl-table figures results docs clean-venv slurm-packages
 
 demo: $(STAMP)
 	$(BIN)/klrl demo $(ARGS)
@@ -67,6 +67,18 @@ GPU_CHECK_JSON ?= gpu-check.json
 GPU_CHECK_BUDGET ?= 480
 gpu-check:
 	$(GPU_PYTHON) -m cluster.bench.gpu_check --json $(GPU_CHECK_JSON) --budget-s $(GPU_CHECK_BUDGET) $(ARGS)
+
+# The GPU verdict in one lent window (cluster/bench/gpu_smoke.py): steps most valuable first,
+# each under `timeout` with what is left of GPU_SMOKE_DEADLINE seconds, a JSON line appended to
+# GPU_SMOKE_OUT/results.jsonl and the logs packed into GPU_SMOKE_OUT/smoke-logs.tar.gz after
+# every step (a killed call keeps what ran). GPU_SMOKE_WINDOW=perf: the 0.5B-shaped bench, for a
+# second window. Exit 0: all passed; 1: a step failed or timed out; 3: steps skipped (no time,
+# no CUDA). On a lent machine: `bash cluster/bench/gpu_payload.sh calls`. docs/gpu.md.
+GPU_SMOKE_WINDOW ?= verdict
+GPU_SMOKE_DEADLINE ?= 540
+GPU_SMOKE_OUT ?= gpu-smoke-out
+gpu-smoke:
+	$(GPU_PYTHON) -m cluster.bench.gpu_smoke --window $(GPU_SMOKE_WINDOW) --deadline-s $(GPU_SMOKE_DEADLINE) --out $(GPU_SMOKE_OUT) $(ARGS)
 
 kl-table: $(STAMP)
 	$(BIN)/klrl kl-table $(ARGS)

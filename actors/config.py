@@ -91,10 +91,14 @@ class RolloutConfig(BaseModel):
                                "(prompt + response); at most the model's max_position_embeddings.")
     cpu_kv_cache_gib: float = Field(1.0, gt=0.0, le=4096.0, description="KV cache GiB on CPU "
                                     "(sets VLLM_CPU_KVCACHE_SPACE in the worker); ignored on GPU.")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Share of the GPU's "
-                                          "memory the engine may take (weights + KV cache); "
-                                          "ignored on CPU. Leave room for a learner on the same "
-                                          "GPU.")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="Share of the whole "
+                                          "GPU's memory this engine may take (weights, "
+                                          "activations, KV cache); ignored on CPU. vLLM counts "
+                                          "it per engine against the GPU's total and refuses to "
+                                          "start with less free: on a GPU of the engine's own "
+                                          "raise it (0.85-0.9; 0.5 leaves half the GPU unused), "
+                                          "on a shared one keep every engine's share plus the "
+                                          "learner's memory under the whole (docs/gpu.md).")
     num_cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0, description="Ray CPUs reserved "
                                        "per worker.")
     threads_per_worker: int | None = Field(None, ge=1, le=1024, description="torch/OpenMP "
@@ -115,7 +119,8 @@ class RolloutConfig(BaseModel):
         "bfloat16 or float16. null: learner.dtype, so that sampler and learner compute in the same "
         "precision (vLLM's own 'auto' loads a float32 checkpoint as bfloat16 on GPU, which spreads "
         "the learner/sampler ratios at max_lag 0 to 0.82-1.18; see docs/gpu.md). float16: "
-        "GPUs without bfloat16.")
+        "GPUs without bfloat16. On GPUs bfloat16 (with learner.dtype bfloat16) is the fast "
+        "choice: float32 gives up FlashAttention 3 and bf16 tensor cores for exactness.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor parallelism "
                                       "inside one worker: its engine shards the model over this "
                                       "many GPUs. GPU only (1 on CPU); above 1, "

@@ -59,9 +59,12 @@ def make_llm(model: str | Path, *, cpu_kvcache_gib: float = DEFAULT_CPU_KVCACHE_
     # later (Ray actors, subprocesses), whose second OpenMP runtime then makes vLLM's CPU
     # attention see another thread count on a non-main thread ("Check failed:
     # input->metadata->thread_num == thread_num"): the caller's value is put back.
+    kwargs = llm_kwargs(model, cpu=cpu, **options)
+    for key, value in precision_env(cpu, kwargs["dtype"]).items():
+        os.environ.setdefault(key, value)  # a value the caller set wins (the TF32 probe's)
     preload = os.environ.get("LD_PRELOAD")
     try:
-        return LLM(**llm_kwargs(model, cpu=cpu, **options))
+        return LLM(**kwargs)
     finally:
         if preload is None:
             os.environ.pop("LD_PRELOAD", None)
@@ -160,6 +163,56 @@ def llm_kwargs(
         kwargs["worker_extension_cls"] = worker_extension_cls
     kwargs.update(engine_kwargs)
     return kwargs
+
+
+FP32_NAMES = ("float32", "float", "fp32", "torch.float32")
+
+
+def precision_env(cpu: bool, dtype: str) -> dict[str, str]:
+    """The environment an engine of `dtype` needs for exact fp32 on a GPU: Triton's dots on
+    float32 inputs default to TF32 (10 mantissa bits) unless TRITON_F32_DEFAULT says "ieee".
+    Why it matters: FlashAttention 3 takes only fp16/bf16, so vLLM runs an fp32 engine's
+    attention through its Triton backend, whose `tl.dot` then rounds q, k and p to TF32: the
+    likely cause of the 1-2% learner/sampler ratio gap measured at max_lag 0 on an H100
+    (docs/gpu.md). Triton reads the variable when it compiles a kernel, which an in-process
+    engine does after this is set; the smoke run's TF32 probe (cluster/bench/gpu_probe.py)
+    measures both settings. Nothing on CPU (no Triton there) or for 16-bit engines (their
+    dots take bf16/fp16 anyway). Costs speed: the fp32 dots no longer use tensor cores."""
+    if cpu or str(dtype).lower() not in FP32_NAMES:
+        return {}
+    return {"TRITON_F32_DEFAULT": "ieee"}
+
+
+def engine_facts(llm) -> list[dict[str, Any]]:
+    """What the engine `llm` runs, per worker rank: vLLM's worker and model runner classes
+    (Model Runner V2 lives in `vllm.v1.worker.gpu`), and each attention layer's backend and
+    implementation, read from the layers themselves (`llm.collective_rpc` with a function:
+    in-process, nothing is serialised). A name vLLM's layout no longer has reads None."""
+    return llm.collective_rpc(_facts)
+
+
+def _qualname(obj) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _facts(worker) -> dict[str, Any]:
+    runner = getattr(worker, "model_runner", None)
+    config = getattr(runner, "vllm_config", None) or getattr(worker, "vllm_config", None)
+    layers = getattr(getattr(config, "compilation_config", None), "static_forward_context",
+                     None) or {}
+    backends, impls = set(), set()
+    for layer in layers.values():
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None:
+            get_name = getattr(backend, "get_name", None)
+            backends.add(str(get_name()) if callable(get_name) else backend.__name__)
+        if getattr(layer, "impl", None) is not None:
+            impls.add(_qualname(layer.impl))
+    return {"worker": _qualname(worker), "model_runner": _qualname(runner),
+            "use_v2_model_runner": getattr(worker, "use_v2_model_runner", None),
+            "attention_backends": sorted(backends), "attention_impls": sorted(impls),
+            "dtype": str(getattr(getattr(config, "model_config", None), "dtype", None)),
+            "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT")}
 
 
 def unknown_engine_args(names: Iterable[str]) -> dict[str, str | None]:

@@ -127,11 +127,12 @@ def evaluate(
     reward: str | None = None,
     keep_completions: bool = False,
     pass_k: Sequence[int] | None = None,
+    dtype: str | None = None,
 ) -> EvalResult:
     """Evaluate a policy on `splits` of `task`.
 
     llm_or_model: a `vllm.LLM`, or a model directory (an engine is built with
-        `actors.engine.make_llm` and shut down afterwards).
+        `actors.engine.make_llm`, of `dtype` (None: its default), and shut down afterwards).
     task: a task name for `rewards.get_task` or a task object (`.problems(split, n, seed)`,
         `.scorer(completion, problem)`).
     n: problems per split; samples: sampled completions per problem (0: greedy only).
@@ -156,7 +157,7 @@ def evaluate(
     owns_llm = not hasattr(llm_or_model, "generate")
     model_name = str(llm_or_model) if owns_llm else _llm_model_name(llm_or_model)
     t0 = time.perf_counter()
-    llm = make_llm(llm_or_model, seed=seed) if owns_llm else llm_or_model
+    llm = make_llm(llm_or_model, seed=seed, dtype=dtype) if owns_llm else llm_or_model
     try:
         if renderer is None:
             renderer = PromptRenderer(llm.get_tokenizer())

@@ -321,6 +321,14 @@ class RolloutWorker:
         """Policy version of the weights the engine holds."""
         return self._version
 
+    def process(self) -> tuple[str, int]:
+        """(Ray node id, pid) of the process that holds this worker's engine: the pool waits
+        for that process to be gone before a replacement starts its engine
+        (cluster/train/worker_pool.py)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def engine_progress(self) -> EngineProgress:
         """The engine's steps so far and how long the one under way has run: answered from the
         health thread while the engine thread is busy (or wedged), so a hung engine shows as a

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import time
 
+from actors.weight_sync.loads import recorded_loads, refuse_unloaded, unloaded
+
 EXTENSION = "actors.worker_extension.KlrlWorkerExtension"
 
 
 class KlrlWorkerExtension:
     """The rollout worker's hands inside vLLM's worker: reloading safetensors weights in place
-    (the shm and object_store transports, actors/weight_sync/), naming its CUDA device, and
-    saying whether its NCCL weight-transfer group can move anything (the nccl transport)."""
+    (the shm and object_store transports, actors/weight_sync/), checking that a load reached
+    every parameter, naming its CUDA device, and saying whether its NCCL weight-transfer group
+    can move anything (the nccl transport)."""
 
     def klrl_reload_weights(self, source: str | bytes) -> dict[str, float]:
         """Replace the model's weights in place with the HF-named tensors in `source` (a
@@ -36,9 +39,24 @@ class KlrlWorkerExtension:
         t0 = time.perf_counter()
         tensors = load_tensors(source)
         t1 = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config):
+        with set_current_vllm_config(self.vllm_config), recorded_loads(self.model_runner) as calls:
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        refuse_unloaded(unloaded(self.model_runner, self.vllm_config, calls), "the weight load")
         return {"tensors": len(tensors), "read": t1 - t0, "reload": time.perf_counter() - t1}
+
+    def klrl_track_loads(self, start: bool) -> list[str] | None:
+        """Around a load through vLLM's weight-transfer engine (cuda_ipc, nccl: their
+        `update_weights` calls the model's `load_weights`): start=True records the loads,
+        start=False stops and returns the parameters left unloaded (`unloaded`)."""
+        if start:
+            self._klrl_loads = recorded_loads(self.model_runner)
+            self._klrl_calls = self._klrl_loads.__enter__()
+            return None
+        loads, self._klrl_loads = getattr(self, "_klrl_loads", None), None
+        if loads is None:
+            return ["(the loads were not being recorded)"]
+        loads.__exit__(None, None, None)
+        return unloaded(self.model_runner, self.vllm_config, self._klrl_calls)
 
     def klrl_cuda_device_uuid(self) -> str:
         """The UUID of the CUDA device this engine rank runs on (GPU only): the nccl transport

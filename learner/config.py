@@ -140,7 +140,9 @@ class LearnerConfig(BaseModel):
                                      "on CUDA with the nccl backend, 0 on CPU with gloo.")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter/compute dtype of policy and reference. bfloat16 is for "
-        "GPUs (DeepSpeed bf16 mode, fp32 master weights); log-probs are always taken in fp32.")
+        "GPUs, and recommended there (DeepSpeed bf16 mode, fp32 master weights; the engine then "
+        "samples in bfloat16 too); log-probs are always taken in fp32. float32 (the default, "
+        "CPU's): the closest learner/sampler ratios, more slowly on a GPU (docs/gpu.md).")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
         None, description="Attention kernel of policy and reference (transformers' "
         "attn_implementation); null: transformers' default for the model. flash_attention_2 "

@@ -103,6 +103,14 @@ class _Probe(RolloutWorker):
         requests preempted, seconds idle and stepping)."""
         return self._driver.engine.stats()
 
+    def engine_facts(self) -> list[dict]:
+        """`actors.engine.engine_facts` of the worker's engine (its model runner, attention
+        backends), asked on the engine's own thread."""
+        from actors.engine import engine_facts
+
+        engine = self._driver.engine
+        return engine.call(lambda: engine_facts(engine.llm)).result()
+
     def probe_prompt(self, prompt_ids: list[int]) -> tuple[int, dict[int, float]]:
         """(prompt tokens served from the prefix cache, the log-probs of the 20 likeliest
         next tokens) of one request for `prompt_ids`."""
@@ -338,3 +346,13 @@ def test_engine_idle_share_is_the_unbusy_part_of_the_time_between_two_batches():
     assert engine_idle_share(batch(0, 1.0, 10.0), batch(1, 4.0, 14.0)) is None
     assert engine_idle_share(batch(0, 4.0, 14.0), batch(0, 1.0, 10.0)) is None
     assert engine_idle_share(batch(0, 9.0, 10.0), batch(0, 1.0, 12.0)) is None  # replaced
+
+
+def test_an_update_counts_as_preempted_only_the_requests_that_had_sampled_a_token():
+    """`rollout/preempted` (continuous.preempted): a request still waiting, or still in its
+    prefill, loses no sampled token to an update and is not counted."""
+    from actors.generation.continuous import preempted
+
+    in_flight = {"a": ("job", 0), "b": ("job", 1), "c": ("other", 0)}
+    assert preempted(in_flight, {"b", "c", "gone"}) == [("job", 1), ("other", 0)]
+    assert preempted(in_flight, set()) == []

@@ -221,3 +221,28 @@ def test_klrl_eval_greedy_only_prints_no_empty_sampled_columns(capsys, monkeypat
     assert "79.5%" in greedy and "K=0" not in greedy and "pass@0" not in greedy
     sampled = table(4)
     assert "sampled acc (K=4, T=1)" in sampled and "pass@4" in sampled and "90.0%" in sampled
+
+
+def test_klrl_eval_scores_a_runs_export_in_the_dtype_the_run_sampled_with(tmp_path,
+                                                                          tiny_model_dir):
+    """`klrl eval RUN/final` (or hf/step_N/) builds its engine in the run's rollout dtype
+    (rollout.dtype, null: learner.dtype), as the run's own evaluations did: on a GPU vLLM's
+    default would load an fp32 checkpoint as bf16. A model of no run keeps the default."""
+    import shutil
+
+    import yaml
+
+    from cluster.cli.eval_target import eval_target
+    from cluster.train.run_log import config_path
+
+    run = tmp_path / "run"
+    for where in ("final", "hf/step_4"):
+        shutil.copytree(tiny_model_dir, run / where)
+    config_path(run).write_text(yaml.safe_dump({"learner": {"dtype": "float32"},
+                                                "rollout": {"dtype": None}}))
+    assert eval_target(str(run / "final")).dtype == "float32"
+    assert eval_target(str(run / "hf" / "step_4")).dtype == "float32"
+    config_path(run).write_text(yaml.safe_dump({"learner": {"dtype": "float32"},
+                                                "rollout": {"dtype": "bfloat16"}}))
+    assert eval_target(str(run / "final")).dtype == "bfloat16"
+    assert eval_target(str(tiny_model_dir)).dtype is None

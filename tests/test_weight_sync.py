@@ -155,10 +155,15 @@ def test_shm_keeps_only_the_newest_versions(tiny_model_dir, shm_dir):
     assert names == ["v000000011.safetensors", "v000000012.safetensors"]
 
 
-def test_without_lm_head_the_engine_silently_diverges(worker, problems, tiny_model_dir, shm_dir):
-    """Why publish insists on lm_head.weight: bypass it (write the file by hand) and the
-    reload 'succeeds', but vLLM keeps its old lm_head and the log-probs are wrong."""
+def test_a_load_that_leaves_lm_head_unloaded_is_refused_naming_it(
+        worker, problems, tiny_model_dir, shm_dir):
+    """Why publish insists on lm_head.weight: bypass it (write the file by hand) and vLLM
+    keeps its old lm_head, saying so only in a warning below klrl's log level, so the
+    log-probs would be silently wrong. The load raises instead, naming the parameter, and the
+    engine generates nothing until a load reaches every parameter."""
     from safetensors.torch import save_file
+
+    from actors.weight_sync.loads import WeightsNotLoaded
 
     v = ray.get(worker.version.remote()) + 1
     learner = perturbed(tiny_model_dir, seed=100 + v)
@@ -166,11 +171,13 @@ def test_without_lm_head_the_engine_silently_diverges(worker, problems, tiny_mod
     path = shm_dir / "no_lm_head.safetensors"
     save_file(state, str(path))
     partial = WeightUpdate(v, "shm", path.stat().st_size, path=str(path))
-    assert ray.get(worker.load_weights.remote(partial)) == v
-    assert max_logprob_error(learner, generate(worker, problems)) > 1e-2
+    with pytest.raises(WeightsNotLoaded, match="1 parameters .* unloaded .*lm_head.weight"):
+        ray.get(worker.load_weights.remote(partial))
+    with pytest.raises(RuntimeError, match="WeightsNotLoaded"):
+        generate(worker, problems)
 
     full = publisher(shm_dir).publish(learner.state_dict(), v, "shm")
-    assert ray.get(worker.load_weights.remote(full)) == v  # same version: reloaded
+    assert ray.get(worker.load_weights.remote(full)) == v
     assert max_logprob_error(learner, generate(worker, problems)) < TOL
 
 

@@ -146,7 +146,8 @@ def test_a_worker_joins_then_refuses_an_engine_rank_whose_group_is_disabled():
             NcclTransport().init_engine(_Engine(*ranks), info, worker_index=2)
 
 
-def test_the_broadcast_starts_only_once_the_exports_copies_are_made(monkeypatch):
+def test_the_broadcast_starts_only_once_the_exports_copies_are_made_and_waits_for_its_end(
+        monkeypatch):
     """send_async marks the learner stream's queued copies (an event, recorded before it
     returns, on the calling thread) and the broadcast thread waits for that mark before its
     first broadcast (vLLM's producer broadcasts from streams of its own, which nothing else
@@ -167,14 +168,20 @@ def test_the_broadcast_starts_only_once_the_exports_copies_are_made(monkeypatch)
         def broadcast(self, tensor, src, stream=None):
             calls.append((f"broadcast {tensor.numel()}", threading.current_thread().name))
 
+    def broadcasts_done(device):  # the device-wide synchronize, as _broadcast ends with it
+        calls.append(("broadcasts done", threading.current_thread().name))
+
     monkeypatch.setattr(nccl, "copies_made", copies_made)
+    monkeypatch.setattr(nccl, "broadcasts_done", broadcasts_done)
     sender = NcclWeightSender("127.0.0.1", 29555, num_workers=1, packed=False)
     sender.group = Group()
     items = [("a.weight", torch.zeros(2, 3)), ("lm_head.weight", torch.ones(4))]
     info = sender.send_async(items)
     assert calls[0] == ("mark the copies", threading.current_thread().name)
     sender.wait(timeout=30)
+    # wait() returns only once the broadcasts are done on the device, not when the last one
+    # was queued (vLLM's packed producer leaves its last buffers queued on its own streams)
     assert [c for c, _ in calls] == ["mark the copies", "wait for the copies", "broadcast 6",
-                                     "broadcast 4"]
+                                     "broadcast 4", "broadcasts done"]
     assert {t for _, t in calls[1:]} == {"klrl-nccl-send"}
     assert info["names"] == ["a.weight", "lm_head.weight"]

@@ -30,8 +30,9 @@ class Completion:
     request with detokenize=False). submitted_version: the engine's version when the request
     entered it (the version of a response with no token). added_at, finished_at:
     time.perf_counter() when it entered and left the engine (continuous generation only).
-    preemptions: how many weight updates preempted the request while it ran (continuous
-    generation with stale_kv recompute: its KV freed and recomputed with the new weights).
+    preemptions: how many weight updates preempted the request after it had sampled a token
+    (continuous generation with stale_kv recompute: its KV freed and recomputed with the new
+    weights; `continuous.preempted`).
     """
 
     token_ids: list[int] = field(default_factory=list)

@@ -127,6 +127,7 @@ class ContinuousEngine:
         self._closed: str | None = None    # why no command is taken any more
         self._ids = itertools.count()
         self._in_flight: dict[str, tuple[_Job, int]] = {}   # request id -> (job, index)
+        self._sampled: set[str] = set()   # requests in flight that have sampled a token
         self._deferred: list[_Job] = []   # jobs waiting for a version >= their min_version
         self._stats = {"steps": 0, "tokens": 0, "updates": 0, "preempted": 0,
                        "idle_s": 0.0, "step_s": 0.0}
@@ -280,6 +281,8 @@ class ContinuousEngine:
             if entry is None:  # aborted (its job failed) after the step had sampled it
                 continue
             job, i = entry
+            if out.outputs and out.outputs[0].token_ids:
+                self._sampled.add(out.request_id)
             if job.stream:
                 c, done = out.outputs[0], job.results[i]
                 new = c.token_ids
@@ -295,6 +298,7 @@ class ContinuousEngine:
                 job.results[i] = out
             if out.finished:
                 del self._in_flight[out.request_id]
+                self._sampled.discard(out.request_id)
                 job.remaining -= 1
                 if job.remaining == 0:
                     job.future.set_result(job.results)
@@ -305,8 +309,9 @@ class ContinuousEngine:
             seconds = dict(reload() or {})
             t1 = time.perf_counter()
             if self._recompute:  # every running request is preempted: counted per request
-                self._stats["preempted"] += len(self._in_flight)
-                for job, i in self._in_flight.values():
+                hit = preempted(self._in_flight, self._sampled)
+                self._stats["preempted"] += len(hit)
+                for job, i in hit:
                     if job.stream:
                         job.results[i].preemptions += 1
                 if not self._engine.reset_prefix_cache(reset_running_requests=True):
@@ -331,6 +336,7 @@ class ContinuousEngine:
         ids = [r for r in job.ids if r in self._in_flight]
         for r in ids:
             del self._in_flight[r]
+            self._sampled.discard(r)
         if ids:
             self._engine.abort_request(ids)
 
@@ -359,6 +365,16 @@ class ContinuousEngine:
                     future.set_result(None)
                 elif not future.done():
                     future.set_exception(error)
+
+
+def preempted(in_flight: dict[str, Any], sampled: set[str]) -> list[Any]:
+    """The entries of `in_flight` (request id -> what it belongs to) that an update with
+    `stale_kv: recompute` preempts, as counted in `rollout/preempted`: those that have sampled
+    a token (`sampled`). A request still waiting for the scheduler loses nothing, and one
+    whose prompt is still being prefilled has sampled no token of the old weights (it
+    recomputes a prefill, not counted): counting every request in flight made an update that
+    met a queue look like one that met running samples."""
+    return [entry for request_id, entry in in_flight.items() if request_id in sampled]
 
 
 class EngineFacade:

@@ -26,6 +26,8 @@ from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
+from actors.weight_sync.loads import refuse_unloaded
+
 # `sync.transport`'s names, the Literal SyncConfig takes; the registry (registry.py) holds the
 # transport each names and checks the two agree. Here, so that this module, which every
 # transport imports, needs nothing of the registry.
@@ -257,9 +259,15 @@ class VllmEngineTransport(WeightTransport):
 
     def reload(self, llm, source) -> dict[str, float]:
         t0 = time.perf_counter()
-        llm.start_weight_update()
-        llm.update_weights({"update_info": source})
-        llm.finish_weight_update()
+        llm.collective_rpc("klrl_track_loads", args=(True,))
+        try:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": source})
+            llm.finish_weight_update()
+        finally:  # stop recording even when the load failed
+            missing = llm.collective_rpc("klrl_track_loads", args=(False,))
+        refuse_unloaded(sorted({n for rank in missing for n in rank}),
+                        f"the {self.vllm_backend} weight load")
         return {"reload": time.perf_counter() - t0}
 
 

@@ -321,8 +321,12 @@ class NcclWeightSender:
         return info
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the last broadcast has been received by every worker (the learner
-        must call it before changing the tensors it published); re-raise its error."""
+        """Block until the last broadcast has finished on this GPU: every broadcast kernel
+        has run, so its data has left the published tensors and the copies behind them (a
+        broadcast's root completes only once its peers have taken the data). The learner must
+        call it before it changes or frees those tensors; re-raises the broadcast's error.
+        That the workers' engines hold the new weights is what their `load_weights` returns
+        say."""
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -351,8 +355,7 @@ class NcclWeightSender:
                 stream = torch.cuda.current_stream() if device.type == "cuda" else None
                 for _, t in items:
                     self.group.broadcast(t, src=0, stream=stream)
-                if stream is not None:
-                    stream.synchronize()
+            broadcasts_done(device)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the learner
             self._error = e
 
@@ -363,6 +366,17 @@ class NcclWeightSender:
         if self.group is not None:
             self.group.destroy()
             self.group = None
+
+
+def broadcasts_done(device: torch.device | None) -> None:
+    """Wait until every broadcast queued on `device` has run. vLLM's packed producer returns
+    with its last buffers' broadcasts still queued on CUDA streams of its own (it syncs a slot
+    only before reusing it), so returning from it is not the end of the broadcast: without
+    this, `wait` returned early and the learner could free or overwrite the copies being
+    sent. A device-wide synchronize is the one wait that reaches streams klrl does not hold.
+    Nothing to wait for off CUDA."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def copies_made(device: torch.device | None):

@@ -77,10 +77,11 @@ def _evaluate(args, task, splits, target: EvalTarget, model: str):
               "top_p": args.top_p, "top_k": args.top_k, "renderer": renderer,
               "reward": args.reward, "keep_completions": bool(args.json)}
     if target.adapter is None:
-        return evaluate(str(model), task, splits, **common)
+        return evaluate(str(model), task, splits, dtype=target.dtype, **common)
     from actors import lora_serving
 
-    llm = make_llm(str(model), seed=args.seed, **lora_serving.engine_options(target.rank))
+    llm = make_llm(str(model), seed=args.seed, dtype=target.dtype,
+                   **lora_serving.engine_options(target.rank))
     try:
         result = evaluate(lora_serving.serving(llm, target.adapter), task, splits, **common)
     finally:

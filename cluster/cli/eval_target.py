@@ -17,12 +17,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 @dataclass(frozen=True)
 class EvalTarget:
-    """The model vLLM loads (`model`: a directory or 'default') and the LoRA adapter served
-    on it, if any (`adapter`, of rank `rank`)."""
+    """The model vLLM loads (`model`: a directory or 'default'), the LoRA adapter served on
+    it, if any (`adapter`, of rank `rank`), and the engine's dtype: that of the training run
+    the model or adapter was exported by (`run_dtype`), None for a model of no run (the
+    engine's default: float32 on CPU, the checkpoint's on a GPU, fp32 checkpoints as bf16)."""
 
     model: str
     adapter: Path | None = None
     rank: int = 0
+    dtype: str | None = None
 
 
 def eval_target(given: str) -> EvalTarget:
@@ -38,9 +41,23 @@ def eval_target(given: str) -> EvalTarget:
         base = _base_model(path, adapter)
         if base != "default":
             check_eval_model(base)
-        return EvalTarget(base, path, int(adapter.get("r") or 8))
+        return EvalTarget(base, path, int(adapter.get("r") or 8), run_dtype(path))
     check_eval_model(given)
-    return EvalTarget(given)
+    return EvalTarget(given, dtype=run_dtype(path))
+
+
+def run_dtype(model_dir: Path) -> str | None:
+    """The dtype the rollout workers of the run that exported `model_dir` (final/, hf/step_N/,
+    final/merged/) sampled with: its rollout.dtype, null there meaning learner.dtype (as
+    `RolloutConfig.resolved` has it). Why: the run's own evaluations ran its workers' engines,
+    so `klrl eval` scores the checkpoint as training did; on a GPU vLLM's default would load an
+    fp32 checkpoint as bf16. None where the directory is in no run."""
+    for run_dir in (model_dir.parent, model_dir.parent.parent):
+        if config_path(run_dir).is_file():
+            config = read_config(run_dir)
+            return ((config.get("rollout") or {}).get("dtype")
+                    or (config.get("learner") or {}).get("dtype"))
+    return None
 
 
 def _base_model(adapter_dir: Path, adapter: dict) -> str:

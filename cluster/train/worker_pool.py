@@ -51,6 +51,10 @@ from cluster.train.deadlines import (
 from cluster.train.stopping import RunStopped
 
 START = "worker start-up"  # the kind of wait of a worker's start (deadlines.py)
+# How long a replacement waits for the process of the worker it replaces to be gone before it
+# starts its engine anyway (saying so): SIGKILL takes effect at once, unless the process is in
+# an uninterruptible wait on the device, which the GPU driver bounds.
+GONE_TIMEOUT_S = 60.0
 # The calls that drive a worker's engine: their engine's progress is watched (`_engine_watch`).
 ENGINE_CALLS = ("generate", "evaluate")
 
@@ -124,6 +128,8 @@ class WorkerPool:
         # Actor creation returns at once: the engines start while the caller starts the
         # learner, and `wait_started` surfaces their start-up errors.
         self.workers = [start_worker(cfg, model_dir, i) for i in range(cfg.rollout.num_workers)]
+        # (node id, pid) of each worker's process, once it is up: what a replacement waits for
+        self.processes: list[tuple[str, int] | None] = [None] * cfg.rollout.num_workers
 
     def wait_started(self) -> None:
         """Block until every worker's engine is up (raises its start-up error), within the
@@ -134,6 +140,14 @@ class WorkerPool:
                 self._wait(i, ref, START, "its start")
             except Hung as hang:
                 raise RunStopped(str(hang)) from None
+            self._note_process(i)
+
+    def _note_process(self, i: int) -> None:
+        try:
+            self.processes[i] = ray.get(self.workers[i].process.options(
+                concurrency_group="health").remote(), timeout=PROBE_S)
+        except (GetTimeoutError, RayActorError):
+            self.processes[i] = None  # not known: a replacement of it does not wait
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -310,6 +324,16 @@ class WorkerPool:
                 "are used up, so the run stops here")
         self.restarts += 1
         ray.kill(self.workers[i], no_restart=True)
+        # vLLM sizes a new engine's memory from what the whole GPU has free when it starts
+        # (`gpu_memory_utilization` is checked against free memory, then profiled device-wide):
+        # on a GPU shared with the old engine, starting while that process still exits fails
+        # the check or shrinks the KV cache. ray.kill returns before the process is gone.
+        if self.processes[i] is not None:
+            node, pid = self.processes[i]
+            if not wait_gone(node, pid, GONE_TIMEOUT_S):
+                print(f"rollout worker {i}: its process {pid} is still there {GONE_TIMEOUT_S:.0f}"
+                      " s after it was killed; starting the replacement anyway",
+                      file=sys.stderr)
         self.workers[i] = start_worker(self.cfg, self.model_dir, i)
         self.incarnation[i] += 1
         # Wait for the engine to be up first: the owner's re-sync has sync.timeout_s for the
@@ -320,6 +344,7 @@ class WorkerPool:
         except Hung as hang:
             raise WorkerRestartsExhausted(
                 f"the replacement of rollout worker {i} {hang.detail}") from None
+        self._note_process(i)
 
     def _restart_count(self) -> str:
         return f"restart {self.restarts}/{self.cfg.faults.max_worker_restarts}"
@@ -328,3 +353,38 @@ class WorkerPool:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` of this machine has exited (a zombie has: its memory, GPU
+    contexts included, is released at exit; only its entry waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+def _poll_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not process_gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def wait_gone(node_id: str, pid: int, timeout_s: float) -> bool:
+    """Wait until process `pid` of Ray node `node_id` has exited, at most `timeout_s`: here
+    when it is this process's node, else from a small task placed on that node. True when it
+    is gone."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        return _poll_gone(pid, timeout_s)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(_poll_gone).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    try:
+        return ray.get(task.remote(pid, timeout_s), timeout=timeout_s + 30)
+    except (GetTimeoutError, RayError):
+        return False
