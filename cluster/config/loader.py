@@ -127,6 +127,15 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     return data
 
 
+def top_keys(path: str | Path) -> set[str]:
+    """The top-level keys of the YAML mapping at `path` (`base:` resolved); empty when it
+    cannot be read. For naming a file given where another kind of file goes."""
+    try:
+        return set(read_yaml(path))
+    except ConfigError:
+        return set()
+
+
 def validate(model: type[M], data: dict, source: str = "config", overrides: list[str] = ()) -> M:
     """`model` validated from `data`, or a ConfigError with one line per bad field, naming the
     override that set it (if one did) and, for an unknown key or value, the closest known one."""
