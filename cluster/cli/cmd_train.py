@@ -75,7 +75,27 @@ def _run_train(args) -> int:
     except (ConfigError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return _dry_run(cfg, resume)
     return _train_and_report(cfg, resume, args.verbose, "run finished")
+
+
+def _dry_run(cfg, resume: bool) -> int:
+    """`klrl train --dry-run`: every check of a real start (cluster/train/dry_run.py), what the
+    start would do, and nothing started or written; exit 0, or 2 with the refusal."""
+    from cluster.train.dry_run import dry_run  # torch, and Ray with an address
+    from cluster.train.run_log import default_run_name
+
+    if cfg.run_name is None:  # named as a start names it (a real start names it anew)
+        cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
+    try:
+        lines = dry_run(cfg, resume)
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join([*lines, "dry run: every check of a real start passed; nothing was "
+                      "started or written"]))
+    return 0
 
 
 def _started(cfg, resume_if_started: bool) -> bool:
@@ -246,6 +266,10 @@ def register(subparsers) -> None:
                    help="--resume if the run's directory exists, else start the run (what a job "
                    "resubmitted by `klrl submit --max-resubmits` runs)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    p.add_argument("--dry-run", action="store_true",
+                   help="make every check of a real start (config, model, data, resources, "
+                   "resume target) and start nothing: no model build, no Ray (a cluster named "
+                   "by ray.address is joined for its resources and left), no run directory")
     p.set_defaults(func=_run_train)
 
     p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")
