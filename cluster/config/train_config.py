@@ -139,6 +139,11 @@ class LoggingConfig(_Strict):
     samples_per_log: int = Field(8, ge=1, le=10_000, description="Rows per samples table: the "
                                  "first rollouts of the step's batch, whole prompt groups in "
                                  "order (fewer if the batch holds fewer).")
+    no_signal_steps: int = Field(20, ge=0, le=10_000_000, description="Warn, in the run's log "
+                                 "and in wandb, once the task advantage has been zero for this "
+                                 "many steps in a row (every reward 0, or every prompt group's "
+                                 "rewards equal: nothing to learn under a group baseline), with "
+                                 "what to check; 0: never.")
 
 
 class FaultConfig(_Strict):
