@@ -93,3 +93,20 @@ def test_a_job_carries_the_current_checkouts_tracked_files(head, clone, capsys):
     assert files == "FILES " + str([".gitignore", "cluster/cli/job_entry.py",
                                     "configs/mine.yaml"])
     assert "MINE seed: 2" in out  # the working tree's version, not the commit's
+
+
+def test_a_cluster_sweep_checks_the_python_before_its_first_run(head, tmp_path, capsys):
+    """`klrl sweep --address`: the cluster's Python is checked once, before any run's job (or
+    the sweep's directory) is made."""
+    from cluster.config.loader import REPO_ROOT
+
+    sweep = REPO_ROOT / "configs" / "sweeps" / "offpolicy_tiny.yaml"
+    before = {j.submission_id for j in _jobs(head.dashboard)}
+    assert main(["sweep", str(sweep), "--address", head.dashboard, "--python", "/no/such/python",
+                 f"output_dir={tmp_path / 'runs'}", "--max-runs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the job's Python on the cluster cannot run klrl: `/no/such/python` is not " \
+           "found there" in err and len(err.strip().splitlines()) == 1, err
+    assert [j.metadata for j in _jobs(head.dashboard) if j.submission_id not in before] == [
+        {"klrl": "python probe"}]
+    assert not (tmp_path / "runs").exists()
