@@ -5,10 +5,11 @@ A job runs `PYTHON -m cluster.cli train ...` on the head node with the project's
 uploaded as its working directory (cluster/train/job_upload.py: which files, and the check
 that the cluster's PYTHON has klrl's dependencies, made before the upload). What the run needs
 beyond them travels in the job's runtime_env (`job_spec`):
-- a config file outside the repository: its YAML (with `base:` resolved) in the environment
-  variable CONFIG_ENV, which `python -m cluster.cli.job_entry` writes back to a file;
+- a config file outside the uploaded files (elsewhere, or untracked): its YAML (with `base:`
+  resolved) in the environment variable CONFIG_ENV, which `python -m cluster.cli.job_entry`
+  writes back to a file;
 - a plug-in scorer or task (`task.reward`, `task.name`, `eval.<set>.task`; `plugin_specs`)
-  found outside the repository: its package directory in `py_modules` (a single-file module
+  found outside the uploaded files: its package directory in `py_modules` (a single-file module
   `name.py` goes as a package `name/` of which it is the `__init__.py`: Ray's job client
   uploads only directories, and the import name is the same);
 - `--env KEY[=VALUE]` and a user's `--runtime-env FILE`, merged with klrl's own entries
@@ -39,7 +40,7 @@ from rewards.config import EVAL_SETS
 
 # Never uploaded with a plug-in's package directory (py_modules): caches.
 EXCLUDES = ["**/__pycache__", ".pytest_cache"]
-# The YAML of a submitted config that lies outside the repository (read by cluster.cli.job_entry).
+# The YAML of a submitted config outside the uploaded files (read by cluster.cli.job_entry).
 CONFIG_ENV = "KLRL_JOB_CONFIG"
 # How long `klrl submit` waits for the dashboard to answer before giving up on the address.
 CONNECT_TIMEOUT_S = 10.0
