@@ -151,6 +151,17 @@ def rename_columns(row: Any, columns: dict[str, str]) -> Any:
     return out
 
 
+def _row_error(index: int, row: Any, columns: dict[str, str], exc: Exception) -> str:
+    """Why row `index` was refused, for people: a column the `columns` mapping renames but the
+    row lacks is named as the user wrote it (not as the task's column it was to become),
+    with the row's columns; otherwise the converter's error."""
+    if isinstance(row, dict) and (absent := [c for c in columns if c not in row]):
+        renamed = ", ".join(f"{c!r} (renamed by `columns` to {columns[c]!r})" for c in absent)
+        return (f"row {index}: no column {renamed}; the row's columns are "
+                f"{', '.join(map(str, row)) or 'none'}")
+    return f"row {index}: {type(exc).__name__}: {str(exc)[:200]}"
+
+
 def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Problem], int]:
     """(problems, number of malformed rows skipped), each row renamed by `source.columns`
     before `convert` sees it. Logs one warning with the count and the first error when any
@@ -164,7 +175,7 @@ def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Pr
             problems.append(convert(rename_columns(row, source.columns), index))
         except (ValueError, TypeError, KeyError, ValidationError) as e:
             skipped += 1
-            first_error = first_error or f"row {index}: {type(e).__name__}: {str(e)[:200]}"
+            first_error = first_error or _row_error(index, row, source.columns, e)
     if skipped and problems:  # with none usable, the error below says it all
         logger.warning("%s: skipped %d malformed row(s) of %d; first: %s",
                        source.label(), skipped, total, first_error)
@@ -173,8 +184,10 @@ def load_problems(source: DatasetSource, convert: RowConverter) -> tuple[list[Pr
     if not total:
         raise MalformedRows(f"{source.label()}: the dataset holds no rows")
     if not problems:
-        hint = "" if source.columns else (" (a dataset in another schema needs the task "
-                                          "option `columns`: {its column: the task's column})")
+        hint = (f" (check the task option `columns`, {source.columns}: each key is a column of "
+                "the dataset, renamed to the task's column)") if source.columns else (
+            " (a dataset in another schema needs the task option `columns`: {its column: the "
+            "task's column})")
         raise MalformedRows(f"{source.label()}: no usable rows ({total} rows, {skipped} "
                             f"malformed{'; first: ' + first_error if first_error else ''}){hint}")
     return problems, skipped

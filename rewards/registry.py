@@ -89,8 +89,19 @@ def build_task(cls: type[Task], name: str, options: dict[str, Any]) -> Task:
     try:
         return cls(**options)
     except (TypeError, ValueError) as e:  # a missing required option, a value it refuses
-        raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}. "
+        raise ValueError(f"task {name!r}: bad options {sorted(options)}: {_one_line(e)}. "
                          f"See the docstring of {where}.") from e
+
+
+def _one_line(exc: Exception) -> str:
+    """An option's error in one line: a pydantic ValidationError (a task's own option model)
+    as `field: message` per error, without its input echo and documentation URL."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return " ".join(str(exc).split())
+    return "; ".join(".".join(map(str, err["loc"])) + ": " + err["msg"].removeprefix(
+        "Value error, ") for err in exc.errors())
 
 
 def check_contract(task: Task, name: str) -> None:

@@ -18,7 +18,8 @@ from cluster.slurm.node import block_sigterm
 def test_the_script_states_the_allocation_and_execs_the_launcher(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["slurm", str(DEMO_CONFIG), "total_steps=5", "output_dir=out", "--nodes", "2",
-                 "--gpus-per-node", "8", "--partition", "gpu", "--time", "1-00:00:00",
+                 "rollout.num_gpus_per_worker=1", "--gpus-per-node", "8", "--partition", "gpu",
+                 "--time", "1-00:00:00",
                  "--sbatch-arg=--account=proj", "--dry-run"]) == 0
     script = capsys.readouterr().out
     lines = script.splitlines()
@@ -30,7 +31,7 @@ def test_the_script_states_the_allocation_and_execs_the_launcher(tmp_path, capsy
             "--account=proj", f"--output={tmp_path}/out/slurm/{name}-%j.out"} <= set(sbatch)
     assert lines[-1].startswith(f"exec {sys.executable} -m cluster.slurm.job --gpus-per-node=8 "
                                 f"-- train {DEMO_CONFIG} total_steps=5 output_dir=out "
-                                f"run_name={name}")
+                                f"rollout.num_gpus_per_worker=1 run_name={name}")
     assert f"cd {tmp_path}" in lines and not (tmp_path / "out").exists()  # dry run: no file
 
 
@@ -39,12 +40,33 @@ def test_the_script_states_the_allocation_and_execs_the_launcher(tmp_path, capsy
     (["--nodes", "0"], "--nodes: Input should be greater than or equal to 1"),
     (["--sbatch-arg=account=x"], "give each option as --key=value"),
     (["kl.estimator=k9"], "kl.estimator"),
+    (["--signal-lead", "-1"], "--signal-lead: Input should be greater than or equal to 0"),
+    (["--sbatch-arg=x"], "--sbatch-arg: 'x': give each option as --key=value"),
+    # an allocation the run's actors do not use, or cannot fit in
+    (["--nodes", "2", "--gpus-per-node", "8"], "--gpus-per-node 8: the job would reserve 16 "
+     "GPU(s), but the run's actors ask for none (rollout.num_gpus_per_worker=0, "
+     "learner.num_gpus_per_rank=0); drop --gpus-per-node"),
+    (["learner.num_gpus_per_rank=1"], "the run requests 1 GPU (1 x learner.num_gpus_per_rank=1) "
+     "but the job (--nodes 1 --gpus-per-node 0) has 0; raise --gpus-per-node"),
+    (["--cpus-per-node", "1"], "the run requests 2 CPU"),
+    # a sweep file where a run's config goes, and the reverse
+    (["--sweep"], "is a training config, not a sweep file"),
 ])
 def test_refusals_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch,
                                                           args, message):
     monkeypatch.chdir(tmp_path)
     assert main(["slurm", str(DEMO_CONFIG), *args, "--dry-run"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_sweep_file_without_sweep_is_named_as_one(tmp_path, capsys, monkeypatch):
+    from cluster.config.loader import REPO_ROOT
+
+    monkeypatch.chdir(tmp_path)
+    sweep = REPO_ROOT / "configs" / "sweeps" / "offpolicy_tiny.yaml"
+    assert main(["slurm", str(sweep), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{sweep} is a sweep file" in err and "--sweep" in err
 
 
 def test_no_sbatch_here_is_refused_naming_the_dry_run(tmp_path, capsys, monkeypatch):

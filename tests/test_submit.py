@@ -7,6 +7,8 @@ Every refusal is one line with exit code 2, made before the cluster is contacted
 give the address of a socket that would record a connection, and check it got none.
 """
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,7 +55,7 @@ def test_submit_rejects_a_bad_config_before_submitting(capsys):
     (["--env", "KLRL_SURELY_UNSET_VAR"], None,
      "--env KLRL_SURELY_UNSET_VAR: KLRL_SURELY_UNSET_VAR is not set"),
     (["--env", "1BAD=x"], None, "--env 1BAD: not a variable name"),
-    ([], "working_dir: /elsewhere\n", "working_dir: klrl submit uploads this repository"),
+    ([], "working_dir: /elsewhere\n", "working_dir: klrl submit uploads the project's tracked"),
     (["--env", "TOKEN=a"], 'env_vars: {TOKEN: "b"}\n', "env_vars.TOKEN is also given by --env"),
     ([], "env_vars: {RETRIES: 3}\n", "env_vars.RETRIES must be a string"),
     ([], "env_vars: {KLRL_JOB_CONFIG: x}\n", "env_vars.KLRL_JOB_CONFIG: klrl sets"),
@@ -120,11 +122,15 @@ def test_dry_run_shows_the_job_and_never_a_secret(tmp_path, monkeypatch, capsys)
                          plugins={"task.reward": "klrl_dry_scorer:score"},
                          env={"WANDB_API_KEY": "x", "OTHER": "y"},
                          runtime_env=jobs.read_runtime_env(outside / "env.yaml"),
-                         job_name="mine-1")
+                         job_name="mine-1", python=sys.executable)
     assert spec.describe() in out
-    assert spec.entrypoint == "python -m cluster.cli.job_entry mine.yaml total_steps=3"
+    assert spec.entrypoint == f"{sys.executable} -m cluster.cli.job_entry mine.yaml total_steps=3"
     env = spec.runtime_env
-    assert env["working_dir"] == str(REPO_ROOT) and env["pip"] == ["math-verify"]
+    # the project's tracked files, staged: the working_dir holds exactly them
+    staged_files = sorted(p.relative_to(env["working_dir"]).as_posix()
+                          for p in Path(env["working_dir"]).rglob("*") if p.is_file())
+    assert staged_files == list(spec.upload.files) and env["pip"] == ["math-verify"]
+    assert f'"working_dir": "{spec.upload.describe()}"' in out
     staged, user = env["py_modules"]
     assert user == "/opt/lib/mine" and staged.endswith("/klrl_dry_scorer")
     assert (outside / "klrl_dry_scorer.py").read_text() == Path(staged, "__init__.py").read_text()
@@ -142,6 +148,8 @@ def test_what_the_working_dir_carries_is_not_uploaded_again(monkeypatch):
     spec = jobs.job_spec("configs/tiny_cpu.yaml", ["max_lag=1"],
                          plugins={"task.reward": "rewards.arithmetic:score"})
     assert spec.entrypoint == "python -m cluster.cli train configs/tiny_cpu.yaml max_lag=1"
+    assert spec.with_python("/opt/py 3/python").entrypoint == (
+        "'/opt/py 3/python' -m cluster.cli train configs/tiny_cpu.yaml max_lag=1")
     assert "py_modules" not in spec.runtime_env and "env_vars" not in spec.runtime_env
     spec = jobs.job_spec("configs/tiny_cpu.yaml", [],
                          plugins={"task.reward": "scorers:short_answers"})
@@ -232,3 +240,88 @@ def test_resume_if_started_resumes_a_run_that_exists_and_starts_one_that_does_no
         _started(cfg(), True)
     assert main(["train", "configs/tiny_cpu.yaml", "--resume-if-started"]) == 2
     assert "--resume-if-started needs run_name" in _one_error_line(capsys.readouterr().err)
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+                        "PATH": "/usr/bin:/bin"})
+
+
+@pytest.fixture
+def clone(tmp_path) -> Path:
+    """Another klrl checkout (its marker file and a config, committed), holding what a working
+    checkout gathers: an untracked checkpoint, an ignored run directory, docs."""
+    root = tmp_path / "clone"
+    for rel, text in {"cluster/cli/job_entry.py": "# klrl\n", "configs/mine.yaml": "seed: 1\n",
+                      ".gitignore": "runs/\n", "docs/figure.png": "x" * 1000}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-qm", "init")
+    (root / "checkpoint.bin").write_bytes(b"\0" * 4096)  # untracked
+    (root / "runs" / "r1").mkdir(parents=True)
+    (root / "runs" / "r1" / "state.pt").write_bytes(b"\0" * 4096)  # ignored
+    (root / "configs" / "mine.yaml").write_text("seed: 2\n")  # changed since the commit
+    return root
+
+
+def test_the_upload_is_the_current_checkouts_tracked_files(clone, tmp_path):
+    """The checkout the command runs in, not the one klrl is imported from; its tracked files
+    as they are now, never untracked or ignored ones, docs/ and tests/ left out."""
+    from cluster.train.job_upload import project_root, project_upload
+
+    (clone / "configs" / "deep").mkdir()
+    assert project_root(clone / "configs" / "deep") == clone.resolve()
+    assert project_root(tmp_path) == REPO_ROOT  # not a klrl checkout: klrl's own
+    upload = project_upload(root=clone)
+    assert upload.files == (".gitignore", "cluster/cli/job_entry.py", "configs/mine.yaml")
+    assert upload.describe() == (f"{clone}: 3 tracked files (git ls-files; docs/ and tests/ left "
+                                 "out), 0.0 kB")
+    staged = upload.stage(tmp_path / "staged")
+    assert (staged / "configs" / "mine.yaml").read_text() == "seed: 2\n"
+    assert sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()) \
+        == list(upload.files)
+    assert upload.holds(clone / "configs") and not upload.holds(clone / "checkpoint.bin")
+    ours = project_upload()  # klrl's checkout: only tracked files
+    assert "cluster/cli/job_entry.py" in ours.files
+    assert not any(f.startswith(("docs/", "tests/", "runs/", ".venv/")) for f in ours.files)
+
+
+def test_an_explicit_list_replaces_the_tracked_files(clone, tmp_path):
+    from cluster.train.job_upload import UploadError, project_upload
+
+    listing = tmp_path / "files.txt"
+    listing.write_text("cluster   # the code\n\ncheckpoint.bin\n")
+    upload = project_upload(listing, root=clone)
+    assert upload.files == ("checkpoint.bin", "cluster/cli/job_entry.py")
+    listing.write_text("../elsewhere.txt\n")
+    with pytest.raises(UploadError, match=r"'../elsewhere.txt' is not a file or directory inside"):
+        project_upload(listing, root=clone)
+    with pytest.raises(UploadError, match="is not a git checkout, so its tracked files are "
+                                          "unknown; give the files the job needs with "
+                                          "--upload-list FILE"):
+        project_upload(root=tmp_path / "staged_nowhere")
+
+
+def test_the_probe_knows_every_dependency_of_klrl():
+    """DEPENDENCY_MODULES holds the import name of each of pyproject.toml's dependencies (and
+    vLLM), as the installed distributions map them."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    from cluster.train.job_upload import DEPENDENCY_MODULES
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[\[<>=!~ ;]", dep, maxsplit=1)[0].lower().replace("_", "-")
+             for dep in project["dependencies"]}
+    provides = {}
+    for module, dists in importlib.metadata.packages_distributions().items():
+        for dist in dists:
+            provides.setdefault(dist.lower().replace("_", "-"), set()).add(module)
+    for name in names:
+        assert provides.get(name, set()) & set(DEPENDENCY_MODULES), name
+    assert "vllm" in DEPENDENCY_MODULES

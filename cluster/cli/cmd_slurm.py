@@ -12,12 +12,18 @@ from pathlib import Path
 from cluster.config.loader import ConfigError
 
 
+# SlurmJob's fields whose flag is not the field's name with dashes (the rest are).
+FLAGS = {"signal_lead_s": "--signal-lead", "sbatch_args": "--sbatch-arg",
+         "ray_start_args": "--ray-start-arg"}
+
+
 def _job(args):
     """The SlurmJob the command line asks for, its config validated (ConfigError otherwise)."""
     from pydantic import ValidationError
 
     from cluster.slurm.script import SlurmJob
     from cluster.train.door.commands import check_submission
+    from cluster.train.door.resources import check_allocation
 
     config = Path(args.config).absolute()
     overrides = list(args.overrides)
@@ -25,8 +31,10 @@ def _job(args):
         from cluster.experiments.sweep import expand, load_sweep, validate_runs
 
         cfg = load_sweep(config, overrides)
-        for run_cfg in validate_runs(cfg, expand(cfg)).values():
+        runs = list(validate_runs(cfg, expand(cfg)).values())
+        for run_cfg in runs:
             check_submission(run_cfg, {})
+        check_allocation(runs, args.nodes, args.gpus_per_node, args.cpus_per_node, cfg.parallel)
         name, output_dir = cfg.name, cfg.output_dir
     else:
         from cluster.config.train_config import load_train_config  # torch: not at --help
@@ -34,6 +42,7 @@ def _job(args):
 
         cfg = load_train_config(config, overrides)
         check_submission(cfg, {})  # plug-ins import here; paths and resources are the nodes'
+        check_allocation([cfg], args.nodes, args.gpus_per_node, args.cpus_per_node)
         if cfg.run_name is None:  # fixed now: every attempt of the job must find the same run
             cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
             overrides.append(f"run_name={cfg.run_name}")
@@ -48,7 +57,8 @@ def _job(args):
             ray_start_args=args.ray_start_arg)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(f"--{str(err['loc'][0]).replace('_', '-')}: "
+        field = str(err["loc"][0])
+        raise ConfigError(f"{FLAGS.get(field, '--' + field.replace('_', '-'))}: "
                           f"{err['msg'].removeprefix('Value error, ')}") from None
 
 

@@ -73,7 +73,8 @@ def _run_sweep(args) -> int:
                   + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
         return 0
     try:  # the client probes the dashboard again: one lost since is still refused here
-        launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits)
+        launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits,
+                                   args.upload_list)
                     if args.address else LocalLauncher(root / "logs"))
     except SubmitError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -181,7 +182,12 @@ def register(subparsers) -> None:
                    "output_dir=/shared/runs grid.seed=[0,1,2] overrides.total_steps=50")
     p.add_argument("--address", default=None, help="Ray dashboard address: one Ray job per run "
                    "on that cluster (default: local processes)")
-    p.add_argument("--python", default="python", help="with --address: the cluster's Python")
+    p.add_argument("--python", default=None, metavar="PY", help="with --address: the cluster's "
+                   "Python, checked there before any run's files are uploaded (default: this "
+                   "Python's path if the cluster has it, else `python`)")
+    p.add_argument("--upload-list", metavar="FILE", help="with --address: upload the files FILE "
+                   "lists (one path per line, relative to the project) with each run's job "
+                   "instead of the project's tracked files")
     p.add_argument("--max-resubmits", type=count_arg, default=0, metavar="N",
                    help="with --address: resubmit a run's job, up to N times per run, when its "
                    "driver is lost (killed, or its node gone; not when the run fails or stops by "

@@ -8,10 +8,12 @@ from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.train.error_line import error_line
+from cluster.train.job_upload import UploadError, project_upload, python_candidates
 from cluster.train.jobs import (
     JobFailed,
     SubmitError,
     check_resubmittable,
+    cluster_python,
     follow_resubmitting,
     job_spec,
     parse_env,
@@ -75,7 +77,27 @@ def _run_train(args) -> int:
     except (ConfigError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return _dry_run(cfg, resume)
     return _train_and_report(cfg, resume, args.verbose, "run finished")
+
+
+def _dry_run(cfg, resume: bool) -> int:
+    """`klrl train --dry-run`: every check of a real start (cluster/train/dry_run.py), what the
+    start would do, and nothing started or written; exit 0, or 2 with the refusal."""
+    from cluster.train.dry_run import dry_run  # torch, and Ray with an address
+    from cluster.train.run_log import default_run_name
+
+    if cfg.run_name is None:  # named as a start names it (a real start names it anew)
+        cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
+    try:
+        lines = dry_run(cfg, resume)
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join([*lines, "dry run: every check of a real start passed; nothing was "
+                      "started or written"]))
+    return 0
 
 
 def _started(cfg, resume_if_started: bool) -> bool:
@@ -187,15 +209,17 @@ def _run_submit(args) -> int:
 
             cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
             overrides.append(f"run_name={cfg.run_name}")
-        spec = job_spec(args.config, overrides, plugins=plugin_specs(cfg), python=args.python,
-                        env=env, job_name=args.job_name, runtime_env_source=source,
-                        runtime_env=runtime_env)
+        upload = project_upload(args.upload_list)
+        spec = job_spec(args.config, overrides, plugins=plugin_specs(cfg),
+                        python=args.python or sys.executable, env=env, job_name=args.job_name,
+                        runtime_env_source=source, runtime_env=runtime_env, upload=upload)
         check_submission(cfg, spec.runtime_env.get("env_vars", {}))  # the door, on this side
         if args.dry_run:
             print(spec.describe())
             return 0
+        spec = spec.with_python(cluster_python(args.address, python_candidates(args.python)))
         job_id = submit(args.config, args.address, overrides, wait=False, spec=spec)
-    except (ConfigError, SubmitError) as exc:
+    except (ConfigError, SubmitError, UploadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.no_wait:
@@ -246,6 +270,10 @@ def register(subparsers) -> None:
                    help="--resume if the run's directory exists, else start the run (what a job "
                    "resubmitted by `klrl submit --max-resubmits` runs)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    p.add_argument("--dry-run", action="store_true",
+                   help="make every check of a real start (config, model, data, resources, "
+                   "resume target) and start nothing: no model build, no Ray (a cluster named "
+                   "by ray.address is joined for its resources and left), no run directory")
     p.set_defaults(func=_run_train)
 
     p = subparsers.add_parser("demo", help="the CPU demo: train the tiny model on arithmetic")
@@ -258,8 +286,13 @@ def register(subparsers) -> None:
     p.add_argument("--address", required=True,
                    help="Ray dashboard address, e.g. http://127.0.0.1:8265")
     p.add_argument("--no-wait", action="store_true", help="return after submission")
-    p.add_argument("--python", default="python", help="Python on the cluster that runs the job "
-                   "driver (needs klrl's dependencies)")
+    p.add_argument("--python", default=None, metavar="PY", help="the Python on the cluster that "
+                   "runs the job's driver; checked there (it must import klrl's dependencies) "
+                   "before anything is uploaded. Default: this Python's path if the cluster has "
+                   "it, else `python` on the head's PATH")
+    p.add_argument("--upload-list", metavar="FILE", help="upload the files FILE lists (one path "
+                   "per line, relative to the project; a directory means the files in it) "
+                   "instead of the project's tracked files")
     p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
                    help="environment variable of the job (repeatable), e.g. --env WANDB_API_KEY "
                    "(KEY alone: its value in this shell, which must set it); values are never "

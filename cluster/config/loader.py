@@ -61,12 +61,37 @@ def _first_line(exc: Exception) -> str:
 
 
 def merge(base: dict, overrides: list[str]) -> dict:
+    """`base` with the overrides applied one after another: a mapping value is merged into the
+    mapping it lands on, key by key, so `key=null` before it replaces that mapping instead."""
     try:
-        merged = OmegaConf.merge(OmegaConf.create(base),
-                                 OmegaConf.create(parse_overrides(overrides)))
+        merged = OmegaConf.merge(OmegaConf.create(base), *(
+            OmegaConf.create(parse_overrides([item])) for item in overrides))
         return OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot apply overrides {overrides}: {exc}") from None
+
+
+def merged_into(base: dict, overrides: list[str]) -> dict[str, dict]:
+    """{override: the mapping it was merged into}: each `key={...}` override whose key holds a
+    mapping in `base` with keys the override does not give (and no `key=null` before it), so
+    that the result holds more than the override says."""
+    found, cleared = {}, set()
+    for item in overrides:
+        key, _, value = item.partition("=")
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue
+        if value is None:
+            cleared.add(key)
+        if not isinstance(value, dict) or key in cleared:
+            continue
+        node = base
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and set(node) - set(value):
+            found[item] = node
+    return found
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -125,6 +150,15 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         data = OmegaConf.to_container(
             OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(data)))
     return data
+
+
+def top_keys(path: str | Path) -> set[str]:
+    """The top-level keys of the YAML mapping at `path` (`base:` resolved); empty when it
+    cannot be read. For naming a file given where another kind of file goes."""
+    try:
+        return set(read_yaml(path))
+    except ConfigError:
+        return set()
 
 
 def validate(model: type[M], data: dict, source: str = "config", overrides: list[str] = ()) -> M:
@@ -205,8 +239,25 @@ def _known_keys(model: type[BaseModel], loc: list) -> list[str]:
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] = ()) -> M:
     """Read `path` (or start from the model's defaults), apply overrides, validate."""
     base = read_yaml(path) if path is not None else {}
-    return validate(model, merge(base, list(overrides)), source=str(path or "defaults"),
-                    overrides=list(overrides))
+    try:
+        return validate(model, merge(base, list(overrides)), source=str(path or "defaults"),
+                        overrides=list(overrides))
+    except ConfigError as exc:
+        blamed = {o: node for o, node in merged_into(base, list(overrides)).items()
+                  if f"override {o}" in str(exc) or f" {o}" in str(exc)}
+        if not blamed:
+            raise
+        item, node = next(iter(blamed.items()))
+        key, _, value = item.partition("=")
+        raise ConfigError(
+            f"{exc}; the override's mapping was merged into the file's ({key}: "
+            f"{_flow(node)}), key by key: to replace it instead, clear it first: "
+            f"{key}=null '{key}={value}'") from None
+
+
+def _flow(mapping: dict) -> str:
+    """A mapping in YAML's one-line form: {a: 1, b: x}."""
+    return yaml.safe_dump(mapping, default_flow_style=True, sort_keys=False).strip()
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.config import RolloutConfig, SyncConfig
 from actors.weight_sync import Placement, transport
-from cluster.config.loader import load_config
+from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from kl.surrogate import IMPORTANCE_CORRECTIONS
@@ -139,6 +139,11 @@ class LoggingConfig(_Strict):
     samples_per_log: int = Field(8, ge=1, le=10_000, description="Rows per samples table: the "
                                  "first rollouts of the step's batch, whole prompt groups in "
                                  "order (fewer if the batch holds fewer).")
+    no_signal_steps: int = Field(20, ge=0, le=10_000_000, description="Warn, in the run's log "
+                                 "and in wandb, once the task advantage has been zero for this "
+                                 "many steps in a row (every reward 0, or every prompt group's "
+                                 "rewards equal: nothing to learn under a group baseline), with "
+                                 "what to check; 0: never.")
 
 
 class FaultConfig(_Strict):
@@ -438,6 +443,21 @@ class TrainConfig(_Strict):
         return self
 
 
+# The keys every sweep file has (cluster/experiments/sweep.py's SweepConfig requires them) and
+# no training config: a file with both, refused as a training config, is named a sweep file.
+SWEEP_FILE_KEYS = frozenset({"train_config", "grid"})
+
+
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """The TrainConfig of a YAML file (None: the defaults) with `key=value` overrides."""
-    return load_config(TrainConfig, path, overrides)
+    """The TrainConfig of a YAML file (None: the defaults) with `key=value` overrides. A sweep
+    file given instead is refused as one, with the command that runs it."""
+    try:
+        return load_config(TrainConfig, path, overrides)
+    except ConfigError:
+        if path is not None and SWEEP_FILE_KEYS <= top_keys(path):
+            raise ConfigError(
+                f"{path} is a sweep file (it has {' and '.join(sorted(SWEEP_FILE_KEYS))}), not "
+                f"a training config: run it with `klrl sweep {path}` (on a Ray cluster with "
+                f"--address URL; on SLURM `klrl slurm {path} --sweep`), or give the training "
+                "config it names in train_config") from None
+        raise

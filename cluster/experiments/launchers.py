@@ -16,7 +16,8 @@ from cluster.experiments.sweep import (
     sweep_dir,
     train_command,
 )
-from cluster.train.jobs import driver_lost, job_client, submit
+from cluster.train.job_upload import UploadError, project_upload, python_candidates
+from cluster.train.jobs import SubmitError, cluster_python, driver_lost, job_client, submit
 
 
 class LocalLauncher:
@@ -69,16 +70,26 @@ class RayJobLauncher:
     again, up to `max_resubmits` times per run, with `--resume` once its directory exists:
     the run goes on from its last checkpoint; one that failed or stopped by itself is not."""
 
-    def __init__(self, address: str, python: str = "python", max_resubmits: int = 0):
-        self.address, self.python, self.max_resubmits = address, python, max_resubmits
+    def __init__(self, address: str, python: str | None = None, max_resubmits: int = 0,
+                 upload_list: str | None = None):
+        """`python`: the cluster's (None: this one's path, else `python`), checked there once,
+        before any run's files are uploaded; `upload_list`: the files each job carries (None:
+        the project's tracked files; cluster/train/job_upload.py). SubmitError otherwise."""
+        self.address, self.max_resubmits = address, max_resubmits
         self.client = job_client(address)
+        try:
+            self.upload = project_upload(upload_list)
+        except UploadError as exc:
+            raise SubmitError(str(exc)) from None
+        self.python = cluster_python(address, python_candidates(python))
 
     def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> RunJob:
         return RunJob(cfg, run, self._submit(cfg, run, state))
 
     def _submit(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
         args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
-        return submit(cfg.train_config, self.address, args, wait=False, python=self.python)
+        return submit(cfg.train_config, self.address, args, wait=False, python=self.python,
+                      upload=self.upload)
 
     def poll(self, job: RunJob) -> int | None:
         from ray.job_submission import JobStatus  # Ray: only once a cluster sweep runs

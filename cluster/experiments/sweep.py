@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.config.loader import ConfigError, load_config
+from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.report import ReportConfig
@@ -149,8 +149,21 @@ RunState = Literal["finished", "partial", "new"]
 
 
 def load_sweep(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
-    """Read and validate a sweep file; train_config comes back as an absolute path."""
-    cfg = load_config(SweepConfig, path, overrides)
+    """Read and validate a sweep file; train_config comes back as an absolute path. A
+    training config given instead is refused as one, with the command that runs it."""
+    try:
+        cfg = load_config(SweepConfig, path, overrides)
+    except ConfigError:
+        # torch: only once a sweep file is refused
+        from cluster.config.train_config import SWEEP_FILE_KEYS, TrainConfig
+
+        keys = top_keys(path)
+        if not keys & SWEEP_FILE_KEYS and keys & (set(TrainConfig.model_fields) - {"name"}):
+            raise ConfigError(
+                f"{path} is a training config, not a sweep file: run it with `klrl train "
+                f"{path}` (or `klrl submit`, or `klrl slurm {path}` without --sweep); a sweep "
+                f"file names it (train_config: {path}) beside a grid of values") from None
+        raise
     train_config = (Path(path).parent / cfg.train_config).resolve()
     if not train_config.is_file():
         raise ConfigError(f"{path}: train_config {cfg.train_config!r} not found ({train_config})")

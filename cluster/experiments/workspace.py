@@ -24,6 +24,7 @@ CURVES: list[tuple[str, list[tuple[str, list[str]]]]] = [
     ]),
     ("Reward and accuracy", [
         ("reward", ["reward/mean"]),
+        ("prompt groups without reward spread (no signal)", ["reward/zero_spread_groups"]),
         *((f"{label} accuracy", [key]) for key, label in ACCURACY_KEYS),
     ]),
     ("Off-policy", [

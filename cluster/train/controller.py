@@ -35,6 +35,7 @@ from cluster.train.batching import pad_token_id, policy_tokenizer, shaping_metri
 from cluster.train.deadlines import LearnerDeadlines
 from cluster.train.launch import start_engines_and_learner, start_learner
 from cluster.train.learner_restarts import LearnerRestarts, failure_line, heals
+from cluster.train.learning_signal import NoSignalWatch, signal_metrics
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
 from cluster.train.run_log import (
@@ -69,6 +70,7 @@ class Controller:
         self.reissued_logged = 0     # pool.reissued_samples when the last step was logged
         self.last_batches: dict[int, RolloutBatch] = {}  # per worker, without its rollouts
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
+        self.no_signal = NoSignalWatch(cfg.logging.no_signal_steps)
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
         self.learner_restarts = LearnerRestarts(cfg.faults.max_learner_restarts)
@@ -348,8 +350,11 @@ class Controller:
         metrics = self.learner.train_step(batch) | shaping_metrics(rollouts, shaping, budget)
         self.step = self.learner.version
         self._count_nonfinite(bool(metrics.get("nonfinite")))
-        return metrics | {"time/train": time.perf_counter() - t0,
-                          "nonfinite/total": self.nonfinite_total}
+        if warning := self.no_signal.update(self.step, batch.rewards, batch.advantages):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            self.log.record_warning("no_signal", warning)
+        return metrics | signal_metrics(batch.rewards, batch.group_ids) | {
+            "time/train": time.perf_counter() - t0, "nonfinite/total": self.nonfinite_total}
 
     def _count_nonfinite(self, refused: bool) -> None:
         """A refused step leaves the weights (and version) unchanged; too many in a row stop

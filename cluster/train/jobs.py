@@ -1,13 +1,15 @@
 """The Ray Jobs client: a training run submitted to a Ray cluster (`klrl submit`, and one job
 per run of `klrl sweep --address`).
 
-A job runs `python -m cluster.cli train ...` on the head node with this repository uploaded as
-its working directory, so the cluster's Python needs klrl's dependencies (not klrl itself).
-What the run needs beyond the repository travels in the job's runtime_env (`job_spec`):
-- a config file outside the repository: its YAML (with `base:` resolved) in the environment
-  variable CONFIG_ENV, which `python -m cluster.cli.job_entry` writes back to a file;
+A job runs `PYTHON -m cluster.cli train ...` on the head node with the project's tracked files
+uploaded as its working directory (cluster/train/job_upload.py: which files, and the check
+that the cluster's PYTHON has klrl's dependencies, made before the upload). What the run needs
+beyond them travels in the job's runtime_env (`job_spec`):
+- a config file outside the uploaded files (elsewhere, or untracked): its YAML (with `base:`
+  resolved) in the environment variable CONFIG_ENV, which `python -m cluster.cli.job_entry`
+  writes back to a file;
 - a plug-in scorer or task (`task.reward`, `task.name`, `eval.<set>.task`; `plugin_specs`)
-  found outside the repository: its package directory in `py_modules` (a single-file module
+  found outside the uploaded files: its package directory in `py_modules` (a single-file module
   `name.py` goes as a package `name/` of which it is the `__init__.py`: Ray's job client
   uploads only directories, and the import name is the same);
 - `--env KEY[=VALUE]` and a user's `--runtime-env FILE`, merged with klrl's own entries
@@ -24,25 +26,21 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
-from cluster.config.loader import REPO_ROOT, read_yaml
+from cluster.config.loader import read_yaml
+from cluster.train.job_upload import Upload, UploadError, probe_python, project_upload, staged
 from cluster.train.stopping import HANDLED
 from rewards.config import EVAL_SETS
 
-# Never uploaded with the repository: environments, run outputs, caches.
-EXCLUDES = [".venv", "runs", ".git", "**/__pycache__", "wandb", ".pytest_cache"]
-# Directories whose files the job does not get: EXCLUDES, and what .gitignore keeps out (Ray's
-# upload honours it). A config or scorer in one of them is sent as if it were outside.
-_NOT_UPLOADED = {".venv", ".venv-gpu", "runs", ".git", "wandb", ".pytest_cache", "__pycache__",
-                 ".cache", "build", "dist"}
-# The YAML of a submitted config that lies outside the repository (read by cluster.cli.job_entry).
+# Never uploaded with a plug-in's package directory (py_modules): caches.
+EXCLUDES = ["**/__pycache__", ".pytest_cache"]
+# The YAML of a submitted config outside the uploaded files (read by cluster.cli.job_entry).
 CONFIG_ENV = "KLRL_JOB_CONFIG"
 # How long `klrl submit` waits for the dashboard to answer before giving up on the address.
 CONNECT_TIMEOUT_S = 10.0
@@ -108,8 +106,7 @@ def resubmission(spec: JobSpec, attempt: int) -> JobSpec:
     keeps the names of ended jobs)."""
     entrypoint = f"{spec.entrypoint} {RESUME_IF_STARTED}"
     name = spec.job_name and f"{spec.job_name}-r{attempt}"
-    return JobSpec(entrypoint, spec.runtime_env, name, spec.metadata, spec.staging,
-                   spec.staged_from)
+    return replace(spec, entrypoint=entrypoint, job_name=name)
 
 
 def check_resubmittable(cfg, max_resubmits: int, wait: bool) -> None:
@@ -193,10 +190,17 @@ class JobSpec:
     runtime_env: dict
     job_name: str | None = None
     metadata: dict = field(default_factory=dict)
-    # Holds a staged single-file scorer until the upload (removed when the spec is dropped);
-    # `describe` names it by its source: {staged path: source file}.
-    staging: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    # Hold the staged project files and single-file scorers until the upload (removed when
+    # the spec is dropped); `describe` names them by their sources: {staged path: source}.
+    staging: list = field(default_factory=list, repr=False)
     staged_from: dict = field(default_factory=dict)
+    upload: Upload | None = None  # the project's files in working_dir
+    python: str = "python"  # the entrypoint's first word, unquoted
+
+    def with_python(self, python: str) -> JobSpec:
+        """The spec run by `python` instead (the one the cluster's check chose)."""
+        rest = self.entrypoint.removeprefix(shlex.quote(self.python))
+        return replace(self, entrypoint=shlex.quote(python) + rest, python=python)
 
     def describe(self) -> str:
         """The spec for people: every environment value shown as *** (secrets), klrl's
@@ -209,6 +213,8 @@ class JobSpec:
         if "py_modules" in shown:
             shown["py_modules"] = [f"{self.staged_from[m]} (as package {Path(m).name})"
                                    if m in self.staged_from else m for m in shown["py_modules"]]
+        if self.upload is not None and "working_dir" in shown:
+            shown["working_dir"] = self.upload.describe()
         lines = [f"entrypoint: {self.entrypoint}",
                  f"job name: {self.job_name or '(chosen by Ray)'}",
                  "runtime_env: " + json.dumps(shown, sort_keys=True)]
@@ -235,13 +241,6 @@ def parse_env(items: list[str], environ: dict | None = None) -> dict[str, str]:
     return out
 
 
-def in_working_dir(path: Path) -> bool:
-    """Whether the file at `path` (resolved) reaches the job with the repository upload."""
-    if not path.is_relative_to(REPO_ROOT):
-        return False
-    return not _NOT_UPLOADED & set(path.relative_to(REPO_ROOT).parts)
-
-
 def plugin_specs(cfg) -> dict[str, str]:
     """{config field: 'pkg.mod:name'} of every plug-in a run imports: its scorer (task.reward)
     and plug-in tasks (task.name, eval.<set>.task). Their modules travel with a job."""
@@ -254,12 +253,12 @@ def plugin_specs(cfg) -> dict[str, str]:
     return specs | {field: name for field, name in named.items() if is_plugin(name)}
 
 
-def plugin_module_path(field: str, spec: str) -> Path | None:
+def plugin_module_path(field: str, spec: str, upload: Upload) -> Path | None:
     """Where the plug-in `spec` ('pkg.mod:name', the value of config `field`) must be uploaded
     from, or None when the job imports it without an upload: a top-level module of the
-    repository root (the job's working_dir, on its sys.path) or an installed package
-    (site-packages: it must be installed on the cluster too). SubmitError when it is not
-    importable here."""
+    project that `upload` carries (the job's working_dir, on its sys.path) or an installed
+    package (site-packages: it must be installed on the cluster too). SubmitError when it is
+    not importable here."""
     top = spec.split(":")[0].split(".")[0]
     try:
         found = importlib.util.find_spec(top)
@@ -277,7 +276,7 @@ def plugin_module_path(field: str, spec: str) -> Path | None:
         raise SubmitError(f"{field}={spec}: {top!r} is {what}; Ray can upload one package "
                           "directory or one .py file: make it one")
     path = Path(locations[0] if locations else found.origin).resolve()
-    if path.parent == REPO_ROOT and in_working_dir(path):  # e.g. rewards/: on the job's sys.path
+    if path.parent == upload.root and upload.holds(path):  # e.g. rewards/: on the job's path
         return None
     if any(p.name in ("site-packages", "dist-packages") for p in path.parents):
         return None
@@ -287,26 +286,31 @@ def plugin_module_path(field: str, spec: str) -> Path | None:
 def job_spec(config: str | Path, overrides: list[str], *, plugins: dict[str, str] | None = None,
              python: str = "python", env: dict[str, str] | None = None,
              runtime_env: dict | None = None, runtime_env_source: str = "--runtime-env",
-             job_name: str | None = None) -> JobSpec:
+             job_name: str | None = None, upload: Upload | None = None) -> JobSpec:
     """The job that runs `klrl train CONFIG overrides` on the cluster (see the module doc).
-    `plugins`: the config's `plugin_specs`; `runtime_env`: the user's, merged into klrl's."""
+    `plugins`: the config's `plugin_specs`; `runtime_env`: the user's, merged into klrl's;
+    `upload`: the project's files the job carries (default: `job_upload.project_upload()`)."""
+    try:
+        upload = upload or project_upload()
+    except UploadError as exc:
+        raise SubmitError(str(exc)) from None
     path = Path(config).resolve()
     own_env: dict[str, str] = {}
     args = [*map(shlex.quote, overrides)]
-    if in_working_dir(path):  # uploaded with the working_dir: named, as it is
-        command = ["-m cluster.cli train", shlex.quote(str(path.relative_to(REPO_ROOT)))]
+    if upload.holds(path):  # uploaded with the working_dir: named, as it is
+        command = ["-m cluster.cli train", shlex.quote(path.relative_to(upload.root).as_posix())]
     else:
         own_env[CONFIG_ENV] = yaml.safe_dump(read_yaml(path), sort_keys=False)
         command = ["-m cluster.cli.job_entry", shlex.quote(path.name)]
-    ours: dict = {"working_dir": str(REPO_ROOT), "excludes": list(EXCLUDES)}
-    staging, staged_from = None, {}
     modules = {path for field, spec in (plugins or {}).items()
-               if (path := plugin_module_path(field, spec)) is not None}
+               if (path := plugin_module_path(field, spec, upload)) is not None}
+    holder, workdir = staged(upload)
+    staging, staged_from = [holder], {}
+    ours: dict = {"working_dir": str(workdir), "excludes": list(EXCLUDES)}
     for module in sorted(modules):
         if module.is_file():  # name.py -> name/__init__.py: the job client uploads directories
-            if staging is None:
-                staging = tempfile.TemporaryDirectory(prefix="klrl-submit-")
-            package = Path(staging.name) / module.stem
+            package = Path(holder.name) / "modules" / module.stem
+            package.parent.mkdir(exist_ok=True)
             package.mkdir()
             shutil.copy2(module, package / "__init__.py")
             module, staged_from[str(package)] = package, str(module)
@@ -323,7 +327,7 @@ def job_spec(config: str | Path, overrides: list[str], *, plugins: dict[str, str
                           "(at most 128 characters)")
     metadata = {"klrl_config": str(config)}
     return JobSpec(" ".join([shlex.quote(python), *command, *args]), merged, job_name, metadata,
-                   staging, staged_from)
+                   staging, staged_from, upload, python)
 
 
 def merge_runtime_env(ours: dict, theirs: dict, source: str) -> dict:
@@ -337,9 +341,9 @@ def merge_runtime_env(ours: dict, theirs: dict, source: str) -> dict:
               for k, v in ours.items()}
     for key, value in theirs.items():
         if key == "working_dir":
-            raise SubmitError(f"{source}: working_dir: klrl submit uploads this repository "
-                              f"({REPO_ROOT}) as the job's working_dir; remove it (add other "
-                              "code with py_modules)")
+            raise SubmitError(f"{source}: working_dir: klrl submit uploads the project's "
+                              "tracked files as the job's working_dir (--upload-list FILE "
+                              "chooses others); remove it (add other code with py_modules)")
         if key in ("py_modules", "excludes"):
             if not isinstance(value, list):
                 raise SubmitError(f"{source}: {key} must be a list")
@@ -373,30 +377,48 @@ def read_runtime_env(path: str | Path) -> dict:
 
 
 def submit(config: str | Path, address: str, overrides: list[str], wait: bool = True,
-           python: str = "python", *, spec: JobSpec | None = None) -> str:
+           python: str = "python", *, spec: JobSpec | None = None,
+           upload: Upload | None = None) -> str:
     """Submit `klrl train CONFIG overrides` as a Ray job (the job `spec`, by default
     `job_spec(config, overrides)` with the config's plug-ins uploaded if need be); with
     `wait`, follow its logs and raise JobFailed unless it succeeds. Returns the job id.
+    `python` is the cluster's, checked beforehand (`cluster_python`); `upload`: the project's
+    files (default: `job_upload.project_upload()`), whose size is said before they are sent.
     SubmitError when the cluster cannot be reached or refuses the job."""
     if spec is None:
         from cluster.config.train_config import load_train_config  # torch: a sweep has it
 
         cfg = load_train_config(config, [o for o in overrides if "=" in o])
-        spec = job_spec(config, overrides, plugins=plugin_specs(cfg), python=python)
+        spec = job_spec(config, overrides, plugins=plugin_specs(cfg), python=python,
+                        upload=upload)
     client = job_client(address)
     if spec.job_name is not None:
         _check_name_free(client, spec.job_name)
+    if spec.upload is not None:
+        print(f"uploading {spec.upload.describe()}", flush=True)
     try:
         job_id = client.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
                                    submission_id=spec.job_name, metadata=spec.metadata)
     except (RuntimeError, ValueError, TypeError, OSError) as exc:
         if spec.job_name is not None and "already exists" in str(exc):
             raise SubmitError(_name_taken(spec.job_name, "")) from None
-        raise SubmitError(f"the cluster refused the job: {_last_line(exc)}") from None
+        too_big = ("; the upload is larger than the dashboard takes: list fewer files with "
+                   "--upload-list FILE") if "413" in str(exc) else ""
+        raise SubmitError(f"the cluster refused the job: {_last_line(exc)}{too_big}") from None
     print(f"submitted {job_id}: {spec.entrypoint}")
     if wait:
         follow(client, job_id)
     return job_id
+
+
+def cluster_python(address: str, candidates: list[str]) -> str:
+    """The first of `candidates` (`job_upload.python_candidates`) that runs klrl on the cluster
+    at `address`: checked by a probe job that uploads nothing, before any run's files are
+    uploaded. SubmitError naming each candidate's problem and the fix otherwise."""
+    try:
+        return probe_python(job_client(address), candidates)
+    except UploadError as exc:
+        raise SubmitError(str(exc)) from None
 
 
 def follow(client, job_id: str) -> None:

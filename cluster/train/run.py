@@ -9,7 +9,6 @@ from cluster.config.train_config import TrainConfig
 from cluster.train.controller import Controller
 from cluster.train.door.preflight import (
     check_cluster_resources,
-    check_lora,
     preflight,
     resolve_paths,
 )
@@ -42,7 +41,6 @@ def train(cfg: TrainConfig, resume: bool = False,
         abandon_metrics(run_dir)
         print(f"{run_dir} has no complete checkpoint: starting it afresh")
     model_dir = resolve_model(cfg)  # before Ray: building the tiny model uses all cores
-    check_lora(cfg, model_dir)
     session, started = start_ray(cfg), time.time()
     failed = True  # until the run returns or stops as asked (RunStopped)
     try:

@@ -179,6 +179,19 @@ class RunLog:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"},
                             step=int(metrics["step"]))
 
+    def record_warning(self, key: str, text: str) -> None:
+        """A warning about the run for wandb (the caller prints it, which puts it in the log):
+        kept in the run's summary under `warning/KEY` and, online, sent as a wandb alert."""
+        if self._wandb is None:
+            return
+        self._wandb.summary[f"warning/{key}"] = text
+        if wandb_mode(self.cfg) == "online":
+            try:
+                self._wandb.alert(title=f"klrl {self.dir.name}: {key}", text=text)
+            except Exception as exc:  # noqa: BLE001 - the run goes on; wandb is a mirror
+                print(f"wandb: the alert was not sent ({type(exc).__name__}: {exc})",
+                      file=sys.stderr)
+
     def log_samples(self, rows: list[dict]) -> None:
         """Append one step's sample rows (`sample_rows`) to samples.jsonl, and log them to
         wandb as a Table under `samples` at their step."""

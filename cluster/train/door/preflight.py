@@ -111,10 +111,12 @@ def check_engine_kwargs(engine_kwargs: dict) -> None:
             + "; see vLLM's EngineArgs")
 
 
-def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
+def check_lora(cfg: TrainConfig, model_dir: Path | str | None) -> None:
     """learner.lora against the model, before anything starts: vLLM must serve LoRA for its
-    architecture, and each named target module must be a linear layer of it. Builds the model
-    on the meta device (no weights) and imports vLLM's model registry (a few seconds)."""
+    architecture, and each named target module must be a linear layer of it. `model_dir`: the
+    policy's directory or hub name, None for the embedded tiny model (its architecture, which
+    needs no build). Builds the model on the meta device (no weights) and imports vLLM's model
+    registry (a few seconds)."""
     spec = cfg.learner.lora
     if spec is None:
         return
@@ -122,7 +124,15 @@ def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hub = {"revision": cfg.model.revision, "trust_remote_code": cfg.model.trust_remote_code}
-    config = AutoConfig.from_pretrained(str(model_dir), **hub)
+    if model_dir is None:
+        from transformers import Qwen2Config
+
+        from cluster.tiny.model import DEFAULT_SIZE  # every embedded recipe's architecture
+
+        model_dir = "the embedded tiny model"
+        config = Qwen2Config(**DEFAULT_SIZE, architectures=["Qwen2ForCausalLM"])
+    else:
+        config = AutoConfig.from_pretrained(str(model_dir), **hub)
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
 
@@ -150,6 +160,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> tuple[Path, Path | None
     Returns (run directory, checkpoint to resume from or None), both absolute."""
     cfg = resolve_paths(cfg)
     check_environment(cfg)
+    check_lora(cfg, cfg.model.path)
     run_dir = Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
     if not run_dir.is_dir():
         check_output_dir(run_dir)

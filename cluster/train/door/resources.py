@@ -91,3 +91,29 @@ def check_cluster_resources(cfg: TrainConfig) -> None:
                     f"cluster's nodes hold room for {fits} ({name} per node: {have}); start the "
                     f"nodes with `ray start ... --resources='{{\"{name}\": N}}'`, or change "
                     f"{field} (a local cluster, without ray.address, has no custom resources)")
+
+
+def check_allocation(configs: list[TrainConfig], nodes: int, gpus_per_node: int,
+                     cpus_per_node: int | None, parallel: int = 1) -> None:
+    """`klrl slurm`: the job's allocation against what its runs' actors request (`parallel` runs
+    at once for a sweep). GPUs reserved while no actor asks for one are refused (SLURM would
+    hold them idle for the whole job), and so is an allocation without room for the requests
+    (Ray would keep the actors pending). CPUs are checked when --cpus-per-node gives them."""
+    given = f"--nodes {nodes} --gpus-per-node {gpus_per_node}"
+    gpus = [sum(n * each for _, n, each in requests(cfg)["GPU"]) for cfg in configs]
+    if gpus_per_node and not any(gpus):
+        raise ConfigError(
+            f"--gpus-per-node {gpus_per_node}: the job would reserve {nodes * gpus_per_node} "
+            "GPU(s), but the run's actors ask for none (rollout.num_gpus_per_worker=0, "
+            "learner.num_gpus_per_rank=0); drop --gpus-per-node, or give them GPUs "
+            "(rollout.num_gpus_per_worker=1 learner.num_gpus_per_rank=1)")
+    at_once = min(parallel, len(configs))
+    for cfg in configs:
+        _check(cfg, "GPU", nodes * gpus_per_node / at_once, gpus_per_node,
+               f"the job ({given}" + (f", {at_once} runs at once" if at_once > 1 else "") + ")",
+               "raise --gpus-per-node or --nodes, or lower the requests")
+        if cpus_per_node is not None:
+            _check(cfg, "CPU", nodes * cpus_per_node / at_once, cpus_per_node,
+                   f"the job (--nodes {nodes} --cpus-per-node {cpus_per_node}"
+                   + (f", {at_once} runs at once" if at_once > 1 else "") + ")",
+                   "raise --cpus-per-node or --nodes, or lower the requests")
