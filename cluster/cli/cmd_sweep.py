@@ -7,10 +7,13 @@ import shlex
 import sys
 from pathlib import Path
 
+import yaml
+
 from cluster.config.loader import ConfigError, load_config, merge, validate
 from cluster.cli.arg_types import whole_in
 from cluster.cli.cmd_train import count_arg
 from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
+from cluster.experiments.prereg import Comparison
 from cluster.experiments.report import ReportConfig, report_dir, write_report
 from cluster.experiments.sweep import (
     SET_ASIDE_DIR,
@@ -128,6 +131,31 @@ def _is_override(arg: str) -> bool:
     return bool(re.match(r"^[A-Za-z_][\w.]*=", arg)) and not Path(arg).is_dir()
 
 
+_COMPARISON = re.compile(r"^\s*(?P<a>.+?)\s+vs\s+(?P<b>.+?)\s+on\s+(?P<measure>\S+)"
+                         r"(?:\s+(?P<direction>\S+))?\s*$")
+
+
+def parse_comparison(text: str) -> Comparison:
+    """`--compare 'A vs B on MEASURE [DIRECTION]'` as a Comparison (A, B: key=value pairs
+    separated by commas, each value read as YAML); ConfigError saying the form."""
+    form = ("write --compare 'KEY=VALUE[,KEY=VALUE] vs KEY=VALUE[,KEY=VALUE] on MEASURE "
+            "[greater|less|two-sided]'")
+    match = _COMPARISON.match(text)
+    if not match:
+        raise ConfigError(f"--compare {text!r}: {form}")
+
+    def side(part: str) -> dict:
+        pairs = [p.partition("=") for p in part.split(",")]
+        if any(not k.strip() or not eq for k, eq, _ in pairs):
+            raise ConfigError(f"--compare {text!r}: {part!r} is not KEY=VALUE pairs; {form}")
+        return {k.strip(): yaml.safe_load(v.strip()) for k, _, v in pairs}
+
+    fields = {"a": side(match["a"]), "b": side(match["b"]), "measure": match["measure"]}
+    if match["direction"]:
+        fields["direction"] = match["direction"]
+    return validate(Comparison, fields, source=f"--compare {text!r}")
+
+
 def _run_report(args) -> int:
     from cluster.train.door.commands import check_report_dir, check_report_out
 
@@ -147,6 +175,9 @@ def _run_report(args) -> int:
             base = load_config(SweepConfig, sweep).report.model_dump()
         cfg = validate(ReportConfig, merge(base, overrides), source="report options",
                        overrides=overrides)
+        if args.compare:
+            cfg = cfg.model_copy(update={"comparisons": [*cfg.comparisons,
+                                                         *map(parse_comparison, args.compare)]})
         report = write_report(paths[0] if len(paths) == 1 else paths, cfg, out=args.out)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -218,6 +249,12 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="write report.md and its plots "
                    "here (default DIR/report; for several directories report-A-vs-B beside "
                    "them), e.g. docs/sweeps/offpolicy_tiny for the docs")
+    p.add_argument("--compare", action="append", default=[], metavar="'A vs B on MEASURE [DIR]'",
+                   help="test your own comparison (repeatable), e.g. --compare "
+                   "'kl.estimator=k3,max_lag=8 vs kl.estimator=k1,max_lag=8 on log_kl_end "
+                   "greater': A and B pick one configuration each by config values; MEASURE is "
+                   "accuracy.<set>, auc.<set>, kl_end, log_kl_end or lag_mean; DIR greater, "
+                   "less or two-sided (default); added to the sweep's report.comparisons")
     p.add_argument("--no-wandb", action="store_true", help="do not log the report as a summary "
                    "run in the runs' wandb project (a directory of runs logs one by default, "
                    "unless the runs had wandb disabled)")

@@ -377,11 +377,13 @@ def _adjusted(f: Outcome) -> str:
 
 
 def findings_markdown(found: Sequence[Outcome], toy: ToyRows | None = None,
-                      gated: Sequence[Outcome] | None = None) -> list[str]:
+                      gated: Sequence[Outcome] | None = None,
+                      run_betas: Sequence[float] = ()) -> list[str]:
     """The claims table; with `toy`, a column linking the rows of the configurations each
     claim is about (Outcome.toy) that the toy's table has. With `gated` (the same claims
     decided under prereg.Gates, for a pre-registration that registered none), both verdicts
-    side by side and the gated evidence, which says what each gate saw."""
+    side by side and the gated evidence, which says what each gate saw. `run_betas`: the
+    runs' kl.beta values, named in the toy column's header where they are not the toy's."""
     if not found:
         return ["No finished run with a KL penalty: no claim to test."]
     if gated is not None:
@@ -392,7 +394,10 @@ def findings_markdown(found: Sequence[Outcome], toy: ToyRows | None = None,
     else:
         head = ("| claim | from | setting | verdict | Holm-adjusted p (reproduce / contradict) "
                 "| evidence (mean ± standard error over seeds; each test's statistics) |")
-    lines = [head + (f" the toy at beta {toy.beta:g}: where theory expects it to end |"
+    others = [b for b in run_betas if not math.isclose(b, toy.beta)] if toy else []
+    these = (f" (these runs: beta {', '.join(f'{b:g}' for b in run_betas)}; the toy's ends "
+             "are at its own beta)" if others else "")
+    lines = [head + (f" the toy at beta {toy.beta:g}{these}: where theory expects it to end |"
                      if toy else ""),
              "|---|---|---|---|---|---|" + ("---|" if gated is not None else "")
              + ("---|" if toy else "")]

@@ -32,6 +32,7 @@ from cluster.experiments.runs import (
     kl_blowup,
     nonfinite_steps,
     reward_collapse,
+    run_faults,
 )
 from rewards.config import EVAL_SETS
 
@@ -63,6 +64,8 @@ class Measures:
     last_step: int | None = None   # its last logged step: where an unbroken run is censored
     # set -> (step, greedy accuracy) of each evaluation during training (empty from runs.csv)
     curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # fault (as runs.run_faults names it) -> how often it happened in this run (empty: none)
+    faults: dict[str, int] = field(default_factory=dict)
 
 
 def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
@@ -149,7 +152,7 @@ def measure(run: RunData, configuration: str, commit: str, rules: Rules) -> Meas
                     run.finished, run.config, commit, accuracy, source, last, auc,
                     kl_at_end(run), mean_lag(run), broken, step,
                     f"KL blow-up at step {drift[0]}" if drift else "",
-                    max(run.rows, default=None), curve)
+                    max(run.rows, default=None), curve, run_faults(run))
 
 
 def trained(measures: Sequence[Measures]) -> list[Measures]:

@@ -30,6 +30,12 @@ ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_oo
                   "k1_loss_regularises_nothing", "breaks_with_dose", "kl_keeps_retained",
                   "async_breaks_control", "kl_delays_breaks", "kl_beats_early_stopping",
                   "biased_loss_rises_with_beta"]
+# What a researcher's own comparison may measure (cluster/experiments/comparisons.py reads each
+# from a run's Measures): the final greedy accuracy and the area under the accuracy curve of an
+# evaluation set, the KL to the reference at the end (raw or log), the mean lag.
+COMPARED_MEASURES = (*(f"accuracy.{s}" for s in EVAL_SETS), *(f"auc.{s}" for s in EVAL_SETS),
+                     "kl_end", "log_kl_end", "lag_mean")
+ComparedMeasure = Literal[COMPARED_MEASURES]  # type: ignore[valid-type]
 # The configurations whose breaks per-decision weights are expected to repair (exploratory:
 # the two that broke at beta 0.3, max_lag 8), as "<estimator>-<placement>".
 REPAIRED = ("k1-loss", "k3-reward")
@@ -220,16 +226,59 @@ class ClaimSpec(_Strict):
         return self
 
 
-class SweepPlan(_Strict):
-    """The claims one sweep tests: one Holm family."""
+class Comparison(_Strict):
+    """A researcher's own question: configuration A against configuration B on one measure,
+    A's mean minus B's, paired by seed (a sweep file's `report.comparisons`, `klrl report
+    --compare`, or fixed before the runs in a pre-registration's sweep plan)."""
 
-    claims: list[ClaimSpec] = Field(..., min_length=1, max_length=50)
+    a: dict[str, Any] = Field(..., min_length=1, description="Config keys (dotted, as the "
+                              "report labels them, e.g. kl.estimator, max_lag) and the values "
+                              "that pick configuration A's runs; they must pick the runs of "
+                              "one configuration (the seed aside).")
+    b: dict[str, Any] = Field(..., min_length=1, description="The same for configuration B.")
+    measure: ComparedMeasure = Field(..., description="What is compared: accuracy.<set> (the "
+                                     "final greedy accuracy), auc.<set> (the area under its "
+                                     "accuracy curve), kl_end or log_kl_end (the KL to the "
+                                     "reference over the last 10 steps), lag_mean.")
+    direction: Literal["greater", "less", "two-sided"] = Field(
+        "two-sided", description="greater: the question is whether A's measure is above B's; "
+        "less: below; two-sided: whether they differ either way.")
+    name: str | None = Field(None, min_length=1, max_length=120, description="How the report "
+                             "names it (default: A vs B on the measure).")
+
+    @model_validator(mode="after")
+    def _two_configurations(self) -> Comparison:
+        if self.a == self.b:
+            raise ValueError(f"a and b pick the same runs ({self.a}): name what differs")
+        return self
+
+    def same_question(self, other: Comparison) -> bool:
+        """Whether `other` asks this question (its name aside): how a report knows that a
+        pre-registration fixed it."""
+        return (self.a, self.b, self.measure, self.direction) == \
+            (other.a, other.b, other.measure, other.direction)
+
+
+class SweepPlan(_Strict):
+    """The claims and comparisons one sweep tests: the claims are one Holm family, the
+    comparisons another."""
+
+    claims: list[ClaimSpec] = Field(default_factory=list, max_length=50)
+    comparisons: list[Comparison] = Field(default_factory=list, max_length=50, description=(
+        "Comparisons fixed before the runs: a report that names the same question marks it "
+        "pre-registered rather than exploratory."))
     total_steps: int | None = Field(None, ge=1, description="The runs' length, fixed here when "
                                     "it is part of what a claim tests (a control given the "
                                     "time to break); runs of another length are left out of "
                                     "the findings, and counted. null: the sweep file's.")
     repaired: list[str] = Field(default_factory=lambda: list(REPAIRED), description="The "
                                 "configurations prefix_repairs covers (<estimator>-<placement>).")
+
+    @model_validator(mode="after")
+    def _something_tested(self) -> SweepPlan:
+        if not self.claims and not self.comparisons:
+            raise ValueError("a sweep plan needs at least one claim or comparison")
+        return self
 
 
 class Design(_Strict):

@@ -23,6 +23,7 @@ from cluster.experiments.arms import Study
 from cluster.experiments.dose_plot import DOSE_RESPONSE, plot_dose_response
 from cluster.experiments.labels import SET_LABELS, configuration_keys
 from cluster.experiments.measures import accuracy_kl_correlation
+from cluster.experiments.prereg import Comparison
 from cluster.experiments.report_findings import findings_section, mean_sd, provenance_lines
 from cluster.experiments.report_plots import (
     ACCURACY_AGAINST_KL,
@@ -43,7 +44,9 @@ from cluster.experiments.runs import (  # noqa: F401 (re-exported: the report's 
     instability_flags,
     kl_blowup,
     load_run,
+    faults_text,
     nonfinite_steps,
+    run_faults,
 )
 
 
@@ -60,6 +63,11 @@ class ReportConfig(InstabilityRule):
         True, description="Draw the plots (PNGs beside report.md, shown in its Plots section). "
         "false: report.md and runs.csv only, tables, flags and findings unchanged; drawing "
         "is most of a report's time, so this is the quick look at a sweep while it runs.")
+    comparisons: list[Comparison] = Field(
+        default_factory=list, max_length=50, description="Your own questions: configuration A "
+        "against B on one measure, in a direction, each tested paired by seed with Holm's "
+        "correction across them (docs/sweeps.md, Your comparisons). Empty: the report shows "
+        "the effect and interval of each pair of configurations that differ in one key.")
     preregistration: str | None = Field(
         None, min_length=1, description="Pre-registration (YAML, docs/sweeps/preregistration."
         "yaml) whose claims, rules and seeds the findings follow, relative to the repository "
@@ -203,7 +211,7 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
         md += [f"| `{f.run}` | {f.kind} | {f.step} | {f.detail} |" for f in flags]
     else:
         md += [f"No run was flagged ({len(runs)} checked)."]
-    md += ["", _flag_definitions(cfg), "", "## Plots", ""]
+    md += ["", _flag_definitions(cfg), "", *faults_section(runs), "## Plots", ""]
     if cfg.figures:
         md += ["Lines: mean over a configuration's runs (seeds); band (shaded, hatched in the "
                "configuration's own pattern): min to max over them. "
@@ -236,6 +244,19 @@ def _draw_figures(groups, runs, measures, cfg: ReportConfig, out: Path) -> list[
     if name := plot_dose_response(Study.of(measures), out):
         figures.append((DOSE_RESPONSE, name))
     return figures
+
+
+def faults_section(runs: list[RunData]) -> list[str]:
+    """Every run that lost and healed something (a learner restart and the steps it redid, a
+    replaced worker, reissued samples, scoring-pool errors): its results count, and a reader
+    weighs them knowing it."""
+    hit = [(r, f) for r in runs if (f := run_faults(r))]
+    if not hit:
+        return ["## Faults", "", f"No run had a fault ({len(runs)} checked: learner restarts, "
+                "redone steps, worker replacements, reissued samples, scoring-pool errors).", ""]
+    return ["## Faults", "", "Runs that lost something and healed (their results are in every "
+            "table above; the comparisons name them):", "", "| run | faults |", "|---|---|",
+            *(f"| `{r.name}` | {faults_text(f)} |" for r, f in hit), ""]
 
 
 def _correlation_text(measures) -> str:

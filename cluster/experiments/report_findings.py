@@ -18,6 +18,7 @@ import yaml
 
 from cluster.config.loader import REPO_ROOT, ConfigError
 from cluster.experiments import findings as fnd
+from cluster.experiments.comparisons import comparisons_section
 from cluster.experiments.labels import SET_LABELS, configuration_keys
 from cluster.experiments.measures import (
     PRIMARY,
@@ -155,7 +156,9 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
     measures, used, found, sensitivity, gated = directory_findings(runs, groups, prereg, sweep,
                                                                    base)
     write_csv(measures, out / CSV_FILE, [v.name for v in rules.sensitivity])
-    md = ["## Findings", ""]
+    fixed = prereg.sweeps[sweep].comparisons if prereg else []
+    md = comparisons_section(cfg.comparisons, fixed, used, configuration_keys(runs), rules.alpha)
+    md += ["## Findings", ""]
     md += _prereg_head(cfg, prereg, sweep, runs) if prereg else [
         ("**Exploratory**: no pre-registration (`report.preregistration`), so the claims "
          "tested are those this directory could run, and the p-values describe these runs "
@@ -169,7 +172,7 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
              else []),
            "", *_tally(found, "as registered" if gated is not None else ""),
            *(_tally(gated, "under the gates") if gated is not None else []),
-           *fnd.findings_markdown(found, _toy_table(out), gated), "",
+           *fnd.findings_markdown(found, _toy_table(out), gated, _betas(used)), "",
            "### Threshold sensitivity", "",
            ("Each verdict recomputed with the failure thresholds changed (drift: the KL blow-up "
            "factor; collapse: evaluations below the level needed); a verdict that changes under "
@@ -187,6 +190,12 @@ def findings_section(path: Path, runs: list[RunData], groups: dict, cfg, out: Pa
         quote = ["## Pre-registration", "", f"`{cfg.preregistration}`, as read for this report:",
                  "", "```yaml", resolve(cfg.preregistration).read_text().rstrip(), "```", ""]
     return md, measures, quote
+
+
+def _betas(measures: list[Measures]) -> list[float]:
+    """The kl.beta values of the runs with a KL penalty (what the toy column's header names
+    beside the toy's own beta)."""
+    return sorted({float(b) for m in measures if (b := m.config.get("kl.beta"))})
 
 
 def _tally(found, how: str = "") -> list[str]:

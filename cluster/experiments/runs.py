@@ -290,3 +290,31 @@ def instability_flags(run: RunData, cfg: InstabilityRule) -> list[Flag]:
     if hit := nonfinite_steps(run):
         flags.append(Flag(run.name, "non-finite", *hit))
     return flags
+
+
+# The faults a run logs (cluster/train/controller.py, learner_restarts.py): the counters that
+# run up over a run (their last value counts) and the per-step counts (summed), with how a
+# report names each.
+FAULT_TOTALS = {"faults/learner_restarts": "learner restart(s)",
+                "faults/learner_steps_lost": "step(s) redone",
+                "faults/worker_restarts": "worker replacement(s)"}
+FAULT_PER_STEP = {"faults/reissued_samples": "sample(s) reissued",
+                  "faults/scoring_pool_errors": "scoring-pool error(s)"}
+
+
+def run_faults(run: RunData) -> dict[str, int]:
+    """What went wrong in a run and was healed, as the report names it -> how often (only the
+    kinds that happened): a result from a run that lost its learner and redid steps is one a
+    reader weighs differently."""
+    out = {}
+    for key, label in FAULT_TOTALS.items():
+        if (values := [v for v in run.series(key)[1] if math.isfinite(v)]) and max(values):
+            out[label] = int(max(values))
+    for key, label in FAULT_PER_STEP.items():
+        if total := int(sum(v for v in run.series(key)[1] if math.isfinite(v))):
+            out[label] = total
+    return out
+
+
+def faults_text(faults: dict[str, int]) -> str:
+    return ", ".join(f"{n} {label}" for label, n in faults.items())

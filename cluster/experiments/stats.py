@@ -101,6 +101,8 @@ def paired(a: Sequence[float], b: Sequence[float], alternative: Sided = "greater
         return Test("paired", math.nan, math.nan, f"{len(d)} pair(s): untestable (the paired "
                     "t-test needs two seeds that both configurations ran)")
     mean, sd = float(d.mean()), float(d.std(ddof=1))
+    if sd <= 1e-12 * abs(mean):  # equal differences up to rounding: no spread, not t = 1e16
+        sd = 0.0
     shift, df = mean - margin, len(d) - 1
     t = math.copysign(math.inf, shift) if sd == 0 and shift else \
         0.0 if sd == 0 else shift / (sd / math.sqrt(len(d)))
@@ -326,3 +328,53 @@ def _detectable_lead(scale: float, df: int, level: float, power: float) -> float
     while shortfall(high) < 0:  # few seeds: the statistic's heavy tails need a larger lead
         high *= 2
     return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-9 * scale))
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """The two-sided Student-t confidence interval of the mean of `values` (paired differences:
+    the interval of the paired effect). At least two values."""
+    x = np.asarray(values, float)
+    half = float(st.t.ppf((1 + confidence) / 2, len(x) - 1)) * float(x.std(ddof=1)) \
+        / math.sqrt(len(x))
+    return float(x.mean()) - half, float(x.mean()) + half
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95
+                   ) -> tuple[float, float]:
+    """Welch's two-sided confidence interval of mean(a) - mean(b) (Welch-Satterthwaite df).
+    At least two values a side."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    ea, eb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    diff = float(a.mean() - b.mean())
+    if ea + eb == 0:
+        return diff, diff
+    df = (ea + eb) ** 2 / (ea ** 2 / (len(a) - 1) + eb ** 2 / (len(b) - 1))
+    half = float(st.t.ppf((1 + confidence) / 2, df)) * math.sqrt(ea + eb)
+    return diff - half, diff + half
+
+
+def seeds_for_power(effect: float, sd: float, level: float, paired: bool = True,
+                    power: float = 0.8, most: int = 10_000) -> int | None:
+    """The fewest seeds at which a one-sided t-test at `level` shows a true `effect` with
+    probability `power` when the spread is `sd`: paired, the sd of a paired difference (df
+    n - 1); unpaired, the sd of one configuration's runs (df 2n - 2, n runs a side). None when
+    no seed count up to `most` does (a zero effect, or one far inside the noise)."""
+    effect = abs(effect)
+    if effect == 0:
+        return None
+    if sd == 0:
+        return 2
+
+    def enough(n: int) -> bool:
+        scale, df = (sd / math.sqrt(n), n - 1) if paired else (sd * math.sqrt(2 / n), 2 * n - 2)
+        return _detectable_lead(scale, df, level, power) <= effect
+
+    low, high = 1, 2  # the detectable lead falls as n grows: double, then bisect
+    while not enough(high):
+        if high >= most:
+            return None
+        low, high = high, min(2 * high, most)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    return high
