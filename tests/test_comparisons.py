@@ -171,3 +171,25 @@ def test_a_sweep_files_report_section_and_a_preregistration_take_comparisons(tmp
     assert SweepPlan(comparisons=[QUESTION]).claims == []
     with pytest.raises(ValueError, match="at least one claim or comparison"):
         SweepPlan()
+
+
+def test_a_sweep_whose_comparison_picks_no_grid_point_is_refused_before_it_starts(tmp_path):
+    from cluster.experiments.sweep import SweepConfig, expand, validate_runs
+
+    def sweep(a):
+        return SweepConfig.model_validate({
+            "name": "own", "train_config": "configs/tiny_cpu.yaml",
+            "output_dir": str(tmp_path), "grid": {"kl.estimator": ["k1", "k3"],
+                                                   "seed": [0, 1]},
+            "report": {"comparisons": [{"a": a, "b": {"kl.estimator": "k1"},
+                                        "measure": "log_kl_end"}]}})
+
+    good = sweep({"kl.estimator": "k3"})
+    assert len(validate_runs(good, expand(good))) == 4
+    bad = sweep({"kl.estimator": "k2"})
+    with pytest.raises(ConfigError, match=r"report.comparisons\[0\].a: no run has "
+                       r"kl.estimator=k2 \(these runs have kl.estimator: k1, k3\)"):
+        validate_runs(bad, expand(bad))
+    vague = sweep({"kl.placement": "reward"})
+    with pytest.raises(ConfigError, match=r"comparisons\[0\].a: kl.placement=reward picks 2"):
+        validate_runs(vague, expand(vague))

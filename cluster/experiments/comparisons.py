@@ -47,9 +47,11 @@ def _same(have: Any, want: Any) -> bool:
     return have == want or str(have) == str(want)
 
 
-def pick(side: str, keys: dict[str, Any], measures: Sequence[Measures]) -> tuple[str, list]:
+def pick(side: str, keys: dict[str, Any], measures: Sequence[Any]) -> tuple[str, list]:
     """(configuration label, its runs' measures) that `keys` pick; ConfigError when a key is
-    no config key of these runs, or the keys pick no run or runs of several configurations."""
+    no config key of these runs, or the keys pick no run or runs of several configurations.
+    `measures`: anything with a flattened `config` and a `configuration` label (a sweep's
+    grid points too, checked before they run: check_grid)."""
     known = {k for m in measures for k in m.config}
     for key in keys:
         if key not in known:
@@ -71,6 +73,26 @@ def pick(side: str, keys: dict[str, Any], measures: Sequence[Measures]) -> tuple
 
 def _keys_text(keys: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in keys.items())
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """A sweep's run as a comparison's keys see it before it ran."""
+
+    config: dict[str, Any]     # its resolved TrainConfig, flattened to dotted keys
+    configuration: str         # its grid values without the seed
+
+
+def check_grid(comparisons: Sequence[Comparison], points: Sequence[GridPoint]) -> None:
+    """ConfigError (naming `report.comparisons[i]`) for a comparison whose A or B picks no
+    configuration of the sweep, or several: the door's check, before any run starts."""
+    for i, c in enumerate(comparisons):
+        for side in ("a", "b"):
+            try:
+                pick(side, getattr(c, side), points)
+            except ConfigError as exc:
+                raise ConfigError(f"report.comparisons[{i}].{exc}".replace(
+                    f"report.comparisons[{i}].comparison ", f"report.comparisons[{i}].")) from None
 
 
 @dataclass(frozen=True)

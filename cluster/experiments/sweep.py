@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from cluster.experiments.labels import flatten, value_token
+from cluster.experiments.comparisons import GridPoint, check_grid
 from cluster.experiments.report import ReportConfig
 from cluster.train.run_log import config_path, is_finished, read_config
 from cluster.train.run_meaning import Change, meaning_changes
@@ -233,6 +234,11 @@ def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
         raise ConfigError("invalid grid points:\n" + "\n".join(
             f"{', '.join(names) if len(names) < len(runs) else 'every grid point'}: {msg}"
             for msg, names in errors.items()))
+    if cfg.report.comparisons:  # each names one configuration of this grid, or is refused now
+        check_grid(cfg.report.comparisons, [
+            GridPoint(flatten(configs[r.name].model_dump(mode="json")),
+                      ",".join(f"{k}={v}" for k, v in r.values.items() if k != "seed"))
+            for r in runs])
     return configs
 
 
