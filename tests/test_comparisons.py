@@ -140,9 +140,11 @@ def test_without_named_comparisons_each_one_key_pair_gets_an_effect(tmp_path):
     root = _sweep(tmp_path / "runs")
     text = write_report(root, ReportConfig(figures=False)).read_text()
     section = text[text.index("## Comparisons"):text.index("## Findings")]
-    # 4 configurations (estimator x lag): 4 pairs differ in one key, 2 measures each
+    # 4 configurations (estimator x lag): 4 pairs differ in one key, on 3 measures each (two
+    # evaluated sets' accuracy, log KL)
     rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
-    assert len(rows) == 8 and all("descriptive" in row for row in rows)
+    assert len(rows) == 12 and all("descriptive" in row for row in rows)
+    assert sum("accuracy.out_of_domain" in row for row in rows) == 4
     assert "No comparison was named" in section
     assert "No run had a fault (16 checked" in text
 

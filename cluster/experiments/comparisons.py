@@ -8,7 +8,7 @@ correction across the comparisons a report names, and the seeds the observed spr
 pre-registration fixed the same question for this sweep before the runs.
 
 Without named comparisons a report still shows, for each pair of configurations that differ in
-one key, the effect and interval on the first evaluated set's final accuracy and on log KL:
+one key, the effect and interval on each evaluated set's final accuracy and on log KL:
 descriptive rows, no verdict.
 """
 from __future__ import annotations
@@ -180,13 +180,13 @@ def _with(r: Result, **changes) -> Result:
 
 def one_key_pairs(measures: Sequence[Measures], keys: Sequence[str]) -> list[Comparison]:
     """The comparisons a report shows unasked: each pair of configurations whose `keys` (the
-    keys the report labels configurations by) differ in exactly one, on the first evaluated
-    set's final accuracy and on log KL at the end."""
+    keys the report labels configurations by) differ in exactly one, on each evaluated set's
+    final accuracy and on log KL at the end."""
     settings: dict[str, dict] = {}
     for m in measures:
         settings.setdefault(m.configuration, {k: m.config.get(k) for k in keys})
-    sets = [s for m in measures for s in m.accuracy]
-    names = [f"accuracy.{sets[0]}"] if sets else []
+    sets = {s: None for m in measures for s in m.accuracy}  # each evaluated set, in order
+    names = [f"accuracy.{s}" for s in sets]
     if any(m.kl_end > 0 for m in measures):
         names.append("log_kl_end")
     labels = sorted(settings)
@@ -261,8 +261,8 @@ def comparisons_section(comparisons: Sequence[Comparison], fixed: Sequence[Compa
     else:
         results = [test_comparison(c, measures, False) for c in one_key_pairs(measures, keys)]
         head = ("No comparison was named (`report.comparisons`, `klrl report --compare`): "
-                "each pair of configurations that differ in one key, on the first evaluated "
-                "set's final accuracy and on log KL at the end; effects and intervals describe "
+                "each pair of configurations that differ in one key, on each evaluated set's "
+                "final accuracy and on log KL at the end; effects and intervals describe "
                 "these runs, and no verdict is drawn.")
     if not results:
         return []
