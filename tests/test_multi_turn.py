@@ -257,3 +257,40 @@ def test_a_failed_sample_costs_its_group_and_too_many_stop_the_run():
     with pytest.raises(EnvironmentFailing, match="'calculator' failed 3 of the run's 12"):
         book.take([_rollout(3, "exception: E: x"), _rollout(3, "exception: E: x"),
                    *[_rollout(4)] * 4])
+
+
+def _docs_blocks(kind: str) -> list[str]:
+    text = (ROOT / "docs" / "multi-turn.md").read_text()
+    return [b.split("```", 1)[0] for b in text.split(f"```{kind}\n")[1:]]
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={value}")
+    return out
+
+
+def test_the_docs_worked_example_runs(tiny_llm, tmp_path, monkeypatch):
+    """docs/multi-turn.md's environment, as written, runs episodes on the real engine, and its
+    YAML passes the config's checks."""
+    import yaml
+
+    from cluster.config.loader import load_config
+    from cluster.config.train_config import TrainConfig
+
+    (tmp_path / "my_envs.py").write_text(_docs_blocks("python")[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = _flatten(yaml.safe_load(_docs_blocks("yaml")[0]))
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml", overrides)
+    env = cfg.task.environment
+    assert (env.name, env.max_turns, env.max_tokens_per_turn) == ("my_envs:TryAgain", 3, 8)
+    rollouts = _run(tiny_llm, env.model_copy(update={"max_tokens_per_turn": 4}), _problems(2))
+    for r in rollouts:
+        assert r.env_failure is None and 1 <= r.turns <= 3
+        assert r.finish_reason in ("stop", "turns")
+        assert r.env_replies == r.turns - 1  # the last turn gets no reply
+        assert r.reward == (1.0 - 0.25 * (r.turns - 1) if r.finish_reason == "stop" else 0.0)
