@@ -64,3 +64,12 @@ class NoStep(Environment):
 
 class NotAnEnvironment:
     """Not a subclass: refused at the door."""
+
+
+class TemplateChatter(Chatter):
+    """Chatter whose replies are tool turns of tests/test_chat_template.py's chat template
+    (`<|role|>content` lines), handing the floor back to the assistant."""
+
+    def step(self, turn):
+        out = super().step(turn)
+        return out if out.done else EnvStep(reply="\n<|tool|><ok>\n<|assistant|>", info=out.info)

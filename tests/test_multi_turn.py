@@ -27,7 +27,7 @@ from rewards.environment import EnvFailure
 
 from env_plugins import REPLY
 
-BUDGET = 40
+BUDGET = 80
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,14 +36,17 @@ def _problems(k: int) -> list[Problem]:
             for i in range(k)]
 
 
-def _run(llm, cfg: EnvironmentConfig, problems, *, n=2, seed=7, record=None):
+def _run(llm, cfg: EnvironmentConfig, problems, *, n=2, seed=7, record=None, renderer=None,
+         budget=BUDGET):
     """The rollouts of one generate call with `cfg`'s environment on `llm`, and (in `record`)
-    each engine call's token prompts and sampled ids."""
-    tokenizer = llm.get_tokenizer()
-    runner = EpisodeRunner(cfg, tokenizer, BUDGET)
-    rollout_cfg = RolloutConfig(samples_per_prompt=n, max_new_tokens=BUDGET)
+    each engine call's token prompts and sampled ids. renderer: how prompts are rendered (a
+    PromptRenderer, as the rollout worker's; None: raw text on the engine's tokenizer)."""
+    tokenizer = llm.get_tokenizer() if renderer is None else renderer.tokenizer
+    runner = EpisodeRunner(cfg, tokenizer, budget)
+    rollout_cfg = RolloutConfig(samples_per_prompt=n, max_new_tokens=budget)
     params = request_params(rollout_cfg, seed, 0, len(problems))
-    prompts = [{"prompt_token_ids": list(tokenizer(p.prompt)["input_ids"])} for p in problems]
+    prompts = ([{"prompt_token_ids": list(tokenizer(p.prompt)["input_ids"])} for p in problems]
+               if renderer is None else renderer.prompts(problems))
     driver = BatchDriver(llm, concurrent.futures.ThreadPoolExecutor(1), version=0)
 
     def generate(requests, turn_params):
@@ -62,19 +65,42 @@ def _chatter(**kw) -> EnvironmentConfig:
                                  "max_tokens_per_turn": 4} | kw))
 
 
-@pytest.mark.parametrize("env", ["env_plugins:Chatter", "env_plugins:ChatterIds"])
-def test_the_trained_sequence_is_the_sampled_one_token_for_token(tiny_llm, tiny_model_dir, env):
+@pytest.fixture(scope="module")
+def chat_renderer(tiny_model_dir):
+    """The tiny model's tokenizer with tests/test_chat_template.py's chat template and system
+    prompt, rendering as the rollout worker does (same weights: `tiny_llm` runs its ids)."""
+    from test_chat_template import SYSTEM, TEMPLATE
+    from transformers import AutoTokenizer
+
+    from actors.prompting import PromptRenderer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.chat_template = TEMPLATE
+    return PromptRenderer(tok, chat_template="auto", system_prompt=SYSTEM)
+
+
+@pytest.mark.parametrize("env", ["env_plugins:Chatter", "env_plugins:ChatterIds",
+                                 "env_plugins:TemplateChatter"])
+def test_the_trained_sequence_is_the_sampled_one_token_for_token(tiny_llm, tiny_model_dir,
+                                                                  chat_renderer, env):
     """Every engine call is given exactly the ids so far (prompt, the policy's sampled ids, the
     environment's reply ids); the batch the learner trains holds those ids, with the reply
     tokens out of response_mask and the policy's log-probs where the policy sampled; and the
     model's own log-probs of the trained row equal the sampler's on every policy token, which a
-    single changed token before it would break."""
+    single changed token before it would break. TemplateChatter: prompts rendered with a chat
+    template and system prompt, replies in the template's tool turns."""
     record: list = []
-    rollouts = _run(tiny_llm, _chatter(name=env), _problems(2), record=record)
+    chat = env.endswith("TemplateChatter")
+    rollouts = _run(tiny_llm, _chatter(name=env), _problems(2), record=record,
+                    renderer=chat_renderer if chat else None)
     assert len(rollouts) == 4 and len(record) == 3  # three turns, every episode alive
     tokenizer = tiny_llm.get_tokenizer()
     reply = ([5, 6, 7] if env.endswith("Ids")
-             else tokenizer.encode(REPLY, add_special_tokens=False))
+             else tokenizer.encode("\n<|tool|><ok>\n<|assistant|>" if chat else REPLY,
+                                   add_special_tokens=False))
+    if chat:
+        assert rollouts[0].prompt_ids == chat_renderer.token_ids(rollouts[0].problem.prompt)
+        assert "<|system|>" in tokenizer.decode(rollouts[0].prompt_ids)
     for k, r in enumerate(rollouts):
         assert r.env_failure is None and r.finish_reason == "stop" and r.turns == 3
         assert r.env_replies == 2 and r.env_info == {"tool_call": 2.0}
@@ -132,12 +158,11 @@ def test_a_broken_environment_costs_its_sample_with_the_reason(tiny_llm, fault):
 def test_limits_cut_the_episode_by_turns_and_by_the_total_budget(tiny_llm):
     by_turns = _run(tiny_llm, _chatter(max_turns=2), _problems(1))
     assert [(r.finish_reason, r.turns) for r in by_turns] == [("turns", 2)] * 2
-    long_turns = _run(tiny_llm, _chatter(max_tokens_per_turn=30), _problems(1))
-    for r in long_turns:
-        assert len(r.response_ids) <= BUDGET
-        assert r.finish_reason in ("stop", "length")
-        if r.finish_reason == "length":
-            assert len(r.response_ids) == BUDGET or r.turns < 3
+    long_turns = _run(tiny_llm, _chatter(max_tokens_per_turn=30), _problems(1), budget=40)
+    assert "length" in {r.finish_reason for r in long_turns}
+    for r in long_turns:  # a cut episode fills the budget exactly, a reply cut to fit
+        assert len(r.response_ids) == 40 if r.finish_reason == "length" else \
+            len(r.response_ids) < 40
 
 
 # ---------------------------------------------------------------- pure: no engine
