@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.generation.base import EngineDriver
 from actors.records import Rollout
 from actors.seeds import turn_seed
 from rewards import Problem
@@ -83,9 +84,19 @@ class Episode:
             env_seconds=self.env_seconds, env_failure=self.failure, env_info=dict(self.info))
 
 
+@dataclass(frozen=True)
+class EpisodesRun:
+    """A generate call's episodes: their rollouts, the seconds inside the engine over all
+    turns, and the preemptions of its requests (`RolloutBatch`'s fields)."""
+
+    rollouts: list[Rollout]
+    gen_seconds: float
+    preempted: int
+
+
 class EpisodeRunner:
-    """Runs a generate call's episodes. generate(prompts, params) -> one list of Completions
-    per prompt (the worker's driver, one version); `params` are the call's SamplingParams,
+    """Runs a generate call's episodes through the worker's engine driver
+    (actors/generation/: batch-level, one version); `params` are the call's SamplingParams,
     one per problem (`request_params`), whose sampler, seed and stop strings each turn
     reuses; budget: rollout.max_new_tokens, the whole episode's."""
 
@@ -96,9 +107,22 @@ class EpisodeRunner:
         self.env_class = environment_class(cfg.name)
         self.vocab_size = len(tokenizer)
 
-    def run(self, generate: Callable[[list, list], list], problems: Sequence[Problem],
-            group_ids: Sequence[int], prompts: Sequence[dict], params: Sequence[Any],
-            worker: int, version: int) -> list[Rollout]:
+    def run(self, driver: EngineDriver, problems: Sequence[Problem], group_ids: Sequence[int],
+            prompts: Sequence[dict], params: Sequence[Any], *, worker: int, version: int,
+            min_version: int = 0, serving: Callable[[Any], Any] = lambda llm: llm
+            ) -> EpisodesRun:
+        """The episodes of `problems` (`params[i].n` samples each), every turn one
+        `driver.generate` call over the live episodes (min_version, serving: as the worker's
+        generate passes them); `version`: the engine's, for a rollout without tokens."""
+        spent = {"gen": 0.0, "preempted": 0}
+
+        def generate(requests, turn_params):
+            out = driver.generate(requests, turn_params, min_version=min_version,
+                                  serving=serving)
+            spent["gen"] += out.gen_seconds
+            spent["preempted"] += out.preempted
+            return out.completions
+
         episodes = [Episode(p, g, list(pr["prompt_token_ids"]),
                             None if sp.seed is None else sp.seed + j)
                     for p, g, pr, sp in zip(problems, group_ids, prompts, params)
@@ -119,7 +143,8 @@ class EpisodeRunner:
         for e in episodes:
             if e.live:  # the turn limit cut it
                 e.finish_reason = "turns"
-        return [e.rollout(worker, version) for e in episodes]
+        return EpisodesRun([e.rollout(worker, version) for e in episodes], spent["gen"],
+                           spent["preempted"])
 
     # ------------------------------------------------------------------ turns
 

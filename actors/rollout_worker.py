@@ -203,20 +203,12 @@ class RolloutWorker:
                            min_version: int) -> RolloutBatch:
         """`generate` with the task's environment: each sample an episode of policy turns
         and environment replies, every turn one engine call (actors/multi_turn.py)."""
-        spent = {"gen": 0.0, "preempted": 0}
-
-        def turn(requests, params):
-            out = self._driver.generate(requests, params, min_version=min_version,
-                                        serving=self._serving)
-            spent["gen"] += out.gen_seconds
-            spent["preempted"] += out.preempted
-            return out.completions
-
-        rollouts = self.episodes.run(turn, problems, group_ids, prompts,
-                                     self._request_params(seed, len(problems)),
-                                     self.worker_index, self._version)
-        oldest = min((r.policy_version for r in rollouts), default=self._version)
-        return self._batch(rollouts, oldest, spent["gen"], spent["preempted"])
+        run = self.episodes.run(self._driver, problems, group_ids, prompts,
+                                self._request_params(seed, len(problems)),
+                                worker=self.worker_index, version=self._version,
+                                min_version=min_version, serving=self._serving)
+        oldest = min((r.policy_version for r in run.rollouts), default=self._version)
+        return self._batch(run.rollouts, oldest, run.gen_seconds, run.preempted)
 
     def _texts(self, prompt_ids: list[list[int]], completions) -> list[str]:
         """Each completion's text: decoded here in one batch where vLLM was asked for none

@@ -47,17 +47,24 @@ def _run(llm, cfg: EnvironmentConfig, problems, *, n=2, seed=7, record=None, ren
     params = request_params(rollout_cfg, seed, 0, len(problems))
     prompts = ([{"prompt_token_ids": list(tokenizer(p.prompt)["input_ids"])} for p in problems]
                if renderer is None else renderer.prompts(problems))
-    driver = BatchDriver(llm, concurrent.futures.ThreadPoolExecutor(1), version=0)
+    driver = _Recording(llm, concurrent.futures.ThreadPoolExecutor(1), version=0)
+    driver.record = record
+    return runner.run(driver, problems, list(range(len(problems))), prompts, params,
+                      worker=0, version=0).rollouts
 
-    def generate(requests, turn_params):
-        out = driver.generate(requests, turn_params, min_version=0, serving=lambda x: x)
-        if record is not None:
-            record.append(([r["prompt_token_ids"] for r in requests],
-                           [[list(c.token_ids) for c in done] for done in out.completions]))
-        return out.completions
 
-    return runner.run(generate, problems, list(range(len(problems))), prompts, params,
-                      worker=0, version=0)
+class _Recording(BatchDriver):
+    """The batch-level driver the worker uses, keeping each call's token prompts and sampled
+    ids (in `record`, when set)."""
+
+    record: list | None = None
+
+    def generate(self, prompts, params, *, min_version, serving):
+        out = super().generate(prompts, params, min_version=min_version, serving=serving)
+        if self.record is not None:
+            self.record.append(([r["prompt_token_ids"] for r in prompts],
+                                [[list(c.token_ids) for c in done] for done in out.completions]))
+        return out
 
 
 def _chatter(**kw) -> EnvironmentConfig:
