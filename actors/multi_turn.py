@@ -186,20 +186,16 @@ class EpisodeRunner:
         timeout = self.cfg.turn_timeout_s
         started = time.monotonic()
 
-        def timed(e: Episode):
-            t0 = time.monotonic()
-            try:
-                return fn(e)
-            finally:
-                e.env_seconds += time.monotonic() - t0
-
-        futures = [(e, _on_daemon_thread(timed, e)) for e in episodes]
-        for e, f in futures:
+        # Each thread only computes; the episode is updated here, once its answer is taken
+        # (a timed-out thread that finishes later changes nothing).
+        futures = [(e, _on_daemon_thread(fn, e), time.monotonic()) for e in episodes]
+        for e, f, t0 in futures:
             try:
                 out = f.result(timeout=max(0.0, started + timeout - time.monotonic()))
             except concurrent.futures.TimeoutError:
                 e.failure = f"timeout: no answer within {timeout:g} s"
                 e.env_seconds += timeout
+                continue
             except EnvFailure as failure:
                 e.failure = f"{failure.reason}: {failure.detail}"[:300]
             except Exception as exc:  # noqa: BLE001 - the environment's code: it costs the sample
@@ -207,6 +203,7 @@ class EpisodeRunner:
             else:
                 if out is not None:
                     self._apply(e, out)
+            e.env_seconds += f.finished_at - t0
 
     def _apply(self, e: Episode, out: EnvStep) -> None:
         """The environment's answer to e's last turn: end the episode or append its reply."""
@@ -234,14 +231,19 @@ class EpisodeRunner:
 
 
 def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
-    """fn(*args) on a new daemon thread; its result or exception in the future."""
+    """fn(*args) on a new daemon thread; its result or exception in the future, and when it
+    ended (time.monotonic()) in the future's `finished_at`."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run():
         try:
-            future.set_result(fn(*args))
+            out = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.finished_at = time.monotonic()
             future.set_exception(e)
+        else:
+            future.finished_at = time.monotonic()
+            future.set_result(out)
 
     threading.Thread(target=run, name="klrl-environment", daemon=True).start()
     return future

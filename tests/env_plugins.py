@@ -35,15 +35,15 @@ class ChatterIds(Chatter):
 
 
 class Faulty(Chatter):
-    """Chatter on most problems; on the problem whose uid ends in the `fault` option's key it
+    """Chatter on most problems; on the problem whose uid ends in `uid_end` it
     raises, hangs past any timeout or returns garbage."""
 
-    def __init__(self, fault: str = "raises", on: str = "/0"):
-        self.fault, self.on = fault, on
+    def __init__(self, fault: str = "raises", uid_end: str = "/0"):
+        self.fault, self.uid_end = fault, uid_end
 
     def reset(self, problem):
         super().reset(problem)
-        self.broken = problem.uid.endswith(self.on)
+        self.broken = problem.uid.endswith(self.uid_end)
 
     def step(self, turn):
         if not self.broken:

@@ -151,7 +151,7 @@ def _check_logprobs(model_dir, batch) -> None:
 def test_a_broken_environment_costs_its_sample_with_the_reason(tiny_llm, fault):
     """An environment that raises, hangs past the turn timeout or answers garbage fails the
     samples of that problem, each with its reason; the other problem's episodes run on."""
-    cfg = _chatter(name="env_plugins:Faulty", options={"fault": fault, "on": "/1"},
+    cfg = _chatter(name="env_plugins:Faulty", options={"fault": fault, "uid_end": "/1"},
                    turn_timeout_s=0.5)
     rollouts = _run(tiny_llm, cfg, _problems(2))
     good, bad = rollouts[:2], rollouts[2:]
