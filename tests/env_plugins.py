@@ -35,18 +35,19 @@ class ChatterIds(Chatter):
 
 
 class Faulty(Chatter):
-    """Chatter on most problems; on the problem whose uid ends in `uid_end` it
-    raises, hangs past any timeout or returns garbage."""
+    """Chatter on most problems; on a problem whose uid ends in a key of `faults` it breaks
+    that way: "raises", "hangs" (past any timeout) or "garbage" (not an EnvStep)."""
 
-    def __init__(self, fault: str = "raises", uid_end: str = "/0"):
-        self.fault, self.uid_end = fault, uid_end
+    def __init__(self, faults: dict[str, str] | None = None):
+        self.faults = faults or {"/0": "raises"}
 
     def reset(self, problem):
         super().reset(problem)
-        self.broken = problem.uid.endswith(self.uid_end)
+        self.fault = next((f for end, f in self.faults.items() if problem.uid.endswith(end)),
+                          None)
 
     def step(self, turn):
-        if not self.broken:
+        if self.fault is None:
             return super().step(turn)
         if self.fault == "raises":
             raise RuntimeError("the tool crashed")

@@ -147,19 +147,18 @@ def _check_logprobs(model_dir, batch) -> None:
     assert (batch.behaviour_logp[~m] == 0).all()
 
 
-@pytest.mark.parametrize("fault", ["raises", "hangs", "garbage"])
-def test_a_broken_environment_costs_its_sample_with_the_reason(tiny_llm, fault):
+def test_a_broken_environment_costs_its_sample_with_the_reason(tiny_llm):
     """An environment that raises, hangs past the turn timeout or answers garbage fails the
     samples of that problem, each with its reason; the other problem's episodes run on."""
-    cfg = _chatter(name="env_plugins:Faulty", options={"fault": fault, "uid_end": "/1"},
-                   turn_timeout_s=0.5)
-    rollouts = _run(tiny_llm, cfg, _problems(2))
+    faults = {"/1": "raises", "/2": "hangs", "/3": "garbage"}
+    cfg = _chatter(name="env_plugins:Faulty", options={"faults": faults}, turn_timeout_s=0.5)
+    rollouts = _run(tiny_llm, cfg, _problems(4))
     good, bad = rollouts[:2], rollouts[2:]
     assert all(r.env_failure is None and r.finish_reason == "stop" for r in good)
-    reason = {"raises": "exception: RuntimeError: the tool crashed",
-              "hangs": "timeout: no answer within 0.5 s",
-              "garbage": "invalid_reply: step returned a dict, not an EnvStep"}[fault]
-    assert [r.env_failure for r in bad] == [reason] * 2 and all(r.reward == 0 for r in bad)
+    reasons = ["exception: RuntimeError: the tool crashed", "timeout: no answer within 0.5 s",
+               "invalid_reply: step returned a dict, not an EnvStep"]
+    assert [r.env_failure for r in bad] == [x for x in reasons for _ in range(2)]
+    assert all(r.reward == 0 for r in bad)
 
 
 def test_limits_cut_the_episode_by_turns_and_by_the_total_budget(tiny_llm):
@@ -326,3 +325,11 @@ def test_the_docs_worked_example_runs(tiny_llm, tmp_path, monkeypatch):
         assert r.finish_reason in ("stop", "turns")
         assert r.env_replies == r.turns - 1  # the last turn gets no reply
         assert r.reward == (1.0 - 0.25 * (r.turns - 1) if r.finish_reason == "stop" else 0.0)
+
+
+def test_turn_seeds_start_at_the_samples_own_and_differ_by_turn():
+    from actors.seeds import MAX_SEED, turn_seed
+
+    assert turn_seed(1234, 0) == 1234  # turn 0 is sampled as a single-turn sample would be
+    seeds = {turn_seed(s, k) for s in (1234, 1235) for k in range(1, 50)}
+    assert len(seeds) == 98 and all(0 <= x < MAX_SEED for x in seeds)
