@@ -31,6 +31,20 @@ class Rollout:
     forward), and `policy_version == token_versions[0]`, the OLDEST token's version: every
     staleness rule that reads `policy_version` then bounds the oldest token. None means every
     token is `policy_version`'s (the worker generated the whole response with one version).
+
+    Multi-turn (task.environment; actors/multi_turn.py): `response_ids` is the whole
+    trajectory after the prompt, the policy's turns and the environment's replies interleaved,
+    exactly as the engine sampled and the environment's tokens were appended (the ids the next
+    turn was generated from); `policy_mask[t]` is True where response token t was sampled by
+    the policy, False on an environment token. `behaviour_logprobs` and `token_versions` then
+    hold one entry per *policy* token, in order (an environment token has no sampler).
+    Invariant (checked): one policy_mask entry per response token, and as many True as
+    behaviour log-probs. None means every response token is the policy's (single-turn).
+    `turns`: policy turns in the episode; `env_replies`: replies that did not end it (tool
+    calls); `env_seconds`: time spent in the environment; `env_failure`: None, or why the
+    environment failed on this sample (rewards.environment.FAILURE_REASONS, then ": detail"),
+    in which case the sample is not trained on; `env_info`: the environment's numbers summed
+    over its steps.
     """
 
     problem: Problem
@@ -43,19 +57,29 @@ class Rollout:
     reward: float = 0.0
     score_failure: str | None = None  # None, or why scoring failed (reward is then 0)
     worker: int = 0
-    token_versions: list[int] | None = None  # per response token; None: all policy_version
+    token_versions: list[int] | None = None  # per policy token; None: all policy_version
+    policy_mask: list[bool] | None = None    # per response token; None: all the policy's
+    turns: int = 1
+    env_replies: int = 0
+    env_seconds: float = 0.0
+    env_failure: str | None = None
+    env_info: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        if len(self.response_ids) != len(self.behaviour_logprobs):
+        policy_tokens = self.num_policy_tokens
+        if self.policy_mask is not None and len(self.policy_mask) != len(self.response_ids):
             raise ValueError(f"rollout {self.problem.uid}: {len(self.response_ids)} response "
+                             f"tokens but {len(self.policy_mask)} policy_mask entries")
+        if policy_tokens != len(self.behaviour_logprobs):
+            raise ValueError(f"rollout {self.problem.uid}: {policy_tokens} policy "
                              f"tokens but {len(self.behaviour_logprobs)} behaviour log-probs")
         if self.policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
         versions = self.token_versions
         if versions is not None:
             uid = self.problem.uid
-            if len(versions) != len(self.response_ids):
-                raise ValueError(f"rollout {uid}: {len(self.response_ids)} response tokens but "
+            if len(versions) != policy_tokens:
+                raise ValueError(f"rollout {uid}: {policy_tokens} policy tokens but "
                                  f"{len(versions)} token versions")
             if any(b < a for a, b in zip(versions, versions[1:])):
                 raise ValueError(f"rollout {uid}: token versions must not decrease, got "
@@ -63,6 +87,13 @@ class Rollout:
             if versions and versions[0] != self.policy_version:
                 raise ValueError(f"rollout {uid}: policy_version ({self.policy_version}) must be "
                                  f"the oldest token's version ({versions[0]})")
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Response tokens the policy sampled (all of them single-turn)."""
+        if self.policy_mask is None:
+            return len(self.response_ids)
+        return sum(bool(m) for m in self.policy_mask)
 
     @property
     def num_versions(self) -> int:

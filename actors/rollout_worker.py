@@ -68,6 +68,7 @@ from actors.evaluate import EvalReport, evaluate_sets
 from actors.generation import EngineDriver
 from actors.generation.progress import EngineProgress, StepWatch
 from actors.lora_serving import AdapterSlot
+from actors.multi_turn import EpisodeRunner
 from actors.outputs import completion_texts, decodes_texts_itself
 from actors.prompting import PromptRenderer
 from actors.records import POOL_ERROR, Rollout, RolloutBatch
@@ -109,7 +110,8 @@ class RolloutWorker:
             raise TypeError(f"task_cfg must be a rewards.config.TaskConfig, not "
                             f"{type(task_cfg).__name__}")
         mode = rollout_cfg.generation
-        mode.check_run(max_lag=None, lora=lora_rank is not None)
+        mode.check_run(max_lag=None, lora=lora_rank is not None,
+                       multi_turn=task_cfg.environment.enabled)
         self.cfg, self.sync_cfg, self.task_cfg = rollout_cfg, sync_cfg, task_cfg
         self.worker_index, self.seed = worker_index, seed
         self._version = version
@@ -147,6 +149,10 @@ class RolloutWorker:
         self.renderer = PromptRenderer.for_task(self.llm.get_tokenizer(), task_cfg)
         # vLLM makes no text where the worker can decode it itself (actors/outputs.py).
         self.decodes_texts = decodes_texts_itself(self.renderer.tokenizer, self.renderer.stop)
+        # task.environment: each sample an episode of turns (actors/multi_turn.py).
+        self.episodes = (EpisodeRunner(task_cfg.environment, self.renderer.tokenizer,
+                                       rollout_cfg.max_new_tokens)
+                         if task_cfg.environment.enabled else None)
         on_thread(self._warm_up).result()
         # From here on every engine call goes through the mode's driver (`_on_engine`;
         # continuous generation: its loop holds the engine thread).
@@ -174,6 +180,8 @@ class RolloutWorker:
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids")
         prompts = self.renderer.prompts(problems)
+        if self.episodes is not None:
+            return self._generate_episodes(problems, group_ids, prompts, seed, min_version)
         out = self._driver.generate(prompts, self._request_params(seed, len(problems)),
                                     min_version=min_version, serving=self._serving)
         # One prompt-ids list per prompt, shared by its samples' records (and by their pickle).
@@ -190,6 +198,17 @@ class RolloutWorker:
             for (p, g, ids, c), s in zip(samples, scores)]
         oldest = min((r.policy_version for r in rollouts), default=out.version)
         return self._batch(rollouts, oldest, out.gen_seconds, out.preempted)
+
+    def _generate_episodes(self, problems, group_ids, prompts, seed: int,
+                           min_version: int) -> RolloutBatch:
+        """`generate` with the task's environment: each sample an episode of policy turns
+        and environment replies, every turn one engine call (actors/multi_turn.py)."""
+        run = self.episodes.run(self._driver, problems, group_ids, prompts,
+                                self._request_params(seed, len(problems)),
+                                worker=self.worker_index, version=self._version,
+                                min_version=min_version, serving=self._serving)
+        oldest = min((r.policy_version for r in run.rollouts), default=self._version)
+        return self._batch(run.rollouts, oldest, run.gen_seconds, run.preempted)
 
     def _texts(self, prompt_ids: list[list[int]], completions) -> list[str]:
         """Each completion's text: decoded here in one batch where vLLM was asked for none

@@ -11,6 +11,7 @@ exact and a replayed generate call identical (docs/design.md):
       prompts end at data position p                     generate_seed(run seed, p, w)
     prompt i of a generate call with seed s on worker w  request_seed(s, w, i, n)
       (n samples: vLLM seeds sample j with that + j)
+    turn k > 0 of a multi-turn sample seeded s           turn_seed(s, k)
     evaluation problem i's samples                       stream_seed(eval seed, i)
 
 Below these, `rewards.Task.problems(split, n, seed)` seeds its own random stream from (task,
@@ -49,3 +50,13 @@ def request_seed(seed: int, worker_index: int, i: int, n: int) -> int:
     vLLM seeds sample j of a request with seed + j."""
     digest = hashlib.blake2b(f"{seed}:{worker_index}:{i}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (MAX_SEED - n)
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of turn `turn` of a multi-turn sample whose first turn is seeded `sample_seed`
+    (actors/multi_turn.py): the sample's own seed for turn 0, as a single-turn sample is
+    seeded; later turns hashed from (sample seed, turn), below MAX_SEED."""
+    if turn == 0:
+        return sample_seed
+    digest = hashlib.blake2b(f"turn:{sample_seed}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % MAX_SEED

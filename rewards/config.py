@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rewards.environment import check_environment_name, is_plugin as is_environment_plugin
+from rewards.environment import make_environment
 from rewards.pass_at_k import default_ks
 from rewards.dataset_rows import counting_rows
 from rewards.records import Task
@@ -64,6 +66,57 @@ class OverlongConfig(_Strict):
                                  "masked with it, so that combination is refused.")
 
 
+class EnvironmentConfig(_Strict):
+    """A multi-turn environment that answers the policy's turns (rewards/environment.py;
+    docs/multi-turn.md). Off by default (name null): one prompt, one completion, scored by the
+    task's scorer. On, the environment's reward replaces the scorer's, and
+    rollout.max_new_tokens is the budget of the whole episode after the prompt (the policy's
+    turns and the environment's replies together)."""
+
+    name: str | None = Field(None, min_length=1, description="The environment: 'calculator' "
+                             "(rewards/calculator.py) or a plug-in 'package.module:Class' (a "
+                             "rewards.environment.Environment subclass importable by the run "
+                             "and its Ray workers); null: single-turn.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of "
+                                    "the environment's class, given to each sample's instance.")
+    max_turns: int = Field(4, ge=1, le=256, description="Policy turns per episode at most; an "
+                           "episode the environment has not ended by then is cut (finish "
+                           "reason 'turns'; one that fills rollout.max_new_tokens: "
+                           "'length').")
+    max_tokens_per_turn: int = Field(64, ge=1, le=1_000_000, description="Tokens one policy "
+                                     "turn may sample (the environment then sees the turn with "
+                                     "finish reason 'length' and decides). At most "
+                                     "rollout.max_new_tokens.")
+    turn_timeout_s: float = Field(10.0, gt=0, le=3600, description="Seconds the environment may "
+                                  "take to reset or answer one turn; past it the sample is "
+                                  "dropped and counted (env/failures). The environment runs on "
+                                  "a thread of the rollout worker: one that hangs keeps that "
+                                  "thread.")
+    max_failure_share: float = Field(0.1, ge=0.0, le=1.0, description="Share of the run's "
+                                     "samples the environment may fail (raise, time out, reply "
+                                     "garbage) before the run stops with an error naming it; "
+                                     "each failed sample's prompt group is dropped from its "
+                                     "batch.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_environment(cls, name: str | None) -> str | None:
+        if name is not None:
+            check_environment_name(name)
+        return name
+
+    @model_validator(mode="after")
+    def _builds(self) -> EnvironmentConfig:
+        # A shipped environment is built here (cheap); a plug-in at the door, where it runs.
+        if self.name is not None and not is_environment_plugin(self.name):
+            make_environment(self.name, self.options)
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None
+
+
 class TaskConfig(_Strict):
     """The training task: a prompt source and a verifiable scorer (rewards/), and how its
     prompts are put to the model (chat template, system prompt, stop strings). Training and
@@ -104,6 +157,9 @@ class TaskConfig(_Strict):
                                    "strings: a completion ends after the first one it generates "
                                    "(finish_reason 'stop'; the string is not part of the scored "
                                    "text).")
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description=
+                                           "A multi-turn environment answering the policy's "
+                                           "turns (docs/multi-turn.md); off by default.")
 
     @field_validator("name")
     @classmethod

@@ -26,6 +26,7 @@ TASKS = {
     "countdown": "rewards.countdown:CountdownTask",
     "math": "rewards.boxed_math:MathTask",
     "mmlu": "rewards.mmlu:MMLUTask",
+    "calculator": "rewards.calculator:CalculatorTask",
 }
 PLUGIN_FORM = "package.module:TaskClass"
 

@@ -30,6 +30,17 @@ def test_the_step_0_evaluation_has_its_line_and_sets_the_accuracy(capsys):
     assert len(lines) == 2 and lines[1].startswith("step 2/4") and "acc 0.455" in lines[1]
 
 
+def test_a_multi_turn_run_shows_its_turns_tool_calls_and_failures(capsys):
+    with TrainProgress(2, every=1, live=False) as progress:
+        progress.update(1, {"reward/mean": 0.5, "env/turns_mean": 1.5, "env/tool_call_rate": 0.25,
+                            "env/failures_total": 0.0})
+        progress.update(2, {"reward/mean": 0.5, "env/turns_mean": 2.0, "env/tool_call_rate": 0.5,
+                            "env/failures_total": 3.0})
+    first, second = capsys.readouterr().out.splitlines()
+    assert "turns 1.50 tools 0.25 |" in first and "env-failures" not in first
+    assert "turns 2.00 tools 0.50 env-failures 3 |" in second
+
+
 def test_default_every_gives_about_twenty_lines():
     assert default_every(300) == 15 and default_every(5) == 1 and default_every(10_000) == 50
     assert eval_line(3, {"reward/mean": 1.0}) is None

@@ -311,3 +311,21 @@ def test_pass_at_k_is_drawn_where_runs_logged_it(tmp_path):
                                            "eval/out_of_domain/pass@4"]
     md = write_report(tmp_path / "sweep").read_text()
     assert "](pass_at_k.png)" in md and (tmp_path / "sweep" / "report" / "pass_at_k.png").is_file()
+
+
+def test_the_episode_figure_is_drawn_only_for_runs_with_an_environment(tmp_path):
+    """docs/multi-turn.md's env/ metrics get a figure of their own in `klrl report`, and a
+    single-turn run's report has none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from cluster.experiments.report_plots import FIGURES, plot_figure
+
+    episodes = next(f for f in FIGURES if f.file == "episodes.png")
+    env = {s: {"env/turns_mean": 1 + s / 40, "env/tool_call_rate": s / 40,
+               "env/truncated_turns_frac": 0.1, "env/truncated_length_frac": 0.0,
+               "env/seconds_mean": 0.01, "env/failure_share": 0.0} for s in range(1, 41)}
+    multi = load_run(write_run(tmp_path / "multi", extra=env))
+    single = load_run(write_run(tmp_path / "single"))
+    assert plot_figure(episodes, {"k1": [multi]}, [multi], CFG, tmp_path) == "episodes.png"
+    assert plot_figure(episodes, {"k1": [single]}, [single], CFG, tmp_path / "x") is None

@@ -12,7 +12,7 @@ import rewards
 from rewards import Problem, get_task, load_scorer
 
 LOCAL_OPTIONS = {"arithmetic": {}, "countdown": {}, "math": {"path": "fixture"},
-                 "mmlu": {"path": "fixture"}}
+                 "mmlu": {"path": "fixture"}, "calculator": {}}
 
 
 @pytest.mark.parametrize("name", rewards.TASKS)
@@ -104,8 +104,8 @@ def test_task_names_come_from_the_registry():
         check_task_name("arith")
     assert str(error.value) == (
         "unknown task 'arith' (did you mean 'arithmetic'?); known tasks: arithmetic, countdown, "
-        "math, mmlu, or a plug-in task 'package.module:TaskClass' (a rewards.Task subclass in "
-        "your own package)")
+        "math, mmlu, calculator, or a plug-in task 'package.module:TaskClass' (a rewards.Task "
+        "subclass in your own package)")
     with pytest.raises(ValueError, match="task spec 'a.b:C:D' is not of the form "
                                          "'package.module:TaskClass'"):
         check_task_name("a.b:C:D")

@@ -125,10 +125,10 @@ class GenerationMode(abc.ABC):
         """Refuse (ValueError, naming the options) rollout settings this mode cannot take;
         RolloutConfig calls it."""
 
-    def check_run(self, *, max_lag: int | None, lora: bool) -> None:
+    def check_run(self, *, max_lag: int | None, lora: bool, multi_turn: bool = False) -> None:
         """Refuse (ValueError) a run this mode cannot serve: its max_lag (None: not known, a
-        worker built by hand), whether the workers serve a LoRA adapter. TrainConfig and the
-        rollout worker call it."""
+        worker built by hand), whether the workers serve a LoRA adapter, whether samples are
+        multi-turn episodes (task.environment). TrainConfig and the rollout worker call it."""
 
     @abc.abstractmethod
     def engine_options(self, enable_prefix_caching: bool) -> dict[str, Any]:

@@ -48,12 +48,17 @@ class Continuous(GenerationMode):
                              "rollout.in_flight_updates: every step's tokens are tagged with "
                              "the version of that step")
 
-    def check_run(self, *, max_lag, lora) -> None:
+    def check_run(self, *, max_lag, lora, multi_turn=False) -> None:
         """In-flight updates need batches in flight while the weights change (max_lag >= 1)
         and full-weight syncs: a LoRA adapter is served per request (vLLM's LoRARequest,
         actors/lora_serving.py), so a request in flight keeps the adapter it started with and
         no update could reach it. Every transport loads a version the same way in either mode
         (the load just runs sooner), so none is refused."""
+        if multi_turn:
+            raise ValueError("rollout.in_flight_updates with task.environment: multi-turn "
+                             "episodes run batch-level only for now (actors/multi_turn.py: each "
+                             "turn one engine call with the version the worker holds); drop "
+                             "rollout.in_flight_updates, or task.environment.name")
         if max_lag == 0:
             raise ValueError("rollout.in_flight_updates with max_lag=0: generation and training "
                              "alternate, so no request is in flight when the weights change and "

@@ -304,7 +304,9 @@ class TrainConfig(_Strict):
         self._check_truncated_sampling()
         self._check_overlong()
         # The generation mode's refusals (in-flight updates: max_lag 0, LoRA) are the mode's.
-        self.rollout.generation.check_run(max_lag=self.max_lag, lora=self.learner.lora is not None)
+        self.rollout.generation.check_run(max_lag=self.max_lag, lora=self.learner.lora is not None,
+                                          multi_turn=self.task.environment.enabled)
+        self._check_environment()
         self.eval.check_sets(self.task)  # every evaluated task has its split
         self.data.check(self.task, self.rollout)
         per_rank = prompts // ranks
@@ -429,6 +431,23 @@ class TrainConfig(_Strict):
         wait = lc.omp_wait_policy or (
             "passive" if self.max_lag >= 1 and threads > lc.num_cpus_per_rank else "default")
         return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait})
+
+    def _check_environment(self) -> None:
+        """Limits a multi-turn episode (task.environment) can keep: a turn's budget within the
+        episode's (rollout.max_new_tokens), which the context check below fits in the
+        engine's context; and no option that reads a sample as one completion."""
+        env, r = self.task.environment, self.rollout
+        if not env.enabled:
+            return
+        if env.max_tokens_per_turn > r.max_new_tokens:
+            raise ValueError(f"task.environment.max_tokens_per_turn ({env.max_tokens_per_turn}) "
+                             f"must be at most rollout.max_new_tokens ({r.max_new_tokens}), the "
+                             "whole episode's budget after the prompt (the policy's turns and "
+                             "the environment's replies): lower one or raise the other")
+        if self.task.reward:
+            raise ValueError(f"task.reward ({self.task.reward}) with task.environment "
+                             f"({env.name}): the environment gives the episode's reward; drop "
+                             "one of them")
 
     @model_validator(mode="after")
     def _completion_fits_the_context(self) -> TrainConfig:

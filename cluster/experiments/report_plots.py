@@ -99,6 +99,21 @@ FIGURES = (
            "the dashed line is learner.grad_clip, above which updates are scaled down.",
            (Panel("grad/norm", "Gradient norm before clipping", "L2 norm (log scale)", log=True),),
            ref_key="learner.grad_clip"),
+    # Runs with task.environment only (drawn where its metrics were logged: docs/multi-turn.md).
+    Figure("episodes.png", "Multi-turn episodes", "Policy turns per sample, the share of samples "
+           "that called the environment (tool calls), the shares cut by the turn limit and by "
+           "the episode's token budget, the environment's seconds per sample and the run's "
+           "share of samples it failed.",
+           (Panel("env/turns_mean", "Policy turns per sample", "turns"),
+            Panel("env/tool_call_rate", "Samples with a tool call", "fraction of samples",
+                  y_from_0=0.1),
+            Panel("env/truncated_turns_frac", "Cut by the turn limit", "fraction of samples",
+                  y_from_0=0.1),
+            Panel("env/truncated_length_frac", "Cut by the token budget", "fraction of samples",
+                  y_from_0=0.1),
+            Panel("env/seconds_mean", "Time in the environment", "seconds per sample"),
+            Panel("env/failure_share", "Samples the environment failed (run)",
+                  "fraction of samples", smooth=False, y_from_0=0.0))),
 )
 
 

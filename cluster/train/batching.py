@@ -73,7 +73,9 @@ def shaping_metrics(rollouts: Sequence[Rollout], overlong: OverlongConfig,
 
 def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int,
                  version: int | None = None, rewards=None) -> TrainBatch:
-    """Right-pad prompt + response of each rollout. `advantages` is [B] (any float dtype,
+    """Right-pad prompt + response of each rollout; a multi-turn rollout's environment tokens
+    (`Rollout.policy_mask` False) are attended and out of response_mask, with behaviour
+    log-prob and lag 0 there. `advantages` is [B] (any float dtype,
     tensor or sequence), aligned with `rollouts`. With `version` (the learner's), each response
     token's lag behind it (`token_lags`; staleness.token_versions says which version sampled
     the token), else no token_lags."""
@@ -95,10 +97,16 @@ def pad_rollouts(rollouts: Sequence[Rollout], advantages, pad_id: int,
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, : p + n] = torch.tensor(list(r.prompt_ids) + list(r.response_ids))
         attention_mask[i, : p + n] = 1
-        response_mask[i, p : p + n] = True
-        behaviour_logp[i, p : p + n] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
-        if token_lags is not None and n:
-            token_lags[i, p : p + n] = version - torch.tensor(token_versions(r))
+        # Multi-turn: the environment's tokens are attended but not trained, so they are out
+        # of response_mask, which every loss term, KL estimator and importance weight reads.
+        policy = (torch.ones(n, dtype=torch.bool) if r.policy_mask is None
+                  else torch.tensor(r.policy_mask, dtype=torch.bool).reshape(n))
+        response_mask[i, p : p + n] = policy
+        if policy.any():
+            row = torch.arange(p, p + n)[policy]
+            behaviour_logp[i, row] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+            if token_lags is not None:
+                token_lags[i, row] = version - torch.tensor(token_versions(r))
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -33,6 +33,7 @@ from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, shaping_metrics, train_batch
 from cluster.train.deadlines import LearnerDeadlines
+from cluster.train.episodes import EpisodeBook
 from cluster.train.launch import start_engines_and_learner, start_learner
 from cluster.train.learner_restarts import LearnerRestarts, failure_line, heals
 from cluster.train.learning_signal import NoSignalWatch, signal_metrics
@@ -75,6 +76,8 @@ class Controller:
         self.learner = self.pool = self.log = None
         self.learner_restarts = LearnerRestarts(cfg.faults.max_learner_restarts)
         self._reference_sha256: str | None = None
+        # multi-turn (task.environment): the environment's failures and the episode metrics
+        self.episodes = EpisodeBook(cfg.task.environment) if cfg.task.environment.enabled else None
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> dict:
@@ -289,6 +292,10 @@ class Controller:
                 self.dropped_stale += len(b.rollouts)
                 continue
             rollouts += b.rollouts
+        env_metrics = {}
+        if self.episodes is not None:  # groups the environment failed leave the batch
+            rollouts, env_metrics = self.episodes.take(
+                rollouts, lambda line: self.log.record_warning("environment", line))
         if not rollouts:  # everything was stale: request a fresh batch at the current version
             self._fill_pipeline()
             return self._take_batch()
@@ -303,7 +310,7 @@ class Controller:
         pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
         rewards = [r.reward for r in rollouts]
         lengths = [len(r.response_ids) for r in rollouts]
-        return rollouts, per_token | self._engine_idle(batches) | {
+        return rollouts, per_token | env_metrics | self._engine_idle(batches) | {
             "lag/max": max(lags), "lag/mean": sum(lags) / len(lags),
             "lag/dropped_total": self.dropped_stale,
             # In optimizer steps: update k of this batch trains on data lag * updates + k steps

@@ -74,7 +74,7 @@ class TrainProgress:
         self._remember_accuracy(metrics)
         status = (f"reward {metrics.get('reward/mean', math.nan):.3f} "
                   f"kl {metrics.get('kl/pi_ref', math.nan):.4f} lag {metrics.get('lag/max', 0)}"
-                  f"{self._acc}")
+                  f"{self._acc}{episode_status(metrics)}")
         if self.live:
             self._progress.update(self._task, completed=step, status=status)
         elif step % self.every == 0 or step == self.total:
@@ -92,6 +92,16 @@ class TrainProgress:
 
     def __exit__(self, *exc):
         return self._progress.__exit__(*exc) if self.live else False
+
+
+def episode_status(metrics: dict) -> str:
+    """A multi-turn run's turns per sample, tool-call rate and the run's environment failures
+    (cluster/train/episodes.py); '' for a single-turn run."""
+    if "env/turns_mean" not in metrics:
+        return ""
+    failures = metrics.get("env/failures_total", 0)
+    return (f" turns {metrics['env/turns_mean']:.2f} tools {metrics['env/tool_call_rate']:.2f}"
+            + (f" env-failures {failures:.0f}" if failures else ""))
 
 
 def eval_line(step: int, metrics: dict) -> str | None:

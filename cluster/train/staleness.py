@@ -16,10 +16,12 @@ from actors.records import Rollout
 
 
 def token_versions(rollout: Rollout) -> list[int]:
-    """The version that sampled each response token of `rollout` (oldest first)."""
+    """The version that sampled each policy token of `rollout` (oldest first): every response
+    token single-turn; multi-turn, the policy's tokens only (an environment token has no
+    sampler, `Rollout.policy_mask`)."""
     if rollout.token_versions is not None:
         return list(rollout.token_versions)
-    return [rollout.policy_version] * len(rollout.response_ids)
+    return [rollout.policy_version] * rollout.num_policy_tokens
 
 
 def token_lag_metrics(rollouts: Sequence[Rollout], step: int) -> dict[str, float]:

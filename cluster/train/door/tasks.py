@@ -30,7 +30,8 @@ def task_builder() -> Build:
 
 def check_plugins_of(cfg: TrainConfig, build: Build | None = None) -> None:
     """The config's plug-ins, imported as the rollout workers will: task.reward (callable as a
-    scorer) and plug-in tasks (their options and splits, and data.epochs / data.shuffle against
+    scorer), task.environment (importable, an Environment with reset and step, built with its
+    options) and plug-in tasks (their options and splits, and data.epochs / data.shuffle against
     their training split). A failed import's message says how to make it importable
     (rewards/plugin.py). build: the command's builder (`task_builder`)."""
     from rewards import load_scorer
@@ -43,6 +44,13 @@ def check_plugins_of(cfg: TrainConfig, build: Build | None = None) -> None:
             load_scorer(cfg.task.reward)
         except ValueError as exc:
             raise ConfigError(f"task.reward: {exc}") from None
+    if cfg.task.environment.enabled:  # imported and built as each sample's instance will be
+        from rewards.environment import make_environment
+
+        try:
+            make_environment(cfg.task.environment.name, cfg.task.environment.options)
+        except ValueError as exc:
+            raise ConfigError(f"task.environment: {exc}") from None
     try:
         check_plugins(cfg.task, cfg.eval, build)  # plug-in tasks; each message names its field
         if is_plugin(cfg.task.name):  # a plug-in's epochs/order: not checked at load time
