@@ -5,7 +5,7 @@ drives them in lockstep (every method that touches the engine is collective: all
 it, or a collective inside it hangs).
 
 Gradient scaling. DeepSpeed averages gradients over the W ranks. Rank r computes
-`policy_loss(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N, and
+`PolicyLoss(...)(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N, and
 backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
 gradient of the global-batch loss, exactly as one rank would compute it on the whole batch.
 Micro-batches of a shard all use the same N, so their gradients add up to the shard's; the
@@ -39,13 +39,7 @@ from learner.config import LearnerConfig
 from learner.export import WeightExporter, WeightPublisher, full_weights
 from learner.files import write_adapter_dir, write_model
 from learner.loading import ModelFiles, load_causal_lm
-from learner.loss import (
-    group_stats,
-    needs_group_stats,
-    policy_loss,
-    sequence_logprobs,
-    token_entropy,
-)
+from learner.loss import PolicyLoss, sequence_logprobs, token_entropy
 from learner.loss_metrics import merge_metrics
 from learner.process_group import host_store, init_process_group, remove_shm_buffers
 from learner.schedule import make_scheduler
@@ -97,6 +91,7 @@ class LearnerRank:
         self.files = ModelFiles.of(model)
         self.total_optimizer_steps = total_optimizer_steps
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
+        self.loss = PolicyLoss(kl_cfg, adv_cfg, learner_cfg)  # built and checked once
         self.seed = seed
         self.exporter = WeightExporter(publisher, rank, learner_cfg)  # weights out for a sync
         self.engine = self.ref = self.optimizer = None
@@ -256,12 +251,11 @@ class LearnerRank:
         micro = self.cfg.micro_batch_size or B
         chunks = [torch.arange(s, min(B, s + micro)) for s in range(0, B, micro)]
         stats = None  # None: each micro-batch holds whole groups and computes its own
-        if (_cuts_groups(mini.group_ids, chunks)
-                and needs_group_stats(self.kl_cfg, self.adv_cfg)):
+        if self.loss.needs_group_stats and _cuts_groups(mini.group_ids, chunks):
             # One extra no-grad forward: the group statistics of the current policy over whole
             # groups, which no micro-batch could compute alone (GroupStats invariant).
-            stats = group_stats(self._logprobs(self.engine, mini), ref_logp,
-                                _to_device(mini, self.device), self.kl_cfg, self.adv_cfg)
+            stats = self.loss.group_stats(self._logprobs(self.engine, mini), ref_logp,
+                                          _to_device(mini, self.device))
         parts = []
         for index in chunks:  # equal shards => the same number of passes on every rank
             mb = _to_device(mini.select(index), self.device)
@@ -270,10 +264,9 @@ class LearnerRank:
             # From the same logits (no extra forward); differentiated only for a bonus.
             entropy = token_entropy(logits, mb.response_mask, grad=self.cfg.entropy_coef > 0)
             del logits
-            loss, metrics = policy_loss(
-                logp, ref_logp[index, :mb.width], mb, self.kl_cfg, self.adv_cfg, self.cfg,
-                num_sequences, stats.rows(index.to(self.device), mb.width) if stats else None,
-                entropy=entropy)
+            loss, metrics = self.loss(
+                logp, ref_logp[index, :mb.width], mb, num_sequences,
+                stats.rows(index.to(self.device), mb.width) if stats else None, entropy=entropy)
             if torch.isfinite(loss):
                 # DeepSpeed averages over ranks (module docstring)
                 backward = loss * self.world_size

@@ -7,7 +7,7 @@
   text, as for any user who wants no log-probs), timed in turn with the raw calls.
 - Learner: `LearnerGroup.train_step` (batch sharding, Ray transfer, metrics merge included)
   against a bare DeepSpeed step in one fresh process: the same model, DeepSpeed config,
-  optimizer, clipping and loss (`learner.loss.policy_loss`) on the same batch.
+  optimizer, clipping and loss (`learner.loss.PolicyLoss`) on the same batch.
 
 Each baseline runs in a subprocess (`python -m cluster.bench.engines raw-vllm|bare-deepspeed
 SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
@@ -217,7 +217,7 @@ def _bare_deepspeed(spec: dict) -> dict:
 
     from learner.batch import TrainBatch
     from learner.loading import ModelFiles, load_causal_lm
-    from learner.loss import policy_loss, sequence_logprobs
+    from learner.loss import PolicyLoss, sequence_logprobs
     from learner.process_group import host_store, init_process_group, remove_shm_buffers
 
     torch.set_num_threads(threads)
@@ -240,6 +240,7 @@ def _bare_deepspeed(spec: dict) -> dict:
     batch = TrainBatch(**torch.load(spec["batch"]))
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                       config=cfg.deepspeed_config(batch.num_sequences, 1))
+    policy_loss = PolicyLoss(kl_cfg, adv_cfg, cfg)  # built once, as a LearnerRank builds it
     seconds = []
     try:
         for r in range(spec["warmup"] + spec["reps"]):
@@ -250,7 +251,7 @@ def _bare_deepspeed(spec: dict) -> dict:
             logp = sequence_logprobs(engine(**inputs).logits, b.input_ids)
             with torch.no_grad():
                 ref_logp = sequence_logprobs(ref(**inputs).logits, b.input_ids)
-            loss, _ = policy_loss(logp, ref_logp, b, kl_cfg, adv_cfg, cfg, b.num_sequences)
+            loss, _ = policy_loss(logp, ref_logp, b, b.num_sequences)
             engine.backward(loss)
             # as LearnerRank's optimizer does
             if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
