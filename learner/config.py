@@ -91,6 +91,19 @@ class LearnerConfig(BaseModel):
                                   "forward/backward on a rank; gradients of a rank's "
                                   "micro-batches are accumulated into one optimizer step. 0: the "
                                   "whole shard at once.")
+    token_budget: int = Field(0, ge=0, le=100_000_000, description="Tokens per "
+                              "forward/backward on a rank: consecutive sequences join a "
+                              "micro-batch while its tokens stay within it (with packing the "
+                              "sum of their lengths, else rows x the padded width), so memory "
+                              "is bounded by the budget, not the batch. Must hold the longest "
+                              "allowed sequence (prompt + rollout.max_new_tokens). 0: "
+                              "micro_batch_size decides. Never changes the loss.")
+    packing: bool = Field(False, description="Lay each micro-batch's sequences back to back in "
+                          "one row without padding, attention confined to each sequence "
+                          "(position ids restarting per sequence: a block-diagonal causal mask "
+                          "with sdpa/eager, flash-attn's varlen kernel with flash_attention_2). "
+                          "A layout only: the loss, metrics and gradient are the padded "
+                          "step's, to float tolerance (docs/long-responses.md).")
     epochs: int = Field(1, ge=1, le=1000, description="Passes over each rollout batch. With "
                         "mini_batches, the learner takes epochs x mini_batches optimizer steps per "
                         "batch (PPO-style); every step after the first trains on data its weights "
@@ -188,6 +201,10 @@ class LearnerConfig(BaseModel):
             if self.zero_stage < needs:
                 raise ValueError(f"learner.{field} needs learner.zero_stage "
                                  f"{'>= 1' if needs == 1 else '3'} (got {self.zero_stage})")
+        if self.token_budget and self.micro_batch_size:
+            raise ValueError("learner.token_budget and learner.micro_batch_size both size the "
+                             "micro-batches: set one (token_budget bounds memory whatever the "
+                             "lengths)")
         self._check_mask_band()
         if self.min_lr_ratio != 0.0 and self.lr_schedule == "constant":
             raise ValueError("learner.min_lr_ratio is where a decay ends; with lr_schedule "

@@ -72,9 +72,9 @@ from learner.task_terms import TASK_TERMS
 
 
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, L] fp32 log-probs aligned with input_ids: out[:, t] = log p(ids[:, t] | ids[:, <t]);
-    out[:, 0] = 0 (no prediction for the first token)."""
-    logits = logits[:, :-1].float()
+    """[B, L] log-probs aligned with input_ids: out[:, t] = log p(ids[:, t] | ids[:, <t]);
+    out[:, 0] = 0 (no prediction for the first token). fp32 at least (fp64 logits stay fp64)."""
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
     target = input_ids[:, 1:].unsqueeze(-1)
     # gather - logsumexp: the same value as log_softmax().gather() without a second [B, L, V] tensor
     lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)

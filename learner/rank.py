@@ -33,13 +33,13 @@ from typing import Any
 import torch
 
 from kl.config import AdvantageConfig, KLConfig
-from learner import lora
+from learner import lora, micro_batches
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.export import WeightExporter, WeightPublisher, full_weights
 from learner.files import write_adapter_dir, write_model
 from learner.loading import ModelFiles, load_causal_lm
-from learner.loss import PolicyLoss, sequence_logprobs, token_entropy
+from learner.loss import PolicyLoss
 from learner.loss_metrics import merge_metrics
 from learner.process_group import host_store, init_process_group, remove_shm_buffers
 from learner.schedule import make_scheduler
@@ -245,37 +245,20 @@ class LearnerRank:
         return updates
 
     def _update(self, mini: TrainBatch, ref_logp: torch.Tensor, num_sequences: float) -> dict:
-        """One optimizer step on `mini` (whole prompt groups), accumulated over micro-batches."""
+        """One optimizer step on `mini` (whole prompt groups), accumulated over micro-batches
+        (learner/micro_batches.py: how they are cut and laid out)."""
         t0 = time.perf_counter()
-        B = mini.num_sequences
-        micro = self.cfg.micro_batch_size or B
-        chunks = [torch.arange(s, min(B, s + micro)) for s in range(0, B, micro)]
-        stats = None  # None: each micro-batch holds whole groups and computes its own
-        if self.loss.needs_group_stats and _cuts_groups(mini.group_ids, chunks):
-            # One extra no-grad forward: the group statistics of the current policy over whole
-            # groups, which no micro-batch could compute alone (GroupStats invariant).
-            stats = self.loss.group_stats(self._logprobs(self.engine, mini), ref_logp,
-                                          _to_device(mini, self.device))
-        parts = []
-        for index in chunks:  # equal shards => the same number of passes on every rank
-            mb = _to_device(mini.select(index), self.device)
-            logits = self.engine(**_model_inputs(mb)).logits
-            logp = sequence_logprobs(logits, mb.input_ids)
-            # From the same logits (no extra forward); differentiated only for a bonus.
-            entropy = token_entropy(logits, mb.response_mask, grad=self.cfg.entropy_coef > 0)
-            del logits
-            loss, metrics = self.loss(
-                logp, ref_logp[index, :mb.width], mb, num_sequences,
-                stats.rows(index.to(self.device), mb.width) if stats else None, entropy=entropy)
+
+        def backward(loss: torch.Tensor, logp: torch.Tensor) -> None:
             if torch.isfinite(loss):
                 # DeepSpeed averages over ranks (module docstring)
-                backward = loss * self.world_size
+                self.engine.backward(loss * self.world_size)
             else:
                 # Poison this rank's gradients so the global norm is NaN on every rank.
-                backward = logp.sum() * float("nan")
-            self.engine.backward(backward)
-            self._progress()
-            parts.append(metrics)
+                self.engine.backward(logp.sum() * float("nan"))
+
+        parts = micro_batches.accumulate(self.engine, mini, ref_logp, self.loss, num_sequences,
+                                         backward, self.device, self._progress, self._agree)
         lr = self.optimizer.param_groups[0]["lr"]
         self.engine.step()
         self._progress()
@@ -300,18 +283,21 @@ class LearnerRank:
         with self.engine.module.disable_adapter():
             return self._logprobs(self.engine, batch)
 
-    @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        """[B, L] log-probs of `batch` under `model` (no grad), in micro-batch-sized chunks."""
-        B = batch.num_sequences
-        micro = self.cfg.micro_batch_size or B
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for start in range(0, B, micro):
-            mb = _to_device(batch.select(torch.arange(start, min(B, start + micro))), self.device)
-            out[start:start + mb.num_sequences, :mb.width] = sequence_logprobs(
-                model(**_model_inputs(mb)).logits, mb.input_ids)
-            self._progress()
-        return out
+        """[B, L] log-probs of `batch` under `model` (no grad), micro-batch by micro-batch."""
+        return micro_batches.logprobs(model, batch, self.cfg, self.device, self._progress,
+                                      self._agree)
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of `values` over the ranks (collective), so that every
+        rank makes as many forward passes as the one with most (micro_batches.plan)."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
 
     # ------------------------------------------------------------------ weights out
 
@@ -424,27 +410,5 @@ def _make_optimizer(params, cfg: LearnerConfig, adam: dict) -> torch.optim.Optim
     return _GuardedAdamW(params, clip=cfg.grad_clip, **adam)
 
 
-def _cuts_groups(group_ids: torch.Tensor, chunks: list[torch.Tensor]) -> bool:
-    """Whether some prompt group has samples in two of `chunks` (micro-batch row indices)."""
-    seen: set[int] = set()
-    for index in chunks:
-        ids = set(group_ids[index].tolist())
-        if ids & seen:
-            return True
-        seen |= ids
-    return False
-
-
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _model_inputs(batch: TrainBatch) -> dict:
-    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "use_cache": False}
-
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    return batch.to(device)

@@ -442,6 +442,22 @@ class TrainConfig(_Strict):
                              "which holds the prompt too: lower one or raise the other")
         return self
 
+    @model_validator(mode="after")
+    def _token_budget_holds_a_sequence(self) -> TrainConfig:
+        """learner.token_budget must hold the longest sequence a rollout can make: a longer
+        one would overrun the memory the budget promises (the learner puts it in a micro-batch
+        of its own rather than drop it)."""
+        budget, limit = self.learner.token_budget, self.data.max_prompt_length
+        longest = (min(limit + self.rollout.max_new_tokens, self.rollout.max_model_len)
+                   if limit is not None else self.rollout.max_model_len)
+        if budget and budget < longest:
+            said = ("data.max_prompt_length + rollout.max_new_tokens" if limit is not None
+                    and longest < self.rollout.max_model_len else "rollout.max_model_len")
+            raise ValueError(f"learner.token_budget ({budget}) is below the longest sequence a "
+                             f"rollout can make ({longest}, {said}): raise it to at least "
+                             f"{longest}, or lower {said.split(' + ')[-1]}")
+        return self
+
 
 # The keys every sweep file has (cluster/experiments/sweep.py's SweepConfig requires them) and
 # no training config: a file with both, refused as a training config, is named a sweep file.
