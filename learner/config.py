@@ -20,6 +20,11 @@ TaskOffPolicy = Literal["none", "tis", "ppo_clip", "icepop", "mis", "seq_mask_ge
 MASKING_TERMS: tuple[str, ...] = ("icepop", "mis", "seq_mask_geo", "seq_mask_prod")
 
 
+# learner.token_budget's default (null): the tokens a micro-batch holds when the config does not
+# say, unless the longest allowed sequence is longer (TrainConfig.rank_learner resolves it).
+DEFAULT_TOKEN_BUDGET = 4096
+
+
 class LoraSpec(BaseModel):
     """learner.lora: train low-rank adapters (PEFT LoRA) on the frozen policy base instead of
     every weight; the base is also the KL reference (learner/lora.py, docs/lora.md)."""
@@ -91,13 +96,17 @@ class LearnerConfig(BaseModel):
                                   "forward/backward on a rank; gradients of a rank's "
                                   "micro-batches are accumulated into one optimizer step. 0: the "
                                   "whole shard at once.")
-    token_budget: int = Field(0, ge=0, le=100_000_000, description="Tokens per "
-                              "forward/backward on a rank: consecutive sequences join a "
-                              "micro-batch while its tokens stay within it (with packing the "
-                              "sum of their lengths, else rows x the padded width), so memory "
-                              "is bounded by the budget, not the batch. Must hold the longest "
-                              "allowed sequence (prompt + rollout.max_new_tokens). 0: "
-                              "micro_batch_size decides. Never changes the loss.")
+    token_budget: int | None = Field(None, ge=0, le=100_000_000, description="Tokens per "
+                                     "forward/backward on a rank: consecutive sequences join "
+                                     "a micro-batch while its tokens stay within it (with "
+                                     "packing the sum of their lengths, else rows x the "
+                                     "padded width), so memory is bounded by the budget, not "
+                                     "the batch. Must hold the longest allowed sequence "
+                                     "(prompt + rollout.max_new_tokens). 0: none (the whole "
+                                     "shard, or micro_batch_size rows). null: "
+                                     f"{DEFAULT_TOKEN_BUDGET} tokens, or the longest allowed "
+                                     "sequence where longer, unless micro_batch_size is set. "
+                                     "Never changes the loss.")
     packing: bool = Field(False, description="Lay each micro-batch's sequences back to back in "
                           "one row without padding, attention confined to each sequence "
                           "(position ids restarting per sequence: a block-diagonal causal mask "

@@ -334,8 +334,9 @@ class LearnerRank:
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, for `klrl bench`: its policy's parameters (all, and those it
         trains), the separate reference (0 when LoRA's base is the reference), the optimizer
-        state (Adam's moments exist from the first step on), and the process's peak resident
-        set so far (the OS's count: libraries, activations and copies included)."""
+        state (Adam's moments exist from the first step on), the process's peak resident
+        set so far (the OS's count: libraries, activations and copies included) and on a GPU
+        its peak allocation (0 on CPU)."""
         import resource
 
         params = list(self.engine.module.parameters())
@@ -344,7 +345,9 @@ class LearnerRank:
                 "reference": 0 if self.ref is None else _nbytes(self.ref.parameters()),
                 "optimizer_state": _nbytes(t for state in self.optimizer.state.values()
                                            for t in state.values() if torch.is_tensor(t)),
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_gpu": (int(torch.cuda.max_memory_allocated(self.device))
+                             if self.device.type == "cuda" else 0)}
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapters' CPU copies under their adapter-file names (collective under ZeRO-3)."""

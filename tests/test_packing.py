@@ -218,3 +218,24 @@ def test_the_token_budget_is_refused_below_the_longest_sequence():
                 rollout={"max_model_len": 512, "max_new_tokens": 32})
     with pytest.raises(ValidationError, match="set one"):
         LearnerConfig(token_budget=512, micro_batch_size=4)
+
+
+def test_the_default_micro_batch_is_a_token_budget():
+    """learner.token_budget null: the ranks get DEFAULT_TOKEN_BUDGET tokens per micro-batch, or
+    the longest allowed sequence where longer; none beside micro_batch_size; set values win.
+    A LearnerConfig alone (no run around it) keeps the whole shard."""
+    from cluster.config.train_config import TrainConfig
+    from learner.config import DEFAULT_TOKEN_BUDGET
+
+    def budget(**kw):
+        return TrainConfig(**kw).rank_learner.token_budget
+
+    assert budget(rollout={"max_model_len": 512}) == DEFAULT_TOKEN_BUDGET
+    assert budget(rollout={"max_model_len": 3 * DEFAULT_TOKEN_BUDGET}) == 3 * DEFAULT_TOKEN_BUDGET
+    assert budget(learner={"micro_batch_size": 4}) == 0
+    assert budget(learner={"token_budget": 0}) == 0
+    assert budget(learner={"token_budget": 9000, "packing": True}) == 9000
+    assert micro_batches.plan(_bare(torch.zeros(3, 5, dtype=torch.long),
+                                    torch.ones(3, 5, dtype=torch.bool),
+                                    torch.ones(3, 5, dtype=torch.bool) & (torch.arange(5) > 0)),
+                              LearnerConfig())[0].tolist() == [0, 1, 2]

@@ -55,6 +55,11 @@ class Overhead:
     # Rollout: median seconds per repetition of the raw engine without log-probs, scaled to
     # `tokens` (the floor); None for the learner.
     floor_seconds: float | None = None
+    # Learner: the peak resident set (CPU) or peak allocated GPU memory, bytes, of the bare
+    # DeepSpeed process and of klrl's rank 0 (memory is bounded by learner.token_budget, not
+    # the batch); None for the rollout.
+    raw_peak_bytes: int | None = None
+    klrl_peak_bytes: int | None = None
 
     @property
     def raw_tokens_per_s(self) -> float:
@@ -200,12 +205,17 @@ def measure_learner(group, cfg, batch, reps: int, warmup: int = WARMUP_REPS) -> 
             engine_s.append(metrics["time/learner_step"] + metrics["time/reference"])
     tokens = int(batch.attention_mask.sum())
     return Overhead("learner", tokens, statistics.median(raw["seconds"]),
-                    statistics.median(klrl_s), statistics.median(engine_s), reps)
+                    statistics.median(klrl_s), statistics.median(engine_s), reps,
+                    raw_peak_bytes=raw.get("peak_bytes"),
+                    klrl_peak_bytes=group.memory()[0][
+                        "peak_gpu" if cfg.learner.device_kind == "cuda" else "peak_rss"])
 
 
 def _bare_deepspeed(spec: dict) -> dict:
     """Baseline: one DeepSpeed engine in this process, single rank (gloo), configured as
-    LearnerRank configures it, stepping on the batch with the learner's loss."""
+    LearnerRank configures it, stepping on the batch with the learner's loss in the
+    learner's micro-batches (learner/micro_batches.py: the same forwards, packed or padded,
+    under the same token budget)."""
     from kl.config import AdvantageConfig, KLConfig
     from learner.config import LearnerConfig
 
@@ -217,7 +227,8 @@ def _bare_deepspeed(spec: dict) -> dict:
 
     from learner.batch import TrainBatch
     from learner.loading import ModelFiles, load_causal_lm
-    from learner.loss import PolicyLoss, sequence_logprobs
+    from learner import micro_batches
+    from learner.loss import PolicyLoss
     from learner.process_group import host_store, init_process_group, remove_shm_buffers
 
     torch.set_num_threads(threads)
@@ -245,14 +256,9 @@ def _bare_deepspeed(spec: dict) -> dict:
     try:
         for r in range(spec["warmup"] + spec["reps"]):
             t0 = time.perf_counter()
-            b = batch if not cuda else batch.to(device)
-            inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask,
-                      "use_cache": False}
-            logp = sequence_logprobs(engine(**inputs).logits, b.input_ids)
-            with torch.no_grad():
-                ref_logp = sequence_logprobs(ref(**inputs).logits, b.input_ids)
-            loss, _ = policy_loss(logp, ref_logp, b, b.num_sequences)
-            engine.backward(loss)
+            ref_logp = micro_batches.logprobs(ref, batch, cfg, device)
+            micro_batches.accumulate(engine, batch, ref_logp, policy_loss, batch.num_sequences,
+                                     lambda loss, _logp: engine.backward(loss), device)
             # as LearnerRank's optimizer does
             if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
@@ -263,7 +269,18 @@ def _bare_deepspeed(spec: dict) -> dict:
                 seconds.append(time.perf_counter() - t0)
     finally:
         remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU comm buffers outlive the process
-    return {"seconds": seconds}
+    return {"seconds": seconds, "peak_bytes": _peak_bytes(cuda)}
+
+
+def _peak_bytes(cuda: bool) -> int:
+    """This process's peak memory: the GPU's peak allocation, or the peak resident set."""
+    if cuda:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --------------------------------------------------------------------------- subprocesses

@@ -31,6 +31,8 @@ def markdown(result: dict[str, Any]) -> str:
                  for o in (w.get("rollout"), w.get("learner")) if o]
     # JSONs written before the floor was measured render without its columns.
     floor = any(o.get("floor_ratio") for _, o in overheads)
+    # ...and before the learner's peak memory was measured beside its throughput.
+    peak = any(o.get("klrl_peak_bytes") for _, o in overheads)
     rows = []
     for name, o in overheads:
         row = (f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
@@ -40,6 +42,8 @@ def markdown(result: dict[str, Any]) -> str:
         if floor:
             row += (f" {o['floor_tokens_per_s']:.0f} | **{o['floor_ratio']:.2f}** |"
                     if o.get("floor_ratio") else " - | - |")
+        if peak:
+            row += (f" {_mb(o.get('raw_peak_bytes'))} | **{_mb(o.get('klrl_peak_bytes'))}** |")
         rows.append(row)
     if rows:
         head = ("| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
@@ -52,6 +56,11 @@ def markdown(result: dict[str, Any]) -> str:
             rule += "---|---|"
             title += ("; x floor = raw vLLM asked for no log-probs / klrl: the floor the "
                       "rollout's log-probs are measured against")
+        if peak:
+            head += " raw peak MB | klrl peak MB |"
+            rule += "---|---|"
+            title += ("; peak MB: the learner process's peak resident set, on a GPU its peak "
+                      "allocation, bare DeepSpeed and klrl's rank 0")
         lines += ["", title + ")", "", head, rule, *rows]
     if "generation_tokens_per_s" in result and "training_tokens_per_s" in result:
         lines += ["", (f"**Headline** ({result['headline_workload']}, through klrl): "
@@ -104,6 +113,10 @@ def _outside_table(o: dict[str, Any]) -> list[str]:
              f"| **{o['outside_engine_ms']:.1f}** | {_ms(o.get('outside_engine_unscored_ms'))} "
              f"| {parts['requests']:.1f} "
              f"| {parts['scoring']:.1f} | {parts['records']:.1f} | {parts['ray_trip']:.1f} |")]
+
+
+def _mb(x: int | None) -> str:
+    return "-" if not x else f"{x / 1e6:.0f}"
 
 
 def _ratio(x: float | None) -> str:

@@ -18,7 +18,7 @@ from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from kl.surrogate import IMPORTANCE_CORRECTIONS
-from learner.config import LearnerConfig
+from learner.config import DEFAULT_TOKEN_BUDGET, LearnerConfig
 from learner.task_terms import TASK_TERMS
 from rewards.config import EvalConfig, TaskConfig
 from rewards.records import Task
@@ -423,12 +423,27 @@ class TrainConfig(_Strict):
     @property
     def rank_learner(self) -> LearnerConfig:
         """`learner` as the learner ranks get it: threads_per_rank by the thread rule and
-        omp_wait_policy resolved (`_all_cpus_among`)."""
+        omp_wait_policy resolved (`_all_cpus_among`), token_budget resolved (null:
+        DEFAULT_TOKEN_BUDGET or the longest allowed sequence, 0 beside micro_batch_size)."""
         lc = self.learner
         threads = lc.threads_per_rank or self._all_cpus_among(lc.num_ranks)
         wait = lc.omp_wait_policy or (
             "passive" if self.max_lag >= 1 and threads > lc.num_cpus_per_rank else "default")
-        return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait})
+        budget = lc.token_budget
+        if budget is None:
+            budget = 0 if lc.micro_batch_size else max(DEFAULT_TOKEN_BUDGET,
+                                                       self.longest_sequence)
+        return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait,
+                                     "token_budget": budget})
+
+    @property
+    def longest_sequence(self) -> int:
+        """The longest prompt + response a rollout can make: data.max_prompt_length +
+        rollout.max_new_tokens where the prompt limit is set (within the engine's context),
+        else the engine's context, rollout.max_model_len."""
+        limit, r = self.data.max_prompt_length, self.rollout
+        return (min(limit + r.max_new_tokens, r.max_model_len) if limit is not None
+                else r.max_model_len)
 
     @model_validator(mode="after")
     def _completion_fits_the_context(self) -> TrainConfig:
@@ -448,8 +463,7 @@ class TrainConfig(_Strict):
         one would overrun the memory the budget promises (the learner puts it in a micro-batch
         of its own rather than drop it)."""
         budget, limit = self.learner.token_budget, self.data.max_prompt_length
-        longest = (min(limit + self.rollout.max_new_tokens, self.rollout.max_model_len)
-                   if limit is not None else self.rollout.max_model_len)
+        longest = self.longest_sequence
         if budget and budget < longest:
             said = ("data.max_prompt_length + rollout.max_new_tokens" if limit is not None
                     and longest < self.rollout.max_model_len else "rollout.max_model_len")
