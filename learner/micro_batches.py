@@ -4,7 +4,8 @@ forward (no DeepSpeed): learner/rank.py runs it with its engine, the tests with 
 
 Micro-batches (`plan`): consecutive rows of the mini-batch, as many as `learner.token_budget`
 allows (the tokens the forward holds: with `learner.packing` the sum of the sequences' own
-lengths, else rows x the micro-batch's padded width), or `learner.micro_batch_size` rows, or
+lengths, else rows x the micro-batch's padded width; cut at a prompt group's start where one
+fits, sparing the extra forward of group statistics), or `learner.micro_batch_size` rows, or
 the whole mini-batch. Every row is in exactly one micro-batch, in order; a sequence longer than
 the budget (the config refuses a budget below the longest allowed sequence) forms its own.
 
@@ -43,16 +44,8 @@ def plan(batch: TrainBatch, cfg: LearnerConfig, passes: int | None = None
     if not B:
         return []
     if cfg.token_budget:
-        lengths = batch.attention_mask.sum(-1).tolist()
-        chunks, start, widest = [], 0, 0
-        for i, n in enumerate(lengths):
-            cost = (sum(lengths[start:i + 1]) if cfg.packing
-                    else (i + 1 - start) * max(widest, n))
-            if i > start and cost > cfg.token_budget:
-                chunks.append(torch.arange(start, i))
-                start, widest = i, 0
-            widest = max(widest, n)
-        chunks.append(torch.arange(start, B))
+        chunks = _within_budget(batch.attention_mask.sum(-1).tolist(), batch.group_ids.tolist(),
+                                cfg.token_budget, cfg.packing)
     else:
         micro = cfg.micro_batch_size or B
         chunks = [torch.arange(s, min(B, s + micro)) for s in range(0, B, micro)]
@@ -60,6 +53,28 @@ def plan(batch: TrainBatch, cfg: LearnerConfig, passes: int | None = None
         k = max(range(len(chunks)), key=lambda j: len(chunks[j]))
         half = (len(chunks[k]) + 1) // 2
         chunks[k:k + 1] = [chunks[k][:half], chunks[k][half:]]
+    return chunks
+
+
+def _within_budget(lengths: list[int], groups: list[int], budget: int,
+                   packed: bool) -> list[torch.Tensor]:
+    """Consecutive rows while their cost (packed: the sum of lengths; padded: rows x the
+    longest) stays within `budget`, at least one row each. A micro-batch that the budget
+    ends inside a prompt group ends at the group's start instead, where one began inside it:
+    a micro-batch of whole groups needs no extra forward for the group statistics."""
+    chunks, start, B = [], 0, len(lengths)
+    while start < B:
+        end, total, widest = start + 1, lengths[start], lengths[start]
+        while end < B:
+            total, widest = total + lengths[end], max(widest, lengths[end])
+            if (total if packed else (end + 1 - start) * widest) > budget:
+                break
+            end += 1
+        if end < B and groups[end] == groups[end - 1]:
+            starts = [j for j in range(start + 1, end) if groups[j] != groups[j - 1]]
+            end = starts[-1] if starts else end
+        chunks.append(torch.arange(start, end))
+        start = end
     return chunks
 
 

@@ -4,6 +4,7 @@ DeepSpeed engine) on a tiny Qwen2 built here, in float64, gives the same loss, e
 metric and the same gradient packed as padded, for every KL setting the tables in kl/ allow and
 every task term of learner/task_terms.py, with micro-batches that cut groups and sequences of
 very different lengths; no sequence is dropped, and none attends to another."""
+import dataclasses
 import itertools
 
 import pytest
@@ -204,6 +205,20 @@ def test_every_sequence_is_in_exactly_one_micro_batch(seed):
     assert packed.input_ids.shape == (1, int(lengths.sum()))
     assert set(packed.tokens) >= {"input_ids", "attention_mask", "response_mask",
                                   "behaviour_logp", "token_lags"}
+
+
+def test_a_budget_cuts_at_a_group_start_where_one_fits():
+    """Rows of 5 tokens in groups of 2, a budget of 15: [0, 1] [2, 3] (whole groups, no
+    group-statistics pass), not [0, 1, 2] [3]; a group longer than the budget is still cut."""
+    lengths = torch.tensor([5, 5, 5, 5])
+    pos = torch.arange(6)[None]
+    batch = dataclasses.replace(
+        _bare(torch.zeros(4, 6, dtype=torch.long), pos < lengths[:, None],
+              (pos < lengths[:, None]) & (pos > 0)), group_ids=torch.tensor([0, 0, 1, 1]))
+    plan = micro_batches.plan(batch, LearnerConfig(token_budget=15, packing=True))
+    assert [i.tolist() for i in plan] == [[0, 1], [2, 3]]
+    plan = micro_batches.plan(batch, LearnerConfig(token_budget=7, packing=True))
+    assert [i.tolist() for i in plan] == [[0], [1], [2], [3]]
 
 
 def test_the_token_budget_is_refused_below_the_longest_sequence():
