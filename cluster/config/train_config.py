@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.config import RolloutConfig, SyncConfig
 from actors.weight_sync import Placement, transport
+from cluster.config.dynamic_sampling import DynamicSamplingConfig
 from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
@@ -285,6 +286,9 @@ class TrainConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     faults: FaultConfig = Field(default_factory=FaultConfig, description="Fault tolerance.")
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="Drop prompt groups without task "
+        "reward spread and refill the batch from the stream (DAPO; docs/long-responses.md).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
 
     @model_validator(mode="after")
@@ -301,6 +305,7 @@ class TrainConfig(_Strict):
         self.advantage.check_group_size(self.rollout.samples_per_prompt,
                                         "rollout.samples_per_prompt")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
+        self.dynamic_sampling.check(self.advantage, self.rollout.samples_per_prompt)
         self._check_truncated_sampling()
         self._check_overlong()
         # The generation mode's refusals (in-flight updates: max_lag 0, LoRA) are the mode's.
