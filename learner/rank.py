@@ -5,11 +5,13 @@ drives them in lockstep (every method that touches the engine is collective: all
 it, or a collective inside it hangs).
 
 Gradient scaling. DeepSpeed averages gradients over the W ranks. Rank r computes
-`PolicyLoss(...)(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N, and
-backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
+`PolicyLoss(...)(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N,
+and backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
 gradient of the global-batch loss, exactly as one rank would compute it on the whole batch.
-Micro-batches of a shard all use the same N, so their gradients add up to the shard's; the
-group statistics their losses need are computed over whole groups first (learner.loss.GroupStats).
+Micro-batches of a shard (learner/micro_batches.py: a token budget or a row count, padded or
+packed) all use the same N, so their gradients add up to the shard's; the group statistics
+their losses need are computed over whole groups first (learner.loss.GroupStats), and the
+ranks agree on how many forward passes they make (`_agree`; ZeRO-3 gathers in each).
 With learner.mini_batches = M, everything above holds per global mini-batch of N / M sequences.
 
 Non-finite refusal. An optimizer step is refused (weights, optimizer moments and LR schedule

@@ -78,6 +78,10 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
     assert _finite_positive(head["learner"]["raw_peak_bytes"])
     assert _finite_positive(head["learner"]["klrl_peak_bytes"])
     assert "klrl peak MB" in report.markdown(result)
+    # The headline's step packed against padded, on a batch of spread lengths.
+    packing = head["packing"]
+    assert 0 < packing["padding_share"] < 1 and _finite_positive(packing["speedup_median"])
+    assert "Packed against padded" in report.markdown(result)
     # The floor: raw vLLM without log-probs, beside the raw engine asked what klrl asks.
     rollout = head["rollout"]
     assert rollout["floor_ratio"] == pytest.approx(rollout["klrl_seconds"]

@@ -254,3 +254,21 @@ def test_the_default_micro_batch_is_a_token_budget():
                                     torch.ones(3, 5, dtype=torch.bool),
                                     torch.ones(3, 5, dtype=torch.bool) & (torch.arange(5) > 0)),
                               LearnerConfig())[0].tolist() == [0, 1, 2]
+
+
+def test_the_bench_measures_packed_against_padded_on_spread_lengths(tmp_path):
+    """cluster/bench/packing.py's measurement, in this process, on a tiny random model: every
+    figure is there and finite (no timing is asserted: figures belong in `klrl bench`)."""
+    from cluster.bench.packing import QUICK_SPREAD, interleaved
+    from cluster.tiny.model import build_random_model
+
+    model = build_random_model(tmp_path / "m", seed=0, num_hidden_layers=1)
+    out = interleaved({"model_dir": str(model), "learner": {"threads_per_rank": 1},
+                       "kl": {}, "advantage": {}, "reps": 2, "warmup": 0,
+                       "spread": QUICK_SPREAD.__dict__, "seed": 0})
+    assert out["sequences"] == QUICK_SPREAD.sequences
+    assert 0 < out["padding_share"] < 1 and out["tokens"] < out["padded_tokens"]
+    for layout in ("padded", "packed"):
+        assert 0 < out[layout]["seconds_min"] <= out[layout]["seconds_median"] \
+            <= out[layout]["seconds_max"]
+    assert 0 < out["speedup_min"] <= out["speedup_median"] <= out["speedup_max"]

@@ -193,6 +193,20 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
                          f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
                          f"| **{mem['peak_rss'] / 1e6:.0f}** |")
+    packing = {name: w["packing"] for name, w in result["workloads"].items()
+               if w.get("packing")}  # absent from JSONs written before it was measured
+    if packing:
+        lines += ["", ("**Packed against padded** (the learner's step on the same batch of "
+                       "long-tailed lengths, interleaved; median [min-max] over the repetitions; "
+                       "tokens/s: trained tokens, padding not counted)"), "",
+                  ("| packing | sequences | tokens | padding share | token budget | padded tok/s "
+                   "| packed tok/s | speed-up |"), "|---|---|---|---|---|---|---|---|"]
+        for name, p in packing.items():
+            lines.append(
+                f"| {name} | {p['sequences']} | {p['tokens']} | {p['padding_share']:.0%} "
+                f"| {p['token_budget']} | {p['padded']['tokens_per_s']:.0f} "
+                f"| {p['packed']['tokens_per_s']:.0f} | **{p['speedup_median']:.2f}** "
+                f"[{p['speedup_min']:.2f}-{p['speedup_max']:.2f}] |")
     pipelines = {name: w["pipeline"] for name, w in result["workloads"].items()
                  if w.get("pipeline")}
     if not pipelines:
