@@ -9,10 +9,13 @@
   against a bare DeepSpeed step in one fresh process: the same model, DeepSpeed config,
   optimizer, clipping and loss (`learner.loss.PolicyLoss`) on the same batch.
 
-Each baseline runs in a subprocess (`python -m cluster.bench.engines raw-vllm|bare-deepspeed
-SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
-imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
-after `warmup` untimed ones (WARMUP_REPS but in `klrl bench --quick`).
+Each baseline runs in a subprocess with the thread count of the actor it is compared with, set
+before torch is imported, while the actors sit idle: raw vLLM all its repetitions in one call
+(`python -m cluster.bench.engines raw-vllm SPEC OUT`), bare DeepSpeed as a session kept between
+calls (`... serve bare-deepspeed SPEC`), so that its steps interleave with klrl's (raw, klrl,
+then klrl, raw, ...) and a machine's drift reaches both alike; the learner's ratio comes with
+the range of the pairs' ratios. Every figure is the median of `reps` timed repetitions after
+`warmup` untimed ones (WARMUP_REPS but in `klrl bench --quick`).
 
 On CUDA (`klrl bench --device cuda`) the baselines run on the machine's first GPU, the one the
 actors share on a one-GPU machine: vLLM with the worker's engine settings (its memory share
@@ -60,6 +63,10 @@ class Overhead:
     # the batch); None for the rollout.
     raw_peak_bytes: int | None = None
     klrl_peak_bytes: int | None = None
+    # Learner: the range of the interleaved pairs' ratios (klrl seconds / raw seconds of the
+    # same repetition), the spread of the median `overhead_ratio`; None for the rollout.
+    ratio_min: float | None = None
+    ratio_max: float | None = None
 
     @property
     def raw_tokens_per_s(self) -> float:
@@ -183,7 +190,9 @@ def _raw_vllm(spec: dict) -> dict:
 
 def measure_learner(group, cfg, batch, reps: int, warmup: int = WARMUP_REPS) -> Overhead:
     """Learner overhead of `group` (a started LearnerGroup built from TrainConfig `cfg`) on
-    `batch` (a TrainBatch). Each repetition is a real optimizer step in both."""
+    `batch` (a TrainBatch). Each repetition is a real optimizer step in both, interleaved with
+    the bare DeepSpeed process's (raw, klrl, then klrl, raw, ...), so that a machine's drift
+    reaches both alike; the ratio is the median's, with the range of the pairs' ratios."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
@@ -193,29 +202,85 @@ def measure_learner(group, cfg, batch, reps: int, warmup: int = WARMUP_REPS) -> 
                 "learner": cfg.rank_learner.model_dump(mode="json"),
                 "kl": cfg.kl.model_dump(mode="json"),
                 "advantage": cfg.advantage.model_dump(mode="json"),
-                "seed": cfg.seed, "batch": str(path), "reps": reps, "warmup": warmup}
-        raw = _run_baseline("bare-deepspeed", spec)
-    klrl_s, engine_s = [], []
-    for r in range(warmup + reps):
-        t0 = time.perf_counter()
-        metrics = group.train_step(batch)
-        if r >= warmup:
-            klrl_s.append(time.perf_counter() - t0)
-            # In DeepSpeed and torch: the optimizer steps and the reference forward.
-            engine_s.append(metrics["time/learner_step"] + metrics["time/reference"])
+                "seed": cfg.seed, "batch": str(path)}
+        raw_s, klrl_s, engine_s = [], [], []
+        with _Session("bare-deepspeed", spec) as raw:
+            for r in range(warmup + reps):
+                pair: dict[str, float] = {}
+                for who in (("raw", "klrl") if r % 2 == 0 else ("klrl", "raw")):
+                    if who == "raw":
+                        pair["raw"] = raw.call("step")["seconds"]
+                        continue
+                    t0 = time.perf_counter()
+                    metrics = group.train_step(batch)
+                    pair["klrl"] = time.perf_counter() - t0
+                    # In DeepSpeed and torch: the optimizer steps and the reference forward.
+                    pair["engine"] = metrics["time/learner_step"] + metrics["time/reference"]
+                if r >= warmup:
+                    raw_s.append(pair["raw"])
+                    klrl_s.append(pair["klrl"])
+                    engine_s.append(pair["engine"])
+            raw_peak = raw.call("peak")["peak_bytes"]
+    ratios = [k / r for k, r in zip(klrl_s, raw_s)]
     tokens = int(batch.attention_mask.sum())
-    return Overhead("learner", tokens, statistics.median(raw["seconds"]),
+    return Overhead("learner", tokens, statistics.median(raw_s),
                     statistics.median(klrl_s), statistics.median(engine_s), reps,
-                    raw_peak_bytes=raw.get("peak_bytes"),
+                    raw_peak_bytes=raw_peak,
                     klrl_peak_bytes=group.memory()[0][
-                        "peak_gpu" if cfg.learner.device_kind == "cuda" else "peak_rss"])
+                        "peak_gpu" if cfg.learner.device_kind == "cuda" else "peak_rss"],
+                    ratio_min=min(ratios), ratio_max=max(ratios))
 
 
-def _bare_deepspeed(spec: dict) -> dict:
-    """Baseline: one DeepSpeed engine in this process, single rank (gloo), configured as
-    LearnerRank configures it, stepping on the batch with the learner's loss in the
-    learner's micro-batches (learner/micro_batches.py: the same forwards, packed or padded,
-    under the same token budget)."""
+class _Session:
+    """A baseline kept in a subprocess between calls, so that its repetitions interleave with
+    klrl's: `python -m cluster.bench.engines serve KIND SPEC` reads one command a line on
+    stdin and answers each with one JSON line behind REPLY (what the libraries print to
+    stdout is skipped)."""
+
+    def __init__(self, kind: str, spec: dict):
+        self.kind, self.spec = kind, spec
+
+    def __enter__(self) -> _Session:
+        self._tmp = tempfile.TemporaryDirectory(prefix="klrl-bench-")
+        spec_path = Path(self._tmp.name) / "spec.json"
+        spec_path.write_text(json.dumps(self.spec))
+        self._err = open(Path(self._tmp.name) / "stderr", "w+")  # noqa: SIM115 - closed in __exit__
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.bench.engines", "serve", self.kind, str(spec_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        return self
+
+    def call(self, command: str) -> dict:
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        self._err.seek(0)
+        raise RuntimeError(f"baseline {self.kind} ended ({self._proc.wait()}) during "
+                           f"{command!r}:\n{self._err.read()[-4000:]}")
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._proc.poll() is None:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=120)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._err.close()
+            self._tmp.cleanup()
+
+
+REPLY = "KLRL-BENCH-REPLY "
+
+
+def _bare_deepspeed(spec: dict):
+    """Baseline session (a generator yielding its commands): one DeepSpeed engine in this
+    process, single rank (gloo), configured as LearnerRank configures it, each `step` an
+    optimizer step on the batch with the learner's loss in the learner's micro-batches
+    (learner/micro_batches.py: the same forwards, packed or padded, under the same token
+    budget); `peak` its peak memory."""
     from kl.config import AdvantageConfig, KLConfig
     from learner.config import LearnerConfig
 
@@ -225,9 +290,9 @@ def _bare_deepspeed(spec: dict) -> dict:
     import deepspeed
     import torch
 
+    from learner import micro_batches
     from learner.batch import TrainBatch
     from learner.loading import ModelFiles, load_causal_lm
-    from learner import micro_batches
     from learner.loss import PolicyLoss
     from learner.process_group import host_store, init_process_group, remove_shm_buffers
 
@@ -252,24 +317,24 @@ def _bare_deepspeed(spec: dict) -> dict:
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                       config=cfg.deepspeed_config(batch.num_sequences, 1))
     policy_loss = PolicyLoss(kl_cfg, adv_cfg, cfg)  # built once, as a LearnerRank builds it
-    seconds = []
+
+    def step() -> dict:
+        t0 = time.perf_counter()
+        ref_logp = micro_batches.logprobs(ref, batch, cfg, device)
+        micro_batches.accumulate(engine, batch, ref_logp, policy_loss, batch.num_sequences,
+                                 lambda loss, _logp: engine.backward(loss), device)
+        # as LearnerRank's optimizer does
+        if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return {"seconds": time.perf_counter() - t0}
+
     try:
-        for r in range(spec["warmup"] + spec["reps"]):
-            t0 = time.perf_counter()
-            ref_logp = micro_batches.logprobs(ref, batch, cfg, device)
-            micro_batches.accumulate(engine, batch, ref_logp, policy_loss, batch.num_sequences,
-                                     lambda loss, _logp: engine.backward(loss), device)
-            # as LearnerRank's optimizer does
-            if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            engine.step()
-            if cuda:
-                torch.cuda.synchronize()
-            if r >= spec["warmup"]:
-                seconds.append(time.perf_counter() - t0)
+        yield {"step": step, "peak": lambda: {"peak_bytes": _peak_bytes(cuda)}}
     finally:
         remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU comm buffers outlive the process
-    return {"seconds": seconds, "peak_bytes": _peak_bytes(cuda)}
 
 
 def _peak_bytes(cuda: bool) -> int:
@@ -285,7 +350,19 @@ def _peak_bytes(cuda: bool) -> int:
 
 # --------------------------------------------------------------------------- subprocesses
 
-BASELINES = {"raw-vllm": _raw_vllm, "bare-deepspeed": _bare_deepspeed}
+BASELINES = {"raw-vllm": _raw_vllm}               # one call: every repetition, then the figures
+SESSIONS = {"bare-deepspeed": _bare_deepspeed}     # kept between calls (`_Session`)
+
+
+def _serve(kind: str, spec: dict) -> None:
+    """A session's subprocess: its commands by name, one a line on stdin, until stdin ends."""
+    session = SESSIONS[kind](spec)
+    commands = next(session)
+    try:
+        for line in sys.stdin:
+            print(REPLY + json.dumps(commands[line.strip()]()), flush=True)
+    finally:
+        session.close()
 
 
 def _run_baseline(kind: str, spec: dict) -> dict:
@@ -302,5 +379,9 @@ def _run_baseline(kind: str, spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    kind, spec_file, out_file = sys.argv[1:4]
-    Path(out_file).write_text(json.dumps(BASELINES[kind](json.loads(Path(spec_file).read_text()))))
+    if sys.argv[1] == "serve":
+        _serve(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
+    else:
+        kind, spec_file, out_file = sys.argv[1:4]
+        Path(out_file).write_text(json.dumps(BASELINES[kind](
+            json.loads(Path(spec_file).read_text()))))

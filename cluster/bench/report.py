@@ -36,7 +36,7 @@ def markdown(result: dict[str, Any]) -> str:
     rows = []
     for name, o in overheads:
         row = (f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
-               f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
+               f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}**{_range(o)} "
                f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
                f"| {o['outside_engine_ms']:.0f} |")
         if floor:
@@ -51,6 +51,8 @@ def markdown(result: dict[str, Any]) -> str:
         rule = "|---|---|---|---|---|---|---|"
         title = ("**Engine overheads** (ratio = raw throughput / klrl throughput; 1 = no "
                  "overhead")
+        if any(o.get("ratio_min") for _, o in overheads):
+            title += "; [range]: the learner's interleaved pairs' ratios"
         if floor:
             head += " raw without log-probs tok/s | x floor |"
             rule += "---|---|"
@@ -113,6 +115,11 @@ def _outside_table(o: dict[str, Any]) -> list[str]:
              f"| **{o['outside_engine_ms']:.1f}** | {_ms(o.get('outside_engine_unscored_ms'))} "
              f"| {parts['requests']:.1f} "
              f"| {parts['scoring']:.1f} | {parts['records']:.1f} | {parts['ray_trip']:.1f} |")]
+
+
+def _range(o: dict[str, Any]) -> str:
+    """The interleaved pairs' ratio range, where measured (the learner's)."""
+    return f" [{o['ratio_min']:.2f}-{o['ratio_max']:.2f}]" if o.get("ratio_min") else ""
 
 
 def _mb(x: int | None) -> str:
