@@ -74,9 +74,9 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
                                           "of_bound"))
     assert not {"of_bound_best_lag", "overlap_efficiency_lag2"} & set(result), result.keys()
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
-    # The learner's pairs interleaved: the median ratio within the pairs' range.
-    learner = head["learner"]
-    assert learner["ratio_min"] <= learner["overhead_ratio"] <= learner["ratio_max"]
+    # Both pairs interleaved: the median ratio within the pairs' range.
+    for o in (head["rollout"], head["learner"]):
+        assert o["ratio_min"] <= o["overhead_ratio"] <= o["ratio_max"], o
     # The learner's peak memory beside its throughput, bare DeepSpeed's and klrl's.
     assert _finite_positive(head["learner"]["raw_peak_bytes"])
     assert _finite_positive(head["learner"]["klrl_peak_bytes"])

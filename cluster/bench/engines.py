@@ -10,12 +10,12 @@
   optimizer, clipping and loss (`learner.loss.PolicyLoss`) on the same batch.
 
 Each baseline runs in a subprocess with the thread count of the actor it is compared with, set
-before torch is imported, while the actors sit idle: raw vLLM all its repetitions in one call
-(`python -m cluster.bench.engines raw-vllm SPEC OUT`), bare DeepSpeed as a session kept between
-calls (`... serve bare-deepspeed SPEC`), so that its steps interleave with klrl's (raw, klrl,
-then klrl, raw, ...) and a machine's drift reaches both alike; the learner's ratio comes with
-the range of the pairs' ratios. Every figure is the median of `reps` timed repetitions after
-`warmup` untimed ones (WARMUP_REPS but in `klrl bench --quick`).
+before torch is imported, kept between calls as a session (`python -m cluster.bench.engines
+serve raw-vllm|bare-deepspeed SPEC`), so that its repetitions interleave with klrl's (raw,
+klrl, then klrl, raw, ...) and a machine's drift reaches both alike; each waits idle while
+the other runs. Each ratio comes with the range of the pairs' ratios. Every figure is the
+median of `reps` timed repetitions after `warmup` untimed ones (WARMUP_REPS but in
+`klrl bench --quick`).
 
 On CUDA (`klrl bench --device cuda`) the baselines run on the machine's first GPU, the one the
 actors share on a one-GPU machine: vLLM with the worker's engine settings (its memory share
@@ -63,8 +63,8 @@ class Overhead:
     # the batch); None for the rollout.
     raw_peak_bytes: int | None = None
     klrl_peak_bytes: int | None = None
-    # Learner: the range of the interleaved pairs' ratios (klrl seconds / raw seconds of the
-    # same repetition), the spread of the median `overhead_ratio`; None for the rollout.
+    # The range of the interleaved pairs' ratios (klrl seconds / raw seconds of the same
+    # repetition): the spread of the median `overhead_ratio`.
     ratio_min: float | None = None
     ratio_max: float | None = None
 
@@ -120,16 +120,24 @@ def measure_rollout(worker, cfg, problems: list, reps: int,
             "rollout": cfg.worker_rollout.model_dump(mode="json"), "seed": cfg.seed,
             "prompts": [p.prompt for p in problems], "stop": list(cfg.task.stop), "reps": reps,
             "warmup": warmup}
-    raw = _run_baseline("raw-vllm", spec)
+    raw: dict[str, list] = {"seconds": [], "tokens": [], "floor_seconds": [], "floor_tokens": []}
     klrl_s, engine_s, tokens, rollouts = [], [], [], []
-    for r in range(warmup + reps):
-        t0 = time.perf_counter()
-        batch = ray.get(worker.generate.remote(problems, group_ids, r))
-        if r >= warmup:
-            klrl_s.append(time.perf_counter() - t0)
-            engine_s.append(batch.gen_seconds)
-            tokens.append(batch.num_response_tokens)
-        rollouts = batch.rollouts
+    with _Session("raw-vllm", spec) as session:
+        for r in range(warmup + reps):
+            for who in (("raw", "klrl") if r % 2 == 0 else ("klrl", "raw")):
+                if who == "raw":
+                    got = session.call(f"rep {r}")
+                    if r >= warmup:
+                        for key, value in got.items():
+                            raw[key].append(value)
+                    continue
+                t0 = time.perf_counter()
+                batch = ray.get(worker.generate.remote(problems, group_ids, r))
+                if r >= warmup:
+                    klrl_s.append(time.perf_counter() - t0)
+                    engine_s.append(batch.gen_seconds)
+                    tokens.append(batch.num_response_tokens)
+                rollouts = batch.rollouts
     raw_s = raw["seconds"]
     if tokens != raw["tokens"]:  # same seeds must give the same tokens, else not the same work
         # On a GPU, kernels may round differently in the two processes and flip a sample's
@@ -141,16 +149,18 @@ def measure_rollout(worker, cfg, problems: list, reps: int,
               "raw times scaled to the worker's tokens", flush=True)
         raw_s = [s * k / r for s, k, r in zip(raw_s, tokens, raw["tokens"])]
     floor_s = [s * k / f for s, k, f in zip(raw["floor_seconds"], tokens, raw["floor_tokens"])]
+    ratios = [k / r for k, r in zip(klrl_s, raw_s)]
     return Overhead("rollout", tokens[-1], statistics.median(raw_s),
                     statistics.median(klrl_s), statistics.median(engine_s), reps,
-                    statistics.median(floor_s)), rollouts
+                    statistics.median(floor_s), ratio_min=min(ratios),
+                    ratio_max=max(ratios)), rollouts
 
 
-def _raw_vllm(spec: dict) -> dict:
-    """Baseline: vLLM alone in this process, configured as RolloutWorker configures it (its
-    engine settings, less the weight-reload extension klrl adds) and asked what the worker
-    asks (`RolloutWorker._request_params`); and the floor, the same requests without
-    log-probs. Each repetition times both, in alternating order."""
+def _raw_vllm(spec: dict):
+    """Baseline session: vLLM alone in this process, configured as RolloutWorker configures it
+    (its engine settings, less the weight-reload extension klrl adds) and asked what the
+    worker asks (`RolloutWorker._request_params`); and the floor, the same requests without
+    log-probs. Each `rep R` times both, in alternating order."""
     from actors.config import RolloutConfig, SyncConfig
 
     cfg = RolloutConfig(**spec["rollout"])
@@ -164,25 +174,28 @@ def _raw_vllm(spec: dict) -> dict:
     llm = make_llm(spec["model_dir"], **options)
     prompts, stop = spec["prompts"], spec["stop"]
     detokenize = not decodes_texts_itself(llm.get_tokenizer(), stop)
-    times: dict[str, list] = {"seconds": [], "tokens": [], "floor_seconds": [], "floor_tokens": []}
 
-    def timed(r: int, floor: bool) -> None:
+    def timed(r: int, floor: bool) -> tuple[float, int]:
         params = request_params(cfg, r, WORKER_INDEX, len(prompts), stop, detokenize=detokenize,
                                 with_logprobs=not floor)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        if r >= spec["warmup"]:
-            times["floor_seconds" if floor else "seconds"].append(time.perf_counter() - t0)
-            times["floor_tokens" if floor else "tokens"].append(
+        return (time.perf_counter() - t0,
                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
+    def rep(r: str) -> dict:
+        """Repetition r (seed r): the raw requests and the floor's, in alternating order."""
+        out = {}
+        for floor in (int(r) % 2 == 1, int(r) % 2 == 0):
+            seconds, tokens = timed(int(r), floor)
+            out |= ({"floor_seconds": seconds, "floor_tokens": tokens} if floor
+                    else {"seconds": seconds, "tokens": tokens})
+        return out
+
     try:
-        for r in range(spec["warmup"] + spec["reps"]):
-            for floor in (r % 2 == 1, r % 2 == 0):
-                timed(r, floor)
+        yield {"rep": rep}
     finally:
         shutdown_llm(llm)
-    return times
 
 
 # --------------------------------------------------------------------------- learner
@@ -350,8 +363,7 @@ def _peak_bytes(cuda: bool) -> int:
 
 # --------------------------------------------------------------------------- subprocesses
 
-BASELINES = {"raw-vllm": _raw_vllm}               # one call: every repetition, then the figures
-SESSIONS = {"bare-deepspeed": _bare_deepspeed}     # kept between calls (`_Session`)
+SESSIONS = {"raw-vllm": _raw_vllm, "bare-deepspeed": _bare_deepspeed}  # `_Session`s
 
 
 def _serve(kind: str, spec: dict) -> None:
@@ -360,28 +372,11 @@ def _serve(kind: str, spec: dict) -> None:
     commands = next(session)
     try:
         for line in sys.stdin:
-            print(REPLY + json.dumps(commands[line.strip()]()), flush=True)
+            name, *args = line.split()
+            print(REPLY + json.dumps(commands[name](*args)), flush=True)
     finally:
         session.close()
 
 
-def _run_baseline(kind: str, spec: dict) -> dict:
-    with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "cluster.bench.engines", kind, str(spec_path),
-                               str(out_path)], check=False, capture_output=True, text=True,
-                              timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"baseline {kind} failed ({proc.returncode}):\n"
-                               f"{proc.stderr[-4000:]}")
-        return json.loads(out_path.read_text())
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "serve":
-        _serve(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
-    else:
-        kind, spec_file, out_file = sys.argv[1:4]
-        Path(out_file).write_text(json.dumps(BASELINES[kind](
-            json.loads(Path(spec_file).read_text()))))
+    _serve(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))  # serve KIND SPEC
