@@ -20,6 +20,11 @@ TaskOffPolicy = Literal["none", "tis", "ppo_clip", "icepop", "mis", "seq_mask_ge
 MASKING_TERMS: tuple[str, ...] = ("icepop", "mis", "seq_mask_geo", "seq_mask_prod")
 
 
+# learner.token_budget's default (null): the tokens a micro-batch holds when the config does not
+# say, unless the longest allowed sequence is longer (TrainConfig.rank_learner resolves it).
+DEFAULT_TOKEN_BUDGET = 4096
+
+
 class LoraSpec(BaseModel):
     """learner.lora: train low-rank adapters (PEFT LoRA) on the frozen policy base instead of
     every weight; the base is also the KL reference (learner/lora.py, docs/lora.md)."""
@@ -91,6 +96,23 @@ class LearnerConfig(BaseModel):
                                   "forward/backward on a rank; gradients of a rank's "
                                   "micro-batches are accumulated into one optimizer step. 0: the "
                                   "whole shard at once.")
+    token_budget: int | None = Field(None, ge=0, le=100_000_000, description="Tokens per "
+                                     "forward/backward on a rank: consecutive sequences join "
+                                     "a micro-batch while its tokens stay within it (with "
+                                     "packing the sum of their lengths, else rows x the "
+                                     "padded width), so memory is bounded by the budget, not "
+                                     "the batch. Must hold the longest allowed sequence "
+                                     "(prompt + rollout.max_new_tokens). 0: none (the whole "
+                                     "shard, or micro_batch_size rows). null: "
+                                     f"{DEFAULT_TOKEN_BUDGET} tokens, or the longest allowed "
+                                     "sequence where longer, unless micro_batch_size is set. "
+                                     "Never changes the loss.")
+    packing: bool = Field(False, description="Lay each micro-batch's sequences back to back in "
+                          "one row without padding, attention confined to each sequence "
+                          "(position ids restarting per sequence: a block-diagonal causal mask "
+                          "with sdpa/eager, flash-attn's varlen kernel with flash_attention_2). "
+                          "A layout only: the loss, metrics and gradient are the padded "
+                          "step's, to float tolerance (docs/long-responses.md).")
     epochs: int = Field(1, ge=1, le=1000, description="Passes over each rollout batch. With "
                         "mini_batches, the learner takes epochs x mini_batches optimizer steps per "
                         "batch (PPO-style); every step after the first trains on data its weights "
@@ -188,6 +210,10 @@ class LearnerConfig(BaseModel):
             if self.zero_stage < needs:
                 raise ValueError(f"learner.{field} needs learner.zero_stage "
                                  f"{'>= 1' if needs == 1 else '3'} (got {self.zero_stage})")
+        if self.token_budget and self.micro_batch_size:
+            raise ValueError("learner.token_budget and learner.micro_batch_size both size the "
+                             "micro-batches: set one (token_budget bounds memory whatever the "
+                             "lengths)")
         self._check_mask_band()
         if self.min_lr_ratio != 0.0 and self.lr_schedule == "constant":
             raise ValueError("learner.min_lr_ratio is where a decay ends; with lr_schedule "

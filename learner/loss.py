@@ -46,7 +46,7 @@ pi. c = 0 adds nothing; the metric `policy/entropy` (mean H over response tokens
 token-weighted) is logged whenever the caller passes `entropy`.
 
 Group statistics (b_i, A_{i,t}) need every sample of a prompt. They are computed by
-`group_stats` once over whole groups and handed to `policy_loss` (GroupStats), so a
+`PolicyLoss.group_stats` once over whole groups and handed to the loss (GroupStats), so a
 micro-batch that cuts a group anywhere gets exactly the whole batch's gradient share.
 
 Normalisation invariant: both terms are sums over tokens divided by the constant N, never by a
@@ -68,13 +68,13 @@ from kl.surrogate import PLACEMENT_FORMS
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loss_metrics import step_metrics
-from learner.task_terms import TASK_TERMS, TermTokens
+from learner.task_terms import TASK_TERMS
 
 
 def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, L] fp32 log-probs aligned with input_ids: out[:, t] = log p(ids[:, t] | ids[:, <t]);
-    out[:, 0] = 0 (no prediction for the first token)."""
-    logits = logits[:, :-1].float()
+    """[B, L] log-probs aligned with input_ids: out[:, t] = log p(ids[:, t] | ids[:, <t]);
+    out[:, 0] = 0 (no prediction for the first token). fp32 at least (fp64 logits stay fp64)."""
+    logits = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
     target = input_ids[:, 1:].unsqueeze(-1)
     # gather - logsumexp: the same value as log_softmax().gather() without a second [B, L, V] tensor
     lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -114,14 +114,6 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
 
 
-def _task_term(lp, mu, adv, mask, cfg: LearnerConfig) -> TermTokens:
-    """The task term's TermTokens, its loss 0 off-response."""
-    term = lookup(TASK_TERMS, cfg.task_off_policy, "learner.task_off_policy")
-    out = term.tokens(lp, mu, adv, mask, cfg)
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    return replace(out, loss=torch.where(mask, out.loss, zero))
-
-
 @dataclass(frozen=True)
 class GroupStats:
     """Statistics of whole prompt groups that the loss of any part of them needs.
@@ -155,105 +147,133 @@ def needs_group_stats(kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> bool:
                                            and ADVANTAGE_ESTIMATORS[adv_cfg.estimator].centres)
 
 
-def group_stats(logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch, kl_cfg: KLConfig,
-                adv_cfg: AdvantageConfig) -> GroupStats:
-    """GroupStats of `batch`, which must hold whole prompt groups; `logp` [B, L] is the current
-    policy's (used detached), aligned with batch.input_ids."""
-    if not needs_group_stats(kl_cfg, adv_cfg):
-        return GroupStats()
-    mask = batch.response_mask
-    dt = torch.promote_types(logp.dtype, torch.float32)
-    lp = torch.where(mask, logp.detach().to(dt), 0.0)
-    ref = torch.where(mask, ref_logp.detach().to(dt), 0.0)
-    k_tokens = torch.where(mask, kl.estimate(lp, ref, kl_cfg.estimator), 0.0)
-    if kl_cfg.folds_into_advantage:
-        adv = kl.compute_advantages(
-            batch.rewards, batch.group_ids, estimator=adv_cfg.estimator,
-            normalize=adv_cfg.normalize, kl_tokens=k_tokens, mask=mask, beta=kl_cfg.beta,
-            kl_in_advantage=kl_cfg.kl_in_advantage, eps=adv_cfg.eps)
-        return GroupStats(token_advantages=adv)
-    return GroupStats(kl_baseline=kl.kl_baseline(k_tokens.sum(-1), batch.group_ids,
-                                                 adv_cfg.estimator))
+class PolicyLoss:
+    """The loss of one run's settings, built once (per learner rank): the configs are checked
+    and the task term looked up at construction, and each call takes only tensors.
 
+    `loss(logp, ref_logp, batch, num_sequences_global, stats, entropy)` is the loss of the
+    module docstring for `batch` (a shard or micro-batch of the global batch) and its metrics;
+    `loss.group_stats(logp, ref_logp, batch)` the GroupStats of whole groups it may need
+    (`loss.needs_group_stats` says whether it does)."""
 
-def policy_loss(
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    batch: TrainBatch,
-    kl_cfg: KLConfig,
-    adv_cfg: AdvantageConfig,
-    learner_cfg: LearnerConfig,
-    num_sequences_global: float,
-    stats: GroupStats | None = None,
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss (a scalar to minimise) and metrics for `batch` (a shard or micro-batch of the global
-    batch); see the module docstring. `logp` [B, L] is live (fp32), `ref_logp` [B, L] constant,
-    both aligned with batch.input_ids. `stats`: the GroupStats of these rows computed over their
-    whole groups; None computes them from `batch` itself, which must then hold whole groups.
-    `entropy` [B, L]: `token_entropy` of the same forward pass (differentiable when
-    learner_cfg.entropy_coef > 0, which requires it); None: no policy/entropy metric.
-    The metrics are learner.loss_metrics.step_metrics, merged across micro-batches and ranks by
-    its `merge_metrics`."""
-    _check_loss_inputs(logp, ref_logp, batch, kl_cfg, adv_cfg, learner_cfg,
-                       num_sequences_global, entropy)
-    if stats is None:
-        stats = group_stats(logp, ref_logp, batch, kl_cfg, adv_cfg)
-    mask = batch.response_mask
-    dt = torch.promote_types(logp.dtype, torch.float32)  # fp32 at least (fp64 in exact tests)
-    zero = torch.zeros((), dtype=dt, device=logp.device)
-    lp = torch.where(mask, logp.to(dt), zero)
-    ref = torch.where(mask, ref_logp.detach().to(dt), zero)
-    mu = torch.where(mask, batch.behaviour_logp.to(dt), zero)
-    n = float(num_sequences_global)
+    def __init__(self, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, learner_cfg: LearnerConfig):
+        check_compatible(kl_cfg, adv_cfg)
+        self.kl_cfg, self.adv_cfg, self.learner_cfg = kl_cfg, adv_cfg, learner_cfg
+        self.task_term = lookup(TASK_TERMS, learner_cfg.task_off_policy,
+                                "learner.task_off_policy")
+        self.needs_group_stats = needs_group_stats(kl_cfg, adv_cfg)
+        # A KL term in the loss itself (not folded into the task advantage).
+        self.separate_kl = kl_cfg.beta > 0 and not kl_cfg.folds_into_advantage
 
-    if kl_cfg.folds_into_advantage:
-        adv = stats.token_advantages.to(dt)
-    else:
-        adv = batch.advantages.to(dt)[:, None].expand_as(lp)
-    task_tokens = _task_term(lp, mu, adv, mask, learner_cfg)
-    task = task_tokens.loss.sum() / n
-    terms = {"task": task, "kl": _kl_term(lp, ref, mu, mask, kl_cfg, stats, n, like=task)}
-    loss = task + terms["kl"]
-    coef = learner_cfg.entropy_coef
-    if coef > 0:
-        edt = torch.promote_types(dt, entropy.dtype)  # fp64 entropies stay fp64 (exact tests)
-        terms["entropy"] = -coef * torch.where(mask, entropy.to(edt), 0.0).sum() / n
-        loss = loss + terms["entropy"]
-    terms["total"] = loss
+    def group_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor,
+                    batch: TrainBatch) -> GroupStats:
+        """GroupStats of `batch`, which must hold whole prompt groups; `logp` [B, L] is the
+        current policy's (used detached), aligned with batch.input_ids."""
+        if not self.needs_group_stats:
+            return GroupStats()
+        kl_cfg, adv_cfg = self.kl_cfg, self.adv_cfg
+        mask = batch.response_mask
+        dt = torch.promote_types(logp.dtype, torch.float32)
+        lp = torch.where(mask, logp.detach().to(dt), 0.0)
+        ref = torch.where(mask, ref_logp.detach().to(dt), 0.0)
+        k_tokens = torch.where(mask, kl.estimate(lp, ref, kl_cfg.estimator), 0.0)
+        if kl_cfg.folds_into_advantage:
+            adv = kl.compute_advantages(
+                batch.rewards, batch.group_ids, estimator=adv_cfg.estimator,
+                normalize=adv_cfg.normalize, kl_tokens=k_tokens, mask=mask, beta=kl_cfg.beta,
+                kl_in_advantage=kl_cfg.kl_in_advantage, eps=adv_cfg.eps)
+            return GroupStats(token_advantages=adv)
+        return GroupStats(kl_baseline=kl.kl_baseline(k_tokens.sum(-1), batch.group_ids,
+                                                     adv_cfg.estimator))
 
-    fresh = None if batch.token_lags is None else mask & (batch.token_lags == 0)
-    metrics = step_metrics(terms, lp=lp, ref=ref, mu=mu, mask=mask, entropy=entropy,
-                           kl_cfg=kl_cfg, task_off_policy=learner_cfg.task_off_policy,
-                           task_clipped=task_tokens.clipped,
-                           task_masked=task_tokens.masked, fresh=fresh)
-    return loss, metrics
+    def __call__(self, logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch,
+                 num_sequences_global: float, stats: GroupStats | None = None,
+                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss (a scalar to minimise) and metrics for `batch`; see the module docstring.
+        `logp` [B, L] is live (fp32), `ref_logp` [B, L] constant, both aligned with
+        batch.input_ids. `stats`: the GroupStats of these rows computed over their whole
+        groups; None computes them from `batch` itself, which must then hold whole groups.
+        `entropy` [B, L]: `token_entropy` of the same forward pass (differentiable when
+        learner.entropy_coef > 0, which requires it); None: no policy/entropy metric. The
+        metrics are learner.loss_metrics.step_metrics, merged across micro-batches and ranks
+        by its `merge_metrics`."""
+        self._check_tensors(logp, ref_logp, batch, num_sequences_global, entropy)
+        kl_cfg, learner_cfg = self.kl_cfg, self.learner_cfg
+        if stats is None:
+            stats = self.group_stats(logp, ref_logp, batch)
+        mask = batch.response_mask
+        dt = torch.promote_types(logp.dtype, torch.float32)  # fp32 at least (fp64 in exact tests)
+        zero = torch.zeros((), dtype=dt, device=logp.device)
+        lp = torch.where(mask, logp.to(dt), zero)
+        ref = torch.where(mask, ref_logp.detach().to(dt), zero)
+        mu = torch.where(mask, batch.behaviour_logp.to(dt), zero)
+        n = float(num_sequences_global)
 
+        if kl_cfg.folds_into_advantage:
+            adv = stats.token_advantages.to(dt)
+        else:
+            adv = batch.advantages.to(dt)[:, None].expand_as(lp)
+        task_tokens = self.task_term.tokens(lp, mu, adv, mask, learner_cfg)
+        task_tokens = replace(task_tokens, loss=torch.where(mask, task_tokens.loss, zero))
+        task = task_tokens.loss.sum() / n
+        terms = {"task": task, "kl": self._kl_term(lp, ref, mu, mask, stats, n, like=task)}
+        loss = task + terms["kl"]
+        coef = learner_cfg.entropy_coef
+        if coef > 0:
+            edt = torch.promote_types(dt, entropy.dtype)  # fp64 entropies stay fp64 (exact tests)
+            terms["entropy"] = -coef * torch.where(mask, entropy.to(edt), 0.0).sum() / n
+            loss = loss + terms["entropy"]
+        terms["total"] = loss
 
-def _check_loss_inputs(logp, ref_logp, batch, kl_cfg, adv_cfg, learner_cfg,
-                       num_sequences_global, entropy) -> None:
-    if num_sequences_global <= 0:
-        raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
-    if logp.shape != batch.input_ids.shape or ref_logp.shape != logp.shape:
-        raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must match "
-                         f"input_ids {tuple(batch.input_ids.shape)}")
-    check_compatible(kl_cfg, adv_cfg)
-    if entropy is not None and entropy.shape != logp.shape:
-        raise ValueError(f"entropy {tuple(entropy.shape)} must match logp {tuple(logp.shape)}")
-    if learner_cfg.entropy_coef > 0 and entropy is None:
-        raise ValueError("learner.entropy_coef > 0 needs the per-token entropy (token_entropy)")
+        fresh = None if batch.token_lags is None else mask & (batch.token_lags == 0)
+        metrics = step_metrics(terms, lp=lp, ref=ref, mu=mu, mask=mask, entropy=entropy,
+                               kl_cfg=kl_cfg, task_off_policy=learner_cfg.task_off_policy,
+                               task_clipped=task_tokens.clipped,
+                               task_masked=task_tokens.masked, fresh=fresh)
+        return loss, metrics
 
+    def _check_tensors(self, logp, ref_logp, batch, num_sequences_global, entropy) -> None:
+        if num_sequences_global <= 0:
+            raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global}")
+        if logp.shape != batch.input_ids.shape or ref_logp.shape != logp.shape:
+            raise ValueError(f"logp {tuple(logp.shape)} / ref_logp {tuple(ref_logp.shape)} must "
+                             f"match input_ids {tuple(batch.input_ids.shape)}")
+        if entropy is not None and entropy.shape != logp.shape:
+            raise ValueError(f"entropy {tuple(entropy.shape)} must match logp "
+                             f"{tuple(logp.shape)}")
+        if self.learner_cfg.entropy_coef > 0 and entropy is None:
+            raise ValueError("learner.entropy_coef > 0 needs the per-token entropy "
+                             "(token_entropy)")
 
-def _kl_term(lp, ref, mu, mask, kl_cfg: KLConfig, stats: GroupStats, n: float,
-             like: torch.Tensor) -> torch.Tensor:
-    """beta x the KL surrogate summed over sequences / n: the whole KL term, or a zero (like
-    `like`) when there is none or the KL reward is folded into the advantage (KLConfig rejects a
-    loss part beside a folded reward part)."""
-    if kl_cfg.beta > 0 and not kl_cfg.folds_into_advantage:
+    def _kl_term(self, lp, ref, mu, mask, stats: GroupStats, n: float,
+                 like: torch.Tensor) -> torch.Tensor:
+        """beta x the KL surrogate summed over sequences / n: the whole KL term, or a zero (like
+        `like`) when there is none or the KL reward is folded into the advantage (KLConfig
+        rejects a loss part beside a folded reward part)."""
+        if not self.separate_kl:
+            return torch.zeros((), dtype=like.dtype, device=like.device)
+        kl_cfg = self.kl_cfg
         # behaviour_logp is read only by an importance that reweights (IMPORTANCE_CORRECTIONS).
         per_seq = kl.surrogate(
             lp, ref, mask, estimator=kl_cfg.estimator, placement=kl_cfg.placement,
             importance=kl_cfg.importance, behaviour_logp=mu, truncate=kl_cfg.truncate,
             baseline=stats.kl_baseline)
         return kl_cfg.beta * per_seq.sum() / n
-    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+def group_stats(logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch, kl_cfg: KLConfig,
+                adv_cfg: AdvantageConfig) -> GroupStats:
+    """One-off `PolicyLoss.group_stats` (the exact tables' and tests' use; a learner rank
+    builds its PolicyLoss once)."""
+    return PolicyLoss(kl_cfg, adv_cfg, LearnerConfig()).group_stats(logp, ref_logp, batch)
+
+
+def policy_loss(logp: torch.Tensor, ref_logp: torch.Tensor, batch: TrainBatch, kl_cfg: KLConfig,
+                adv_cfg: AdvantageConfig, learner_cfg: LearnerConfig,
+                num_sequences_global: float, stats: GroupStats | None = None,
+                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One-off `PolicyLoss(kl_cfg, adv_cfg, learner_cfg)(...)`: builds and checks the loss at
+    every call, for the exact tables and tests that evaluate one setting once; a learner rank
+    builds its PolicyLoss once."""
+    return PolicyLoss(kl_cfg, adv_cfg, learner_cfg)(logp, ref_logp, batch,
+                                                   num_sequences_global, stats, entropy)

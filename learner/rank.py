@@ -5,11 +5,13 @@ drives them in lockstep (every method that touches the engine is collective: all
 it, or a collective inside it hangs).
 
 Gradient scaling. DeepSpeed averages gradients over the W ranks. Rank r computes
-`policy_loss(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N, and
-backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
+`PolicyLoss(...)(..., num_sequences_global=N)` on its shard, i.e. (sum over its sequences) / N,
+and backpropagates W times that, so the average over ranks is (sum over all N sequences) / N: the
 gradient of the global-batch loss, exactly as one rank would compute it on the whole batch.
-Micro-batches of a shard all use the same N, so their gradients add up to the shard's; the
-group statistics their losses need are computed over whole groups first (learner.loss.GroupStats).
+Micro-batches of a shard (learner/micro_batches.py: a token budget or a row count, padded or
+packed) all use the same N, so their gradients add up to the shard's; the group statistics
+their losses need are computed over whole groups first (learner.loss.GroupStats), and the
+ranks agree on how many forward passes they make (`_agree`; ZeRO-3 gathers in each).
 With learner.mini_batches = M, everything above holds per global mini-batch of N / M sequences.
 
 Non-finite refusal. An optimizer step is refused (weights, optimizer moments and LR schedule
@@ -33,19 +35,13 @@ from typing import Any
 import torch
 
 from kl.config import AdvantageConfig, KLConfig
-from learner import lora
+from learner import lora, micro_batches
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.export import WeightExporter, WeightPublisher, full_weights
 from learner.files import write_adapter_dir, write_model
 from learner.loading import ModelFiles, load_causal_lm
-from learner.loss import (
-    group_stats,
-    needs_group_stats,
-    policy_loss,
-    sequence_logprobs,
-    token_entropy,
-)
+from learner.loss import PolicyLoss
 from learner.loss_metrics import merge_metrics
 from learner.process_group import host_store, init_process_group, remove_shm_buffers
 from learner.schedule import make_scheduler
@@ -97,6 +93,7 @@ class LearnerRank:
         self.files = ModelFiles.of(model)
         self.total_optimizer_steps = total_optimizer_steps
         self.cfg, self.kl_cfg, self.adv_cfg = learner_cfg, kl_cfg, adv_cfg
+        self.loss = PolicyLoss(kl_cfg, adv_cfg, learner_cfg)  # built and checked once
         self.seed = seed
         self.exporter = WeightExporter(publisher, rank, learner_cfg)  # weights out for a sync
         self.engine = self.ref = self.optimizer = None
@@ -250,39 +247,20 @@ class LearnerRank:
         return updates
 
     def _update(self, mini: TrainBatch, ref_logp: torch.Tensor, num_sequences: float) -> dict:
-        """One optimizer step on `mini` (whole prompt groups), accumulated over micro-batches."""
+        """One optimizer step on `mini` (whole prompt groups), accumulated over micro-batches
+        (learner/micro_batches.py: how they are cut and laid out)."""
         t0 = time.perf_counter()
-        B = mini.num_sequences
-        micro = self.cfg.micro_batch_size or B
-        chunks = [torch.arange(s, min(B, s + micro)) for s in range(0, B, micro)]
-        stats = None  # None: each micro-batch holds whole groups and computes its own
-        if (_cuts_groups(mini.group_ids, chunks)
-                and needs_group_stats(self.kl_cfg, self.adv_cfg)):
-            # One extra no-grad forward: the group statistics of the current policy over whole
-            # groups, which no micro-batch could compute alone (GroupStats invariant).
-            stats = group_stats(self._logprobs(self.engine, mini), ref_logp,
-                                _to_device(mini, self.device), self.kl_cfg, self.adv_cfg)
-        parts = []
-        for index in chunks:  # equal shards => the same number of passes on every rank
-            mb = _to_device(mini.select(index), self.device)
-            logits = self.engine(**_model_inputs(mb)).logits
-            logp = sequence_logprobs(logits, mb.input_ids)
-            # From the same logits (no extra forward); differentiated only for a bonus.
-            entropy = token_entropy(logits, mb.response_mask, grad=self.cfg.entropy_coef > 0)
-            del logits
-            loss, metrics = policy_loss(
-                logp, ref_logp[index, :mb.width], mb, self.kl_cfg, self.adv_cfg, self.cfg,
-                num_sequences, stats.rows(index.to(self.device), mb.width) if stats else None,
-                entropy=entropy)
+
+        def backward(loss: torch.Tensor, logp: torch.Tensor) -> None:
             if torch.isfinite(loss):
                 # DeepSpeed averages over ranks (module docstring)
-                backward = loss * self.world_size
+                self.engine.backward(loss * self.world_size)
             else:
                 # Poison this rank's gradients so the global norm is NaN on every rank.
-                backward = logp.sum() * float("nan")
-            self.engine.backward(backward)
-            self._progress()
-            parts.append(metrics)
+                self.engine.backward(logp.sum() * float("nan"))
+
+        parts = micro_batches.accumulate(self.engine, mini, ref_logp, self.loss, num_sequences,
+                                         backward, self.device, self._progress, self._agree)
         lr = self.optimizer.param_groups[0]["lr"]
         self.engine.step()
         self._progress()
@@ -307,18 +285,21 @@ class LearnerRank:
         with self.engine.module.disable_adapter():
             return self._logprobs(self.engine, batch)
 
-    @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        """[B, L] log-probs of `batch` under `model` (no grad), in micro-batch-sized chunks."""
-        B = batch.num_sequences
-        micro = self.cfg.micro_batch_size or B
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for start in range(0, B, micro):
-            mb = _to_device(batch.select(torch.arange(start, min(B, start + micro))), self.device)
-            out[start:start + mb.num_sequences, :mb.width] = sequence_logprobs(
-                model(**_model_inputs(mb)).logits, mb.input_ids)
-            self._progress()
-        return out
+        """[B, L] log-probs of `batch` under `model` (no grad), micro-batch by micro-batch."""
+        return micro_batches.logprobs(model, batch, self.cfg, self.device, self._progress,
+                                      self._agree)
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of `values` over the ranks (collective), so that every
+        rank makes as many forward passes as the one with most (micro_batches.plan)."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
 
     # ------------------------------------------------------------------ weights out
 
@@ -355,8 +336,9 @@ class LearnerRank:
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, for `klrl bench`: its policy's parameters (all, and those it
         trains), the separate reference (0 when LoRA's base is the reference), the optimizer
-        state (Adam's moments exist from the first step on), and the process's peak resident
-        set so far (the OS's count: libraries, activations and copies included)."""
+        state (Adam's moments exist from the first step on), the process's peak resident
+        set so far (the OS's count: libraries, activations and copies included) and on a GPU
+        its peak allocation (0 on CPU)."""
         import resource
 
         params = list(self.engine.module.parameters())
@@ -365,7 +347,9 @@ class LearnerRank:
                 "reference": 0 if self.ref is None else _nbytes(self.ref.parameters()),
                 "optimizer_state": _nbytes(t for state in self.optimizer.state.values()
                                            for t in state.values() if torch.is_tensor(t)),
-                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_gpu": (int(torch.cuda.max_memory_allocated(self.device))
+                             if self.device.type == "cuda" else 0)}
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapters' CPU copies under their adapter-file names (collective under ZeRO-3)."""
@@ -431,27 +415,5 @@ def _make_optimizer(params, cfg: LearnerConfig, adam: dict) -> torch.optim.Optim
     return _GuardedAdamW(params, clip=cfg.grad_clip, **adam)
 
 
-def _cuts_groups(group_ids: torch.Tensor, chunks: list[torch.Tensor]) -> bool:
-    """Whether some prompt group has samples in two of `chunks` (micro-batch row indices)."""
-    seen: set[int] = set()
-    for index in chunks:
-        ids = set(group_ids[index].tolist())
-        if ids & seen:
-            return True
-        seen |= ids
-    return False
-
-
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _model_inputs(batch: TrainBatch) -> dict:
-    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "use_cache": False}
-
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    return batch.to(device)

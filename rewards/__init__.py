@@ -5,7 +5,7 @@ never Ray, vLLM or DeepSpeed.
 
 Tasks
 -----
-    task = rewards.get_task("arithmetic")           # or "countdown", "math", "mmlu" (TASKS),
+    task = rewards.get_task("arithmetic")  # or "countdown", "counting", "math", "mmlu" (TASKS),
                                                     # or a plug-in "package.module:TaskClass"
     task = rewards.get_task("math", path="fixture")  # task-specific options: see each class
     problems = task.problems("in_domain", n=200, seed=0)   # list[Problem], deterministic
@@ -17,6 +17,9 @@ Tasks
   most once; answers parsed by a safe evaluator (`rewards.expression`), never eval.
   Splits train / in_domain / out_of_domain (five numbers, targets 101-999), generated, or
   each from a dataset (options train/in_domain/out_of_domain).
+- counting (`rewards.counting`): "7..11:" -> "7 8 9 10 11", long-tailed answer lengths (one
+  number to 60 of them): the long-response task for packing and overlong shaping on CPU.
+  Splits train / test, generated.
 - math (`rewards.boxed_math`): MATH-style problems, the completion's last \\boxed{} checked
   with math-verify. Hub datasets by name (MATH train, MATH500) or local jsonl/json/parquet.
 - mmlu (`rewards.mmlu`): multiple-choice evaluation (split out_of_domain), hub subjects or

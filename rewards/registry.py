@@ -24,6 +24,7 @@ from rewards.records import Task
 TASKS = {
     "arithmetic": "rewards.arithmetic:ArithmeticTask",
     "countdown": "rewards.countdown:CountdownTask",
+    "counting": "rewards.counting:CountingTask",
     "math": "rewards.boxed_math:MathTask",
     "mmlu": "rewards.mmlu:MMLUTask",
     "calculator": "rewards.calculator:CalculatorTask",

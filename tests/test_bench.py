@@ -74,6 +74,17 @@ def test_quick_bench_writes_every_figure(ray_cluster, tmp_path, capsys):
                                           "of_bound"))
     assert not {"of_bound_best_lag", "overlap_efficiency_lag2"} & set(result), result.keys()
     assert all(o["outside_engine_ms"] > 0 for o in (head["rollout"], head["learner"]))
+    # Both pairs interleaved: the median ratio within the pairs' range.
+    for o in (head["rollout"], head["learner"]):
+        assert o["ratio_min"] <= o["overhead_ratio"] <= o["ratio_max"], o
+    # The learner's peak memory beside its throughput, bare DeepSpeed's and klrl's.
+    assert _finite_positive(head["learner"]["raw_peak_bytes"])
+    assert _finite_positive(head["learner"]["klrl_peak_bytes"])
+    assert "klrl peak MB" in report.markdown(result)
+    # The headline's step packed against padded, on a batch of spread lengths.
+    packing = head["packing"]
+    assert 0 < packing["padding_share"] < 1 and _finite_positive(packing["speedup_median"])
+    assert "Packed against padded" in report.markdown(result)
     # The floor: raw vLLM without log-probs, beside the raw engine asked what klrl asks.
     rollout = head["rollout"]
     assert rollout["floor_ratio"] == pytest.approx(rollout["klrl_seconds"]

@@ -62,9 +62,13 @@ def lag0(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lag2(tiny_model_dir, tmp_path_factory):
     # with DAPO's overlong recipe on (docs/long-responses.md): its metrics come through the
-    # real controller; what it does to the loss is tests/test_overlong.py's
+    # real controller; what it does to the loss is tests/test_overlong.py's. And packed
+    # micro-batches under a token budget of 40 (sequences of at most 12 + 6 tokens: several
+    # micro-batches a step, cutting groups): the same step as padded is
+    # tests/test_packing.py's, here the real trainer runs them
     return _run(tiny_model_dir, tmp_path_factory.mktemp("runs"), "lag2", 6, 2,
-                "task.overlong.buffer=2", "task.overlong.mask_truncated=true")
+                "task.overlong.buffer=2", "task.overlong.mask_truncated=true",
+                "data.max_prompt_length=12", "learner.token_budget=40", "learner.packing=true")
 
 
 def test_lag0_metrics_and_exact_sync(lag0):

@@ -11,7 +11,7 @@ import kl
 from kl.config import AdvantageConfig, KLConfig
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
-from learner.loss import policy_loss, sequence_logprobs
+from learner.loss import PolicyLoss, policy_loss, sequence_logprobs
 from learner.loss_metrics import merge_metrics
 from learner.task_terms import TASK_OFF_POLICIES
 
@@ -257,6 +257,21 @@ def test_normalized_with_ignored_options_is_rejected():
     with pytest.raises(ValueError, match="normalize=batch"):
         policy_loss(logp, ref, batch, cfg, AdvantageConfig(normalize="batch"), LearnerConfig(),
                     N_GLOBAL)
+
+
+def test_the_loss_is_checked_when_built_and_takes_only_tensors():
+    """PolicyLoss refuses incompatible settings at construction (before any batch), and one
+    object gives exactly the one-off policy_loss on every call."""
+    with pytest.raises(ValueError, match="normalize=batch"):
+        PolicyLoss(KLConfig(placement="reward", kl_in_advantage="normalized"),
+                   AdvantageConfig(normalize="batch"), LearnerConfig())
+    kl_cfg, adv, lcfg = KLConfig(placement="reward", beta=0.3), AdvantageConfig(), LearnerConfig()
+    loss = PolicyLoss(kl_cfg, adv, lcfg)
+    for seed in (1, 2):
+        batch, logp, ref = _batch(seed=seed)
+        got, m = loss(logp, ref, batch, N_GLOBAL)
+        want, m_want = policy_loss(logp, ref, batch, kl_cfg, adv, lcfg, N_GLOBAL)
+        assert float(got) == float(want) and m == m_want
 
 
 @pytest.mark.parametrize("lcfg", [

@@ -244,11 +244,14 @@ def test_export_shm_and_save_hf(stage0, tiny_model_dir):
 def stage3(ray_local, tiny_model_dir, batches, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stage3")
     one = _run(tiny_model_dir, _cfg(num_ranks=1, zero_stage=3), _Steps(batches, ["good", "good"]))
-    # 2 ranks x 2 micro-batches of 2, with gradient checkpointing on the policy; checkpoint
-    # after step 1, refuse a NaN step, restore the checkpoint and redo step 2: it must land
-    # where the one-rank run's step 2 (without gradient checkpointing) did.
+    # 2 ranks, packed micro-batches under a token budget of 25 (rank 0's sequences of 9, 11,
+    # 14 and 16 tokens make 3 of them, rank 1's of 11, 13, 15 and 10 make 2, which it splits
+    # into 3 so that both ranks make the same ZeRO-3 forwards), with gradient checkpointing on
+    # the policy; checkpoint after step 1, refuse a NaN step, restore the checkpoint and redo
+    # step 2: it must land where the one-rank run's step 2 (padded, whole shard, without
+    # gradient checkpointing) did.
     export = _export_and_save(tmp, "object_store")
-    two = _run(tiny_model_dir, _cfg(num_ranks=2, zero_stage=3, micro_batch_size=2,
+    two = _run(tiny_model_dir, _cfg(num_ranks=2, zero_stage=3, token_budget=25, packing=True,
                                     gradient_checkpointing=True),
                _Steps(batches, ["good", "save", "good", "nan", "load", "good"],
                       extra=lambda group: (*export(group), group.rank_info)), tmp=tmp)
@@ -256,8 +259,9 @@ def stage3(ray_local, tiny_model_dir, batches, tmp_path_factory):
 
 
 def test_stage3_two_ranks_with_micro_batches_equal_one_rank(stage3):
-    """...and gradient checkpointing makes the same gradients as without it (the two-rank
-    run recomputes its activations in the backward pass, the one-rank run keeps them)."""
+    """...with packed micro-batches under a token budget (a layout: the same step), and
+    gradient checkpointing makes the same gradients as without it (the two-rank run
+    recomputes its activations in the backward pass, the one-rank run keeps them)."""
     (s1, m1, v1, _), (s2, m2, v2, extra) = stage3
     assert [info["gradient_checkpointing"] for info in extra[3]] == [True, True]
     p0 = s1[0]

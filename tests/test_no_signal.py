@@ -1,7 +1,9 @@
 """No learning signal, flagged: the share of prompt groups without reward spread, logged every
 step, and the warning once the task advantage has been zero for `logging.no_signal_steps`
 steps in a row (cluster/train/learning_signal.py); the last test sees both in a real run of the
-tiny random model on arithmetic, which it never solves (reward 0 at every step)."""
+tiny random model on arithmetic, which it never solves (reward 0 at every step), with dynamic
+sampling on: every group is dropped, a second batch drawn, and the step filled with flat
+groups (cluster/train/dynamic_sampling.py through the real controller)."""
 from __future__ import annotations
 
 import pytest
@@ -65,10 +67,17 @@ def test_a_run_without_reward_says_so(tiny_model_dir, tmp_path, ray_cluster, cap
         f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "run_name=silent",
         "total_steps=2", "max_lag=0", "eval_every=0", "eval.num_problems=8", "eval.samples=0",
         "eval.out_of_domain=null", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-        "logging.wandb_mode=disabled", "logging.no_signal_steps=2"])
+        "logging.wandb_mode=disabled", "logging.no_signal_steps=2",
+        "dynamic_sampling.enabled=true", "dynamic_sampling.max_batches_per_step=2"])
     run_dir, _ = train(cfg)
     rows = [m for m in read_metrics(run_dir) if m["step"] > 0]
     assert [(m["reward/mean"], m["reward/zero_spread_groups"]) for m in rows] == [(0, 1)] * 2
+    for m in rows:  # every group dropped, one more batch drawn, the step filled: full batches
+        assert m["dynamic_sampling/dropped_share"] == 1
+        assert m["dynamic_sampling/extra_batches"] == 1
+        assert m["dynamic_sampling/extra_samples"] == 16
+        assert m["dynamic_sampling/filled_zero_spread"] == 4
+        assert m["response/sequences"] == 16 and m["lag/max"] == 0
     err = capsys.readouterr().err
     assert "warning: no learning signal for 2 steps in a row (steps 1-2): every reward was " \
            "0." in err

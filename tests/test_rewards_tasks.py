@@ -11,8 +11,8 @@ from pydantic import ValidationError
 import rewards
 from rewards import Problem, get_task, load_scorer
 
-LOCAL_OPTIONS = {"arithmetic": {}, "countdown": {}, "math": {"path": "fixture"},
-                 "mmlu": {"path": "fixture"}, "calculator": {}}
+LOCAL_OPTIONS = {"arithmetic": {}, "countdown": {}, "counting": {},
+                 "math": {"path": "fixture"}, "mmlu": {"path": "fixture"}, "calculator": {}}
 
 
 @pytest.mark.parametrize("name", rewards.TASKS)
@@ -31,6 +31,21 @@ def test_every_task_meets_the_contract(name):
         task.problems("nonexistent")
     with pytest.raises(ValueError, match="n must be"):
         task.problems(task.splits[0], -1)
+
+
+def test_counting_answers_are_long_and_spread():
+    """The long-response task: exact answers, lengths from a few characters to about 240 (one
+    token each for the byte-level tiny tokenizer), long-tailed, within its max_new_tokens."""
+    from rewards.counting import MAX_COUNT, make_problem
+
+    task = get_task("counting")
+    p = make_problem(7, 11)
+    assert (p.prompt, p.answer) == ("7..11:", "7 8 9 10 11")
+    assert task.scorer("7 8 9 10 11\nmore", p) == 1.0 and task.scorer("7 8 9 10", p) == 0.0
+    lengths = sorted(len(q.answer) for q in task.problems("train", 2000, seed=0))
+    assert lengths[len(lengths) // 2] <= 16 and lengths[-1] >= 150  # median short, tail long
+    assert max(len(q.answer.split()) for q in task.problems("train", 2000)) <= MAX_COUNT
+    assert lengths[-1] + 1 <= task.max_new_tokens
 
 
 def test_unknown_task_and_bad_options_are_clear_errors():
@@ -104,8 +119,8 @@ def test_task_names_come_from_the_registry():
         check_task_name("arith")
     assert str(error.value) == (
         "unknown task 'arith' (did you mean 'arithmetic'?); known tasks: arithmetic, countdown, "
-        "math, mmlu, calculator, or a plug-in task 'package.module:TaskClass' (a rewards.Task "
-        "subclass in your own package)")
+        "counting, math, mmlu, calculator, or a plug-in task 'package.module:TaskClass' "
+        "(a rewards.Task subclass in your own package)")
     with pytest.raises(ValueError, match="task spec 'a.b:C:D' is not of the form "
                                          "'package.module:TaskClass'"):
         check_task_name("a.b:C:D")

@@ -7,12 +7,15 @@
   text, as for any user who wants no log-probs), timed in turn with the raw calls.
 - Learner: `LearnerGroup.train_step` (batch sharding, Ray transfer, metrics merge included)
   against a bare DeepSpeed step in one fresh process: the same model, DeepSpeed config,
-  optimizer, clipping and loss (`learner.loss.policy_loss`) on the same batch.
+  optimizer, clipping and loss (`learner.loss.PolicyLoss`) on the same batch.
 
-Each baseline runs in a subprocess (`python -m cluster.bench.engines raw-vllm|bare-deepspeed
-SPEC OUT`) with the thread count of the actor it is compared with, set before torch is
-imported, while the actors sit idle. Every figure is the median of `reps` timed repetitions
-after `warmup` untimed ones (WARMUP_REPS but in `klrl bench --quick`).
+Each baseline runs in a subprocess with the thread count of the actor it is compared with, set
+before torch is imported, kept between calls as a session (`python -m cluster.bench.engines
+serve raw-vllm|bare-deepspeed SPEC`), so that its repetitions interleave with klrl's (raw,
+klrl, then klrl, raw, ...) and a machine's drift reaches both alike; each waits idle while
+the other runs. Each ratio comes with the range of the pairs' ratios. Every figure is the
+median of `reps` timed repetitions after `warmup` untimed ones (WARMUP_REPS but in
+`klrl bench --quick`).
 
 On CUDA (`klrl bench --device cuda`) the baselines run on the machine's first GPU, the one the
 actors share on a one-GPU machine: vLLM with the worker's engine settings (its memory share
@@ -55,6 +58,15 @@ class Overhead:
     # Rollout: median seconds per repetition of the raw engine without log-probs, scaled to
     # `tokens` (the floor); None for the learner.
     floor_seconds: float | None = None
+    # Learner: the peak resident set (CPU) or peak allocated GPU memory, bytes, of the bare
+    # DeepSpeed process and of klrl's rank 0 (memory is bounded by learner.token_budget, not
+    # the batch); None for the rollout.
+    raw_peak_bytes: int | None = None
+    klrl_peak_bytes: int | None = None
+    # The range of the interleaved pairs' ratios (klrl seconds / raw seconds of the same
+    # repetition): the spread of the median `overhead_ratio`.
+    ratio_min: float | None = None
+    ratio_max: float | None = None
 
     @property
     def raw_tokens_per_s(self) -> float:
@@ -108,16 +120,24 @@ def measure_rollout(worker, cfg, problems: list, reps: int,
             "rollout": cfg.worker_rollout.model_dump(mode="json"), "seed": cfg.seed,
             "prompts": [p.prompt for p in problems], "stop": list(cfg.task.stop), "reps": reps,
             "warmup": warmup}
-    raw = _run_baseline("raw-vllm", spec)
+    raw: dict[str, list] = {"seconds": [], "tokens": [], "floor_seconds": [], "floor_tokens": []}
     klrl_s, engine_s, tokens, rollouts = [], [], [], []
-    for r in range(warmup + reps):
-        t0 = time.perf_counter()
-        batch = ray.get(worker.generate.remote(problems, group_ids, r))
-        if r >= warmup:
-            klrl_s.append(time.perf_counter() - t0)
-            engine_s.append(batch.gen_seconds)
-            tokens.append(batch.num_response_tokens)
-        rollouts = batch.rollouts
+    with _Session("raw-vllm", spec) as session:
+        for r in range(warmup + reps):
+            for who in (("raw", "klrl") if r % 2 == 0 else ("klrl", "raw")):
+                if who == "raw":
+                    got = session.call(f"rep {r}")
+                    if r >= warmup:
+                        for key, value in got.items():
+                            raw[key].append(value)
+                    continue
+                t0 = time.perf_counter()
+                batch = ray.get(worker.generate.remote(problems, group_ids, r))
+                if r >= warmup:
+                    klrl_s.append(time.perf_counter() - t0)
+                    engine_s.append(batch.gen_seconds)
+                    tokens.append(batch.num_response_tokens)
+                rollouts = batch.rollouts
     raw_s = raw["seconds"]
     if tokens != raw["tokens"]:  # same seeds must give the same tokens, else not the same work
         # On a GPU, kernels may round differently in the two processes and flip a sample's
@@ -129,16 +149,18 @@ def measure_rollout(worker, cfg, problems: list, reps: int,
               "raw times scaled to the worker's tokens", flush=True)
         raw_s = [s * k / r for s, k, r in zip(raw_s, tokens, raw["tokens"])]
     floor_s = [s * k / f for s, k, f in zip(raw["floor_seconds"], tokens, raw["floor_tokens"])]
+    ratios = [k / r for k, r in zip(klrl_s, raw_s)]
     return Overhead("rollout", tokens[-1], statistics.median(raw_s),
                     statistics.median(klrl_s), statistics.median(engine_s), reps,
-                    statistics.median(floor_s)), rollouts
+                    statistics.median(floor_s), ratio_min=min(ratios),
+                    ratio_max=max(ratios)), rollouts
 
 
-def _raw_vllm(spec: dict) -> dict:
-    """Baseline: vLLM alone in this process, configured as RolloutWorker configures it (its
-    engine settings, less the weight-reload extension klrl adds) and asked what the worker
-    asks (`RolloutWorker._request_params`); and the floor, the same requests without
-    log-probs. Each repetition times both, in alternating order."""
+def _raw_vllm(spec: dict):
+    """Baseline session: vLLM alone in this process, configured as RolloutWorker configures it
+    (its engine settings, less the weight-reload extension klrl adds) and asked what the
+    worker asks (`RolloutWorker._request_params`); and the floor, the same requests without
+    log-probs. Each `rep R` times both, in alternating order."""
     from actors.config import RolloutConfig, SyncConfig
 
     cfg = RolloutConfig(**spec["rollout"])
@@ -152,25 +174,28 @@ def _raw_vllm(spec: dict) -> dict:
     llm = make_llm(spec["model_dir"], **options)
     prompts, stop = spec["prompts"], spec["stop"]
     detokenize = not decodes_texts_itself(llm.get_tokenizer(), stop)
-    times: dict[str, list] = {"seconds": [], "tokens": [], "floor_seconds": [], "floor_tokens": []}
 
-    def timed(r: int, floor: bool) -> None:
+    def timed(r: int, floor: bool) -> tuple[float, int]:
         params = request_params(cfg, r, WORKER_INDEX, len(prompts), stop, detokenize=detokenize,
                                 with_logprobs=not floor)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        if r >= spec["warmup"]:
-            times["floor_seconds" if floor else "seconds"].append(time.perf_counter() - t0)
-            times["floor_tokens" if floor else "tokens"].append(
+        return (time.perf_counter() - t0,
                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
+    def rep(r: str) -> dict:
+        """Repetition r (seed r): the raw requests and the floor's, in alternating order."""
+        out = {}
+        for floor in (int(r) % 2 == 1, int(r) % 2 == 0):
+            seconds, tokens = timed(int(r), floor)
+            out |= ({"floor_seconds": seconds, "floor_tokens": tokens} if floor
+                    else {"seconds": seconds, "tokens": tokens})
+        return out
+
     try:
-        for r in range(spec["warmup"] + spec["reps"]):
-            for floor in (r % 2 == 1, r % 2 == 0):
-                timed(r, floor)
+        yield {"rep": rep}
     finally:
         shutdown_llm(llm)
-    return times
 
 
 # --------------------------------------------------------------------------- learner
@@ -178,7 +203,9 @@ def _raw_vllm(spec: dict) -> dict:
 
 def measure_learner(group, cfg, batch, reps: int, warmup: int = WARMUP_REPS) -> Overhead:
     """Learner overhead of `group` (a started LearnerGroup built from TrainConfig `cfg`) on
-    `batch` (a TrainBatch). Each repetition is a real optimizer step in both."""
+    `batch` (a TrainBatch). Each repetition is a real optimizer step in both, interleaved with
+    the bare DeepSpeed process's (raw, klrl, then klrl, raw, ...), so that a machine's drift
+    reaches both alike; the ratio is the median's, with the range of the pairs' ratios."""
     import torch
 
     with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
@@ -188,24 +215,85 @@ def measure_learner(group, cfg, batch, reps: int, warmup: int = WARMUP_REPS) -> 
                 "learner": cfg.rank_learner.model_dump(mode="json"),
                 "kl": cfg.kl.model_dump(mode="json"),
                 "advantage": cfg.advantage.model_dump(mode="json"),
-                "seed": cfg.seed, "batch": str(path), "reps": reps, "warmup": warmup}
-        raw = _run_baseline("bare-deepspeed", spec)
-    klrl_s, engine_s = [], []
-    for r in range(warmup + reps):
-        t0 = time.perf_counter()
-        metrics = group.train_step(batch)
-        if r >= warmup:
-            klrl_s.append(time.perf_counter() - t0)
-            # In DeepSpeed and torch: the optimizer steps and the reference forward.
-            engine_s.append(metrics["time/learner_step"] + metrics["time/reference"])
+                "seed": cfg.seed, "batch": str(path)}
+        raw_s, klrl_s, engine_s = [], [], []
+        with _Session("bare-deepspeed", spec) as raw:
+            for r in range(warmup + reps):
+                pair: dict[str, float] = {}
+                for who in (("raw", "klrl") if r % 2 == 0 else ("klrl", "raw")):
+                    if who == "raw":
+                        pair["raw"] = raw.call("step")["seconds"]
+                        continue
+                    t0 = time.perf_counter()
+                    metrics = group.train_step(batch)
+                    pair["klrl"] = time.perf_counter() - t0
+                    # In DeepSpeed and torch: the optimizer steps and the reference forward.
+                    pair["engine"] = metrics["time/learner_step"] + metrics["time/reference"]
+                if r >= warmup:
+                    raw_s.append(pair["raw"])
+                    klrl_s.append(pair["klrl"])
+                    engine_s.append(pair["engine"])
+            raw_peak = raw.call("peak")["peak_bytes"]
+    ratios = [k / r for k, r in zip(klrl_s, raw_s)]
     tokens = int(batch.attention_mask.sum())
-    return Overhead("learner", tokens, statistics.median(raw["seconds"]),
-                    statistics.median(klrl_s), statistics.median(engine_s), reps)
+    return Overhead("learner", tokens, statistics.median(raw_s),
+                    statistics.median(klrl_s), statistics.median(engine_s), reps,
+                    raw_peak_bytes=raw_peak,
+                    klrl_peak_bytes=group.memory()[0][
+                        "peak_gpu" if cfg.learner.device_kind == "cuda" else "peak_rss"],
+                    ratio_min=min(ratios), ratio_max=max(ratios))
 
 
-def _bare_deepspeed(spec: dict) -> dict:
-    """Baseline: one DeepSpeed engine in this process, single rank (gloo), configured as
-    LearnerRank configures it, stepping on the batch with the learner's loss."""
+class _Session:
+    """A baseline kept in a subprocess between calls, so that its repetitions interleave with
+    klrl's: `python -m cluster.bench.engines serve KIND SPEC` reads one command a line on
+    stdin and answers each with one JSON line behind REPLY (what the libraries print to
+    stdout is skipped)."""
+
+    def __init__(self, kind: str, spec: dict):
+        self.kind, self.spec = kind, spec
+
+    def __enter__(self) -> _Session:
+        self._tmp = tempfile.TemporaryDirectory(prefix="klrl-bench-")
+        spec_path = Path(self._tmp.name) / "spec.json"
+        spec_path.write_text(json.dumps(self.spec))
+        self._err = open(Path(self._tmp.name) / "stderr", "w+")  # noqa: SIM115 - closed in __exit__
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.bench.engines", "serve", self.kind, str(spec_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        return self
+
+    def call(self, command: str) -> dict:
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        self._err.seek(0)
+        raise RuntimeError(f"baseline {self.kind} ended ({self._proc.wait()}) during "
+                           f"{command!r}:\n{self._err.read()[-4000:]}")
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._proc.poll() is None:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=120)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._err.close()
+            self._tmp.cleanup()
+
+
+REPLY = "KLRL-BENCH-REPLY "
+
+
+def _bare_deepspeed(spec: dict):
+    """Baseline session (a generator yielding its commands): one DeepSpeed engine in this
+    process, single rank (gloo), configured as LearnerRank configures it, each `step` an
+    optimizer step on the batch with the learner's loss in the learner's micro-batches
+    (learner/micro_batches.py: the same forwards, packed or padded, under the same token
+    budget); `peak` its peak memory."""
     from kl.config import AdvantageConfig, KLConfig
     from learner.config import LearnerConfig
 
@@ -215,9 +303,10 @@ def _bare_deepspeed(spec: dict) -> dict:
     import deepspeed
     import torch
 
+    from learner import micro_batches
     from learner.batch import TrainBatch
     from learner.loading import ModelFiles, load_causal_lm
-    from learner.loss import policy_loss, sequence_logprobs
+    from learner.loss import PolicyLoss
     from learner.process_group import host_store, init_process_group, remove_shm_buffers
 
     torch.set_num_threads(threads)
@@ -240,49 +329,54 @@ def _bare_deepspeed(spec: dict) -> dict:
     batch = TrainBatch(**torch.load(spec["batch"]))
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                       config=cfg.deepspeed_config(batch.num_sequences, 1))
-    seconds = []
+    policy_loss = PolicyLoss(kl_cfg, adv_cfg, cfg)  # built once, as a LearnerRank builds it
+
+    def step() -> dict:
+        t0 = time.perf_counter()
+        ref_logp = micro_batches.logprobs(ref, batch, cfg, device)
+        micro_batches.accumulate(engine, batch, ref_logp, policy_loss, batch.num_sequences,
+                                 lambda loss, _logp: engine.backward(loss), device)
+        # as LearnerRank's optimizer does
+        if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return {"seconds": time.perf_counter() - t0}
+
     try:
-        for r in range(spec["warmup"] + spec["reps"]):
-            t0 = time.perf_counter()
-            b = batch if not cuda else batch.to(device)
-            inputs = {"input_ids": b.input_ids, "attention_mask": b.attention_mask,
-                      "use_cache": False}
-            logp = sequence_logprobs(engine(**inputs).logits, b.input_ids)
-            with torch.no_grad():
-                ref_logp = sequence_logprobs(ref(**inputs).logits, b.input_ids)
-            loss, _ = policy_loss(logp, ref_logp, b, kl_cfg, adv_cfg, cfg, b.num_sequences)
-            engine.backward(loss)
-            # as LearnerRank's optimizer does
-            if not cfg.deepspeed_wraps_optimizer and cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            engine.step()
-            if cuda:
-                torch.cuda.synchronize()
-            if r >= spec["warmup"]:
-                seconds.append(time.perf_counter() - t0)
+        yield {"step": step, "peak": lambda: {"peak_bytes": _peak_bytes(cuda)}}
     finally:
         remove_shm_buffers("127.0.0.1", port)  # DeepSpeed's CPU comm buffers outlive the process
-    return {"seconds": seconds}
+
+
+def _peak_bytes(cuda: bool) -> int:
+    """This process's peak memory: the GPU's peak allocation, or the peak resident set."""
+    if cuda:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --------------------------------------------------------------------------- subprocesses
 
-BASELINES = {"raw-vllm": _raw_vllm, "bare-deepspeed": _bare_deepspeed}
+SESSIONS = {"raw-vllm": _raw_vllm, "bare-deepspeed": _bare_deepspeed}  # `_Session`s
 
 
-def _run_baseline(kind: str, spec: dict) -> dict:
-    with tempfile.TemporaryDirectory(prefix="klrl-bench-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "cluster.bench.engines", kind, str(spec_path),
-                               str(out_path)], check=False, capture_output=True, text=True,
-                              timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"baseline {kind} failed ({proc.returncode}):\n"
-                               f"{proc.stderr[-4000:]}")
-        return json.loads(out_path.read_text())
+def _serve(kind: str, spec: dict) -> None:
+    """A session's subprocess: its commands by name, one a line on stdin, until stdin ends."""
+    session = SESSIONS[kind](spec)
+    commands = next(session)
+    try:
+        for line in sys.stdin:
+            name, *args = line.split()
+            print(REPLY + json.dumps(commands[name](*args)), flush=True)
+    finally:
+        session.close()
 
 
 if __name__ == "__main__":
-    kind, spec_file, out_file = sys.argv[1:4]
-    Path(out_file).write_text(json.dumps(BASELINES[kind](json.loads(Path(spec_file).read_text()))))
+    _serve(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))  # serve KIND SPEC

@@ -31,15 +31,19 @@ def markdown(result: dict[str, Any]) -> str:
                  for o in (w.get("rollout"), w.get("learner")) if o]
     # JSONs written before the floor was measured render without its columns.
     floor = any(o.get("floor_ratio") for _, o in overheads)
+    # ...and before the learner's peak memory was measured beside its throughput.
+    peak = any(o.get("klrl_peak_bytes") for _, o in overheads)
     rows = []
     for name, o in overheads:
         row = (f"| {o['name']}, {name} | {o['tokens']} | {o['raw_tokens_per_s']:.0f} "
-               f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}** "
+               f"| {o['klrl_tokens_per_s']:.0f} | **{o['overhead_ratio']:.2f}**{_range(o)} "
                f"| {o['engine_seconds'] / o['klrl_seconds']:.0%} "
                f"| {o['outside_engine_ms']:.0f} |")
         if floor:
             row += (f" {o['floor_tokens_per_s']:.0f} | **{o['floor_ratio']:.2f}** |"
                     if o.get("floor_ratio") else " - | - |")
+        if peak:
+            row += (f" {_mb(o.get('raw_peak_bytes'))} | **{_mb(o.get('klrl_peak_bytes'))}** |")
         rows.append(row)
     if rows:
         head = ("| engine overhead | tokens | raw tok/s | klrl tok/s | ratio | in engine "
@@ -47,11 +51,18 @@ def markdown(result: dict[str, Any]) -> str:
         rule = "|---|---|---|---|---|---|---|"
         title = ("**Engine overheads** (ratio = raw throughput / klrl throughput; 1 = no "
                  "overhead")
+        if any(o.get("ratio_min") for _, o in overheads):
+            title += "; [range]: the learner's interleaved pairs' ratios"
         if floor:
             head += " raw without log-probs tok/s | x floor |"
             rule += "---|---|"
             title += ("; x floor = raw vLLM asked for no log-probs / klrl: the floor the "
                       "rollout's log-probs are measured against")
+        if peak:
+            head += " raw peak MB | klrl peak MB |"
+            rule += "---|---|"
+            title += ("; peak MB: the learner process's peak resident set, on a GPU its peak "
+                      "allocation, bare DeepSpeed and klrl's rank 0")
         lines += ["", title + ")", "", head, rule, *rows]
     if "generation_tokens_per_s" in result and "training_tokens_per_s" in result:
         lines += ["", (f"**Headline** ({result['headline_workload']}, through klrl): "
@@ -104,6 +115,15 @@ def _outside_table(o: dict[str, Any]) -> list[str]:
              f"| **{o['outside_engine_ms']:.1f}** | {_ms(o.get('outside_engine_unscored_ms'))} "
              f"| {parts['requests']:.1f} "
              f"| {parts['scoring']:.1f} | {parts['records']:.1f} | {parts['ray_trip']:.1f} |")]
+
+
+def _range(o: dict[str, Any]) -> str:
+    """The interleaved pairs' ratio range, where measured (the learner's)."""
+    return f" [{o['ratio_min']:.2f}-{o['ratio_max']:.2f}]" if o.get("ratio_min") else ""
+
+
+def _mb(x: int | None) -> str:
+    return "-" if not x else f"{x / 1e6:.0f}"
 
 
 def _ratio(x: float | None) -> str:
@@ -180,6 +200,20 @@ def _later_tables(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {mem['trainable'] / 1e6:.1f} | {mem['weights'] / 1e6:.1f} "
                          f"| {mem['reference'] / 1e6:.1f} | {mem['optimizer_state'] / 1e6:.1f} "
                          f"| **{mem['peak_rss'] / 1e6:.0f}** |")
+    packing = {name: w["packing"] for name, w in result["workloads"].items()
+               if w.get("packing")}  # absent from JSONs written before it was measured
+    if packing:
+        lines += ["", ("**Packed against padded** (the learner's step on the same batch of "
+                       "long-tailed lengths, interleaved; median [min-max] over the repetitions; "
+                       "tokens/s: trained tokens, padding not counted)"), "",
+                  ("| packing | sequences | tokens | padding share | token budget | padded tok/s "
+                   "| packed tok/s | speed-up |"), "|---|---|---|---|---|---|---|---|"]
+        for name, p in packing.items():
+            lines.append(
+                f"| {name} | {p['sequences']} | {p['tokens']} | {p['padding_share']:.0%} "
+                f"| {p['token_budget']} | {p['padded']['tokens_per_s']:.0f} "
+                f"| {p['packed']['tokens_per_s']:.0f} | **{p['speedup_median']:.2f}** "
+                f"[{p['speedup_min']:.2f}-{p['speedup_max']:.2f}] |")
     pipelines = {name: w["pipeline"] for name, w in result["workloads"].items()
                  if w.get("pipeline")}
     if not pipelines:

@@ -10,7 +10,9 @@ One run on the machine it runs on measures, for each workload (a model and a bat
   against the ideal built from T_gen and T_train, and at max_lag 1 and 2 again with in-flight
   weight updates (`rollout.in_flight_updates`): the speed-up, the engines' idle share, the
   tokens' lag (cluster/bench/pipeline.py); also on a workload whose response lengths spread
-  from one token to the cap, end to end only (cluster/bench/long_tail.py).
+  from one token to the cap, end to end only (cluster/bench/long_tail.py);
+- the headline's learner step packed against padded, interleaved, on a batch whose lengths
+  spread up to a few hundred tokens (cluster/bench/packing.py).
 
 CPU split: a local Ray cluster with one logical CPU per core (2 here); the rollout worker and
 the learner rank each reserve 1 Ray CPU (the demo config's `rollout.num_cpus_per_worker: 1`,
@@ -43,6 +45,7 @@ from actors.weight_sync import transport
 from cluster.bench import gpu
 from cluster.bench.engines import WARMUP_REPS, Overhead, measure_learner, measure_rollout
 from cluster.bench.long_tail import build_long_tail_model
+from cluster.bench.packing import QUICK_SPREAD, SPREAD, Spread, measure_packing
 from cluster.bench.outside import SHAPE, measure_outside, stop_worker
 from cluster.bench.pipeline import PipelineResult, measure_pipeline
 from cluster.bench.results import default_parts, machine, summary, versions
@@ -118,6 +121,9 @@ class BenchPlan:
     reference: str = "one-core"
     # On CUDA (`gpu_plan`), the workload that replaces the headline: one a GPU is sized for.
     gpu_headline: Workload | None = None
+    # The headline's learner step packed against padded on a batch of spread lengths
+    # (cluster/bench/packing.py); part of the engines part, on CPU.
+    spread: Spread = SPREAD
 
     def __post_init__(self) -> None:
         if not set(self.in_flight_lags) <= set(self.lags) - {0}:
@@ -176,7 +182,7 @@ QUICK = BenchPlan(
     # One measured step per run, as one repetition of everything else, and no warm-up call:
     # the machinery, not the figures (each further step is a step of both runs, and the
     # fixed-shape workload's two warm-ups alone generate 2 x 16384 tokens).
-    lags=(2,), in_flight_lags=(), warmup_reps=0, reference="none")
+    lags=(2,), in_flight_lags=(), warmup_reps=0, reference="none", spread=QUICK_SPREAD)
 
 
 def gpu_plan(plan: BenchPlan, dtype: str = "float32", transport: str | None = None) -> BenchPlan:
@@ -209,6 +215,7 @@ class WorkloadResult:
     trainable_parameters: int = 0   # those the optimizer holds: fewer with LoRA
     rollout: Overhead | None = None
     learner: Overhead | None = None
+    packing: dict[str, Any] | None = None  # packed against padded (cluster/bench/packing.py)
     pipeline: PipelineResult | None = None
     syncs: list[SyncLatency] = field(default_factory=list)
     # rank 0's bytes after an optimizer step (LearnerRank.memory)
@@ -219,7 +226,8 @@ class WorkloadResult:
                 "rollout": self.rollout.to_dict() if self.rollout else None,
                 "learner": self.learner.to_dict() if self.learner else None,
                 "pipeline": self.pipeline.to_dict() if self.pipeline else None,
-                "weight_sync": [s.to_dict() for s in self.syncs], "learner_memory": self.memory}
+                "weight_sync": [s.to_dict() for s in self.syncs], "learner_memory": self.memory,
+                "packing": self.packing}
 
 
 # --------------------------------------------------------------------------- running
@@ -306,6 +314,10 @@ def _run_workload(w: Workload, cfg, plan: BenchPlan, parts: Sequence[str],
         _measure_actors(w, cfg, plan, engines, bound if "sync" in parts else None, result)
     else:
         result.parameters = _parameters(cfg.model.path)
+    if engines and w.name == plan.headline and plan.device == "cpu":
+        print(f"[bench] {w.name}: the learner's step packed against padded", flush=True)
+        result.packing = measure_packing(cfg.model.path, cfg, plan.engine_reps,
+                                         plan.warmup_reps, plan.spread)
     if w.engines and "e2e" in parts:
         lags = ", ".join(str(lag) for lag in plan.lags)
         flying = ", ".join(str(lag) for lag in plan.in_flight_lags)

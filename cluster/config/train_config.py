@@ -14,11 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.config import RolloutConfig, SyncConfig
 from actors.weight_sync import Placement, transport
+from cluster.config.dynamic_sampling import DynamicSamplingConfig
 from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from kl.surrogate import IMPORTANCE_CORRECTIONS
-from learner.config import LearnerConfig
+from learner.config import DEFAULT_TOKEN_BUDGET, LearnerConfig
 from learner.task_terms import TASK_TERMS
 from rewards.config import EvalConfig, TaskConfig
 from rewards.records import Task
@@ -285,6 +286,9 @@ class TrainConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     faults: FaultConfig = Field(default_factory=FaultConfig, description="Fault tolerance.")
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="Drop prompt groups without task "
+        "reward spread and refill the batch from the stream (DAPO; docs/long-responses.md).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
 
     @model_validator(mode="after")
@@ -301,6 +305,7 @@ class TrainConfig(_Strict):
         self.advantage.check_group_size(self.rollout.samples_per_prompt,
                                         "rollout.samples_per_prompt")
         check_compatible(self.kl, self.advantage)  # the kl x advantage rules' one home
+        self.dynamic_sampling.check(self.advantage, self.rollout.samples_per_prompt)
         self._check_truncated_sampling()
         self._check_overlong()
         # The generation mode's refusals (in-flight updates: max_lag 0, LoRA) are the mode's.
@@ -425,12 +430,27 @@ class TrainConfig(_Strict):
     @property
     def rank_learner(self) -> LearnerConfig:
         """`learner` as the learner ranks get it: threads_per_rank by the thread rule and
-        omp_wait_policy resolved (`_all_cpus_among`)."""
+        omp_wait_policy resolved (`_all_cpus_among`), token_budget resolved (null:
+        DEFAULT_TOKEN_BUDGET or the longest allowed sequence, 0 beside micro_batch_size)."""
         lc = self.learner
         threads = lc.threads_per_rank or self._all_cpus_among(lc.num_ranks)
         wait = lc.omp_wait_policy or (
             "passive" if self.max_lag >= 1 and threads > lc.num_cpus_per_rank else "default")
-        return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait})
+        budget = lc.token_budget
+        if budget is None:
+            budget = 0 if lc.micro_batch_size else max(DEFAULT_TOKEN_BUDGET,
+                                                       self.longest_sequence)
+        return lc.model_copy(update={"threads_per_rank": threads, "omp_wait_policy": wait,
+                                     "token_budget": budget})
+
+    @property
+    def longest_sequence(self) -> int:
+        """The longest prompt + response a rollout can make: data.max_prompt_length +
+        rollout.max_new_tokens where the prompt limit is set (within the engine's context),
+        else the engine's context, rollout.max_model_len."""
+        limit, r = self.data.max_prompt_length, self.rollout
+        return (min(limit + r.max_new_tokens, r.max_model_len) if limit is not None
+                else r.max_model_len)
 
     def _check_environment(self) -> None:
         """Limits a multi-turn episode (task.environment) can keep: a turn's budget within the
@@ -459,6 +479,21 @@ class TrainConfig(_Strict):
             raise ValueError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be below "
                              f"rollout.max_model_len ({r.max_model_len}), the engine's context, "
                              "which holds the prompt too: lower one or raise the other")
+        return self
+
+    @model_validator(mode="after")
+    def _token_budget_holds_a_sequence(self) -> TrainConfig:
+        """learner.token_budget must hold the longest sequence a rollout can make: a longer
+        one would overrun the memory the budget promises (the learner puts it in a micro-batch
+        of its own rather than drop it)."""
+        budget, limit = self.learner.token_budget, self.data.max_prompt_length
+        longest = self.longest_sequence
+        if budget and budget < longest:
+            said = ("data.max_prompt_length + rollout.max_new_tokens" if limit is not None
+                    and longest < self.rollout.max_model_len else "rollout.max_model_len")
+            raise ValueError(f"learner.token_budget ({budget}) is below the longest sequence a "
+                             f"rollout can make ({longest}, {said}): raise it to at least "
+                             f"{longest}, or lower {said.split(' + ')[-1]}")
         return self
 
 

@@ -33,6 +33,7 @@ from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, shaping_metrics, train_batch
 from cluster.train.deadlines import LearnerDeadlines
+from cluster.train.dynamic_sampling import DynamicSampler
 from cluster.train.episodes import EpisodeBook
 from cluster.train.launch import start_engines_and_learner, start_learner
 from cluster.train.learner_restarts import LearnerRestarts, failure_line, heals
@@ -72,6 +73,9 @@ class Controller:
         self.last_batches: dict[int, RolloutBatch] = {}  # per worker, without its rollouts
         self.nonfinite_run = self.nonfinite_total = 0  # refused (NaN/inf) learner steps
         self.no_signal = NoSignalWatch(cfg.logging.no_signal_steps)
+        ds = cfg.dynamic_sampling  # drop zero-spread groups, refill (dynamic_sampling.py)
+        self.sampler = (DynamicSampler(cfg.rollout.prompts_per_step, ds.max_batches_per_step,
+                                       cfg.learner.updates_per_batch) if ds.enabled else None)
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
         self.learner_restarts = LearnerRestarts(cfg.faults.max_learner_restarts)
@@ -114,7 +118,8 @@ class Controller:
         self._honour_stop_request()
         t0 = time.perf_counter()
         self._fill_pipeline()
-        batch, gen_metrics = self._take_batch()
+        batch, gen_metrics = (self._take_batch() if self.sampler is None
+                              else self.sampler.fill(self._take_next, self.step))
         trained_by = self.step  # the learner version that trains this batch
         metrics = self._train(batch) | gen_metrics
         metrics |= self._publish()
@@ -327,6 +332,12 @@ class Controller:
             # batch-level): with lag/multi_version_share, whether anything was in flight
             "rollout/preempted": sum(b.preempted for b in batches),
         }
+
+    def _take_next(self):
+        """Dynamic sampling's next global batch, requested first if none is in flight; None
+        when the data's epochs are used up."""
+        self._fill_pipeline()
+        return self._take_batch() if self.pending else None
 
     def _engine_idle(self, batches: list[RolloutBatch]) -> dict:
         """rollout/engine_idle_share: the mean over workers of the share of the time since

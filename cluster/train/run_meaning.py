@@ -43,7 +43,8 @@ FREE = (
     "learner.num_ranks", "learner.zero_stage", "learner.offload_optimizer",
     "learner.offload_param", "learner.num_cpus_per_rank", "learner.threads_per_rank",
     "learner.omp_wait_policy", "learner.num_gpus_per_rank", "learner.micro_batch_size",
-    "learner.gradient_checkpointing", "learner.attn_implementation",
+    "learner.token_budget", "learner.packing", "learner.gradient_checkpointing",
+    "learner.attn_implementation",
 )
 # Where a run ends: a resume may move it (a finished run is extended with a larger total_steps).
 RESUME_MAY_CHANGE = ("total_steps", "data.epochs")
