@@ -26,8 +26,9 @@ from cluster.experiments.keep import (
     restore_runs,
 )
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, load_run
-from cluster.experiments.sweep import changed_runs, expand, run_state, sweep_dir, validate_runs
+from cluster.experiments.sweep import changed_runs, expand, sweep_dir, validate_runs
 from cluster.experiments.sweep_run import run_sweep
+from cluster.train.continuation import RunState, continuation
 from cluster.train.run_log import finished_at, is_finished
 
 FINISHED_AT = 1_780_000_000.0  # a fixed past time, so that a lost mtime shows
@@ -73,7 +74,7 @@ def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
     fresh = _sweep(tmp_path / "fresh", grid={"seed": [0, 1]})  # the next machine
     assert restore_runs(store, sweep_dir(fresh)) == [runs[0].name]
     back = sweep_dir(fresh) / runs[0].name
-    assert is_finished(back) and run_state(back) == "finished"
+    assert is_finished(back) and continuation(back).state is RunState.FINISHED
     assert finished_at(back) == FINISHED_AT  # the sweep's time-left estimate reads it
     assert (sweep_dir(fresh) / BASE_EVAL_FILE).read_text() == '{"sets": {}}'
     a, b = load_run(original), load_run(back)
@@ -108,7 +109,7 @@ def test_a_partial_run_is_set_aside_for_the_kept_one_and_a_finished_one_stays(tm
     aside = list((sweep_dir(there) / "replaced").iterdir())
     assert len(aside) == 1 and aside[0].name.startswith(runs[0].name)
     assert (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert run_state(partial) == "finished"
+    assert continuation(partial).state is RunState.FINISHED
     assert json.loads((done / FINAL_EVAL_FILE).read_text())["sets"]["in_domain"]["accuracy"] == 0.9
     assert (done / "final" / "model.safetensors").is_file()  # untouched, weights and all
     # its evaluation differs from the kept one's: keeping it would change the store

@@ -224,20 +224,23 @@ def test_a_resubmission_continues_the_run_under_a_new_name():
 
 def test_resume_if_started_resumes_a_run_that_exists_and_starts_one_that_does_not(tmp_path,
                                                                                   capsys):
-    """What a resubmitted job runs decides by the run's directory: --resume when the lost
-    driver made it, a fresh start when it died before that."""
-    from cluster.cli.cmd_train import _started
+    """What a resubmitted job runs decides by the continuation rule (tests/test_continuation.py
+    has every state): --resume when the lost driver started the run, a fresh start when it
+    died before that."""
+    from cluster.cli.cmd_train import _continuation
     from cluster.config.loader import ConfigError
     from cluster.config.train_config import load_train_config
+    from cluster.train.continuation import Action
 
     (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "metrics.jsonl").write_text('{"step": 0}\n')
     def cfg(*extra):
         return load_train_config("configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", *extra])
 
-    assert _started(cfg("run_name=r1"), True) and not _started(cfg("run_name=r2"), True)
-    assert not _started(cfg("run_name=r1"), False)  # without the flag: as asked
+    assert _continuation(cfg("run_name=r1")).action is Action.RESUME
+    assert _continuation(cfg("run_name=r2")).action is Action.START
     with pytest.raises(ConfigError, match="--resume-if-started needs run_name"):
-        _started(cfg(), True)
+        _continuation(cfg())
     assert main(["train", "configs/tiny_cpu.yaml", "--resume-if-started"]) == 2
     assert "--resume-if-started needs run_name" in _one_error_line(capsys.readouterr().err)
 

@@ -20,13 +20,13 @@ from cluster.experiments.sweep import (
     expand,
     load_sweep,
     preflight_runs,
-    run_state,
     set_aside,
     sweep_dir,
     train_command,
     validate_runs,
 )
 from cluster.experiments.sweep_run import run_sweep
+from cluster.train.continuation import Action, Continuation, RunState, continuation
 from cluster.train.jobs import SubmitError, check_reachable, dashboard_url
 
 
@@ -67,10 +67,12 @@ def _run_sweep(args) -> int:
         for run in changed:
             print(f"{run.name} ({run.state}; {run.describe()}): would move to "
                   f"{root / SET_ASIDE_DIR}/")
-        for run in runs:
-            state = "new" if run.name in rerun else run_state(root / run.name)
-            print(f"[{run.index}/{len(runs)}] {run.name} ({state}): "
-                  + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
+        for run in runs:  # a run to rerun is started anew once set aside
+            verdict = (continuation(root / run.name) if run.name not in rerun else
+                       Continuation(root / run.name, RunState.ABSENT, Action.START))
+            print(f"[{run.index}/{len(runs)}] {run.name} ({verdict.state.value}): "
+                  + (f"{verdict.action.value}: {verdict.reason}" if not verdict.runs else
+                     shlex.join(["klrl", *train_command(cfg, run, verdict)])))  # for a shell
         return 0
     try:  # the client probes the dashboard again: one lost since is still refused here
         launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits,

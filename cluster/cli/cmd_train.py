@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.train.continuation import Action, continuation_of
 from cluster.train.error_line import error_line
 from cluster.train.job_upload import UploadError, project_upload, python_candidates
 from cluster.train.jobs import (
@@ -73,10 +74,19 @@ def _report_stop(stop) -> int:
 def _run_train(args) -> int:
     try:
         cfg = _config_for(args)
-        resume = bool(args.resume) or _started(cfg, args.resume_if_started)
+        verdict = _continuation(cfg) if args.resume_if_started else None
     except (ConfigError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    resume = bool(args.resume)
+    if verdict is not None:
+        if verdict.action is Action.REFUSE:
+            print(f"error: {verdict.reason}", file=sys.stderr)
+            return 2
+        if verdict.action is Action.SKIP:  # a job resubmitted after its run's end
+            print(verdict.reason)
+            return 0
+        resume = verdict.action is Action.RESUME
     if args.dry_run:
         return _dry_run(cfg, resume)
     return _train_and_report(cfg, resume, args.verbose, "run finished")
@@ -100,15 +110,13 @@ def _dry_run(cfg, resume: bool) -> int:
     return 0
 
 
-def _started(cfg, resume_if_started: bool) -> bool:
-    """--resume-if-started (what a resubmitted job runs): whether the run's directory exists,
-    so that the run is continued, or started when the lost driver never got that far."""
-    if not resume_if_started:
-        return False
+def _continuation(cfg):
+    """--resume-if-started (what a resubmitted job runs): the continuation rule's verdict on
+    the run (cluster/train/continuation.py): start it, resume it, nothing to do, or refused."""
     if cfg.run_name is None:
         raise ConfigError("--resume-if-started needs run_name (in the config or as an "
                           "override) to know which run to continue")
-    return (Path(cfg.output_dir) / cfg.run_name).is_dir()
+    return continuation_of(cfg)
 
 
 def _run_demo(args) -> int:
@@ -267,8 +275,10 @@ def register(subparsers) -> None:
                    "it has no checkpoint yet (anywhere on the line: `klrl train --resume RUN_DIR "
                    "total_steps=600`)")
     p.add_argument("--resume-if-started", action="store_true",
-                   help="--resume if the run's directory exists, else start the run (what a job "
-                   "resubmitted by `klrl submit --max-resubmits` runs)")
+                   help="start, resume or leave the run as its directory says (one rule for "
+                   "every launcher: a run not there is started, a started one resumed, a "
+                   "finished one left, one recorded with other settings refused); what a job "
+                   "resubmitted by `klrl submit --max-resubmits` or requeued by SLURM runs")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("--dry-run", action="store_true",
                    help="make every check of a real start (config, model, data, resources, "

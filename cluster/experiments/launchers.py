@@ -8,14 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments.sweep import (
-    RunSpec,
-    RunState,
-    SweepConfig,
-    run_state,
-    sweep_dir,
-    train_command,
-)
+from cluster.experiments.sweep import RunSpec, SweepConfig, sweep_dir, train_command
+from cluster.train.continuation import Continuation, continuation
 from cluster.train.job_upload import UploadError, project_upload, python_candidates
 from cluster.train.jobs import SubmitError, cluster_python, driver_lost, job_client, submit
 
@@ -28,10 +22,10 @@ class LocalLauncher:
     def __init__(self, log_dir: Path):
         self.log_dir = Path(log_dir)
 
-    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState):
+    def start(self, cfg: SweepConfig, run: RunSpec, verdict: Continuation):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{run.name}.log"
-        cmd = [sys.executable, "-m", "cluster.cli", *train_command(cfg, run, state)]
+        cmd = [sys.executable, "-m", "cluster.cli", *train_command(cfg, run, verdict)]
         log = open(log_path, "a")  # noqa: SIM115 - closed by poll() when the child exits
         log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
         log.flush()
@@ -67,8 +61,9 @@ class RayJobLauncher:
     """One Ray job per run (`klrl submit --no-wait`), polled for its status. The run
     directories must be on storage this machine shares with the cluster (see SweepConfig).
     A job whose driver is lost (jobs.driver_lost: killed, or its node gone) is submitted
-    again, up to `max_resubmits` times per run, with `--resume` once its directory exists:
-    the run goes on from its last checkpoint; one that failed or stopped by itself is not."""
+    again, up to `max_resubmits` times per run, with `--resume` where the continuation rule
+    says so (cluster/train/continuation.py): the run goes on from its last checkpoint; one
+    that failed or stopped by itself is not."""
 
     def __init__(self, address: str, python: str | None = None, max_resubmits: int = 0,
                  upload_list: str | None = None):
@@ -83,11 +78,11 @@ class RayJobLauncher:
             raise SubmitError(str(exc)) from None
         self.python = cluster_python(address, python_candidates(python))
 
-    def start(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> RunJob:
-        return RunJob(cfg, run, self._submit(cfg, run, state))
+    def start(self, cfg: SweepConfig, run: RunSpec, verdict: Continuation) -> RunJob:
+        return RunJob(cfg, run, self._submit(cfg, run, verdict))
 
-    def _submit(self, cfg: SweepConfig, run: RunSpec, state: RunState) -> str:
-        args = train_command(cfg, run, state)[2:]  # the overrides (and --resume)
+    def _submit(self, cfg: SweepConfig, run: RunSpec, verdict: Continuation) -> str:
+        args = train_command(cfg, run, verdict)[2:]  # the overrides (and --resume)
         return submit(cfg.train_config, self.address, args, wait=False, python=self.python,
                       upload=self.upload)
 
@@ -103,8 +98,8 @@ class RayJobLauncher:
         if why is None or job.resubmits >= self.max_resubmits:
             return 1
         job.resubmits += 1
-        state = run_state(sweep_dir(job.cfg) / job.run.name)
-        lost, job.job_id = job.job_id, self._submit(job.cfg, job.run, state)
+        verdict = continuation(sweep_dir(job.cfg) / job.run.name)  # the one rule
+        lost, job.job_id = job.job_id, self._submit(job.cfg, job.run, verdict)
         print(f"{job.run.name}: job {lost}: {why}; resubmitted as {job.job_id} (resubmission "
               f"{job.resubmits}/{self.max_resubmits})", flush=True)
         return None

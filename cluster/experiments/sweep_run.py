@@ -26,12 +26,18 @@ from cluster.experiments.sweep import (
     SweepConfig,
     changed_runs,
     describe_changed,
-    run_state,
     sweep_dir,
     unfinished_runs,
 )
+from cluster.train.continuation import Action
 from cluster.train.progress import format_duration
-from cluster.train.run_log import finished_at, last_step, read_provenance, started_at
+from cluster.train.run_log import (
+    finished_at,
+    is_finished,
+    last_step,
+    read_provenance,
+    started_at,
+)
 
 
 @dataclass
@@ -100,12 +106,17 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
             outcomes.append(Outcome(run, "skipped"))
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
-    todo = [(run, state) for run, state in unfinished if run.name not in leave_out]
+    todo = [(run, verdict) for run, verdict in unfinished if run.name not in leave_out]
+    for run, verdict in [(r, v) for r, v in todo if v.action is Action.REFUSE]:
+        todo.remove((run, verdict))  # the rule refused it: said, and counted as failed
+        outcomes.append(Outcome(run, "failed", detail=f"refused: {verdict.reason}"))
+        _say(console, f"[{run.index}/{n}] {run.name}: refused: {verdict.reason}")
     if left := [run.name for run, _ in unfinished if run.name in leave_out]:
         _say(console, f"left out (--leave-out), unfinished: {', '.join(left)}")
-    if outcomes:  # one line, however many: make results --keep starts the sweep once a run
-        _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
-             + ", ".join(o.run.name for o in outcomes))
+    if skipped := [o.run.name for o in outcomes if o.status == "skipped"]:
+        # one line, however many: make results --keep starts the sweep once a run
+        _say(console, f"{len(skipped)} of {n} run(s) finished before, skipped: "
+             + ", ".join(skipped))
     # a restarted sweep's estimate: of every unfinished run, those --max-runs leaves included
     if ahead := time_left(took, len(todo), cfg.parallel):
         _say(console, f"{len(took)} run(s) finished before in one go{ahead}")
@@ -119,15 +130,15 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
         overall = progress.add_task(f"sweep {cfg.name} (runs)", total=n, completed=len(outcomes))
         while active or (todo and not signals.received):
             while todo and len(active) < cfg.parallel and not signals.received:
-                run, state = todo.pop(0)
-                handle = launcher.start(cfg, run, state)
-                verb = "resuming" if state == "partial" else "started"
+                run, verdict = todo.pop(0)
+                handle = launcher.start(cfg, run, verdict)
+                resumed = verdict.action is Action.RESUME
+                verb = "resuming" if resumed else "started"
                 _say(progress.console,
                      f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
                 task = progress.add_task(f"  [{run.index}/{n}] {run.name} (steps)",
                                          total=configs[run.name].total_steps)
-                active[run.name] = _Active(run, handle, time.monotonic(), task,
-                                           state == "partial")
+                active[run.name] = _Active(run, handle, time.monotonic(), task, resumed)
             while signals.unforwarded:
                 signum = signals.unforwarded.pop(0)
                 for a in active.values():
@@ -184,7 +195,7 @@ def _say(console, text: str) -> None:
 
 def _outcome(run: RunSpec, code: int, seconds: float, root: Path, signalled: list,
              where: str) -> Outcome:
-    if code == 0 and run_state(root / run.name) == "finished":
+    if code == 0 and is_finished(root / run.name):
         return Outcome(run, "finished", seconds)
     if signalled:
         return Outcome(run, "stopped", seconds, f"exit {code}; {where}")
