@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -39,7 +40,7 @@ def finished_run(cfg, run, accuracy=0.5):
     metrics (a NaN among them), provenance, final/ with weights, final_eval.json."""
     run_dir = sweep_dir(cfg) / run.name
     (run_dir / "final").mkdir(parents=True)
-    record(cfg, run, run_dir)
+    record(cfg.train_config, run.overrides, run_dir)
     rows = [{"step": s, "reward/mean": 0.1 * s, "kl/pi_ref": float("nan") if s == 2 else 0.01 * s}
             for s in (1, 2, 3)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -86,7 +87,7 @@ def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
     assert "restored_from" in json.loads((back / KEPT_FILE).read_text())
     # the sweep's invariant holds over it (the same settings): skipped, the other one run
     assert changed_runs(fresh, runs, validate_runs(fresh, runs)) == []
-    launcher = FakeLauncher()
+    launcher, runs = FakeLauncher(), expand(fresh)  # the same names, written under fresh
     outcomes, _ = run_sweep(fresh, runs, validate_runs(fresh, runs), launcher)
     assert [o.status for o in outcomes] == ["skipped", "finished"]
     assert [name for name, _, _ in launcher.started] == [runs[1].name]
@@ -183,9 +184,10 @@ def test_max_runs_starts_that_many_unfinished_runs_and_says_so(tmp_path, capsys)
 class MetricsLauncher(FakeLauncher):
     """FakeLauncher whose runs log the KL metric the report reads."""
 
-    def start(self, cfg, run, state):
-        handle = super().start(cfg, run, state)
-        (sweep_dir(cfg) / run.name / "metrics.jsonl").write_text(
+    def start(self, request):
+        handle = super().start(request)
+        given = dict(o.split("=", 1) for o in request.overrides)
+        (Path(given["output_dir"]) / request.name / "metrics.jsonl").write_text(
             json.dumps({"step": 1, "kl/pi_ref": 0.01}) + "\n")
         return handle
 

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.cli.main import main
 from cluster.config.loader import REPO_ROOT
-from cluster.train import jobs
+from cluster.launchers import ray_jobs as jobs
 
 TESTS = REPO_ROOT / "tests"
 
@@ -274,7 +274,7 @@ def clone(tmp_path) -> Path:
 def test_the_upload_is_the_current_checkouts_tracked_files(clone, tmp_path):
     """The checkout the command runs in, not the one klrl is imported from; its tracked files
     as they are now, never untracked or ignored ones, docs/ and tests/ left out."""
-    from cluster.train.job_upload import project_root, project_upload
+    from cluster.launchers.job_upload import project_root, project_upload
 
     (clone / "configs" / "deep").mkdir()
     assert project_root(clone / "configs" / "deep") == clone.resolve()
@@ -294,7 +294,7 @@ def test_the_upload_is_the_current_checkouts_tracked_files(clone, tmp_path):
 
 
 def test_an_explicit_list_replaces_the_tracked_files(clone, tmp_path):
-    from cluster.train.job_upload import UploadError, project_upload
+    from cluster.launchers.job_upload import UploadError, project_upload
 
     listing = tmp_path / "files.txt"
     listing.write_text("cluster   # the code\n\ncheckpoint.bin\n")
@@ -316,7 +316,7 @@ def test_the_probe_knows_every_dependency_of_klrl():
     import re
     import tomllib
 
-    from cluster.train.job_upload import DEPENDENCY_MODULES
+    from cluster.launchers.job_upload import DEPENDENCY_MODULES
 
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     names = {re.split(r"[\[<>=!~ ;]", dep, maxsplit=1)[0].lower().replace("_", "-")

@@ -196,11 +196,15 @@ class FakeLauncher:
     def __init__(self, fail=()):
         self.fail, self.started = set(fail), []
 
-    def start(self, cfg, run, state):
-        self.started.append((run.name, state.state.value, train_command(cfg, run, state)))
-        run_dir = sweep_dir(cfg) / run.name
+    def start(self, request):
+        """What a launcher is handed (cluster/launchers/base.py): the run's request, the
+        state its directory was in (the continuation rule's) and its command."""
+        given = dict(o.split("=", 1) for o in request.overrides)
+        run_dir = Path(given["output_dir"]) / request.name
+        self.started.append((request.name, continuation(run_dir).state.value, request.args()))
         run_dir.mkdir(parents=True, exist_ok=True)
-        record(cfg, run, run_dir)
+        record(request.config, request.overrides, run_dir)
+        run = request
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         if run.name not in self.fail:
             (run_dir / "final").mkdir()
@@ -217,13 +221,13 @@ class FakeLauncher:
         return f"fake {handle}"
 
 
-def record(cfg, run, run_dir) -> None:
-    """RUN_DIR/config.yaml as `klrl train` writes it for this grid point (paths resolved)."""
+def record(config, overrides, run_dir) -> None:
+    """RUN_DIR/config.yaml as `klrl train` writes it for this run (paths resolved)."""
     from cluster.config.loader import dump_config
     from cluster.config.train_config import load_train_config
     from cluster.train.door.paths import resolve_paths
 
-    dump_config(resolve_paths(load_train_config(cfg.train_config, list(run.overrides))),
+    dump_config(resolve_paths(load_train_config(config, list(overrides))),
                 run_dir / "config.yaml")
 
 

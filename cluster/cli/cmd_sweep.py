@@ -10,7 +10,6 @@ from pathlib import Path
 from cluster.config.loader import ConfigError, load_config, merge, validate
 from cluster.cli.arg_types import whole_in
 from cluster.cli.cmd_train import count_arg
-from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
 from cluster.experiments.report import ReportConfig, report_dir, write_report
 from cluster.experiments.sweep import (
     SET_ASIDE_DIR,
@@ -27,7 +26,9 @@ from cluster.experiments.sweep import (
 )
 from cluster.experiments.sweep_run import run_sweep
 from cluster.train.continuation import Action, Continuation, RunState, continuation
-from cluster.train.jobs import SubmitError, check_reachable, dashboard_url
+from cluster.launchers.base import SubmitError
+from cluster.launchers.ray_jobs import check_reachable, dashboard_url
+from cluster.launchers.registry import launcher as make_launcher
 
 
 def _run_sweep(args) -> int:
@@ -75,9 +76,13 @@ def _run_sweep(args) -> int:
                      shlex.join(["klrl", *train_command(cfg, run, verdict)])))  # for a shell
         return 0
     try:  # the client probes the dashboard again: one lost since is still refused here
-        launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits,
-                                   args.upload_list)
-                    if args.address else LocalLauncher(root / "logs"))
+        if args.address:
+            launcher = make_launcher("ray-job", address=args.address, python=args.python,
+                                     max_resubmits=args.max_resubmits,
+                                     upload_list=args.upload_list)
+            launcher.connect()  # the cluster's Python, once, before any run is uploaded
+        else:
+            launcher = make_launcher("local", log_dir=root / "logs")
     except SubmitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

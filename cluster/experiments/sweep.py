@@ -32,6 +32,7 @@ from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.report import ReportConfig
+from cluster.launchers.base import RunRequest
 from cluster.train.continuation import Action, Continuation, continuation
 from cluster.train.run_log import config_path, read_config
 from cluster.train.run_meaning import Change, meaning_changes
@@ -373,7 +374,12 @@ def unfinished_runs(root: Path, runs: list[RunSpec], leave_out: Collection[str] 
             and (verdict := continuation(root / run.name)).action is not Action.SKIP]
 
 
+def run_request(cfg: SweepConfig, run: RunSpec, verdict: Continuation) -> RunRequest:
+    """What a launcher starts for one run (cluster/launchers/), as the rule's verdict on its
+    directory says (--resume or not)."""
+    return RunRequest.for_run(run.name, cfg.train_config, run.overrides, verdict)
+
+
 def train_command(cfg: SweepConfig, run: RunSpec, verdict: Continuation) -> list[str]:
-    """`klrl train` arguments of one run (after `python -m cluster.cli`), as the rule's
-    verdict on its directory says (--resume or not)."""
-    return ["train", cfg.train_config, *run.overrides, *verdict.train_flags]
+    """`klrl train` arguments of one run (after `python -m cluster.cli`)."""
+    return run_request(cfg, run, verdict).args()

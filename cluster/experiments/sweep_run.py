@@ -3,7 +3,8 @@ left.
 
 Runs are separate processes (`python -m cluster.cli train ...`, each with its own local Ray
 cluster, so one run's crash or leftover actors cannot touch another's), or one Ray job each on a
-cluster (`--address`); launchers.py starts them. A failed run does not stop the sweep: it is
+cluster (`--address`); a launcher of cluster/launchers/ starts them (its protocol: start, poll,
+stop, where). A failed run does not stop the sweep: it is
 recorded, the sweep goes on, and the exit status says which runs failed. The sweep refuses to
 run while a run directory was trained with other settings (sweep.py's invariant), whoever
 calls it.
@@ -26,6 +27,7 @@ from cluster.experiments.sweep import (
     SweepConfig,
     changed_runs,
     describe_changed,
+    run_request,
     sweep_dir,
     unfinished_runs,
 )
@@ -131,7 +133,7 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
         while active or (todo and not signals.received):
             while todo and len(active) < cfg.parallel and not signals.received:
                 run, verdict = todo.pop(0)
-                handle = launcher.start(cfg, run, verdict)
+                handle = launcher.start(run_request(cfg, run, verdict))
                 resumed = verdict.action is Action.RESUME
                 verb = "resuming" if resumed else "started"
                 _say(progress.console,
