@@ -167,3 +167,21 @@ def test_every_launcher_asks_the_same_rule(tmp_path, capsys):
     assert "has finished already" in capsys.readouterr().out
     assert main(["train", str(DEMO_CONFIG), *args, "kl.beta=0.5", "--resume-if-started"]) == 2
     assert "kl.beta" in capsys.readouterr().err
+
+
+def test_a_sweep_says_a_refused_run_and_counts_it_failed_without_starting_it(tmp_path):
+    from test_sweep import FakeLauncher, _sweep
+
+    from cluster.experiments.sweep import expand, sweep_dir, validate_runs
+    from cluster.experiments.sweep_run import run_sweep
+
+    cfg = _sweep(tmp_path, grid={"seed": [0, 1]})
+    runs = expand(cfg)
+    damaged = checkpoint(sweep_dir(cfg) / runs[0].name, 2)
+    (damaged / "controller.json").write_text("{")  # cut short
+    launcher = FakeLauncher()
+    outcomes, _ = run_sweep(cfg, runs, validate_runs(cfg, runs), launcher)
+    assert [(o.run.name, o.status) for o in outcomes] == [(runs[0].name, "failed"),
+                                                           (runs[1].name, "finished")]
+    assert "refused: checkpoint" in outcomes[0].detail and "is damaged" in outcomes[0].detail
+    assert [name for name, _, _ in launcher.started] == [runs[1].name]

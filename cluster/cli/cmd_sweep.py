@@ -76,13 +76,7 @@ def _run_sweep(args) -> int:
                      shlex.join(["klrl", *train_command(cfg, run, verdict)])))  # for a shell
         return 0
     try:  # the client probes the dashboard again: one lost since is still refused here
-        if args.address:
-            launcher = make_launcher("ray-job", address=args.address, python=args.python,
-                                     max_resubmits=args.max_resubmits,
-                                     upload_list=args.upload_list)
-            launcher.connect()  # the cluster's Python, once, before any run is uploaded
-        else:
-            launcher = make_launcher("local", log_dir=root / "logs")
+        launcher = _launcher(args, root)
     except SubmitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +90,17 @@ def _run_sweep(args) -> int:
     outcomes, signum = run_sweep(cfg, runs, configs, launcher, args.max_runs,
                                  frozenset(args.leave_out))
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
+
+
+def _launcher(args, root: Path):
+    """The sweep's launcher (cluster/launchers/): one Ray job per run with --address (the
+    cluster's Python checked once, before any run is uploaded), else local processes."""
+    if not args.address:
+        return make_launcher("local", log_dir=root / "logs")
+    launcher = make_launcher("ray-job", address=args.address, python=args.python,
+                             max_resubmits=args.max_resubmits, upload_list=args.upload_list)
+    launcher.connect()
+    return launcher
 
 
 def _cores() -> int:

@@ -109,10 +109,7 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
     todo = [(run, verdict) for run, verdict in unfinished if run.name not in leave_out]
-    for run, verdict in [(r, v) for r, v in todo if v.action is Action.REFUSE]:
-        todo.remove((run, verdict))  # the rule refused it: said, and counted as failed
-        outcomes.append(Outcome(run, "failed", detail=f"refused: {verdict.reason}"))
-        _say(console, f"[{run.index}/{n}] {run.name}: refused: {verdict.reason}")
+    outcomes += _refused(console, todo, n)
     if left := [run.name for run, _ in unfinished if run.name in leave_out]:
         _say(console, f"left out (--leave-out), unfinished: {', '.join(left)}")
     if skipped := [o.run.name for o in outcomes if o.status == "skipped"]:
@@ -167,6 +164,16 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
                      + ("" if signals.received else time_left(took, len(todo) + len(active),
                                                                cfg.parallel)))
     return outcomes, (signals.received[0] if signals.received else None)
+
+
+def _refused(console, todo: list, n: int) -> list[Outcome]:
+    """The runs of `todo` the continuation rule refuses (a damaged checkpoint, say), taken
+    out of it: each said, and counted as failed."""
+    refused = [(run, verdict) for run, verdict in todo if verdict.action is Action.REFUSE]
+    for run, verdict in refused:
+        todo.remove((run, verdict))
+        _say(console, f"[{run.index}/{n}] {run.name}: refused: {verdict.reason}")
+    return [Outcome(run, "failed", detail=f"refused: {verdict.reason}") for run, verdict in refused]
 
 
 def time_left(took: list[float], left: int, parallel: int) -> str:
