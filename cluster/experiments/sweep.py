@@ -7,7 +7,7 @@ refused is the one rule every launcher asks (cluster/train/continuation.py). Eve
 configuration is validated before anything starts.
 
 Invariant: a run directory counts as one of the sweep's runs (skipped as finished, resumed
-as partial) only when the config it recorded has the meaning the sweep would give it now
+when unfinished) only when the config it recorded has the meaning the sweep would give it now
 (cluster/train/run_meaning.py); so does every other run in the sweep directory, the report's
 input. Otherwise the sweep refuses (`changed_runs`), unless told to run them again
 (`set_aside`): the sweep.yaml it writes never claims a setting its runs did not train with.
