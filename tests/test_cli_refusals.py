@@ -119,11 +119,11 @@ def sweep(tmp_path, monkeypatch) -> Path:
     from cluster.config.loader import dump_config
     from cluster.config.train_config import load_train_config
     from cluster.experiments.sweep import expand, load_sweep, sweep_dir
-    from cluster.train import jobs
+    from cluster.launchers import ray_jobs as jobs
     from cluster.train.door.paths import resolve_paths
 
     monkeypatch.setattr(cmd_sweep, "run_sweep", _refuse)
-    monkeypatch.setattr(cmd_sweep, "RayJobLauncher", _refuse)
+    monkeypatch.setattr(cmd_sweep, "make_launcher", _refuse)
     monkeypatch.setattr(jobs, "CONNECT_TIMEOUT_S", 2.0)
     for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "RAY_ADDRESS"):
         monkeypatch.delenv(var, raising=False)

@@ -74,7 +74,7 @@ def test_shutdown_stops_every_part_when_one_fails_then_raises_the_first(tmp_path
     c, order, published = _controller_with_parts(
         tmp_path, log_error=OSError("disk full"), learner_error=RuntimeError("rank gone"))
     with pytest.raises(OSError, match="disk full"):
-        c._shutdown()
+        c.recovery.stop_parts()
     assert order == ["log", "pool", "learner"] and not published.exists()
     err = capsys.readouterr().err
     assert "metrics log failed: OSError: disk full" in err and "RuntimeError: rank gone" in err
@@ -84,9 +84,9 @@ def test_a_learner_restart_that_keeps_the_workers_stops_the_learner_alone(tmp_pa
     """The workers, the log and the weights published to the workers stay: loads queued on a
     kept worker still read the published file until the restart has settled them."""
     c, order, published = _controller_with_parts(tmp_path)
-    c._shutdown(keep_log=True, keep_workers=True)
+    c.recovery.stop_parts(keep_log=True, keep_workers=True)
     assert order == ["learner"] and (published / "v1.safetensors").exists()
-    c._shutdown()
+    c.recovery.stop_parts()
     assert order == ["learner", "log", "pool", "learner"] and not published.exists()
 
 

@@ -158,7 +158,7 @@ def test_the_run_ends_at_the_end_of_its_epochs_or_at_total_steps(rows_path, tmp_
     assert not c.prompts.has_batch(4)
     c.pending.append(InFlight([], start_position=16, requested_at_version=4))
     assert c._another_step()  # the last batch is still to be trained on
-    assert c._trained_position == 16 and c.prompts.metrics(16) == {"data/epoch": 1.6}
+    assert c.trained_position == 16 and c.prompts.metrics(16) == {"data/epoch": 1.6}
     c.pending.clear()
     assert not c._another_step()  # the data's epochs are used up
     short = Controller(config(rows_path, "data.epochs=2", "total_steps=3"), tmp_path / "r2",

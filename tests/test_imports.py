@@ -2,8 +2,9 @@
 
 Arrows: cluster -> {actors, learner, rewards, kl}; learner -> kl; actors -> rewards; kl and
 rewards import none of the others. Inside cluster/, between its subpackages: cli -> any of
-them; bench -> {config, train, tiny}; experiments -> {config, train, tiny}; train -> {config, tiny};
-config and tiny -> none. Every import counts for the arrows: module level, function-local and
+them; launchers -> {config, train, slurm}; bench -> {config, train, tiny}; experiments ->
+{config, train, tiny, launchers}; slurm -> {config, train}; train -> {config, tiny}; config and
+tiny -> none. Every import counts for the arrows: module level, function-local and
 `if TYPE_CHECKING:` alike (a function-local import still couples the packages; it only delays
 the coupling), and so does `importlib.import_module("<constant>")`.
 
@@ -39,10 +40,12 @@ PACKAGES = tuple(ALLOWED)
 # cluster/'s subpackages and the subpackages each may import (docs/layout.md).
 SUBPACKAGES: dict[str, set[str]] = {
     "cluster.cli": {"cluster.config", "cluster.train", "cluster.experiments", "cluster.bench",
-                    "cluster.tiny", "cluster.slurm"},
+                    "cluster.tiny", "cluster.slurm", "cluster.launchers"},
+    "cluster.launchers": {"cluster.config", "cluster.train", "cluster.slurm"},
     "cluster.slurm": {"cluster.config", "cluster.train"},
     "cluster.bench": {"cluster.config", "cluster.train", "cluster.tiny"},
-    "cluster.experiments": {"cluster.config", "cluster.train", "cluster.tiny"},
+    "cluster.experiments": {"cluster.config", "cluster.train", "cluster.tiny",
+                            "cluster.launchers"},
     "cluster.train": {"cluster.config", "cluster.tiny"},
     "cluster.config": set(),
     "cluster.tiny": set(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -26,8 +27,9 @@ from cluster.experiments.keep import (
     restore_runs,
 )
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, load_run
-from cluster.experiments.sweep import changed_runs, expand, run_state, sweep_dir, validate_runs
+from cluster.experiments.sweep import changed_runs, expand, sweep_dir, validate_runs
 from cluster.experiments.sweep_run import run_sweep
+from cluster.train.continuation import RunState, continuation
 from cluster.train.run_log import finished_at, is_finished
 
 FINISHED_AT = 1_780_000_000.0  # a fixed past time, so that a lost mtime shows
@@ -38,7 +40,7 @@ def finished_run(cfg, run, accuracy=0.5):
     metrics (a NaN among them), provenance, final/ with weights, final_eval.json."""
     run_dir = sweep_dir(cfg) / run.name
     (run_dir / "final").mkdir(parents=True)
-    record(cfg, run, run_dir)
+    record(cfg.train_config, run.overrides, run_dir)
     rows = [{"step": s, "reward/mean": 0.1 * s, "kl/pi_ref": float("nan") if s == 2 else 0.01 * s}
             for s in (1, 2, 3)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -73,7 +75,7 @@ def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
     fresh = _sweep(tmp_path / "fresh", grid={"seed": [0, 1]})  # the next machine
     assert restore_runs(store, sweep_dir(fresh)) == [runs[0].name]
     back = sweep_dir(fresh) / runs[0].name
-    assert is_finished(back) and run_state(back) == "finished"
+    assert is_finished(back) and continuation(back).state is RunState.FINISHED
     assert finished_at(back) == FINISHED_AT  # the sweep's time-left estimate reads it
     assert (sweep_dir(fresh) / BASE_EVAL_FILE).read_text() == '{"sets": {}}'
     a, b = load_run(original), load_run(back)
@@ -85,7 +87,7 @@ def test_a_kept_run_comes_back_as_the_report_and_the_sweep_read_it(tmp_path):
     assert "restored_from" in json.loads((back / KEPT_FILE).read_text())
     # the sweep's invariant holds over it (the same settings): skipped, the other one run
     assert changed_runs(fresh, runs, validate_runs(fresh, runs)) == []
-    launcher = FakeLauncher()
+    launcher, runs = FakeLauncher(), expand(fresh)  # the same names, written under fresh
     outcomes, _ = run_sweep(fresh, runs, validate_runs(fresh, runs), launcher)
     assert [o.status for o in outcomes] == ["skipped", "finished"]
     assert [name for name, _, _ in launcher.started] == [runs[1].name]
@@ -108,7 +110,7 @@ def test_a_partial_run_is_set_aside_for_the_kept_one_and_a_finished_one_stays(tm
     aside = list((sweep_dir(there) / "replaced").iterdir())
     assert len(aside) == 1 and aside[0].name.startswith(runs[0].name)
     assert (aside[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert run_state(partial) == "finished"
+    assert continuation(partial).state is RunState.FINISHED
     assert json.loads((done / FINAL_EVAL_FILE).read_text())["sets"]["in_domain"]["accuracy"] == 0.9
     assert (done / "final" / "model.safetensors").is_file()  # untouched, weights and all
     # its evaluation differs from the kept one's: keeping it would change the store
@@ -182,9 +184,10 @@ def test_max_runs_starts_that_many_unfinished_runs_and_says_so(tmp_path, capsys)
 class MetricsLauncher(FakeLauncher):
     """FakeLauncher whose runs log the KL metric the report reads."""
 
-    def start(self, cfg, run, state):
-        handle = super().start(cfg, run, state)
-        (sweep_dir(cfg) / run.name / "metrics.jsonl").write_text(
+    def start(self, request):
+        handle = super().start(request)
+        given = dict(o.split("=", 1) for o in request.overrides)
+        (Path(given["output_dir"]) / request.name / "metrics.jsonl").write_text(
             json.dumps({"step": 1, "kl/pi_ref": 0.01}) + "\n")
         return handle
 

@@ -36,7 +36,7 @@ import pytest
 from ray_nodes import REPO, short_temp_dir, start_head, start_worker
 
 from cluster.cli.main import main
-from cluster.train.jobs import auth_headers
+from cluster.launchers.ray_jobs import auth_headers
 from cluster.train.run_log import read_metrics
 
 pytestmark = pytest.mark.slow

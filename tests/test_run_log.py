@@ -10,7 +10,7 @@ from actors.records import Rollout
 from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.config.train_config import load_train_config
 from cluster.experiments.report import load_run
-from cluster.experiments.sweep import run_state
+from cluster.train.continuation import RunState, continuation
 from cluster.train import checkpoint as ckpt
 from cluster.train.run_log import (
     SAMPLE_COLUMNS,
@@ -66,10 +66,12 @@ def test_run_log_writes_config_and_metrics_and_marks_nothing_finished(tmp_path):
     assert read_metrics(tmp_path / "run") == [{"step": 0, "reward/mean": 0.25},
                                               {"step": 1, "grad/norm": "inf", "kl/pi_ref": "nan"}]
     assert read_config(tmp_path / "run")["seed"] == 3
-    assert not is_finished(tmp_path / "run") and run_state(tmp_path / "run") == "partial"
+    assert not is_finished(tmp_path / "run")
+    assert continuation(tmp_path / "run").state is RunState.STARTED
     final_dir(tmp_path / "run").mkdir()
     (final_dir(tmp_path / "run") / "config.json").write_text("{}")
-    assert is_finished(tmp_path / "run") and run_state(tmp_path / "run") == "finished"
+    assert is_finished(tmp_path / "run")
+    assert continuation(tmp_path / "run").state is RunState.FINISHED
 
 
 def test_abandoned_metrics_are_numbered(tmp_path):

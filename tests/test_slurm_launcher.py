@@ -83,7 +83,7 @@ def test_the_launcher_runs_only_inside_a_job(monkeypatch, capsys):
 
 
 def test_each_attempt_resumes_the_run_once_it_started_and_leaves_a_finished_one(tmp_path):
-    from cluster.train import checkpoint as ckpt
+    from test_continuation import checkpoint
 
     args = [f"output_dir={tmp_path}", "run_name=r", "total_steps=4"]
     first = launcher.driver_command("py", "train", str(DEMO_CONFIG), args)
@@ -92,10 +92,7 @@ def test_each_attempt_resumes_the_run_once_it_started_and_leaves_a_finished_one(
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')  # a requeued attempt: the run started
     assert launcher.driver_command("py", "train", str(DEMO_CONFIG), args) == [*first, "--resume"]
-    step = ckpt.checkpoint_root(run) / "step_000000004"
-    step.mkdir(parents=True)
-    (step / "controller.json").write_text('{"step": 4, "prompt_position": 0}')
-    (step / ckpt.MARKER).write_text("")
+    checkpoint(run, 4)  # whole, as the rule checks it (tests/test_continuation.py)
     (run / "final").mkdir()
     (run / "final" / "config.json").write_text("{}")
     assert launcher.driver_command("py", "train", str(DEMO_CONFIG), args) is None  # finished

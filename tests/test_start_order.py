@@ -40,7 +40,7 @@ def test_which_gpu_requests_may_put_the_learner_beside_an_engine(overrides, shar
 class _Pool:
     """The controller's WorkerPool: records its engines' starts and their readiness."""
 
-    def __init__(self, cfg, model_dir, on_restart, *, events):
+    def __init__(self, cfg, model_dir, recovery, *, events):
         self.events = events
         events += [f"engine {i} started" for i in range(cfg.rollout.num_workers)]
 

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.cli.main import main
 from cluster.config.loader import REPO_ROOT
-from cluster.train import jobs
+from cluster.launchers import ray_jobs as jobs
 
 TESTS = REPO_ROOT / "tests"
 
@@ -224,20 +224,23 @@ def test_a_resubmission_continues_the_run_under_a_new_name():
 
 def test_resume_if_started_resumes_a_run_that_exists_and_starts_one_that_does_not(tmp_path,
                                                                                   capsys):
-    """What a resubmitted job runs decides by the run's directory: --resume when the lost
-    driver made it, a fresh start when it died before that."""
-    from cluster.cli.cmd_train import _started
+    """What a resubmitted job runs decides by the continuation rule (tests/test_continuation.py
+    has every state): --resume when the lost driver started the run, a fresh start when it
+    died before that."""
+    from cluster.cli.cmd_train import _continuation
     from cluster.config.loader import ConfigError
     from cluster.config.train_config import load_train_config
+    from cluster.train.continuation import Action
 
     (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "metrics.jsonl").write_text('{"step": 0}\n')
     def cfg(*extra):
         return load_train_config("configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", *extra])
 
-    assert _started(cfg("run_name=r1"), True) and not _started(cfg("run_name=r2"), True)
-    assert not _started(cfg("run_name=r1"), False)  # without the flag: as asked
+    assert _continuation(cfg("run_name=r1")).action is Action.RESUME
+    assert _continuation(cfg("run_name=r2")).action is Action.START
     with pytest.raises(ConfigError, match="--resume-if-started needs run_name"):
-        _started(cfg(), True)
+        _continuation(cfg())
     assert main(["train", "configs/tiny_cpu.yaml", "--resume-if-started"]) == 2
     assert "--resume-if-started needs run_name" in _one_error_line(capsys.readouterr().err)
 
@@ -271,7 +274,7 @@ def clone(tmp_path) -> Path:
 def test_the_upload_is_the_current_checkouts_tracked_files(clone, tmp_path):
     """The checkout the command runs in, not the one klrl is imported from; its tracked files
     as they are now, never untracked or ignored ones, docs/ and tests/ left out."""
-    from cluster.train.job_upload import project_root, project_upload
+    from cluster.launchers.job_upload import project_root, project_upload
 
     (clone / "configs" / "deep").mkdir()
     assert project_root(clone / "configs" / "deep") == clone.resolve()
@@ -291,7 +294,7 @@ def test_the_upload_is_the_current_checkouts_tracked_files(clone, tmp_path):
 
 
 def test_an_explicit_list_replaces_the_tracked_files(clone, tmp_path):
-    from cluster.train.job_upload import UploadError, project_upload
+    from cluster.launchers.job_upload import UploadError, project_upload
 
     listing = tmp_path / "files.txt"
     listing.write_text("cluster   # the code\n\ncheckpoint.bin\n")
@@ -313,7 +316,7 @@ def test_the_probe_knows_every_dependency_of_klrl():
     import re
     import tomllib
 
-    from cluster.train.job_upload import DEPENDENCY_MODULES
+    from cluster.launchers.job_upload import DEPENDENCY_MODULES
 
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     names = {re.split(r"[\[<>=!~ ;]", dep, maxsplit=1)[0].lower().replace("_", "-")

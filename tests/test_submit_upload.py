@@ -19,8 +19,8 @@ from ray_nodes import short_temp_dir, start_head
 from test_submit import clone  # noqa: F401 - the fixture: another klrl checkout
 
 from cluster.cli.main import main
-from cluster.train import jobs
-from cluster.train.job_upload import project_upload
+from cluster.launchers import ray_jobs as jobs
+from cluster.launchers.job_upload import project_upload
 
 pytestmark = pytest.mark.slow
 XDIST_GROUP = "own-processes"  # a Ray head of its own (tests/conftest.py)

@@ -21,13 +21,13 @@ from cluster.experiments.sweep import (
     changed_runs,
     expand,
     load_sweep,
-    run_state,
     set_aside,
     sweep_dir,
     train_command,
     validate_runs,
 )
 from cluster.experiments.sweep_run import run_sweep
+from cluster.train.continuation import Action, RunState, continuation
 from cluster.train.run_log import last_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,14 +178,16 @@ def test_run_state_and_resume_flag(tmp_path):
     cfg = _sweep(tmp_path)
     run = expand(cfg)[0]
     run_dir = sweep_dir(cfg) / run.name
-    assert run_state(run_dir) == "new" and "--resume" not in train_command(cfg, run, "new")
+    new = continuation(run_dir)
+    assert new.state is RunState.ABSENT and "--resume" not in train_command(cfg, run, new)
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "x"')
-    assert run_state(run_dir) == "partial" and train_command(cfg, run, "partial")[-1] == "--resume"
+    partial = continuation(run_dir)
+    assert partial.state is RunState.STARTED and train_command(cfg, run, partial)[-1] == "--resume"
     assert last_step(run_dir) == 1  # the cut last line is ignored
     (run_dir / "final").mkdir()
     (run_dir / "final" / "config.json").write_text("{}")
-    assert run_state(run_dir) == "finished"
+    assert continuation(run_dir).action is Action.SKIP
 
 
 class FakeLauncher:
@@ -196,11 +198,15 @@ class FakeLauncher:
     def __init__(self, fail=()):
         self.fail, self.started = set(fail), []
 
-    def start(self, cfg, run, state):
-        self.started.append((run.name, state, train_command(cfg, run, state)))
-        run_dir = sweep_dir(cfg) / run.name
+    def start(self, request):
+        """What a launcher is handed (cluster/launchers/base.py): the run's request, the
+        state its directory was in (the continuation rule's) and its command."""
+        given = dict(o.split("=", 1) for o in request.overrides)
+        run_dir = Path(given["output_dir"]) / request.name
+        self.started.append((request.name, continuation(run_dir).state.value, request.args()))
         run_dir.mkdir(parents=True, exist_ok=True)
-        record(cfg, run, run_dir)
+        record(request.config, request.overrides, run_dir)
+        run = request
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         if run.name not in self.fail:
             (run_dir / "final").mkdir()
@@ -217,13 +223,13 @@ class FakeLauncher:
         return f"fake {handle}"
 
 
-def record(cfg, run, run_dir) -> None:
-    """RUN_DIR/config.yaml as `klrl train` writes it for this grid point (paths resolved)."""
+def record(config, overrides, run_dir) -> None:
+    """RUN_DIR/config.yaml as `klrl train` writes it for this run (paths resolved)."""
     from cluster.config.loader import dump_config
     from cluster.config.train_config import load_train_config
     from cluster.train.door.paths import resolve_paths
 
-    dump_config(resolve_paths(load_train_config(cfg.train_config, list(run.overrides))),
+    dump_config(resolve_paths(load_train_config(config, list(overrides))),
                 run_dir / "config.yaml")
 
 
@@ -237,13 +243,14 @@ def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
     (done / "final").mkdir(parents=True)
     (done / "final" / "config.json").write_text("{}")
     partial.mkdir()
+    (partial / "metrics.jsonl").write_text('{"step": 0}\n')  # started: it holds a run
     launcher = FakeLauncher(fail={"k3-s0"})
     outcomes, signum = run_sweep(cfg, runs, configs, launcher)
     assert signum is None
     assert {o.run.name: o.status for o in outcomes} == {
         "k1-s0": "skipped", "k1-s1": "finished", "k3-s0": "failed", "k3-s1": "finished"}
     assert [(name, state) for name, state, _ in launcher.started] == [
-        ("k1-s1", "partial"), ("k3-s0", "new"), ("k3-s1", "new")]
+        ("k1-s1", "started"), ("k3-s0", "absent"), ("k3-s1", "absent")]
     assert launcher.started[0][2][-1] == "--resume" and "--resume" not in launcher.started[1][2]
     failed = next(o for o in outcomes if o.status == "failed")
     assert "exit 1" in failed.detail and "fake k3-s0" in failed.detail
@@ -253,7 +260,7 @@ def test_sweep_skips_finished_resumes_partial_and_survives_failures(tmp_path):
     # Again: the finished runs are skipped; the failed one (its directory exists) is resumed.
     again = FakeLauncher()
     outcomes, _ = run_sweep(cfg, runs, configs, again)
-    assert [(name, state) for name, state, _ in again.started] == [("k3-s0", "partial")]
+    assert [(name, state) for name, state, _ in again.started] == [("k3-s0", "started")]
     assert _summarise(cfg, runs, outcomes, None, write=False) == 0
 
 
@@ -273,7 +280,8 @@ def test_a_resumed_run_gives_no_time_for_the_rest(tmp_path, capsys):
     started and finished in this sweep only, and the resumed one's line says so."""
     cfg = _sweep(tmp_path, parallel=1, grid={"seed": [0, 1, 2]})
     runs = expand(cfg)
-    (sweep_dir(cfg) / runs[0].name).mkdir(parents=True)  # partial: resumed first
+    (sweep_dir(cfg) / runs[0].name).mkdir(parents=True)  # started: resumed first
+    (sweep_dir(cfg) / runs[0].name / "metrics.jsonl").write_text('{"step": 0}\n')
     run_sweep(cfg, runs, validate_runs(cfg, runs), FakeLauncher())
     lines = [line for line in capsys.readouterr().out.splitlines() if ": finished after" in line]
     assert len(lines) == 3 and "since it resumed" in lines[0] and "to go" not in lines[0]
@@ -315,13 +323,13 @@ def test_dry_run_lists_runs_and_states(tmp_path, capsys):
                                     "output_dir": str(tmp_path), "grid": {"max_lag": [0, 4]}}))
     assert main(["sweep", str(path), "--dry-run", "overrides.total_steps=3"]) == 0
     out = capsys.readouterr().out
-    assert "[1/2] lag0 (new): klrl train" in out and "[2/2] lag4 (new)" in out
+    assert "[1/2] lag0 (absent): klrl train" in out and "[2/2] lag4 (absent)" in out
     assert "total_steps=3" in out
     # each command pastes into a shell: the tags' quotes and spaces survive
     runs = expand(load_sweep(path, ["overrides.total_steps=3"]))
     for line, run in zip(out.strip().splitlines(), runs, strict=True):
         assert shlex.split(line.split(": ", 1)[1]) == ["klrl", *train_command(
-            load_sweep(path, ["overrides.total_steps=3"]), run, "new")]
+            load_sweep(path, ["overrides.total_steps=3"]), run, continuation(tmp_path / "none"))]
     assert "'logging.tags=[\"max_lag=0\"]'" in out
     assert main(["sweep", str(path), "--dry-run", "grid.max_lag=[-1]"]) == 2
     assert main(["sweep", str(path), "--address", "http://x:8265", "output_dir=rel"]) == 2
@@ -360,7 +368,7 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     assert "; 1 to go, about " in first.stdout  # after the first run, the time the other takes
     root = tmp_path / "runs" / "e2e"
     for name in ("k1-loss", "k3-loss"):
-        assert run_state(root / name) == "finished"
+        assert continuation(root / name).state is RunState.FINISHED
         lines = (root / name / "metrics.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines]
         assert rows[-1]["step"] == 3
@@ -436,20 +444,20 @@ def test_runs_recorded_with_other_settings_never_count_as_the_sweeps(tmp_path, c
 
     cfg, runs, configs = sweep("overrides.kl.beta=0.5", "overrides.eval.num_problems=7")
     changed = changed_runs(cfg, runs, configs)
-    assert [(r.name, r.state) for r in changed] == [("s0", "finished"), ("s1", "partial")]
+    assert [(r.name, r.state) for r in changed] == [("s0", "finished"), ("s1", "started")]
     assert [str(c) for c in changed[0].changes] == ["kl.beta: 0.05 -> 0.5",
                                                     "eval.num_problems: 200 -> 7"]
-    with pytest.raises(ConfigError, match="s0 \\(finished\\), s1 \\(partial\\): kl.beta"):
+    with pytest.raises(ConfigError, match="s0 \\(finished\\), s1 \\(started\\): kl.beta"):
         run_sweep(cfg, runs, configs, FakeLauncher())  # the invariant holds whoever calls
     assert main(["sweep", str(path), "overrides.kl.beta=0.5"]) == 2
     err = capsys.readouterr().err
-    assert "s0 (finished), s1 (partial): kl.beta: 0.05 -> 0.5" in err
+    assert "s0 (finished), s1 (started): kl.beta: 0.05 -> 0.5" in err
     assert "add --rerun" in err and "add name=b-b0.5" in err
     assert (root / "sweep.yaml").read_text() == written  # nothing claimed, nothing moved
     assert main(["sweep", str(path), "overrides.kl.beta=0.5", "--rerun", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert f"s0 (finished; kl.beta: 0.05 -> 0.5): would move to {root / 'replaced'}/" in out
-    assert "[1/2] s0 (new): klrl train" in out and (root / "s0" / "final").is_dir()
+    assert "[1/2] s0 (absent): klrl train" in out and (root / "s0" / "final").is_dir()
 
     # --rerun (as the CLI does it): the old runs kept under replaced/, both run again, and the
     # sweep.yaml written now is true of every run in the directory.
@@ -459,7 +467,8 @@ def test_runs_recorded_with_other_settings_never_count_as_the_sweeps(tmp_path, c
     assert (moved[0] / "final" / "config.json").is_file()
     again = FakeLauncher()
     outcomes, _ = run_sweep(cfg, runs, configs, again)
-    assert [(name, state) for name, state, _ in again.started] == [("s0", "new"), ("s1", "new")]
+    assert [(name, state) for name, state, _ in again.started] == [("s0", "absent"),
+                                                                    ("s1", "absent")]
     assert yaml.safe_load((root / "sweep.yaml").read_text())["overrides"]["kl.beta"] == 0.5
     assert {yaml.safe_load((root / n / "config.yaml").read_text())["kl"]["beta"]
             for n in ("s0", "s1")} == {0.5}

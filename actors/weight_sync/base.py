@@ -119,7 +119,7 @@ class WeightTransport(abc.ABC):
     on_learner_device: ClassVar[bool] = False
     reads_after_publish: ClassVar[bool] = False
     writes_shm_dir: ClassVar[bool] = False  # writes files in SyncConfig.shm_dir
-    # A learner restart may keep the rollout workers' engines (cluster/train/controller.py):
+    # A learner restart may keep the rollout workers' engines (cluster/train/recovery.py):
     # their link to the learner is a file or an object each load reads, not a group or a
     # handle into the failed learner's process.
     engines_outlive_the_learner: ClassVar[bool] = False

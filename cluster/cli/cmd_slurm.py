@@ -3,9 +3,7 @@ Validates the config here, fixes the run's name, writes the sbatch script (clust
 submits it with `sbatch`."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +15,13 @@ FLAGS = {"signal_lead_s": "--signal-lead", "sbatch_args": "--sbatch-arg",
          "ray_start_args": "--ray-start-arg"}
 
 
-def _job(args):
-    """The SlurmJob the command line asks for, its config validated (ConfigError otherwise)."""
+def _request(args):
+    """The launcher and the request the command line asks for, the config validated and the
+    job built (ConfigError otherwise)."""
     from pydantic import ValidationError
 
-    from cluster.slurm.script import SlurmJob
+    from cluster.launchers.base import RunRequest
+    from cluster.launchers.registry import launcher
     from cluster.train.door.commands import check_submission
     from cluster.train.door.resources import check_allocation
 
@@ -47,14 +47,16 @@ def _job(args):
             cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
             overrides.append(f"run_name={cfg.run_name}")
         name, output_dir = cfg.run_name, cfg.output_dir
+    slurm = launcher(
+        "slurm", workdir=Path.cwd(), slurm_dir=(Path(output_dir) / "slurm").absolute(),
+        python=args.python, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        cpus_per_node=args.cpus_per_node, partition=args.partition, time=args.time,
+        signal_lead_s=args.signal_lead, sbatch_args=args.sbatch_arg,
+        ray_start_args=args.ray_start_arg)
+    request = RunRequest(name, str(config), tuple(overrides),
+                         command="sweep" if args.sweep else "train")
     try:
-        return SlurmJob(
-            command="sweep" if args.sweep else "train", config=config, overrides=overrides,
-            name=name, workdir=Path.cwd(), slurm_dir=(Path(output_dir) / "slurm").absolute(),
-            python=args.python, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-            cpus_per_node=args.cpus_per_node, partition=args.partition, time=args.time,
-            signal_lead_s=args.signal_lead, sbatch_args=args.sbatch_arg,
-            ray_start_args=args.ray_start_arg)
+        return slurm, request, slurm.job(request)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0])
@@ -63,42 +65,21 @@ def _job(args):
 
 
 def _run_slurm(args) -> int:
+    from cluster.launchers.base import SubmitError
     from cluster.slurm.script import render
-
-    try:
-        job = _job(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    script = render(job)
-    if args.dry_run:
-        print(script, end="")
-        return 0
-    if shutil.which("sbatch") is None:
-        print("error: sbatch not found: run `klrl slurm` on a machine of the SLURM cluster (a "
-              "login node); --dry-run prints the script without submitting it", file=sys.stderr)
-        return 2
     from cluster.train.door.commands import check_slurm_dir
 
-    try:  # the script is written here, on the login node, before sbatch reads it
-        check_slurm_dir(job.slurm_dir)
-    except ConfigError as exc:
+    try:
+        slurm, request, job = _request(args)
+        if args.dry_run:
+            print(render(job), end="")
+            return 0
+        if shutil.which("sbatch") is not None:  # the script is written here, on the login node
+            check_slurm_dir(job.slurm_dir)
+        job_id, job = slurm.start(request)
+    except (ConfigError, SubmitError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    missing = [d for d in (job.slurm_dir, *job.slurm_dir.parents) if not d.exists()]
-    job.slurm_dir.mkdir(parents=True, exist_ok=True)
-    job.script_path.write_text(script)
-    done = subprocess.run(["sbatch", "--parsable", str(job.script_path)], capture_output=True,
-                          text=True, env=os.environ)
-    if done.returncode != 0:  # a job SLURM will not take (a partition, an account): nothing
-        job.script_path.unlink(missing_ok=True)  # ran, so nothing is left behind
-        if missing:  # the directories made for it, from the outermost
-            shutil.rmtree(missing[-1], ignore_errors=True)
-        why = " ".join(done.stderr.split()) or f"exit {done.returncode}"
-        print(f"error: sbatch refused the job ({why}); nothing was submitted (--dry-run prints "
-              "the script)", file=sys.stderr)
-        return 2
-    job_id = done.stdout.strip().split(";")[0]
     print(f"submitted job {job_id} ({job.script_path})\n"
           f"output: {job.output_file(job_id)}\n"
           f"stop it: scancel {job_id} (the run checkpoints first); a requeued or preempted "

@@ -12,7 +12,6 @@ import yaml
 from cluster.config.loader import ConfigError, load_config, merge, validate
 from cluster.cli.arg_types import whole_in
 from cluster.cli.cmd_train import count_arg
-from cluster.experiments.launchers import LocalLauncher, RayJobLauncher
 from cluster.experiments.prereg import Comparison
 from cluster.experiments.report import ReportConfig, report_dir, write_report
 from cluster.experiments.sweep import (
@@ -23,14 +22,16 @@ from cluster.experiments.sweep import (
     expand,
     load_sweep,
     preflight_runs,
-    run_state,
     set_aside,
     sweep_dir,
     train_command,
     validate_runs,
 )
 from cluster.experiments.sweep_run import run_sweep
-from cluster.train.jobs import SubmitError, check_reachable, dashboard_url
+from cluster.train.continuation import Action, Continuation, RunState, continuation
+from cluster.launchers.base import SubmitError
+from cluster.launchers.ray_jobs import check_reachable, dashboard_url
+from cluster.launchers.registry import launcher as make_launcher
 
 
 def _run_sweep(args) -> int:
@@ -70,15 +71,15 @@ def _run_sweep(args) -> int:
         for run in changed:
             print(f"{run.name} ({run.state}; {run.describe()}): would move to "
                   f"{root / SET_ASIDE_DIR}/")
-        for run in runs:
-            state = "new" if run.name in rerun else run_state(root / run.name)
-            print(f"[{run.index}/{len(runs)}] {run.name} ({state}): "
-                  + shlex.join(["klrl", *train_command(cfg, run, state)]))  # pastes into a shell
+        for run in runs:  # a run to rerun is started anew once set aside
+            verdict = (continuation(root / run.name) if run.name not in rerun else
+                       Continuation(root / run.name, RunState.ABSENT, Action.START))
+            print(f"[{run.index}/{len(runs)}] {run.name} ({verdict.state.value}): "
+                  + (f"{verdict.action.value}: {verdict.reason}" if not verdict.runs else
+                     shlex.join(["klrl", *train_command(cfg, run, verdict)])))  # for a shell
         return 0
     try:  # the client probes the dashboard again: one lost since is still refused here
-        launcher = (RayJobLauncher(args.address, args.python, args.max_resubmits,
-                                   args.upload_list)
-                    if args.address else LocalLauncher(root / "logs"))
+        launcher = _launcher(args, root)
     except SubmitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -92,6 +93,17 @@ def _run_sweep(args) -> int:
     outcomes, signum = run_sweep(cfg, runs, configs, launcher, args.max_runs,
                                  frozenset(args.leave_out))
     return _summarise(cfg, runs, outcomes, signum, write=not args.no_report)
+
+
+def _launcher(args, root: Path):
+    """The sweep's launcher (cluster/launchers/): one Ray job per run with --address (the
+    cluster's Python checked once, before any run is uploaded), else local processes."""
+    if not args.address:
+        return make_launcher("local", log_dir=root / "logs")
+    launcher = make_launcher("ray-job", address=args.address, python=args.python,
+                             max_resubmits=args.max_resubmits, upload_list=args.upload_list)
+    launcher.connect()
+    return launcher
 
 
 def _cores() -> int:

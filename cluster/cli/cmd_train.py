@@ -7,20 +7,17 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.train.continuation import Action, continuation_of
 from cluster.train.error_line import error_line
-from cluster.train.job_upload import UploadError, project_upload, python_candidates
-from cluster.train.jobs import (
+from cluster.launchers.base import RunRequest, SubmitError
+from cluster.launchers.job_upload import UploadError
+from cluster.launchers.ray_jobs import (
     JobFailed,
-    SubmitError,
     check_resubmittable,
-    cluster_python,
-    follow_resubmitting,
-    job_spec,
     parse_env,
-    plugin_specs,
     read_runtime_env,
-    submit,
 )
+from cluster.launchers.registry import launcher
 from cluster.train.progress import print_summary
 from cluster.train.run_log import config_path
 from cluster.train.stopping import RunStopped
@@ -73,10 +70,19 @@ def _report_stop(stop) -> int:
 def _run_train(args) -> int:
     try:
         cfg = _config_for(args)
-        resume = bool(args.resume) or _started(cfg, args.resume_if_started)
+        verdict = _continuation(cfg) if args.resume_if_started else None
     except (ConfigError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    resume = bool(args.resume)
+    if verdict is not None:
+        if verdict.action is Action.REFUSE:
+            print(f"error: {verdict.reason}", file=sys.stderr)
+            return 2
+        if verdict.action is Action.SKIP:  # a job resubmitted after its run's end
+            print(verdict.reason)
+            return 0
+        resume = verdict.action is Action.RESUME
     if args.dry_run:
         return _dry_run(cfg, resume)
     return _train_and_report(cfg, resume, args.verbose, "run finished")
@@ -100,15 +106,13 @@ def _dry_run(cfg, resume: bool) -> int:
     return 0
 
 
-def _started(cfg, resume_if_started: bool) -> bool:
-    """--resume-if-started (what a resubmitted job runs): whether the run's directory exists,
-    so that the run is continued, or started when the lost driver never got that far."""
-    if not resume_if_started:
-        return False
+def _continuation(cfg):
+    """--resume-if-started (what a resubmitted job runs): the continuation rule's verdict on
+    the run (cluster/train/continuation.py): start it, resume it, nothing to do, or refused."""
     if cfg.run_name is None:
         raise ConfigError("--resume-if-started needs run_name (in the config or as an "
                           "override) to know which run to continue")
-    return (Path(cfg.output_dir) / cfg.run_name).is_dir()
+    return continuation_of(cfg)
 
 
 def _run_demo(args) -> int:
@@ -199,7 +203,6 @@ def _run_submit(args) -> int:
 
     try:
         cfg = load_train_config(args.config, args.overrides)  # reject bad configs before submitting
-        source = f"--runtime-env {args.runtime_env}"
         env = parse_env(args.env)
         runtime_env = read_runtime_env(args.runtime_env) if args.runtime_env else None
         check_resubmittable(cfg, args.max_resubmits, wait=not args.no_wait)
@@ -209,25 +212,28 @@ def _run_submit(args) -> int:
 
             cfg = cfg.model_copy(update={"run_name": default_run_name(cfg)})
             overrides.append(f"run_name={cfg.run_name}")
-        upload = project_upload(args.upload_list)
-        spec = job_spec(args.config, overrides, plugins=plugin_specs(cfg),
-                        python=args.python or sys.executable, env=env, job_name=args.job_name,
-                        runtime_env_source=source, runtime_env=runtime_env, upload=upload)
+        ray_job = launcher(
+            "ray-job", address=args.address, python=args.python,
+            max_resubmits=args.max_resubmits, upload_list=args.upload_list,
+            env=env, job_name=args.job_name, runtime_env=runtime_env,
+            runtime_env_source=f"--runtime-env {args.runtime_env}")
+        request = RunRequest(cfg.run_name or Path(args.config).stem, args.config,
+                             tuple(overrides))
+        spec = ray_job.spec(request, cfg)  # built here: no cluster needed for any refusal
         check_submission(cfg, spec.runtime_env.get("env_vars", {}))  # the door, on this side
         if args.dry_run:
             print(spec.describe())
             return 0
-        spec = spec.with_python(cluster_python(args.address, python_candidates(args.python)))
-        job_id = submit(args.config, args.address, overrides, wait=False, spec=spec)
+        job = ray_job.start(request, spec)
     except (ConfigError, SubmitError, UploadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.no_wait:
         return 0
     try:
-        job_id = follow_resubmitting(args.address, job_id, spec, args.max_resubmits)
+        ray_job.follow(job)  # resubmits a job whose driver is lost (the launcher's rule)
     except JobFailed as exc:
-        print(f"error: {exc}; its logs: ray job logs {exc.job_id or job_id} --address "
+        print(f"error: {exc}; its logs: ray job logs {exc.job_id or job.job_id} --address "
               f"{args.address}",
               file=sys.stderr)
         return 1
@@ -235,8 +241,8 @@ def _run_submit(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\nstopped following; job {job_id} goes on on the cluster (stop it with "
-              f"`ray job stop {job_id} --address {args.address}`)", file=sys.stderr)
+        print(f"\nstopped following; job {job.job_id} goes on on the cluster (stop it with "
+              f"`ray job stop {job.job_id} --address {args.address}`)", file=sys.stderr)
         return 130
     return 0
 
@@ -267,8 +273,10 @@ def register(subparsers) -> None:
                    "it has no checkpoint yet (anywhere on the line: `klrl train --resume RUN_DIR "
                    "total_steps=600`)")
     p.add_argument("--resume-if-started", action="store_true",
-                   help="--resume if the run's directory exists, else start the run (what a job "
-                   "resubmitted by `klrl submit --max-resubmits` runs)")
+                   help="start, resume or leave the run as its directory says (one rule for "
+                   "every launcher: a run not there is started, a started one resumed, a "
+                   "finished one left, one recorded with other settings refused); what a job "
+                   "resubmitted by `klrl submit --max-resubmits` or requeued by SLURM runs")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("--dry-run", action="store_true",
                    help="make every check of a real start (config, model, data, resources, "

@@ -1,5 +1,5 @@
 """The entrypoint of a Ray job whose config file lay outside the repository on the submitting
-machine (cluster/train/jobs.py, job_spec): `python -m cluster.cli.job_entry NAME [args ...]`
+machine (cluster/launchers/ray_jobs.py, job_spec): `python -m cluster.cli.job_entry NAME [args ...]`
 writes the config's YAML, sent in the environment variable KLRL_JOB_CONFIG, to NAME in a
 temporary directory and runs `klrl train` on it with the same arguments. The run directory
 keeps its own copy (config.yaml), so the temporary file goes when the run ends."""
@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from cluster.cli.main import main
-from cluster.train.jobs import CONFIG_ENV
+from cluster.launchers.ray_jobs import CONFIG_ENV
 
 
 def run(argv: list[str]) -> int:

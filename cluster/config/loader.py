@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # a Ray job's working_dir (cluster/train/jobs.py)
+REPO_ROOT = Path(__file__).resolve().parents[2]  # a Ray job's working_dir (launchers/ray_jobs.py)
 DEMO_CONFIG = REPO_ROOT / "configs" / "tiny_cpu.yaml"  # `klrl demo`, the benchmarks
 # Plain GRPO on the demo config (group mean/std advantages, K3 in the loss: TRL's GRPO): the
 # docs' learning figures (`klrl figures`) and `klrl bench --peer trl` run it beside the demo's own.

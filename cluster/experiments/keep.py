@@ -14,8 +14,9 @@ they had run there.
 Invariants, enforced here:
 - a run is kept only when finished and evaluated on the problems the report asks for (the
   caller's `needs_evaluation` is False), so that a restored run never needs its weights;
-- a kept run is put back only where the sweep directory has no finished run of that name; a
-  partial run of that name is moved to SWEEP_DIR/replaced/ first (nothing deleted);
+- a kept run is put back only where the sweep directory has no finished run of that name
+  (the continuation rule's FINISHED, cluster/train/continuation.py); an unfinished run of that
+  name is moved to SWEEP_DIR/replaced/ first (nothing deleted);
 - a restored run's final/ holds config.json and no weights (kept.json in the run directory
   says so), and final/config.json keeps the time the run finished, which the sweep's
   estimate of the time left reads.
@@ -34,7 +35,8 @@ from pathlib import Path
 
 from cluster.config.loader import ConfigError
 from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
-from cluster.experiments.sweep import SET_ASIDE_DIR, run_state
+from cluster.experiments.sweep import SET_ASIDE_DIR
+from cluster.train.continuation import RunState, continuation
 from cluster.train.run_log import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -177,10 +179,9 @@ def restore_runs(store: Path, sweep_root: Path) -> list[str]:
     restored = []
     for name in kept_runs(store):
         run_dir = sweep_root / name
-        state = run_state(run_dir)
-        if state == "finished":
+        if continuation(run_dir).state is RunState.FINISHED:  # the one rule: done there
             continue
-        if state == "partial":  # superseded by the finished copy; kept, out of the report
+        if run_dir.exists():  # superseded by the finished copy; kept, out of the report
             aside = sweep_root / SET_ASIDE_DIR
             aside.mkdir(parents=True, exist_ok=True)
             run_dir.rename(aside / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")

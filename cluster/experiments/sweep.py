@@ -2,13 +2,12 @@
 
 A sweep file names a base train config, overrides shared by every run and a grid; the runs are
 the grid's Cartesian product, named from their grid values (`k1-reward-lag2-s0`) under
-`output_dir/<sweep name>/`. Each grid point is FINISHED when its run directory holds
-`final/config.json` (the controller writes the final model last): finished runs are skipped,
-a run directory that exists but is unfinished is continued with `klrl train --resume`, and a
-missing one is started. Every configuration is validated before anything starts.
+`output_dir/<sweep name>/`. Whether each run is started, resumed, skipped as finished or
+refused is the one rule every launcher asks (cluster/train/continuation.py). Every
+configuration is validated before anything starts.
 
 Invariant: a run directory counts as one of the sweep's runs (skipped as finished, resumed
-as partial) only when the config it recorded has the meaning the sweep would give it now
+when unfinished) only when the config it recorded has the meaning the sweep would give it now
 (cluster/train/run_meaning.py); so does every other run in the sweep directory, the report's
 input. Otherwise the sweep refuses (`changed_runs`), unless told to run them again
 (`set_aside`): the sweep.yaml it writes never claims a setting its runs did not train with.
@@ -24,7 +23,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,7 +33,9 @@ from cluster.config.names import DirName
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.comparisons import GridPoint, check_grid
 from cluster.experiments.report import ReportConfig
-from cluster.train.run_log import config_path, is_finished, read_config
+from cluster.launchers.base import RunRequest
+from cluster.train.continuation import Action, Continuation, continuation
+from cluster.train.run_log import config_path, read_config
 from cluster.train.run_meaning import Change, meaning_changes
 
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -146,9 +147,6 @@ class RunSpec:
     overrides: tuple[str, ...]
 
 
-RunState = Literal["finished", "partial", "new"]
-
-
 def load_sweep(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
     """Read and validate a sweep file; train_config comes back as an absolute path. A
     training config given instead is refused as one, with the command that runs it."""
@@ -255,14 +253,16 @@ def preflight_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict[str, Any
 
     failures: dict[str, list[str]] = {}
     for run in runs:
-        state = run_state(sweep_dir(cfg) / run.name)
-        if state == "finished" and run.name not in rerun:
+        verdict = continuation(sweep_dir(cfg) / run.name)
+        if verdict.action is Action.SKIP and run.name not in rerun:
             continue
         try:
             if run.name in rerun:
                 check_environment(resolve_paths(configs[run.name]))
+            elif verdict.action is Action.REFUSE:
+                raise ConfigError(verdict.reason)
             else:
-                preflight(configs[run.name], resume=state == "partial")
+                preflight(configs[run.name], resume=verdict.action is Action.RESUME)
         except (ConfigError, FileExistsError) as exc:
             failures.setdefault(str(exc), []).append(run.name)
     if failures:
@@ -282,7 +282,7 @@ class ChangedRun:
     what the sweep would run for it now (`changes`), or that the sweep cannot judge (`why`)."""
 
     name: str
-    state: str                 # finished, partial, or "not in the grid" (a run no grid point names)
+    state: str                 # the rule's RunState, or "not in the grid" (no grid point names it)
     changes: tuple[Change, ...] = ()
     why: str = ""
 
@@ -305,7 +305,7 @@ def changed_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict) -> list[C
     for run_dir in sorted(p for p in root.iterdir() if config_path(p).is_file()):
         saved, run = read_config(run_dir), by_name.get(run_dir.name)
         if run is not None:
-            state, config = run_state(run_dir), configs[run.name]
+            state, config = continuation(run_dir).state.value, configs[run.name]
         else:
             state = "not in the grid"
             try:
@@ -371,23 +371,21 @@ def set_aside(cfg: SweepConfig, changed: list[ChangedRun]) -> list[Path]:
     return moved
 
 
-def run_state(run_dir: Path) -> RunState:
-    """finished: the final model is written (the controller writes final/config.json last);
-    partial: the run directory exists (continue it with --resume); new: nothing there yet."""
-    if is_finished(run_dir):
-        return "finished"
-    return "partial" if run_dir.exists() else "new"
-
-
 def unfinished_runs(root: Path, runs: list[RunSpec], leave_out: Collection[str] = ()
-                    ) -> list[tuple[RunSpec, RunState]]:
-    """The runs a sweep call starts or resumes, in the sweep's order, with their state: every
-    run in `root` that is not finished, but those named in `leave_out`."""
-    return [(run, state) for run in runs if run.name not in leave_out
-            and (state := run_state(root / run.name)) != "finished"]
+                    ) -> list[tuple[RunSpec, Continuation]]:
+    """The runs a sweep call starts, resumes or reports refused, in the sweep's order, with the
+    rule's verdict on each (cluster/train/continuation.py): every run in `root` not skipped as
+    finished, but those named in `leave_out`."""
+    return [(run, verdict) for run in runs if run.name not in leave_out
+            and (verdict := continuation(root / run.name)).action is not Action.SKIP]
 
 
-def train_command(cfg: SweepConfig, run: RunSpec, state: RunState) -> list[str]:
+def run_request(cfg: SweepConfig, run: RunSpec, verdict: Continuation) -> RunRequest:
+    """What a launcher starts for one run (cluster/launchers/), as the rule's verdict on its
+    directory says (--resume or not)."""
+    return RunRequest.for_run(run.name, cfg.train_config, run.overrides, verdict)
+
+
+def train_command(cfg: SweepConfig, run: RunSpec, verdict: Continuation) -> list[str]:
     """`klrl train` arguments of one run (after `python -m cluster.cli`)."""
-    return ["train", cfg.train_config, *run.overrides,
-            *(["--resume"] if state == "partial" else [])]
+    return run_request(cfg, run, verdict).args()

@@ -3,7 +3,8 @@ left.
 
 Runs are separate processes (`python -m cluster.cli train ...`, each with its own local Ray
 cluster, so one run's crash or leftover actors cannot touch another's), or one Ray job each on a
-cluster (`--address`); launchers.py starts them. A failed run does not stop the sweep: it is
+cluster (`--address`); a launcher of cluster/launchers/ starts them (its protocol: start, poll,
+stop, where). A failed run does not stop the sweep: it is
 recorded, the sweep goes on, and the exit status says which runs failed. The sweep refuses to
 run while a run directory was trained with other settings (sweep.py's invariant), whoever
 calls it.
@@ -26,12 +27,19 @@ from cluster.experiments.sweep import (
     SweepConfig,
     changed_runs,
     describe_changed,
-    run_state,
+    run_request,
     sweep_dir,
     unfinished_runs,
 )
+from cluster.train.continuation import Action
 from cluster.train.progress import format_duration
-from cluster.train.run_log import finished_at, last_step, read_provenance, started_at
+from cluster.train.run_log import (
+    finished_at,
+    is_finished,
+    last_step,
+    read_provenance,
+    started_at,
+)
 
 
 @dataclass
@@ -100,12 +108,14 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
             outcomes.append(Outcome(run, "skipped"))
             if (seconds := one_go_seconds(root / run.name)) is not None:
                 took.append(seconds)
-    todo = [(run, state) for run, state in unfinished if run.name not in leave_out]
+    todo = [(run, verdict) for run, verdict in unfinished if run.name not in leave_out]
+    outcomes += _refused(console, todo, n)
     if left := [run.name for run, _ in unfinished if run.name in leave_out]:
         _say(console, f"left out (--leave-out), unfinished: {', '.join(left)}")
-    if outcomes:  # one line, however many: make results --keep starts the sweep once a run
-        _say(console, f"{len(outcomes)} of {n} run(s) finished before, skipped: "
-             + ", ".join(o.run.name for o in outcomes))
+    if skipped := [o.run.name for o in outcomes if o.status == "skipped"]:
+        # one line, however many: make results --keep starts the sweep once a run
+        _say(console, f"{len(skipped)} of {n} run(s) finished before, skipped: "
+             + ", ".join(skipped))
     # a restarted sweep's estimate: of every unfinished run, those --max-runs leaves included
     if ahead := time_left(took, len(todo), cfg.parallel):
         _say(console, f"{len(took)} run(s) finished before in one go{ahead}")
@@ -119,15 +129,15 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
         overall = progress.add_task(f"sweep {cfg.name} (runs)", total=n, completed=len(outcomes))
         while active or (todo and not signals.received):
             while todo and len(active) < cfg.parallel and not signals.received:
-                run, state = todo.pop(0)
-                handle = launcher.start(cfg, run, state)
-                verb = "resuming" if state == "partial" else "started"
+                run, verdict = todo.pop(0)
+                handle = launcher.start(run_request(cfg, run, verdict))
+                resumed = verdict.action is Action.RESUME
+                verb = "resuming" if resumed else "started"
                 _say(progress.console,
                      f"[{run.index}/{n}] {run.name}: {verb} ({launcher.where(handle)})")
                 task = progress.add_task(f"  [{run.index}/{n}] {run.name} (steps)",
                                          total=configs[run.name].total_steps)
-                active[run.name] = _Active(run, handle, time.monotonic(), task,
-                                           state == "partial")
+                active[run.name] = _Active(run, handle, time.monotonic(), task, resumed)
             while signals.unforwarded:
                 signum = signals.unforwarded.pop(0)
                 for a in active.values():
@@ -154,6 +164,16 @@ def run_sweep(cfg: SweepConfig, runs: list[RunSpec], configs: dict, launcher,
                      + ("" if signals.received else time_left(took, len(todo) + len(active),
                                                                cfg.parallel)))
     return outcomes, (signals.received[0] if signals.received else None)
+
+
+def _refused(console, todo: list, n: int) -> list[Outcome]:
+    """The runs of `todo` the continuation rule refuses (a damaged checkpoint, say), taken
+    out of it: each said, and counted as failed."""
+    refused = [(run, verdict) for run, verdict in todo if verdict.action is Action.REFUSE]
+    for run, verdict in refused:
+        todo.remove((run, verdict))
+        _say(console, f"[{run.index}/{n}] {run.name}: refused: {verdict.reason}")
+    return [Outcome(run, "failed", detail=f"refused: {verdict.reason}") for run, verdict in refused]
 
 
 def time_left(took: list[float], left: int, parallel: int) -> str:
@@ -184,7 +204,7 @@ def _say(console, text: str) -> None:
 
 def _outcome(run: RunSpec, code: int, seconds: float, root: Path, signalled: list,
              where: str) -> Outcome:
-    if code == 0 and run_state(root / run.name) == "finished":
+    if code == 0 and is_finished(root / run.name):
         return Outcome(run, "finished", seconds)
     if signalled:
         return Outcome(run, "stopped", seconds, f"exit {code}; {where}")

@@ -3,9 +3,10 @@ FILE [overrides]`, exec'd by the script `klrl slurm` writes; it is the batch she
 
 1. Ray's head on this node (the job's first), a Ray node on each other node (one srun task
    each, `cluster/slurm/node.py`), all with SIGTERM blocked and the job's own auth token.
-2. The driver against that cluster (RAY_ADDRESS): `klrl train FILE ... --resume` when the run
-   directory already holds the run (a requeued job: nobody types the flag), without it the
-   first time; or `klrl sweep FILE ...`, which continues a sweep by itself.
+2. The driver against that cluster (RAY_ADDRESS): `klrl train FILE ...`, with `--resume` or
+   not, or nothing at all, as the continuation rule says (cluster/train/continuation.py: a
+   requeued job continues its run, nobody types the flag); or `klrl sweep FILE ...`, which
+   asks the same rule for each of its runs.
 3. Signals. SIGTERM (a requeue, a preemption, scancel, the time limit), SIGINT, and the lead
    signal (`--signal=B:USR1@N`, N seconds before the time limit) all stop the driver once,
    with SIGINT: it finishes its step, checkpoints and exits. The driver's SIGTERM is blocked,
@@ -30,6 +31,7 @@ import sys
 import threading
 from pathlib import Path
 
+from cluster.config.loader import ConfigError
 from cluster.slurm import node as ray_node
 from cluster.slurm.script import LEAD_SIGNAL
 
@@ -49,28 +51,22 @@ def hostnames(nodelist: str) -> list[str]:
 
 def driver_command(python: str, command: str, config: str,
                    overrides: list[str]) -> list[str] | None:
-    """The klrl command of this attempt. `train`: with --resume once the run has started (its
-    directory holds metrics), so a requeued job continues its run; None when that run has
-    finished already (a job requeued after its run's end has nothing left to do)."""
+    """The klrl command of this attempt. `train`: as the continuation rule says, so that a
+    requeued job continues its run: with --resume or without; None when there is nothing to
+    do (a job requeued after its run's end); ConfigError when the rule refuses (a run recorded
+    with other settings, a damaged checkpoint: its reason names the fix)."""
     args = [python, "-m", "cluster.cli.main", command, config, *overrides]
     if command != "train":
-        return args  # a sweep skips finished runs and resumes interrupted ones by itself
+        return args  # a sweep asks the rule for each of its runs
     from cluster.config.train_config import load_train_config  # torch: only where it is used
-    from cluster.train import checkpoint as ckpt
-    from cluster.train.run_log import has_metrics, is_finished
+    from cluster.train.continuation import Action, continuation_of
 
-    cfg = load_train_config(config, overrides)
-    run_dir = Path(cfg.output_dir) / cfg.run_name
-    if not has_metrics(run_dir):
-        return args
-    latest = ckpt.latest_checkpoint(run_dir)
-    if is_finished(run_dir) and (latest is None or
-                                 ckpt.read_checkpoint(latest).step >= cfg.total_steps):
-        say(f"{run_dir} has finished already: nothing to do")
-        return None
-    say(f"{run_dir} holds the run: resuming it"
-        + (f" from {latest.name}" if latest else " (no checkpoint yet: afresh)"))
-    return [*args, "--resume"]
+    verdict = continuation_of(load_train_config(config, overrides))
+    if verdict.action is Action.REFUSE:
+        raise ConfigError(verdict.reason)
+    if verdict.action is not Action.START:
+        say(verdict.reason)
+    return [*args, *verdict.train_flags] if verdict.runs else None
 
 
 class Stop:
@@ -181,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     hosts = hostnames(os.environ.get("SLURM_JOB_NODELIST") or os.uname().nodename)
     say(f"job {job_id}, attempt {restarts + 1} (SLURM_RESTART_COUNT={restarts}), "
         f"nodes {', '.join(hosts)}")
-    command = driver_command(sys.executable, args.command, args.config, args.overrides)
+    try:
+        command = driver_command(sys.executable, args.command, args.config, args.overrides)
+    except ConfigError as exc:  # refused before Ray starts: nothing to requeue
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if command is None:
         return 0
     # The job's Ray cluster admits only holders of this token (srun passes the environment on).

@@ -18,17 +18,14 @@ max_lag = 0 is synchronous on-policy RL: generate, train, sync, repeat.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import time
 from collections import deque
 from pathlib import Path
 
-from actors.records import POOL_ERROR, Rollout, RolloutBatch, engine_idle_share
+from actors.records import Rollout, RolloutBatch
 from actors.seeds import generate_seed
-from actors.weight_sync import transport
-from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from cluster.train import checkpoint as ckpt
 from cluster.train.batching import pad_token_id, policy_tokenizer, shaping_metrics, train_batch
@@ -36,18 +33,13 @@ from cluster.train.deadlines import LearnerDeadlines
 from cluster.train.dynamic_sampling import DynamicSampler
 from cluster.train.episodes import EpisodeBook
 from cluster.train.launch import start_engines_and_learner, start_learner
-from cluster.train.learner_restarts import LearnerRestarts, failure_line, heals
+from cluster.train.learner_restarts import LearnerRestarts, heals
 from cluster.train.learning_signal import NoSignalWatch, signal_metrics
 from cluster.train.progress import TrainProgress
 from cluster.train.prompts import PromptStream
-from cluster.train.run_log import (
-    RunLog,
-    completion_text,
-    final_dir,
-    keep_logs_through,
-    sample_rows,
-)
-from cluster.train.staleness import token_lag_metrics
+from cluster.train.recovery import Recovery
+from cluster.train.run_log import completion_text, final_dir, sample_rows
+from cluster.train.step_metrics import batch_metrics
 from cluster.train.stopping import RunStopped
 from cluster.train.weight_sync_state import WeightSyncState
 from cluster.train.worker_pool import InFlight, WorkerPool
@@ -57,7 +49,8 @@ class Controller:
     """One run from start to end: owns the schedule (the batches in flight under max_lag, the
     prompt stream's position), the step count and the non-finite streak, and the run's parts
     (the worker pool, the learner group, the metrics log, the weight sync's books in
-    `weights`), which it starts, checkpoints with the run and stops."""
+    `weights`), which it starts and stops. Every way back (start, resume, learner restart,
+    worker replacement) and the checkpoints they read are `recovery`'s (recovery.py)."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path,
                  resume_from: Path | None = None, stop_requested=lambda: None):
@@ -79,7 +72,7 @@ class Controller:
         self.prompts = PromptStream.for_run(cfg, model_dir)  # loads a dataset split here
         self.learner = self.pool = self.log = None
         self.learner_restarts = LearnerRestarts(cfg.faults.max_learner_restarts)
-        self._reference_sha256: str | None = None
+        self.recovery = Recovery(self)
         # multi-turn (task.environment): the environment's failures and the episode metrics
         self.episodes = EpisodeBook(cfg.task.environment) if cfg.task.environment.enabled else None
 
@@ -101,16 +94,16 @@ class Controller:
                     except Exception as failure:  # noqa: BLE001 - re-raised unless it heals
                         if not heals(failure, self.learner):
                             raise
-                        self._restart_learner(failure)
+                        self.recovery.restart_learner(failure)
             completed = True
             return last
         except RunStopped as stop:
-            self._checkpoint_for(stop)
+            self.recovery.checkpoint_for(stop)
             raise
         finally:
             # A failed or stopped run raises its own exception; a part that then fails to
             # stop as well is printed, not raised in its place.
-            self._shutdown(raise_errors=completed)
+            self.recovery.stop_parts(raise_errors=completed)
 
     # ---------------------------------------------------------------- steps
     def _take_step(self, progress: TrainProgress) -> dict:
@@ -130,36 +123,21 @@ class Controller:
                     "faults/worker_restarts": self.pool.restarts,
                     "faults/reissued_samples": self._reissued_this_step(),
                     **self.learner_restarts.metrics(),
-                    **self.prompts.metrics(self._trained_position)}
+                    **self.prompts.metrics(self.trained_position)}
         self.log.log({"step": self.step, "policy_version": self.step, **metrics})
         self._maybe_log_samples(batch, trained_by)
         progress.update(self.step, metrics)
         return metrics
 
     def _start(self) -> dict:
-        """Start (or resume) the run; returns the step-0 evaluation of a fresh run."""
-        state = self._read_resume_state()
-        self.log = RunLog(self.cfg, self.run_dir, resume_wandb_id=state and state.wandb_id,
-                          rewind_to=state and state.step)
-        self._start_parts()
-        if state is None:
-            first = self._evaluate(self.step)
-            self.log.log({"step": 0, "policy_version": 0, **first})
-            return first
-        self._restore(state, self.resume_from)
-        self.weights.resume()
-        self.pool.restarts = state.worker_restarts
-        self.learner_restarts.count = state.learner_restarts
-        self.learner_restarts.steps_lost = state.learner_steps_lost
-        print(f"resumed {self.run_dir} at step {self.step} from {self.resume_from.name}")
-        return {}
+        """Start (or resume) the run (recovery.py); the step-0 evaluation of a fresh run."""
+        return self.recovery.start()
 
     def _start_parts(self) -> None:
         """Start the rollout workers and the learner group, and join them for the weight sync:
         side by side, or on a GPU the learner may share, the engines first (launch.py)."""
-        def start_pool():  # a replaced worker is re-synced by the weight sync of the moment
-            self.pool = WorkerPool(self.cfg, self.model_dir,
-                                   on_restart=lambda worker: self.weights.resync(worker))
+        def start_pool():  # a worker is replaced as the recovery says (its transport's traits)
+            self.pool = WorkerPool(self.cfg, self.model_dir, self.recovery)
 
         start_engines_and_learner(self.cfg, start_pool, lambda: self.pool.wait_started(),
                                   self._start_learner)
@@ -169,83 +147,6 @@ class Controller:
         self.learner = start_learner(self.cfg, self.model_dir, run_id=self.run_dir.name,
                                      steps=self._planned_steps(),
                                      wait=LearnerDeadlines(self.cfg.faults))
-
-    def _restore(self, state: ckpt.ControllerState, checkpoint: Path) -> None:
-        """Put the new learner and the schedule where the complete `checkpoint` left them; the
-        batches that were in flight are generated again from `prompt_position` on (same
-        prompts, same seeds). The caller gives the workers the restored weights."""
-        self.step = self.learner.load_checkpoint(checkpoint, ckpt.LEARNER_TAG)
-        assert self.step == state.step, \
-            f"learner restored step {self.step}, controller {state.step}"
-        self.prompts.position = state.prompt_position
-        self.nonfinite_total, self.nonfinite_run = state.nonfinite_total, state.nonfinite_run
-        self.dropped_stale = state.dropped_stale
-
-    def _restart_learner(self, failure: Exception) -> None:
-        """The learner group broke (learner_restarts.heals): do in the run what `--resume`
-        does after it (cluster/train/learner_restarts.py), counting faults on; everything the
-        steps decide goes back to the checkpoint. Where the transport allows
-        (`engines_outlive_the_learner`: shm, object_store) the rollout workers keep their
-        engines: their calls in flight, which belong to the lost steps, are settled and each
-        loads the checkpoint's weights; otherwise every part but the log is started again.
-        LearnerRestartsExhausted when no restart is left."""
-        t0 = time.perf_counter()
-        checkpoint = ckpt.latest_checkpoint(self.run_dir)
-        state = ckpt.read_checkpoint(checkpoint) if checkpoint is not None else None
-        back_to = state.step if state is not None else 0
-        why = failure_line(failure, self.learner)
-        self.learner_restarts.take(why, self.step, back_to)
-        lost_from, worker_restarts = self.step, self.pool.restarts
-        keep = transport(self.cfg.sync.transport).engines_outlive_the_learner
-        print(f"{why}; restarting the learner", file=sys.stderr, flush=True)
-        self._shutdown(raise_errors=True, keep_log=True, keep_workers=keep)
-        try:
-            if keep:  # the old transport's files stay until the loads queued on them are done
-                self.pool.settle([c for b in self.pending for c in b.calls]
-                                 + [load.call for load in self.weights.loads])
-                self.weights.cleanup()
-            self.pending.clear()
-            self.last_batches = {}
-            self.weights = WeightSyncState(self.cfg.sync, self.run_dir.name)
-            self.log.rewind(back_to)
-            ckpt.drop_hf_exports_after(self.run_dir, back_to)
-            if keep:
-                self._start_learner()
-                self.weights.connect(self.learner, self.pool)
-            else:
-                self._start_parts()
-                self.pool.restarts, self.reissued_logged = worker_restarts, 0
-            if state is not None:
-                self._restore(state, checkpoint)
-            else:  # no checkpoint yet: the new group holds the starting weights, as at step 0
-                self.step, self.prompts.position, self.dropped_stale = 0, 0, 0
-                self.nonfinite_total = self.nonfinite_run = 0
-            if keep:
-                self.weights.rewind()
-            elif state is not None:
-                self.weights.resume()
-        except RunStopped as stop:  # e.g. a worker hung in its (re)start: the new group does
-            stop.write_checkpoint = False  # not hold the run's state; the last one is kept
-            raise
-        print(self.learner_restarts.describe(checkpoint.name if checkpoint else "step 0",
-                                             lost_from, back_to, time.perf_counter() - t0,
-                                             workers_kept=keep),
-              file=sys.stderr, flush=True)
-
-    def _read_resume_state(self) -> ckpt.ControllerState | None:
-        """The checkpoint's controller state (after checking the reference model is the one
-        it started from; train()'s preflight checked the config), and the metrics log cut
-        back to the checkpoint's step: later rows (and hf/ exports) are redone."""
-        if self.resume_from is None:
-            return None
-        state = ckpt.read_checkpoint(self.resume_from)  # its config: checked by preflight
-        if state.reference_sha256 != self.reference_sha256:
-            raise ConfigError(f"cannot resume {self.resume_from}: the reference model's weights "
-                             f"in {self.cfg.model.ref_path or self.model_dir} differ from the ones "
-                              "the run started from")
-        keep_logs_through(self.run_dir, state.step)
-        ckpt.drop_hf_exports_after(self.run_dir, state.step)
-        return state
 
     def _honour_stop_request(self) -> None:
         stop = self.stop_requested()
@@ -304,49 +205,19 @@ class Controller:
         if not rollouts:  # everything was stale: request a fresh batch at the current version
             self._fill_pipeline()
             return self._take_batch()
-        lags = [self.step - r.policy_version for r in rollouts]
-        per_token = token_lag_metrics(rollouts, self.step)
-        assert max(lags) <= self.cfg.max_lag, "lag bound violated"  # the invariant above
-        assert per_token["lag/token_max"] <= self.cfg.max_lag, "token lag bound violated"
-        updates = self.cfg.learner.updates_per_batch
-        gen_s = max(b.gen_seconds for b in batches)
-        tokens = sum(b.num_response_tokens for b in batches)
-        failures = sum(r.score_failure is not None for r in rollouts)
-        pool_errors = sum(any(r.score_failure == POOL_ERROR for r in b.rollouts) for b in batches)
-        rewards = [r.reward for r in rollouts]
-        lengths = [len(r.response_ids) for r in rollouts]
-        return rollouts, per_token | env_metrics | self._engine_idle(batches) | {
-            "lag/max": max(lags), "lag/mean": sum(lags) / len(lags),
-            "lag/dropped_total": self.dropped_stale,
-            # In optimizer steps: update k of this batch trains on data lag * updates + k steps
-            # older than its weights (equal to lag/max with one update per batch).
-            "lag/max_optimizer_steps": max(lags) * updates + updates - 1,
-            "rollout/policy_version": sum(r.policy_version for r in rollouts) / len(rollouts),
-            "reward/mean": sum(rewards) / len(rewards), "reward/score_failures": failures,
-            "faults/scoring_pool_errors": pool_errors,  # generate calls whose pool failed
-            "time/generate": gen_s, "time/wait_for_rollouts": wait_s,
-            "throughput/gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-            "rollout/response_tokens_mean": sum(lengths) / len(lengths),
-            "rollout/response_tokens_max": max(lengths),
-            # requests of the step's batches preempted by in-flight weight updates (0
-            # batch-level): with lag/multi_version_share, whether anything was in flight
-            "rollout/preempted": sum(b.preempted for b in batches),
-        }
+        metrics = batch_metrics(batches, rollouts, self.step, dropped_total=self.dropped_stale,
+                                updates_per_batch=self.cfg.learner.updates_per_batch,
+                                wait_s=wait_s, last_batches=self.last_batches)
+        # the invariant (module docstring), per sample and per token
+        assert metrics["lag/max"] <= self.cfg.max_lag, "lag bound violated"
+        assert metrics["lag/token_max"] <= self.cfg.max_lag, "token lag bound violated"
+        return rollouts, metrics | env_metrics
 
     def _take_next(self):
         """Dynamic sampling's next global batch, requested first if none is in flight; None
         when the data's epochs are used up."""
         self._fill_pipeline()
         return self._take_batch() if self.pending else None
-
-    def _engine_idle(self, batches: list[RolloutBatch]) -> dict:
-        """rollout/engine_idle_share: the mean over workers of the share of the time since
-        their previous batch that their engine sat idle (actors.records.engine_idle_share;
-        none on a worker's first batch, or its replacement's)."""
-        shares = [share for b in batches if (before := self.last_batches.get(b.worker))
-                  and (share := engine_idle_share(before, b)) is not None]
-        self.last_batches |= {b.worker: dataclasses.replace(b, rollouts=[]) for b in batches}
-        return {"rollout/engine_idle_share": sum(shares) / len(shares)} if shares else {}
 
     def _publish(self) -> dict:
         """Publish the learner's new weights and queue their load on every worker, behind what
@@ -401,7 +272,7 @@ class Controller:
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint_every
         if every and self.step % every == 0:
-            self._checkpoint()
+            self.recovery.checkpoint()
 
     def _maybe_export_hf(self) -> None:
         every = self.cfg.hf_every
@@ -425,76 +296,16 @@ class Controller:
         """The policy's tokenizer (pad id, sample texts), loaded on first use."""
         return policy_tokenizer(self.model_dir, self.cfg.model)
 
-    def _checkpoint(self) -> Path:
-        """Write a complete checkpoint of the run at the current step (atomic; see
-        cluster/train/checkpoint.py). Invariant: every prompt before `prompt_position` was trained
-        on by a step <= self.step, and none after it (batches in flight are replayed)."""
-        state = ckpt.ControllerState(
-            step=self.step, prompt_position=self._trained_position,
-            nonfinite_total=self.nonfinite_total, nonfinite_run=self.nonfinite_run,
-            dropped_stale=self.dropped_stale,
-            worker_restarts=self.pool.restarts if self.pool else 0,
-            learner_restarts=self.learner_restarts.count,
-            learner_steps_lost=self.learner_restarts.steps_lost, wandb_id=self.log.wandb_id,
-            reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
-        return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
-                                     keep=self.cfg.keep_checkpoints)
-
-    def _checkpoint_for(self, stop: RunStopped) -> None:
-        """Give `stop` the checkpoint to resume from: a new one, or the last complete one when
-        the learner cannot write one (it hung, now or while writing this one)."""
-        stop.run_dir = self.run_dir
-        if stop.write_checkpoint and self.learner is not None:
-            try:
-                stop.checkpoint = self._checkpoint()
-                return
-            except RunStopped as hung:  # the learner hung writing it: that is the news
-                self._checkpoint_for(hung)
-                raise hung from stop
-        stop.checkpoint = ckpt.latest_checkpoint(self.run_dir)
-
     def _finish(self) -> None:
         if self.cfg.checkpoint_every:  # so that the run can be extended with --resume
-            self._checkpoint()
+            self.recovery.checkpoint()
         self.learner.save_hf(final_dir(self.run_dir))
 
-    def _shutdown(self, raise_errors: bool = True, keep_log: bool = False,
-                  keep_workers: bool = False) -> None:
-        """Stop every part (but the log when `keep_log`, and the workers with the weights
-        published to them when `keep_workers`: a learner restart), each on its own: a part
-        that fails (a log that cannot be closed) must not keep the others (workers, learner
-        ranks, shm files) alive. Every failure is printed; once all parts have run, the first
-        is raised (when `raise_errors`)."""
-        parts = [(name, getattr(part, method)) for name, part, method in (
-            ("metrics log", None if keep_log else self.log, "close"),
-            ("rollout workers", None if keep_workers else self.pool, "kill_all"),
-            ("learner", self.learner, "shutdown")) if part is not None]
-        if not keep_workers:
-            parts.append(("published weights", self.weights.cleanup))  # shm: /dev/shm is RAM
-        errors = []
-        for name, stop in parts:
-            try:
-                stop()
-            except Exception as exc:  # noqa: BLE001 - every part gets its turn; raised below
-                print(f"shutdown: stopping the {name} failed: {type(exc).__name__}: {exc}",
-                      file=sys.stderr)
-                errors.append(exc)
-        if errors and raise_errors:
-            raise errors[0]
-
     @property
-    def _trained_position(self) -> int:
+    def trained_position(self) -> int:
         """Every prompt before this data position was trained on, none after it (batches in
         flight are replayed on resume)."""
         return self.pending[0].start_position if self.pending else self.prompts.position
-
-    @property
-    def reference_sha256(self) -> str:
-        """The KL reference's identity (model.ref_path, else the policy's starting weights),
-        checked on resume so a resumed run pulls toward the same reference."""
-        if self._reference_sha256 is None:
-            self._reference_sha256 = ckpt.model_sha256(self.cfg.model.ref_path or self.model_dir)
-        return self._reference_sha256
 
     @functools.cached_property
     def pad_id(self) -> int:

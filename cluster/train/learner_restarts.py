@@ -3,14 +3,14 @@
 
 A learner failure (a rank that died, a call that raised in a rank, a call that hung:
 cluster/train/deadlines.py) leaves the group broken: its ranks may be blocked in a collective
-with the failed one, so the whole group goes. The controller then does in the run what
-`klrl train --resume` does after it: a new group loads the last complete checkpoint, the rollout
-workers are given its weights (kept with their engines, their calls in flight settled, where the
-transport allows: `WeightTransport.engines_outlive_the_learner`; started again otherwise), the
-data position goes back to the checkpoint's (the batches that were in flight are generated
-again, from the same prompts and seeds) and the logs are cut back to its step. So the
-guarantees of resume hold for a restart: bit-identical at max_lag 0, nothing skipped or trained
-twice above it (docs/checkpoints.md).
+with the failed one, so the whole group goes. The run's recovery (recovery.py) then does in
+the run what `klrl train --resume` does after it: a new group loads the last complete
+checkpoint, the rollout workers are given its weights (kept with their engines, their calls in
+flight settled, where the transport allows: `WeightTransport.engines_outlive_the_learner`;
+started again otherwise), the data position goes back to the checkpoint's (the batches that
+were in flight are generated again, from the same prompts and seeds) and the logs are cut back
+to its step. So the guarantees of resume hold for a restart: bit-identical at max_lag 0,
+nothing skipped or trained twice above it (docs/checkpoints.md).
 """
 from __future__ import annotations
 

@@ -4,9 +4,10 @@ A worker whose call fails with a dead actor, or hangs (cluster/train/deadlines.p
 deadline derived from the run's measured calls of that kind, it does not answer a health call;
 in a generate or evaluate call, its engine has been in one step past `faults.engine_stall_s`
 while the process answers, a wedged engine; or past the ceiling `faults.generate_timeout_s`,
-live or not), is killed and replaced by a fresh one on the same model; the
-pool's owner re-syncs the current weights into it (`on_restart`, which checks the version)
-before the failed call is sent again. Replaying a generation request is exact: the request
+live or not), is killed and replaced by a fresh one on the same model; the run's
+recovery (cluster/train/recovery.py) says whether the transport can take a new worker and
+re-syncs the current weights into it (checking the version) before the failed call is sent
+again. Replaying a generation request is exact: the request
 carries its own seed. Every replacement counts against `faults.max_worker_restarts` over the
 whole run; the failure after the last allowed restart raises `WorkerRestartsExhausted`.
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.records import RolloutBatch
-from actors.weight_sync import transport
 from cluster.config.train_config import TrainConfig
 from cluster.train.deadlines import (
     PROBE_S,
@@ -116,8 +115,10 @@ class WorkerPool:
     under each kind of call's deadline, and replaces a worker that dies or hangs (module
     docstring), within `faults.max_worker_restarts` and what the sync transport allows."""
 
-    def __init__(self, cfg: TrainConfig, model_dir: Path, on_restart: Callable[[object], None]):
-        self.cfg, self.model_dir, self.on_restart = cfg, Path(model_dir), on_restart
+    def __init__(self, cfg: TrainConfig, model_dir: Path, recovery):
+        """`recovery`: the run's (recovery.Recovery): `why_no_worker_replacement()` and
+        `worker_replaced(worker)`, the re-sync of a replacement."""
+        self.cfg, self.model_dir, self.recovery = cfg, Path(model_dir), recovery
         self.mode = cfg.rollout.generation  # how generate calls are sent (actors/generation/)
         self.restarts = 0
         self.reissued_samples = 0  # samples of generate calls sent again to a replacement
@@ -274,15 +275,15 @@ class WorkerPool:
         return self.times[kind]
 
     def restart(self, i: int, reason: str) -> None:
-        """Replace worker i (dead or hung) and let the owner re-sync its weights."""
+        """Replace worker i (dead or hung) and let the recovery re-sync its weights."""
         t0 = time.perf_counter()
         self._replace(i, reason)
-        self.on_restart(self.workers[i])
+        self.recovery.worker_replaced(self.workers[i])
         print(f"rollout worker {i} {reason}; replaced and re-synced in "
               f"{time.perf_counter() - t0:.1f}s ({self._restart_count()})", file=sys.stderr)
 
     def settle(self, calls: list[WorkerCall]) -> None:
-        """A learner restart that keeps the workers (controller.py): their calls in flight
+        """A learner restart that keeps the workers (recovery.py): their calls in flight
         (`calls`, generate calls and weight loads) belong to the lost steps. The generate calls
         not yet started are cancelled (Ray drops a queued actor call; one that runs finishes),
         then every call is waited for, one way or another, without taking its value (a
@@ -314,7 +315,7 @@ class WorkerPool:
         restart; WorkerRestartsExhausted when none is left or the transport cannot take a new
         worker."""
         limit = self.cfg.faults.max_worker_restarts
-        if why := transport(self.cfg.sync.transport).why_no_replacement():
+        if why := self.recovery.why_no_worker_replacement():
             # the config allowed no restart under this transport (TrainConfig): say why
             raise WorkerRestartsExhausted(f"rollout worker {i} {reason}; {why}, so the run "
                                           "stops here")

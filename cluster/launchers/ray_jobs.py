@@ -1,8 +1,8 @@
-"""The Ray Jobs client: a training run submitted to a Ray cluster (`klrl submit`, and one job
+"""The Ray Jobs client behind the Ray job launcher (ray_job.py: `klrl submit`, and one job
 per run of `klrl sweep --address`).
 
 A job runs `PYTHON -m cluster.cli train ...` on the head node with the project's tracked files
-uploaded as its working directory (cluster/train/job_upload.py: which files, and the check
+uploaded as its working directory (job_upload.py: which files, and the check
 that the cluster's PYTHON has klrl's dependencies, made before the upload). What the run needs
 beyond them travels in the job's runtime_env (`job_spec`):
 - a config file outside the uploaded files (elsewhere, or untracked): its YAML (with `base:`
@@ -34,7 +34,14 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import read_yaml
-from cluster.train.job_upload import Upload, UploadError, probe_python, project_upload, staged
+from cluster.launchers.base import RESUME_IF_STARTED, SubmitError
+from cluster.launchers.job_upload import (
+    Upload,
+    UploadError,
+    probe_python,
+    project_upload,
+    staged,
+)
 from cluster.train.stopping import HANDLED
 from rewards.config import EVAL_SETS
 
@@ -46,10 +53,6 @@ CONFIG_ENV = "KLRL_JOB_CONFIG"
 CONNECT_TIMEOUT_S = 10.0
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]{0,127}$")
-
-
-class SubmitError(Exception):
-    """A job that cannot be submitted as asked: one line saying why and what to do (exit 2)."""
 
 
 class JobFailed(Exception):
@@ -67,8 +70,6 @@ class JobFailed(Exception):
 OWN_EXIT_CODES = frozenset({0, 1, 2, *(128 + s for s in HANDLED)})
 # Ray's job errors where the driver went with Ray's job supervisor (its node lost, say).
 _SUPERVISOR_LOST = ("JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE")
-# What a resubmitted job adds to the command: continue the run if the first job started it.
-RESUME_IF_STARTED = "--resume-if-started"
 
 
 def driver_lost(info) -> str | None:
@@ -101,10 +102,11 @@ def _exit_description(code: int) -> str:
 
 def resubmission(spec: JobSpec, attempt: int) -> JobSpec:
     """The first job `spec` again, resubmission `attempt`, to continue its run:
-    `--resume-if-started` added (the run resumes from its last checkpoint, or starts if the
-    lost driver never created it) and, with a job name, a new one (`NAME-r1`, `NAME-r2`: Ray
-    keeps the names of ended jobs)."""
-    entrypoint = f"{spec.entrypoint} {RESUME_IF_STARTED}"
+    `--resume-if-started` added (the continuation rule decides where the job runs: resume from
+    the last checkpoint, start if the lost driver never began it, nothing if it finished) and,
+    with a job name, a new one (`NAME-r1`, `NAME-r2`: Ray keeps the names of ended jobs)."""
+    entrypoint = spec.entrypoint if spec.entrypoint.endswith(f" {RESUME_IF_STARTED}") \
+        else f"{spec.entrypoint} {RESUME_IF_STARTED}"
     name = spec.job_name and f"{spec.job_name}-r{attempt}"
     return replace(spec, entrypoint=entrypoint, job_name=name)
 
@@ -432,26 +434,6 @@ def follow(client, job_id: str) -> None:
     if info.status != JobStatus.SUCCEEDED:
         raise JobFailed(f"job {job_id} ended {info.status}"
                         + (f": {_last_line(info.message)}" if info.message else ""), info, job_id)
-
-
-def follow_resubmitting(address: str, job_id: str, spec: JobSpec, max_resubmits: int) -> str:
-    """`follow` the job; while it ends with its driver lost (`driver_lost`) and fewer than
-    `max_resubmits` resubmissions were made, submit it again to continue its run
-    (`resubmission`) and follow that. Returns the last job's id; JobFailed as `follow`."""
-    for attempt in range(1, max_resubmits + 2):
-        try:
-            follow(job_client(address), job_id)
-            return job_id
-        except JobFailed as failed:
-            why = driver_lost(failed.info) if failed.info is not None else None
-            if why is None or attempt > max_resubmits:
-                raise
-        again = resubmission(spec, attempt)
-        print(f"job {job_id}: {why}; resubmitting it to continue its run (resubmission "
-              f"{attempt}/{max_resubmits})", flush=True)
-        job_id = submit(again.metadata.get("klrl_config", ""), address, [], wait=False,
-                        spec=again)
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _check_name_free(client, name: str) -> None:
