@@ -352,6 +352,32 @@ def test_a_failed_sample_costs_its_group_and_too_many_stop_the_run():
                    *[_rollout(4)] * 4])
 
 
+def test_the_failure_count_survives_a_checkpoint(tmp_path):
+    """A resumed run keeps counting the environment's failed share from the checkpoint's
+    counts (ControllerState.env_samples, env_failures; the controller saves and restores
+    them): its share is the run's, not the resumed part's."""
+    from cluster.train import checkpoint as ckpt
+    from cluster.train.episodes import EnvironmentFailing, EpisodeBook
+
+    cfg = EnvironmentConfig(name="calculator", max_failure_share=0.2)
+    book = EpisodeBook(cfg)
+    book.take([_rollout(0, "timeout: t"), *[_rollout(0)] * 3, *[_rollout(1)] * 6],
+              lambda _: None)
+    state = ckpt.ControllerState(step=1, prompt_position=3, env_samples=book.samples,
+                                 env_failures=book.failures)
+    saved = ckpt.write_checkpoint(tmp_path, state, lambda d, tag: (d / tag).mkdir(), keep=1)
+    resumed = ckpt.read_checkpoint(saved)
+    assert (resumed.env_samples, resumed.env_failures) == (10, 1)
+    batch = [_rollout(2, "timeout: t"), *[_rollout(2)] * 3]  # 1 of 4 alone: above the share
+    again = EpisodeBook(cfg)
+    again.restore(resumed.env_samples, resumed.env_failures)
+    _, metrics = again.take(batch, lambda _: None)  # the run's 2 of 14: within it
+    assert metrics["env/failures_total"] == 2
+    assert metrics["env/failure_share"] == pytest.approx(2 / 14)
+    with pytest.raises(EnvironmentFailing, match="failed 1 of the run's 4"):
+        EpisodeBook(cfg).take(batch, lambda _: None)
+
+
 def _docs_blocks(kind: str) -> list[str]:
     text = (ROOT / "docs" / "multi-turn.md").read_text()
     return [b.split("```", 1)[0] for b in text.split(f"```{kind}\n")[1:]]

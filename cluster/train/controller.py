@@ -175,6 +175,8 @@ class Controller:
         self.prompts.position = state.prompt_position
         self.nonfinite_total, self.nonfinite_run = state.nonfinite_total, state.nonfinite_run
         self.dropped_stale = state.dropped_stale
+        if self.episodes is not None:  # the failed share keeps counting across a resume
+            self.episodes.restore(state.env_samples, state.env_failures)
 
     def _restart_learner(self, failure: Exception) -> None:
         """The learner group broke (learner_restarts.heals): do in the run what `--resume`
@@ -425,6 +427,8 @@ class Controller:
             worker_restarts=self.pool.restarts if self.pool else 0,
             learner_restarts=self.learner_restarts.count,
             learner_steps_lost=self.learner_restarts.steps_lost, wandb_id=self.log.wandb_id,
+            env_samples=self.episodes.samples if self.episodes else 0,
+            env_failures=self.episodes.failures if self.episodes else 0,
             reference_sha256=self.reference_sha256, config=self.cfg.model_dump(mode="json"))
         return ckpt.write_checkpoint(self.run_dir, state, self.learner.save_checkpoint,
                                      keep=self.cfg.keep_checkpoints)
