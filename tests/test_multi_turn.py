@@ -322,6 +322,37 @@ def test_the_environment_actors_cpus_are_requested_and_not_the_engines():
         check_local_resources(pooled)
 
 
+def test_the_bench_environment_part_configures_renders_and_checks():
+    """`klrl bench --only environment` (cluster/bench/environment.py): its settings are valid
+    run configs, its environment ends after TURNS turns, and its figures are rendered and
+    required. (The measurement itself runs with `klrl bench --quick --only environment`.)"""
+    from cluster.bench import environment as bench_env
+    from cluster.bench.report import _environment_table
+    from cluster.bench.results import check_result, default_parts
+    from cluster.config.loader import DEMO_CONFIG
+    from cluster.config.train_config import load_train_config
+
+    base = load_train_config(DEMO_CONFIG, [])
+    for delay_s, actors in bench_env.SETTINGS.values():
+        env = bench_env.environment_config(base, delay_s, actors).task.environment
+        assert env.pool.actors_per_worker == actors and env.options == {"delay_s": delay_s}
+    answering = bench_env.Answering()
+    answering.reset(_problems(1)[0])
+    turn = Turn(text="x", token_ids=(1,), index=0, finish_reason="stop")
+    steps = [answering.step(turn) for _ in range(bench_env.TURNS)]
+    assert [x.done for x in steps] == [False] * (bench_env.TURNS - 1) + [True]
+    assert "environment" not in default_parts("cpu") + default_parts("cuda")
+    setting = {"samples_per_s": 2.0, "environment_share": 0.25, "outside_engine_share": 0.5,
+               "turns_mean": 3.0}
+    result = {"device": "cpu", "workloads": {}, "parts": {"environment": {}},
+              "environment": {"delay_ms": 50, "samples": 16, "ratio_threads": 0.9,
+                              "ratio_pool": 0.8, "settings": {"instant": setting}}}
+    assert check_result(result) == []
+    table = "\n".join(_environment_table(result["environment"]))
+    assert "threads **0.90**, pool **0.80**" in table and "| instant | 2.00 | 25% | 50%" in table
+    assert check_result(result | {"environment": {}}) == ["environment"]
+
+
 def _rollout(group: int, failure: str | None = None, **kw) -> Rollout:
     p = _problems(1)[0]
     return Rollout(problem=p, group_id=group, prompt_ids=[1], response_ids=[4, 5, 6],
