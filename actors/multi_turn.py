@@ -12,38 +12,27 @@ re-sent prefix cheap.
 Where it runs, first version. Batch-level generation only (TrainConfig refuses
 rollout.in_flight_updates with an environment): a generate call runs its episodes turn by turn,
 each turn one engine call over every live episode, with the weights the worker holds (so every
-token of the call is one version). The environment runs on threads of the rollout worker, a
-thread per reset or step, each under `turn_timeout_s`; a step past it costs its sample,
-and its thread is left to finish on its own (Python cannot stop a thread): an environment that
-hangs for good keeps one thread per hung sample. Environments in a pool of Ray actors beside
-the workers, so that a slow tool does not hold the engine, are not built yet
-(docs/multi-turn.md).
+token of the call is one version). Between two turns, the round of environment calls (a reset
+or a step per live episode) runs on threads of the worker or in its pool of environment actors
+(task.environment.pool, actors/environment_pool.py), under `turn_timeout_s`; a call past it,
+or an environment that raises, replies garbage or loses its actor, costs its sample.
 
 Sampling seeds: turn 0 of sample j of a prompt whose request seed is s is seeded s + j, as
 vLLM seeds sample j of one request with n samples; turn k > 0 with `actors.seeds.turn_seed`.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.environment_pool import EnvAnswer, EnvironmentPool, EnvironmentThreads
 from actors.generation.base import EngineDriver
 from actors.records import Rollout
 from actors.seeds import turn_seed
 from rewards import Problem
 from rewards.config import EnvironmentConfig
-from rewards.environment import (
-    Environment,
-    EnvFailure,
-    EnvStep,
-    Turn,
-    check_reply,
-    environment_class,
-)
+from rewards.environment import EnvFailure, EnvStep, Turn, check_reply, environment_class
 
 
 @dataclass
@@ -55,7 +44,7 @@ class Episode:
     group_id: int
     prompt_ids: list[int]
     seed: int | None
-    env: Environment | None = None
+    key: int = 0  # the episode's environment, where it runs (actors/environment_pool.py)
     ids: list[int] = field(default_factory=list)
     policy_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -106,6 +95,8 @@ class EpisodeRunner:
         self.cfg, self.tokenizer, self.budget = cfg, tokenizer, budget
         self.env_class = environment_class(cfg.name)
         self.vocab_size = len(tokenizer)
+        self.envs = EnvironmentPool(cfg) if cfg.pool.enabled else EnvironmentThreads(cfg)
+        self.keys = 0  # episode keys handed out: unique over the runner's life
 
     def run(self, driver: EngineDriver, problems: Sequence[Problem], group_ids: Sequence[int],
             prompts: Sequence[dict], params: Sequence[Any], *, worker: int, version: int,
@@ -127,8 +118,10 @@ class EpisodeRunner:
                             None if sp.seed is None else sp.seed + j)
                     for p, g, pr, sp in zip(problems, group_ids, prompts, params)
                     for j in range(sp.n)]
+        for e in episodes:
+            e.key, self.keys = self.keys, self.keys + 1
         base = [sp for sp in params for _ in range(sp.n)]
-        self._on_envs(episodes, self._reset)
+        self._take_answers(episodes, self.envs.reset([(e.key, e.problem) for e in episodes]))
         for k in range(self.cfg.max_turns):
             live = [i for i, e in enumerate(episodes) if e.live]
             if not live:
@@ -139,12 +132,19 @@ class EpisodeRunner:
             done = generate(requests, turn_params)
             for i, completions in zip(live, done):
                 self._take_turn(episodes[i], completions[0], version)
-            self._on_envs([episodes[i] for i in live], self._step)
+            asked = [episodes[i] for i in live]
+            self._take_answers(asked, self.envs.step([(e.key, e.pending_turn) for e in asked]))
         for e in episodes:
             if e.live:  # the turn limit cut it
                 e.finish_reason = "turns"
+        self.envs.close([e.key for e in episodes])
         return EpisodesRun([e.rollout(worker, version) for e in episodes], spent["gen"],
                            spent["preempted"])
+
+    def shutdown(self) -> None:
+        """Stop the pool's environment actors (they would also die with the worker)."""
+        if isinstance(self.envs, EnvironmentPool):
+            self.envs.shutdown()
 
     # ------------------------------------------------------------------ turns
 
@@ -172,38 +172,18 @@ class EpisodeRunner:
                               finish_reason=str(c.finish_reason),
                               episode_ids=tuple(e.ids))
 
-    def _reset(self, e: Episode) -> None:
-        e.env = self.env_class(**self.cfg.options)
-        e.env.reset(e.problem)
-
-    def _step(self, e: Episode) -> EnvStep:
-        return check_reply(e.env.step(e.pending_turn), self.vocab_size)
-
-    def _on_envs(self, episodes: list[Episode], fn) -> None:
-        """fn(e) for each episode, each on a daemon thread of its own under the turn timeout
-        (a hung one neither blocks the call nor the process's exit); a step's answer is
-        applied (`_apply`), a failure marks its episode."""
-        timeout = self.cfg.turn_timeout_s
-        started = time.monotonic()
-
-        # Each thread only computes; the episode is updated here, once its answer is taken
-        # (a timed-out thread that finishes later changes nothing).
-        futures = [(e, _on_daemon_thread(fn, e), time.monotonic()) for e in episodes]
-        for e, f, t0 in futures:
-            try:
-                out = f.result(timeout=max(0.0, started + timeout - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                e.failure = f"timeout: no answer within {timeout:g} s"
-                e.env_seconds += timeout
-                continue
-            except EnvFailure as failure:
-                e.failure = f"{failure.reason}: {failure.detail}"[:300]
-            except Exception as exc:  # noqa: BLE001 - the environment's code: it costs the sample
-                e.failure = f"exception: {type(exc).__name__}: {exc}"[:300]
-            else:
-                if out is not None:
-                    self._apply(e, out)
-            e.env_seconds += f.finished_at - t0
+    def _take_answers(self, episodes: list[Episode], answers: list[EnvAnswer]) -> None:
+        """Each episode's answer from its environment: a failure marks the episode, a step's
+        reply is checked (`check_reply`) and applied (`_apply`)."""
+        for e, a in zip(episodes, answers):
+            e.env_seconds += a.seconds
+            if a.failure is not None:
+                e.failure = a.failure
+            elif e.pending_turn is not None:  # a step's answer (a reset's is None)
+                try:
+                    self._apply(e, check_reply(a.out, self.vocab_size))
+                except EnvFailure as failure:
+                    e.failure = f"{failure.reason}: {failure.detail}"[:300]
 
     def _apply(self, e: Episode, out: EnvStep) -> None:
         """The environment's answer to e's last turn: end the episode or append its reply."""
@@ -228,22 +208,3 @@ class EpisodeRunner:
         e.policy_mask += [False] * len(reply[:room])
         if len(reply) >= room:  # nothing left for the policy's next turn
             e.finish_reason = "length"
-
-
-def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
-    """fn(*args) on a new daemon thread; its result or exception in the future, and when it
-    ended (time.monotonic()) in the future's `finished_at`."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run():
-        try:
-            out = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            future.finished_at = time.monotonic()
-            future.set_exception(e)
-        else:
-            future.finished_at = time.monotonic()
-            future.set_result(out)
-
-    threading.Thread(target=run, name="klrl-environment", daemon=True).start()
-    return future

@@ -363,6 +363,8 @@ class RolloutWorker:
         from actors.engine import shutdown_llm
 
         self.pool.close()
+        if self.episodes is not None:
+            self.episodes.shutdown()
         if self.adapter is not None:
             self.adapter.close()
         if self._pending is not None and not self._pending.done():

@@ -66,6 +66,32 @@ class OverlongConfig(_Strict):
                                  "masked with it, so that combination is refused.")
 
 
+class EnvironmentPoolConfig(_Strict):
+    """Where the environment runs (actors/environment_pool.py; docs/multi-turn.md). Off by
+    default (0 actors): on threads of the rollout worker, which costs nothing to start and
+    suits a tool of microseconds (the calculator; a Ray round trip would cost more than the
+    step). On: each rollout worker starts its own pool of environment actors (Ray actors
+    beside it, killed with it), so a tool that computes for long does not compete with the
+    engine in the worker's process and a hung one is killed and replaced (its samples
+    dropped and counted), where a thread would be left running."""
+
+    actors_per_worker: int = Field(0, ge=0, le=256, description="Environment actors each "
+                                   "rollout worker starts; its episodes are dealt to them in "
+                                   "turn and stay on theirs. 0: the environment runs on "
+                                   "threads of the worker.")
+    cpus_per_actor: float = Field(1.0, ge=0.0, le=256, description="Ray CPUs each environment "
+                                  "actor reserves (counted in the run's CPU request; 0: "
+                                  "none, it shares the node's).")
+    concurrency: int = Field(16, ge=1, le=1024, description="Steps (or resets) one environment "
+                             "actor runs at once, each on a thread of its own; beyond "
+                             "actors_per_worker x concurrency a generate call's episodes "
+                             "wait their turn, within turn_timeout_s.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.actors_per_worker > 0
+
+
 class EnvironmentConfig(_Strict):
     """A multi-turn environment that answers the policy's turns (rewards/environment.py;
     docs/multi-turn.md). Off by default (name null): one prompt, one completion, scored by the
@@ -89,14 +115,17 @@ class EnvironmentConfig(_Strict):
                                      "rollout.max_new_tokens.")
     turn_timeout_s: float = Field(10.0, gt=0, le=3600, description="Seconds the environment may "
                                   "take to reset or answer one turn; past it the sample is "
-                                  "dropped and counted (env/failures). The environment runs on "
-                                  "a thread of the rollout worker: one that hangs keeps that "
-                                  "thread.")
+                                  "dropped and counted (env/failures). On a thread of the "
+                                  "rollout worker, one that hangs keeps that thread; in an "
+                                  "environment actor (pool), the actor is replaced.")
     max_failure_share: float = Field(0.1, ge=0.0, le=1.0, description="Share of the run's "
                                      "samples the environment may fail (raise, time out, reply "
                                      "garbage) before the run stops with an error naming it; "
                                      "each failed sample's prompt group is dropped from its "
                                      "batch.")
+    pool: EnvironmentPoolConfig = Field(default_factory=EnvironmentPoolConfig,
+                                        description="Environment actors beside the rollout "
+                                        "workers, or threads of the workers (the default).")
 
     @field_validator("name")
     @classmethod

@@ -106,7 +106,8 @@ class EnvFailure(Exception):
         self.reason, self.detail = reason, detail
 
 
-FAILURE_REASONS = ("exception", "timeout", "invalid_reply")
+# actor_lost: the environment's actor (task.environment.pool) died or was replaced.
+FAILURE_REASONS = ("exception", "timeout", "invalid_reply", "actor_lost")
 
 
 def check_reply(out: Any, vocab_size: int) -> EnvStep:

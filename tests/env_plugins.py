@@ -3,6 +3,7 @@ is on the path of every process the tests start, tests/conftest.py). A random ti
 random characters, so these answer whatever it writes."""
 from __future__ import annotations
 
+import os
 import time
 
 from rewards.environment import Environment, EnvStep
@@ -36,7 +37,8 @@ class ChatterIds(Chatter):
 
 class Faulty(Chatter):
     """Chatter on most problems; on a problem whose uid ends in a key of `faults` it breaks
-    that way: "raises", "hangs" (past any timeout) or "garbage" (not an EnvStep)."""
+    that way: "raises", "hangs" (past any timeout), "garbage" (not an EnvStep) or "exits" (its
+    process ends: an environment actor's death, task.environment.pool)."""
 
     def __init__(self, faults: dict[str, str] | None = None):
         self.faults = faults or {"/0": "raises"}
@@ -53,6 +55,8 @@ class Faulty(Chatter):
             raise RuntimeError("the tool crashed")
         if self.fault == "hangs":
             time.sleep(30)
+        if self.fault == "exits":
+            os._exit(1)
         return {"reply": "not an EnvStep"}
 
 

@@ -37,12 +37,13 @@ def _problems(k: int) -> list[Problem]:
 
 
 def _run(llm, cfg: EnvironmentConfig, problems, *, n=2, seed=7, record=None, renderer=None,
-         budget=BUDGET):
+         budget=BUDGET, runner=None):
     """The rollouts of one generate call with `cfg`'s environment on `llm`, and (in `record`)
     each engine call's token prompts and sampled ids. renderer: how prompts are rendered (a
-    PromptRenderer, as the rollout worker's; None: raw text on the engine's tokenizer)."""
+    PromptRenderer, as the rollout worker's; None: raw text on the engine's tokenizer).
+    runner: an EpisodeRunner of `cfg` to reuse (its environment pool); None: a new one."""
     tokenizer = llm.get_tokenizer() if renderer is None else renderer.tokenizer
-    runner = EpisodeRunner(cfg, tokenizer, budget)
+    runner = runner or EpisodeRunner(cfg, tokenizer, budget)
     rollout_cfg = RolloutConfig(samples_per_prompt=n, max_new_tokens=budget)
     params = request_params(rollout_cfg, seed, 0, len(problems))
     prompts = ([{"prompt_token_ids": list(tokenizer(p.prompt)["input_ids"])} for p in problems]
@@ -161,6 +162,54 @@ def test_a_broken_environment_costs_its_sample_with_the_reason(tiny_llm):
     assert all(r.reward == 0 for r in bad)
 
 
+def test_the_pool_replaces_a_hung_or_dead_actor_and_costs_only_its_samples(tiny_llm,
+                                                                          ray_cluster):
+    """task.environment.pool: episodes are dealt to two environment actors in turn (problem
+    i, one sample each: actor i % 2). A call past the timeout costs its sample, and its
+    actor is replaced, costing the samples whose environments were on it; an actor that dies
+    costs its samples the same way; the replacements serve the next call."""
+    faults = {"/1": "hangs", "/2": "raises", "/5": "exits"}
+    cfg = _chatter(name="env_plugins:Faulty", options={"faults": faults}, turn_timeout_s=2,
+                   pool={"actors_per_worker": 2, "cpus_per_actor": 0, "concurrency": 2})
+    runner = EpisodeRunner(cfg, tiny_llm.get_tokenizer(), BUDGET)
+    try:
+        first = _run(tiny_llm, cfg, _problems(4), n=1, runner=runner)
+        assert first[0].env_failure is None and first[0].finish_reason == "stop"
+        assert first[1].env_failure == "timeout: no answer within 2 s"
+        assert first[2].env_failure == "exception: RuntimeError: the tool crashed"
+        assert first[3].env_failure.startswith("actor_lost: its environment actor was replaced")
+        second = _run(tiny_llm, cfg, _problems(8)[4:], n=1, runner=runner)
+        assert [r.env_failure is None for r in second] == [True, False, True, False]
+        assert all(r.env_failure.startswith("actor_lost: its environment actor died")
+                   for r in second[1::2]), [r.env_failure for r in second]
+        third = _run(tiny_llm, cfg, _problems(10)[8:], n=1, runner=runner)
+        assert all(r.env_failure is None and r.finish_reason == "stop" for r in third)
+        assert runner.envs.replaced == 2 and all(r.env_seconds > 0 for r in third)
+    finally:
+        runner.shutdown()
+
+
+def test_a_rollout_worker_runs_its_episodes_in_its_environment_pool(ray_cluster,
+                                                                    tiny_model_dir):
+    """RolloutWorker as a Ray actor with an environment in a pool of one actor: episodes with
+    replies out of the policy mask come back through `generate`."""
+    import ray
+    from test_rollout_worker import TASK, _start, _stop
+
+    env = EnvironmentConfig(name="env_plugins:Chatter", max_turns=3, max_tokens_per_turn=3,
+                            pool={"actors_per_worker": 1, "cpus_per_actor": 0})
+    worker = _start(tiny_model_dir, task=TASK.model_copy(update={"environment": env}))
+    try:
+        batch = ray.get(worker.generate.remote(_problems(2), [0, 1], 7))
+        hosts = ray.get(worker.__ray_call__.remote(lambda w: len(w.episodes.envs.hosts)))
+    finally:
+        _stop(worker)
+    assert hosts == 1 and len(batch.rollouts) == 8
+    for r in batch.rollouts:
+        assert r.env_failure is None and r.turns >= 2 and r.env_replies >= 1
+        assert 0 < r.policy_mask.count(False) <= r.env_replies * len(REPLY)
+
+
 def test_limits_cut_the_episode_by_turns_and_by_the_total_budget(tiny_llm):
     by_turns = _run(tiny_llm, _chatter(max_turns=2), _problems(1))
     assert [(r.finish_reason, r.turns) for r in by_turns] == [("turns", 2)] * 2
@@ -260,6 +309,50 @@ def test_the_door_refuses_what_multi_turn_cannot_hold():
             check_plugins_of(_tiny_calculator(f"task.environment.name={name}"))
 
 
+def test_the_environment_actors_cpus_are_requested_and_not_the_engines():
+    from cluster.config.loader import ConfigError
+    from cluster.train.door.resources import check_local_resources
+
+    pool = ["task.environment.pool.actors_per_worker=2", "task.environment.pool.cpus_per_actor=1"]
+    plain, pooled = _tiny_calculator("ray.num_cpus=2"), _tiny_calculator("ray.num_cpus=2", *pool)
+    assert pooled.reserved_cpus == plain.reserved_cpus + 2 and pooled.environment_cpus == 2
+    assert pooled.worker_rollout.threads == plain.worker_rollout.threads
+    check_local_resources(plain)
+    with pytest.raises(ConfigError, match=r"2 x task.environment.pool.cpus_per_actor=1"):
+        check_local_resources(pooled)
+
+
+def test_the_bench_environment_part_configures_renders_and_checks():
+    """`klrl bench --only environment` (cluster/bench/environment.py): its settings are valid
+    run configs, its environment ends after TURNS turns, and its figures are rendered and
+    required. (The measurement itself runs with `klrl bench --quick --only environment`.)"""
+    from cluster.bench import environment as bench_env
+    from cluster.bench.report import _environment_table
+    from cluster.bench.results import check_result, default_parts
+    from cluster.config.loader import DEMO_CONFIG
+    from cluster.config.train_config import load_train_config
+
+    base = load_train_config(DEMO_CONFIG, [])
+    for delay_s, actors in bench_env.SETTINGS.values():
+        env = bench_env.environment_config(base, delay_s, actors).task.environment
+        assert env.pool.actors_per_worker == actors and env.options == {"delay_s": delay_s}
+    answering = bench_env.Answering()
+    answering.reset(_problems(1)[0])
+    turn = Turn(text="x", token_ids=(1,), index=0, finish_reason="stop")
+    steps = [answering.step(turn) for _ in range(bench_env.TURNS)]
+    assert [x.done for x in steps] == [False] * (bench_env.TURNS - 1) + [True]
+    assert "environment" not in default_parts("cpu") + default_parts("cuda")
+    setting = {"samples_per_s": 2.0, "environment_share": 0.25, "outside_engine_share": 0.5,
+               "turns_mean": 3.0}
+    result = {"device": "cpu", "workloads": {}, "parts": {"environment": {}},
+              "environment": {"delay_ms": 50, "samples": 16, "ratio_threads": 0.9,
+                              "ratio_pool": 0.8, "settings": {"instant": setting}}}
+    assert check_result(result) == []
+    table = "\n".join(_environment_table(result["environment"]))
+    assert "threads **0.90**, pool **0.80**" in table and "| instant | 2.00 | 25% | 50%" in table
+    assert check_result(result | {"environment": {}}) == ["environment"]
+
+
 def _rollout(group: int, failure: str | None = None, **kw) -> Rollout:
     p = _problems(1)[0]
     return Rollout(problem=p, group_id=group, prompt_ids=[1], response_ids=[4, 5, 6],
@@ -288,6 +381,32 @@ def test_a_failed_sample_costs_its_group_and_too_many_stop_the_run():
     with pytest.raises(EnvironmentFailing, match="'calculator' failed 3 of the run's 12"):
         book.take([_rollout(3, "exception: E: x"), _rollout(3, "exception: E: x"),
                    *[_rollout(4)] * 4])
+
+
+def test_the_failure_count_survives_a_checkpoint(tmp_path):
+    """A resumed run keeps counting the environment's failed share from the checkpoint's
+    counts (ControllerState.env_samples, env_failures; the controller saves and restores
+    them): its share is the run's, not the resumed part's."""
+    from cluster.train import checkpoint as ckpt
+    from cluster.train.episodes import EnvironmentFailing, EpisodeBook
+
+    cfg = EnvironmentConfig(name="calculator", max_failure_share=0.2)
+    book = EpisodeBook(cfg)
+    book.take([_rollout(0, "timeout: t"), *[_rollout(0)] * 3, *[_rollout(1)] * 6],
+              lambda _: None)
+    state = ckpt.ControllerState(step=1, prompt_position=3, env_samples=book.samples,
+                                 env_failures=book.failures)
+    saved = ckpt.write_checkpoint(tmp_path, state, lambda d, tag: (d / tag).mkdir(), keep=1)
+    resumed = ckpt.read_checkpoint(saved)
+    assert (resumed.env_samples, resumed.env_failures) == (10, 1)
+    batch = [_rollout(2, "timeout: t"), *[_rollout(2)] * 3]  # 1 of 4 alone: above the share
+    again = EpisodeBook(cfg)
+    again.restore(resumed.env_samples, resumed.env_failures)
+    _, metrics = again.take(batch, lambda _: None)  # the run's 2 of 14: within it
+    assert metrics["env/failures_total"] == 2
+    assert metrics["env/failure_share"] == pytest.approx(2 / 14)
+    with pytest.raises(EnvironmentFailing, match="failed 1 of the run's 4"):
+        EpisodeBook(cfg).take(batch, lambda _: None)
 
 
 def _docs_blocks(kind: str) -> list[str]:

@@ -72,6 +72,8 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("outside_engine"):
         lines += _outside_table(result["outside_engine"])
     lines += _later_tables(result)
+    if result.get("environment"):
+        lines += _environment_table(result["environment"])
     if cuda and result.get("gpu_tests"):
         lines += _gpu_tests(result["gpu_tests"])
     return "\n".join(lines)
@@ -124,6 +126,19 @@ def _range(o: dict[str, Any]) -> str:
 
 def _mb(x: int | None) -> str:
     return "-" if not x else f"{x / 1e6:.0f}"
+
+
+def _environment_table(e: dict[str, Any]) -> list[str]:
+    """`--only environment`: each setting's rollout samples/s and share outside the engine."""
+    rows = [f"| {name} | {s['samples_per_s']:.2f} | {_share(s['environment_share'])} "
+            f"| {_share(s['outside_engine_share'])} | {s['turns_mean']:.1f} |"
+            for name, s in e["settings"].items()]
+    return ["", (f"**A slow environment** ({e['delay_ms']:g} ms a step against an instant "
+                 f"one, {e['samples']} episodes a call; samples/s slow / instant: threads "
+                 f"**{e['ratio_threads']:.2f}**, pool **{e['ratio_pool']:.2f}**)"), "",
+            "| environment | samples/s | in the environment | outside the engine | turns |",
+            "|---|---|---|---|---|",
+            *rows]
 
 
 def _ratio(x: float | None) -> str:

@@ -5,8 +5,9 @@ the required figures. Nothing here starts Ray, vLLM or DeepSpeed.
 Layout (docs/bench.md, "The JSON"): the top-level figures of the headline workload
 (`summary`), then `headline_workload`, `device`, the copy bound (`memcpy_gb_per_s` on CPU,
 `d2d_gb_per_s` on CUDA), `machine`, `versions`, `split`, `workloads` {name: detail},
-`outside_engine` (the fixed-shape rollout workload, cluster/bench/outside.py), `gpu_tests`
-(`--only tests`), `parts` {part: when it finished, load averages} and `finished_at`.
+`outside_engine` (the fixed-shape rollout workload, cluster/bench/outside.py), `environment`
+(`--only environment`: a 50 ms environment against an instant one, cluster/bench/environment.py),
+`gpu_tests` (`--only tests`), `parts` {part: when it finished, load averages} and `finished_at`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PARTS = ("engines", "sync", "e2e", "tests")
+PARTS = ("engines", "sync", "e2e", "environment", "tests")
+ON_REQUEST = ("environment",)  # parts only `--only` runs (a multi-turn task's concern)
 # The top-level figure of the fixed-shape rollout workload (cluster/bench/outside.py): ms
 # outside the engine per call of 256 samples x 64 new tokens.
 OUTSIDE_KEY = "rollout_outside_engine_ms_256x64"
@@ -35,7 +37,7 @@ _SUMMARY = {"rollout_overhead_ratio", "learner_overhead_ratio", "of_bound_best_l
 
 
 def default_parts(device: str) -> tuple[str, ...]:
-    return PARTS if device == "cuda" else CPU_PARTS
+    return tuple(p for p in PARTS if p not in ON_REQUEST) if device == "cuda" else CPU_PARTS
 
 
 def summary(workloads: dict[str, dict], headline: str, outside: dict | None) -> dict[str, Any]:
@@ -159,6 +161,10 @@ def check_result(result: dict[str, Any]) -> list[str]:
             shares += [f"in_flight_engine_idle_share_lag{lag}" for lag in flying]
     bad = [k for k in required if not _positive(result.get(k))]
     bad += [k for k in shares if not _share(result.get(k))]
+    if "environment" in parts:
+        env = result.get("environment") or {}
+        if not all(_positive(env.get(k)) for k in ("ratio_threads", "ratio_pool")):
+            bad.append("environment")
     if "sync" in parts:
         syncs = result.get("weight_sync_seconds") or {}
         if not syncs or not all(_positive(v) for per in syncs.values() for v in per.values()):

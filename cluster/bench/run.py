@@ -23,7 +23,7 @@ one each. The raw baselines run in a subprocess with the same threads while the 
 CUDA (`gpu_plan`, cluster/bench/gpu.py): the same workloads but LoRA's and the long-tail one,
 their learner rank and rollout worker sharing one GPU, weight sync against a device-to-device
 copy of the same bytes, end to end at max_lag 0 and 2 (and 2 in flight), and the gpu-marked
-tests. Each part (`PARTS`: engines, sync, e2e, tests) runs alone with `parts`, so that
+tests. Each part (`PARTS`: engines, sync, e2e, environment, tests) runs alone with `parts`, so that
 `klrl bench --only PART` fits a bounded call and the parts merge into one JSON
 (cluster/bench/results.py).
 """
@@ -43,6 +43,7 @@ import ray
 import rewards
 from actors.weight_sync import transport
 from cluster.bench import gpu
+from cluster.bench.environment import measure_environment
 from cluster.bench.engines import WARMUP_REPS, Overhead, measure_learner, measure_rollout
 from cluster.bench.long_tail import build_long_tail_model
 from cluster.bench.packing import QUICK_SPREAD, SPREAD, Spread, measure_packing
@@ -244,7 +245,7 @@ def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = Non
     load_before = os.getloadavg()
     bound, copy = _copy_bound(plan.device) if "sync" in parts else (None, {})
     results: list[WorkloadResult] = []
-    outside = None
+    outside = environment = None
     started = False
     # A fresh directory for this invocation's training runs: a kept --work-dir is reused
     # (its models are rebuilt identically) and run directories refuse to be overwritten.
@@ -264,6 +265,12 @@ def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = Non
                   "tokens", flush=True)
             outside = measure_outside(w.name, cfg, _problems(cfg), plan.outside_reps,
                                       plan.warmup_reps)
+        if "environment" in parts:  # the headline workload, as a multi-turn task
+            w = next(w for w in plan.workloads if w.name == plan.headline)
+            cfg = workload_config(w, workload_model_dir(w, work_dir), plan)
+            started = start_ray(cfg) or started
+            environment = measure_environment(cfg, _problems(cfg), plan.engine_reps,
+                                              plan.warmup_reps)
     finally:
         if started:
             ray.shutdown()
@@ -271,7 +278,8 @@ def run_bench(plan: BenchPlan, work_dir: Path, parts: Sequence[str] | None = Non
     if "tests" in parts:  # after Ray is down: the tests start their own
         print("[bench] the gpu-marked tests: pytest -m gpu -rs", flush=True)
         tests = gpu.run_gpu_tests(tests_timeout_s)
-    return _to_json(plan, parts, results, outside, tests, copy, load_before, os.getloadavg())
+    return _to_json(plan, parts, results, outside, tests, copy, load_before, os.getloadavg(),
+                    environment)
 
 
 def _copy_bound(device: str) -> tuple[Callable[[int], float], dict[str, Any]]:
@@ -416,7 +424,7 @@ CPU_SPLIT = {"ray_num_cpus": "one per core",
 
 
 def _to_json(plan: BenchPlan, parts, results, outside, tests, copy, load_before,
-             load_after) -> dict[str, Any]:
+             load_after, environment=None) -> dict[str, Any]:
     workloads = {r.name: r.to_dict() for r in results}
     loads = {"load_avg_before": list(load_before), "load_avg_after": list(load_after)}
     finished = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -431,6 +439,8 @@ def _to_json(plan: BenchPlan, parts, results, outside, tests, copy, load_before,
     out |= {"versions": versions(), "workloads": workloads}
     if outside is not None:
         out["outside_engine"] = outside
+    if environment is not None:
+        out["environment"] = environment
     if tests is not None:
         out["gpu_tests"] = tests
     out |= {"parts": {p: {"finished_at": finished, **loads} for p in parts},

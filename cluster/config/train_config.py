@@ -391,9 +391,19 @@ class TrainConfig(_Strict):
 
     @property
     def reserved_cpus(self) -> float:
-        """Ray CPUs the run reserves: its rollout workers and its learner ranks."""
+        """Ray CPUs the run reserves: its rollout workers, its learner ranks and its
+        environment actors (task.environment.pool)."""
         r, lc = self.rollout, self.learner
-        return r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
+        return (r.num_workers * r.num_cpus_per_worker + lc.num_ranks * lc.num_cpus_per_rank
+                + self.environment_cpus)
+
+    @property
+    def environment_cpus(self) -> float:
+        """Ray CPUs of the environment actors (task.environment.pool), every worker's."""
+        env = self.task.environment
+        if not (env.enabled and env.pool.enabled):
+            return 0.0
+        return self.rollout.num_workers * env.pool.actors_per_worker * env.pool.cpus_per_actor
 
     @property
     def learner_may_share_a_gpu(self) -> bool:
@@ -415,8 +425,9 @@ class TrainConfig(_Strict):
         ranks, training being the costlier phase on CPU, still share every CPU, waiting
         passively so that the workers get the cores whenever training leaves them
         (`rank_learner`): with OpenMP's default spinning, or with the workers on every core too,
-        the shared cores gain nothing. docs/bench.md has the measurements."""
-        return max(1, int(self.reserved_cpus / parts))
+        the shared cores gain nothing. docs/bench.md has the measurements. The environment
+        actors' CPUs are theirs, not the engines' or the ranks'."""
+        return max(1, int((self.reserved_cpus - self.environment_cpus) / parts))
 
     @property
     def worker_rollout(self) -> RolloutConfig:

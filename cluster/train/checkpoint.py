@@ -49,6 +49,8 @@ class ControllerState:
     worker_restarts: int = 0
     learner_restarts: int = 0
     learner_steps_lost: int = 0   # steps trained, then redone from a checkpoint by a restart
+    env_samples: int = 0          # multi-turn: the samples the environment served, and
+    env_failures: int = 0         # those it failed (task.environment.max_failure_share's count)
     wandb_id: str | None = None
     reference_sha256: str = ""  # identity of the initial policy = KL reference
     config: dict = field(default_factory=dict)

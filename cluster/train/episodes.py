@@ -29,6 +29,10 @@ class EpisodeBook:
         self.cfg = cfg
         self.samples = self.failures = 0
 
+    def restore(self, samples: int, failures: int) -> None:
+        """Continue a run's counts (a checkpoint's: ControllerState.env_samples, env_failures)."""
+        self.samples, self.failures = samples, failures
+
     def take(self, rollouts: Sequence[Rollout], warn=None) -> tuple[list[Rollout], dict]:
         """The rollouts to train on (every group with a failed sample left out) and the step's
         env/ metrics. warn(text): where a failure's line goes besides stderr (the run log's

@@ -174,6 +174,8 @@ class Recovery:
             c.prompts.position = state.prompt_position
             c.nonfinite_total, c.nonfinite_run = state.nonfinite_total, state.nonfinite_run
             c.dropped_stale = state.dropped_stale
+            if c.episodes is not None:  # the failed share keeps counting across a resume
+                c.episodes.restore(state.env_samples, state.env_failures)
         else:
             c.step, c.prompts.position, c.dropped_stale = 0, 0, 0
             c.nonfinite_total = c.nonfinite_run = 0
@@ -194,6 +196,8 @@ class Recovery:
             dropped_stale=c.dropped_stale, worker_restarts=c.pool.restarts if c.pool else 0,
             learner_restarts=c.learner_restarts.count,
             learner_steps_lost=c.learner_restarts.steps_lost, wandb_id=c.log.wandb_id,
+            env_samples=c.episodes.samples if c.episodes else 0,
+            env_failures=c.episodes.failures if c.episodes else 0,
             reference_sha256=self.reference_sha256, config=c.cfg.model_dump(mode="json"))
         return ckpt.write_checkpoint(c.run_dir, state, c.learner.save_checkpoint,
                                      keep=c.cfg.keep_checkpoints)

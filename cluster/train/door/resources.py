@@ -17,12 +17,15 @@ _EPS = 1e-9  # absorbs 0.1 + 0.2 arithmetic in fractional requests
 
 
 def requests(cfg: TrainConfig) -> dict[str, list[tuple[str, int, float]]]:
-    """{resource: [(option, actors, amount each)]}: the CPUs and GPUs of the rollout workers
-    and the learner ranks, with the option that sets each amount."""
-    r, lc = cfg.rollout, cfg.learner
+    """{resource: [(option, actors, amount each)]}: the CPUs and GPUs of the rollout workers,
+    the learner ranks and the environment actors, with the option that sets each amount."""
+    r, lc, pool = cfg.rollout, cfg.learner, cfg.task.environment.pool
     return {
         "CPU": [("rollout.num_cpus_per_worker", r.num_workers, r.num_cpus_per_worker),
-                ("learner.num_cpus_per_rank", lc.num_ranks, lc.num_cpus_per_rank)],
+                ("learner.num_cpus_per_rank", lc.num_ranks, lc.num_cpus_per_rank),
+                ("task.environment.pool.cpus_per_actor",
+                 r.num_workers * pool.actors_per_worker * cfg.task.environment.enabled,
+                 pool.cpus_per_actor)],
         "GPU": [("rollout.num_gpus_per_worker", r.num_workers, r.num_gpus_per_worker),
                 ("learner.num_gpus_per_rank", lc.num_ranks, lc.num_gpus_per_rank)],
     }
