@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rewards.environment import check_environment_name, is_plugin as is_environment_plugin
+from rewards.environment import check_environment_name
 from rewards.environment import make_environment
 from rewards.pass_at_k import default_ks
 from rewards.dataset_rows import counting_rows
@@ -137,7 +137,7 @@ class EnvironmentConfig(_Strict):
     @model_validator(mode="after")
     def _builds(self) -> EnvironmentConfig:
         # A shipped environment is built here (cheap); a plug-in at the door, where it runs.
-        if self.name is not None and not is_environment_plugin(self.name):
+        if self.name is not None and not is_plugin(self.name):
             make_environment(self.name, self.options)
         return self
 

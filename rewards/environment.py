@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from rewards.plugin import check_spec, import_spec
+from rewards.plugin import check_spec, import_spec, is_plugin
 from rewards.records import Problem
 
 # name -> "module:class": the environments shipped in rewards/. A plug-in environment is named
@@ -140,10 +140,6 @@ def check_reply(out: Any, vocab_size: int) -> EnvStep:
             isinstance(k, str) and isinstance(v, (int, float)) for k, v in out.info.items()):
         raise bad("info must map names to numbers")
     return out
-
-
-def is_plugin(name: str) -> bool:
-    return ":" in name
 
 
 def check_environment_name(name: str) -> None:

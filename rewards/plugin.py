@@ -17,6 +17,12 @@ _SPEC = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
 IMPORT_HINT = "install its package, or put the directory that holds it on PYTHONPATH"
 
 
+def is_plugin(name: str) -> bool:
+    """Whether `name` is a plug-in spec "package.module:Name" (it has a colon; no task,
+    scorer or environment klrl ships does): the one rule every registry asks."""
+    return ":" in name
+
+
 def check_spec(spec: str, kind: str, form: str) -> tuple[str, str]:
     """(module, attribute path) of `spec`; ValueError naming it when it is not of the form
     'package.module:attribute' (`form` is how the message spells that, e.g.

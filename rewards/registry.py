@@ -17,7 +17,7 @@ import importlib
 import inspect
 from typing import Any
 
-from rewards.plugin import check_sendable, check_spec, import_spec
+from rewards.plugin import check_sendable, check_spec, import_spec, is_plugin
 from rewards.records import Task
 
 # name -> "module:class". Adding a task to klrl is adding its module and one line here.
@@ -30,11 +30,6 @@ TASKS = {
     "calculator": "rewards.calculator:CalculatorTask",
 }
 PLUGIN_FORM = "package.module:TaskClass"
-
-
-def is_plugin(name: str) -> bool:
-    """Whether `name` is a plug-in spec (it has a colon; no task in TASKS does)."""
-    return ":" in name
 
 
 def check_task_name(name: str) -> None:
