@@ -11,13 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# learner.task_off_policy's names; learner.task_terms.TASK_TERMS holds what each one computes.
-TaskOffPolicy = Literal["none", "tis", "ppo_clip", "icepop", "mis", "seq_mask_geo",
-                        "seq_mask_prod"]
-# The ones that mask (drop tokens or samples outside [mask_low, mask_high]): named here, where
-# the config's rule on the band reads them, because learner.task_terms imports this module;
-# task_terms checks at import that its table's `masks` flags say the same.
-MASKING_TERMS: tuple[str, ...] = ("icepop", "mis", "seq_mask_geo", "seq_mask_prod")
+# learner.task_off_policy's names and which of them mask: learner.task_term_traits, torch-free
+# (learner.task_terms.TASK_TERMS holds what each one computes).
+from learner.task_term_traits import MASKING_TERMS, TaskOffPolicy
 
 
 # learner.token_budget's default (null): the tokens a micro-batch holds when the config does not

@@ -49,7 +49,7 @@ from learner.exact import (
     folded_advantages,
     per_group_grads,
 )
-from learner.task_terms import TASK_OFF_POLICIES
+from learner.task_term_traits import TASK_OFF_POLICIES
 
 TOLERANCE = 1e-9  # float64 enumeration: claimed cells differ by rounding only
 KL_MODES = [  # (name, kl_in_advantage, placement, estimator, truncate)
