@@ -61,7 +61,7 @@ def print_trainer_table(trainer: dict, what: str = "toy sequences") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES  # torch: loaded already
+    from learner.task_term_traits import MASKING_TERMS, TASK_OFF_POLICIES
 
     cfg = trainer["config"]
     table = Table(title="The trainer's loss, exactly over every group of n of "
