@@ -20,6 +20,7 @@ from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
 from kl.traits import IMPORTANCE_TRAITS
 from learner.config import DEFAULT_TOKEN_BUDGET, LearnerConfig
+from learner.lr_schedules import STEADY, lr_schedule
 from learner.task_term_traits import TASK_TERM_TRAITS
 from rewards.config import EvalConfig, TaskConfig
 from rewards.records import Task
@@ -344,11 +345,12 @@ class TrainConfig(_Strict):
                 "on the learner's GPU), shm (one node) or object_store")
         last_step = self.total_steps * self.learner.updates_per_batch
         # The decay runs from step warmup_steps to the last step, total - 1: it needs one step.
-        if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step - 1:
+        if (lr_schedule(self.learner.lr_schedule).decays
+                and self.learner.warmup_steps >= last_step - 1):
             raise ValueError(f"learner.lr_schedule={self.learner.lr_schedule} decays after "
                              f"warm-up, but learner.warmup_steps ({self.learner.warmup_steps}) "
                              f"leaves none of the run's {last_step} optimizer steps to decay "
-                             "over: lower warmup_steps or use lr_schedule constant")
+                             f"over: lower warmup_steps or use lr_schedule {'/'.join(STEADY)}")
         return self
 
     def _check_overlong(self) -> None:
