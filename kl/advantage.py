@@ -246,17 +246,27 @@ class KLInAdvantageForm:
 
     advantages: (grouping, rewards [B], k [B, T] estimates with 0 on masked positions, mask
         [B, T] bool, beta) -> per-token advantages [B, T], 0 on masked positions.
-    traits: what it is (kl.traits, their one home: `folds`).
+    traits: what it is (kl.traits, their one home: `folds`, `normalises_kl`).
+    kl_centring: the baseline its KL part is centred by where that is not the task estimator's
+        own (centered: the group mean, the sample included); None: folded, the estimator's
+        own (normalized), or not folded, kl_baseline (separate: leave-one-out, expected scale
+        1).
     """
 
     advantages: Callable[[Grouping, torch.Tensor, torch.Tensor, torch.Tensor, float],
                          torch.Tensor]
     traits: KLInAdvantageTraits
+    kl_centring: Baseline | None = None
 
     @property
     def folds(self) -> bool:
         """It replaces the task advantage with one that holds the KL reward."""
         return self.traits.folds
+
+    @property
+    def normalises_kl(self) -> bool:
+        """Its KL part is divided by advantage.normalize's scale with the task reward."""
+        return self.traits.normalises_kl
 
 
 def _separate(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
@@ -275,16 +285,20 @@ def _normalized(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
     return torch.where(m, adv[:, None], 0.0)
 
 
+_CENTERED_CENTRING = GROUP_MEAN  # centered's KL part: minus the group mean, sample included
+
+
 def _centered(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
     task = g.advantages(rewards)
     seq_clamped = k.clamp(-KL_CLAMP, KL_CLAMP).sum(-1)  # masked positions are 0 already
-    kl_part = -beta * (seq_clamped - GROUP_MEAN.of(seq_clamped, g.group_ids))
+    kl_part = -beta * (seq_clamped - _CENTERED_CENTRING.of(seq_clamped, g.group_ids))
     return torch.where(m, (task + kl_part)[:, None], 0.0)
 
 
 _FORM_ADVANTAGES = {"separate": _separate, "normalized": _normalized, "centered": _centered}
+_FORM_CENTRINGS = {"centered": _CENTERED_CENTRING}
 KL_IN_ADVANTAGE_FORMS: dict[str, KLInAdvantageForm] = {
-    name: KLInAdvantageForm(_FORM_ADVANTAGES[name], traits)
+    name: KLInAdvantageForm(_FORM_ADVANTAGES[name], traits, _FORM_CENTRINGS.get(name))
     for name, traits in KL_IN_ADVANTAGE_TRAITS.items()}
 literal_names(KLInAdvantage, KL_IN_ADVANTAGE_FORMS,
               table_name="kl.advantage.KL_IN_ADVANTAGE_FORMS", literal_name="KLInAdvantage",

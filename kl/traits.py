@@ -161,14 +161,17 @@ class KLInAdvantageTraits:
 
     folds: it replaces the task advantage with one that holds the KL reward (so the KL reward
         does not go through kl.surrogate, and the task term's off-policy handling applies).
+    normalises_kl: its KL part is divided by advantage.normalize's scale with the task reward
+        (under a std the effective beta becomes beta / sigma per prompt: no closed form).
     """
 
     folds: bool
+    normalises_kl: bool = False
 
 
 KL_IN_ADVANTAGE_TRAITS: dict[str, KLInAdvantageTraits] = {
     "separate": KLInAdvantageTraits(folds=False),
-    "normalized": KLInAdvantageTraits(folds=True),
+    "normalized": KLInAdvantageTraits(folds=True, normalises_kl=True),
     "centered": KLInAdvantageTraits(folds=True),
 }
 KL_IN_ADVANTAGE: tuple[str, ...] = literal_names(
