@@ -234,8 +234,8 @@ class RolloutConfig(BaseModel):
 
 class SyncConfig(BaseModel):
     """Weight sync from learner rank 0 to the rollout workers: which transport
-    (actors/weight_sync/, whose registry gives the names and their descriptions) and its
-    settings. The rules that span other sections (GPUs, learner ranks, LoRA) are each
+    (actors/weight_sync/, whose traits.py gives the names and their descriptions, without
+    torch) and its settings. The rules that span other sections (GPUs, learner ranks, LoRA) are each
     transport's `check`, which TrainConfig calls."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

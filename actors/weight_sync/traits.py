@@ -5,7 +5,7 @@ class attributes, its config rules `check`, `why_no_replacement`), in one table
 
 This is their one home: each transport's class (its own module: shm.py, object_store.py,
 nccl.py, cuda_ipc.py) inherits its traits class, and registry.py checks that each transport
-of `TRANSPORTS` is one of the traits class of its name.
+of `TRANSPORTS` is an instance of the traits class of its name.
 
 Nothing here imports torch, Ray or vLLM, at module level or in a function.
 """
