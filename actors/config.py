@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.generation import GenerationMode, StaleKv, generation_mode
-from actors.weight_sync.registry import TransportName, describe
+from actors.weight_sync.traits import TransportName, describe
 
 # vLLM 0.32's default max_num_seqs of an offline engine (`LLM`): 256 on CPU and on most GPUs,
 # 1024 on GPUs with 70 GiB or more (H100, H200, B200), which the config cannot know. vLLM
@@ -234,8 +234,8 @@ class RolloutConfig(BaseModel):
 
 class SyncConfig(BaseModel):
     """Weight sync from learner rank 0 to the rollout workers: which transport
-    (actors/weight_sync/, whose registry gives the names and their descriptions) and its
-    settings. The rules that span other sections (GPUs, learner ranks, LoRA) are each
+    (actors/weight_sync/, whose traits.py gives the names and their descriptions, without
+    torch) and its settings. The rules that span other sections (GPUs, learner ranks, LoRA) are each
     transport's `check`, which TrainConfig calls."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

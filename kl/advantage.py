@@ -43,15 +43,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from kl.registry import literal_names, lookup
+from kl.traits import (
+    ADVANTAGE_ESTIMATOR_TRAITS,
+    KL_IN_ADVANTAGE_TRAITS,
+    NORMALIZATION_TRAITS,
+    AdvantageEstimator,
+    AdvantageEstimatorTraits,
+    KLInAdvantage,
+    KLInAdvantageTraits,
+    Normalization,
+    NormalizationTraits,
+    check_group_size,
+)
 
-AdvantageEstimator = Literal["rloo", "grpo", "drgrpo", "reinforce"]
-Normalization = Literal["none", "group", "batch"]
-KLInAdvantage = Literal["separate", "normalized", "centered"]
 KL_CLAMP = 10.0  # per-token clamp of the `centered` form, as in the authors' code
 
 
@@ -105,14 +113,19 @@ class Scale:
     """One advantage.normalize: the divisor of each centred value.
 
     of: (values [B], group_ids [B], eps) -> the divisor [B].
-    within_group: it depends on the sample's own group only, so a learner rank's shard of
-        whole groups computes it exactly as the whole batch would.
-    meaning: what it is called in a refusal.
+    traits: what it is (kl.traits, their one home: within_group, meaning).
     """
 
     of: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    within_group: bool
-    meaning: str
+    traits: NormalizationTraits
+
+    @property
+    def within_group(self) -> bool:
+        return self.traits.within_group
+
+    @property
+    def meaning(self) -> str:
+        return self.traits.meaning
 
 
 def _group_std(values: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,78 +136,61 @@ def _group_std(values: torch.Tensor, group_ids: torch.Tensor, eps: float) -> tor
 
 
 NORMALIZATIONS: dict[str, Scale] = {
-    "none": Scale(lambda values, group_ids, eps: torch.ones_like(values), True,
-                  "no std normalisation"),
-    "group": Scale(_group_std, True, "group-std normalisation"),
+    "none": Scale(lambda values, group_ids, eps: torch.ones_like(values),
+                  NORMALIZATION_TRAITS["none"]),
+    "group": Scale(_group_std, NORMALIZATION_TRAITS["group"]),
     "batch": Scale(lambda values, group_ids, eps: (values.std(unbiased=False) + eps).expand_as(
-        values), False, "batch-std normalisation"),
+        values), NORMALIZATION_TRAITS["batch"]),
 }
-NORMALIZATION_NAMES: tuple[str, ...] = literal_names(
-    Normalization, NORMALIZATIONS, table_name="kl.advantage.NORMALIZATIONS",
-    literal_name="Normalization", kind="normalisations")
+literal_names(Normalization, NORMALIZATIONS, table_name="kl.advantage.NORMALIZATIONS",
+              literal_name="Normalization", kind="normalisations")
 
 
 # ---- advantage estimators -----------------------------------------------------------------
 
 @dataclass(frozen=True)
 class AdvantageEstimatorSpec:
-    """One advantage.estimator: its baseline and what it requires (the one home of each rule).
+    """One advantage.estimator: its baseline, and what it requires (its traits, whose one home
+    is kl.traits: the fewest samples per group and why, the normalisation its name means).
 
     baseline: subtracted from each sample's value (its task reward; with `normalized` its
         return r - beta K).
-    min_group_size: the fewest samples per prompt it means anything with; `too_few` says what
-        goes wrong below it.
-    normalize: the advantage.normalize its name means (None: any).
     """
 
     baseline: Baseline
-    min_group_size: int = 1
-    too_few: str = ""
-    normalize: str | None = None
+    traits: AdvantageEstimatorTraits
+
+    def __post_init__(self) -> None:
+        if self.traits.centres != (self.baseline is not NO_BASELINE):
+            raise ImportError("an advantage estimator centres exactly when it has a baseline")
 
     @property
     def centres(self) -> bool:
         """Whether it subtracts a baseline at all (then the KL reward gets one too)."""
-        return self.baseline is not NO_BASELINE
+        return self.traits.centres
+
+    @property
+    def min_group_size(self) -> int:
+        return self.traits.min_group_size
+
+    @property
+    def normalize(self) -> str | None:
+        return self.traits.normalize
 
 
-_SELF_SUBTRACTED = "subtracts each sample from itself (every advantage 0)"
+_BASELINES = {"rloo": LEAVE_ONE_OUT, "grpo": GROUP_MEAN, "drgrpo": GROUP_MEAN,
+              "reinforce": NO_BASELINE}
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimatorSpec] = {
-    "rloo": AdvantageEstimatorSpec(LEAVE_ONE_OUT, 2, "has no other sample to average"),
-    "grpo": AdvantageEstimatorSpec(GROUP_MEAN, 2, _SELF_SUBTRACTED, normalize="group"),
-    "drgrpo": AdvantageEstimatorSpec(GROUP_MEAN, 2, _SELF_SUBTRACTED, normalize="none"),
-    "reinforce": AdvantageEstimatorSpec(NO_BASELINE),
-}
-ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = literal_names(
-    AdvantageEstimator, ADVANTAGE_ESTIMATORS, table_name="kl.advantage.ADVANTAGE_ESTIMATORS",
-    literal_name="AdvantageEstimator", kind="advantage estimators")
+    name: AdvantageEstimatorSpec(_BASELINES[name], traits)
+    for name, traits in ADVANTAGE_ESTIMATOR_TRAITS.items()}
+literal_names(AdvantageEstimator, ADVANTAGE_ESTIMATORS,
+              table_name="kl.advantage.ADVANTAGE_ESTIMATORS", literal_name="AdvantageEstimator",
+              kind="advantage estimators")
 
 
 def advantage_estimator(name: str) -> AdvantageEstimatorSpec:
     """The table entry of advantage estimator `name` (refused, with the supported listed)."""
     return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
-
-
-def check_group_size(estimator: str, n: int, where: str) -> None:
-    """Refuse `estimator` with groups of `n` samples (`where` says where n comes from, e.g.
-    "rollout.samples_per_prompt=1"); the message lists the estimators that accept n."""
-    spec = advantage_estimator(estimator)
-    if n < spec.min_group_size:
-        ok = [name for name, s in ADVANTAGE_ESTIMATORS.items() if s.min_group_size <= n]
-        raise ValueError(f"advantage.estimator={estimator} with {where} {spec.too_few}: it needs "
-                         f"at least {spec.min_group_size} samples per group; the estimators "
-                         f"that accept {n}: {', '.join(ok)}")
-
-
-def check_normalization(estimator: str, normalize: str) -> None:
-    """Refuse a normalisation that `estimator`'s name rules out, listing those that allow it."""
-    required = advantage_estimator(estimator).normalize
-    lookup(NORMALIZATIONS, normalize, "advantage.normalize")
-    if required is not None and normalize != required:
-        ok = [name for name, s in ADVANTAGE_ESTIMATORS.items() if s.normalize in (None, normalize)]
-        raise ValueError(f"advantage.estimator={estimator} means "
-                         f"{NORMALIZATIONS[required].meaning}: use normalize={required}, or an "
-                         f"estimator that allows normalize={normalize}: {', '.join(ok)}")
 
 
 def group_baseline(values: torch.Tensor, group_ids: torch.Tensor,
@@ -250,13 +246,27 @@ class KLInAdvantageForm:
 
     advantages: (grouping, rewards [B], k [B, T] estimates with 0 on masked positions, mask
         [B, T] bool, beta) -> per-token advantages [B, T], 0 on masked positions.
-    folds: it replaces the task advantage with one that holds the KL reward (so the KL reward
-        does not go through kl.surrogate, and the task term's off-policy handling applies).
+    traits: what it is (kl.traits, their one home: `folds`, `normalises_kl`).
+    kl_centring: the baseline its KL part is centred by where that is not the task estimator's
+        own (centered: the group mean, the sample included); None: folded, the estimator's
+        own (normalized), or not folded, kl_baseline (separate: leave-one-out, expected scale
+        1).
     """
 
     advantages: Callable[[Grouping, torch.Tensor, torch.Tensor, torch.Tensor, float],
                          torch.Tensor]
-    folds: bool
+    traits: KLInAdvantageTraits
+    kl_centring: Baseline | None = None
+
+    @property
+    def folds(self) -> bool:
+        """It replaces the task advantage with one that holds the KL reward."""
+        return self.traits.folds
+
+    @property
+    def normalises_kl(self) -> bool:
+        """Its KL part is divided by advantage.normalize's scale with the task reward."""
+        return self.traits.normalises_kl
 
 
 def _separate(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
@@ -275,21 +285,24 @@ def _normalized(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
     return torch.where(m, adv[:, None], 0.0)
 
 
+_CENTERED_CENTRING = GROUP_MEAN  # centered's KL part: minus the group mean, sample included
+
+
 def _centered(g: Grouping, rewards, k, m, beta) -> torch.Tensor:
     task = g.advantages(rewards)
     seq_clamped = k.clamp(-KL_CLAMP, KL_CLAMP).sum(-1)  # masked positions are 0 already
-    kl_part = -beta * (seq_clamped - GROUP_MEAN.of(seq_clamped, g.group_ids))
+    kl_part = -beta * (seq_clamped - _CENTERED_CENTRING.of(seq_clamped, g.group_ids))
     return torch.where(m, (task + kl_part)[:, None], 0.0)
 
 
+_FORM_ADVANTAGES = {"separate": _separate, "normalized": _normalized, "centered": _centered}
+_FORM_CENTRINGS = {"centered": _CENTERED_CENTRING}
 KL_IN_ADVANTAGE_FORMS: dict[str, KLInAdvantageForm] = {
-    "separate": KLInAdvantageForm(_separate, folds=False),
-    "normalized": KLInAdvantageForm(_normalized, folds=True),
-    "centered": KLInAdvantageForm(_centered, folds=True),
-}
-KL_IN_ADVANTAGE: tuple[str, ...] = literal_names(
-    KLInAdvantage, KL_IN_ADVANTAGE_FORMS, table_name="kl.advantage.KL_IN_ADVANTAGE_FORMS",
-    literal_name="KLInAdvantage", kind="forms")
+    name: KLInAdvantageForm(_FORM_ADVANTAGES[name], traits, _FORM_CENTRINGS.get(name))
+    for name, traits in KL_IN_ADVANTAGE_TRAITS.items()}
+literal_names(KLInAdvantage, KL_IN_ADVANTAGE_FORMS,
+              table_name="kl.advantage.KL_IN_ADVANTAGE_FORMS", literal_name="KLInAdvantage",
+              kind="forms")
 
 
 def compute_advantages(

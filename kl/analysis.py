@@ -20,13 +20,8 @@ import torch
 
 from kl import toy as T
 from kl.estimators import ESTIMATORS, estimate
-from kl.surrogate import (
-    IMPORTANCE_CORRECTIONS,
-    IMPORTANCES,
-    PLACEMENT_FORMS,
-    PLACEMENTS,
-    surrogate,
-)
+from kl.surrogate import IMPORTANCE_CORRECTIONS, PLACEMENT_FORMS, surrogate
+from kl.traits import IMPORTANCES, PLACEMENTS
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,25 @@
-"""Pydantic configuration of the KL penalty and of the advantage estimator."""
+"""Pydantic configuration of the KL penalty and of the advantage estimator. Torch-free: the
+rules read each setting's traits from kl.traits, so loading a config imports no torch."""
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kl.advantage import (
-    KL_IN_ADVANTAGE_FORMS,
-    NORMALIZATIONS,
+from kl.estimators import Estimator
+from kl.traits import (
+    IMPORTANCE_TRAITS,
+    IMPORTANCES,
+    KL_IN_ADVANTAGE_TRAITS,
+    NORMALIZATION_TRAITS,
+    PLACEMENT_FORMS,
+    REWEIGHTING,
     AdvantageEstimator,
+    Importance,
     KLInAdvantage,
     Normalization,
+    Placement,
     check_group_size,
     check_normalization,
 )
-from kl.estimators import Estimator
-from kl.surrogate import (
-    IMPORTANCE_CORRECTIONS,
-    IMPORTANCES,
-    PLACEMENT_FORMS,
-    REWEIGHTING,
-    Importance,
-    Placement,
-)
-
 
 class KLConfig(BaseModel):
     """How the KL penalty toward the reference policy enters the update (see the table of
@@ -61,18 +59,18 @@ class KLConfig(BaseModel):
     def folds_into_advantage(self) -> bool:
         """Whether the KL reward is folded into the task advantage (a folding kl_in_advantage,
         with a reward placement and beta > 0) instead of going through kl.surrogate."""
-        return (KL_IN_ADVANTAGE_FORMS[self.kl_in_advantage].folds
+        return (KL_IN_ADVANTAGE_TRAITS[self.kl_in_advantage].folds
                 and PLACEMENT_FORMS[self.placement].reward and self.beta > 0)
 
     @model_validator(mode="after")
     def _consistent(self) -> KLConfig:
-        correction = IMPORTANCE_CORRECTIONS[self.importance]
+        correction = IMPORTANCE_TRAITS[self.importance]
         if self.truncate is not None and not correction.reweights:
             raise ValueError("kl.truncate caps an importance weight: set kl.importance "
                              f"({', '.join(REWEIGHTING)}) or remove kl.truncate")
         form = PLACEMENT_FORMS[self.placement]
-        folds = KL_IN_ADVANTAGE_FORMS[self.kl_in_advantage].folds
-        separate = [n for n, f in KL_IN_ADVANTAGE_FORMS.items() if not f.folds]
+        folds = KL_IN_ADVANTAGE_TRAITS[self.kl_in_advantage].folds
+        separate = [n for n, f in KL_IN_ADVANTAGE_TRAITS.items() if not f.folds]
         reward_only = [n for n, f in PLACEMENT_FORMS.items() if f.reward and not f.loss]
         if folds and form.reward and form.loss:
             # A folded reward part is reshaped by the advantage (normalized: divided by each
@@ -85,7 +83,7 @@ class KLConfig(BaseModel):
                              f"kl_in_advantage={'/'.join(separate)} (exact beta in both parts) "
                              f"or placement={'/'.join(reward_only)}")
         if folds and form.reward and correction.reweights:
-            unweighted = [n for n in IMPORTANCES if not IMPORTANCE_CORRECTIONS[n].reweights]
+            unweighted = [n for n in IMPORTANCES if not IMPORTANCE_TRAITS[n].reweights]
             raise ValueError(f"kl.importance={self.importance} does not reach a KL reward folded "
                              f"into the advantage (kl.kl_in_advantage={self.kl_in_advantage}; the "
                              "task term's learner.task_off_policy applies instead): use "
@@ -121,8 +119,8 @@ class AdvantageConfig(BaseModel):
 def check_compatible(kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> None:
     """The rules that span the KL and the advantage configuration (their one home: TrainConfig
     and the learner's loss both call this). Raises ValueError naming the fix."""
-    if kl_cfg.folds_into_advantage and not NORMALIZATIONS[adv_cfg.normalize].within_group:
-        ok = [n for n, scale in NORMALIZATIONS.items() if scale.within_group]
+    if kl_cfg.folds_into_advantage and not NORMALIZATION_TRAITS[adv_cfg.normalize].within_group:
+        ok = [n for n, scale in NORMALIZATION_TRAITS.items() if scale.within_group]
         raise ValueError(f"kl.kl_in_advantage={kl_cfg.kl_in_advantage} folds the KL into the "
                          "advantage on each learner rank's shard of whole groups, where "
                          f"advantage.normalize={adv_cfg.normalize} would scale by the shard, "

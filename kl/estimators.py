@@ -12,16 +12,18 @@ Adding an estimator (docs/extending.md): its formula as a function of delta, its
 in the `Estimator` Literal (the one home of the names: KLConfig, ESTIMATORS, the exact tests
 and `klrl kl-table` read it) and in FORMULAS, its table (the form of kl.registry). FORMULAS is
 read at every call, so a test can try a formula on the exact toy (kl.analysis) before it is
-added to the Literal.
+added to the Literal. No torch at import (the formulas call the tensors' own methods): the
+configs read the names here without loading it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from kl.registry import literal_names, lookup
+
+if TYPE_CHECKING:
+    import torch
 
 Estimator = Literal["k1", "k2", "k3"]
 
@@ -36,10 +38,10 @@ def k2(delta: torch.Tensor) -> torch.Tensor:
 
 def k3(delta: torch.Tensor) -> torch.Tensor:
     # exp(-d) - 1 + d == expm1(-d) + d; expm1 keeps precision for small |d|.
-    return torch.expm1(-delta) + delta
+    return (-delta).expm1() + delta
 
 
-Formula = Callable[[torch.Tensor], torch.Tensor]
+Formula = Callable[["torch.Tensor"], "torch.Tensor"]
 # name -> per-token estimate as a function of delta = logp - ref_logp (elementwise, autograd
 # through delta). Exactly the Literal's names, in its order (checked at import).
 FORMULAS: dict[str, Formula] = {"k1": k1, "k2": k2, "k3": k3}

@@ -49,34 +49,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from kl.estimators import Estimator, estimate
 from kl.registry import literal_names, lookup
-
-Placement = Literal["reward", "loss", "reward+loss"]
-Importance = Literal["none", "token", "sequence", "prefix"]
-
-
-@dataclass(frozen=True)
-class PlacementForm:
-    """The parts of the surrogate one kl.placement adds: the score-function part (`reward`: the
-    KL as a per-token cost in the return) and the estimator differentiated as a loss (`loss`)."""
-
-    reward: bool
-    loss: bool
-
-
-PLACEMENT_FORMS: dict[str, PlacementForm] = {
-    "reward": PlacementForm(reward=True, loss=False),
-    "loss": PlacementForm(reward=False, loss=True),
-    "reward+loss": PlacementForm(reward=True, loss=True),
-}
-PLACEMENTS: tuple[str, ...] = literal_names(
-    Placement, PLACEMENT_FORMS, table_name="kl.surrogate.PLACEMENT_FORMS",
-    literal_name="Placement", kind="placements")
+from kl.traits import (
+    IMPORTANCE_TRAITS,
+    PLACEMENT_FORMS,
+    REWEIGHTING,
+    Importance,
+    ImportanceTraits,
+    Placement,
+)
 
 
 def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -113,22 +98,34 @@ class ImportanceCorrection:
     reward_part: the score-function (KL-as-reward) term per sequence [B] from RewardTerms.
     capped_baseline_log_coef: under a cap C, the baseline's log-coefficient from (log c,
         log rho, log C) when it is not the capped coefficient min(c, C) itself; None: it is.
-    carries_loss: its reward part with live estimates is also the loss part, so reward+loss is
-        one term (prefix: sum_t w_t(live) k_t(live)).
-    exact: uncapped, its expectation off-policy is the on-policy one (no state shift left).
+    traits: what it is (kl.traits, their one home: reweights, carries_loss, exact).
     """
 
+    traits: ImportanceTraits
     log_coef: Callable[[torch.Tensor], torch.Tensor] | None
     reward_part: Callable[[RewardTerms], torch.Tensor]
     capped_baseline_log_coef: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None \
         = None
-    carries_loss: bool = False
-    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.traits.reweights != (self.log_coef is not None):
+            raise ImportError("an importance correction reweights exactly when it has a "
+                              "coefficient (kl.traits.IMPORTANCE_TRAITS vs its log_coef)")
 
     @property
     def reweights(self) -> bool:
         """Whether it has a coefficient (and so needs behaviour_logp and may be capped)."""
-        return self.log_coef is not None
+        return self.traits.reweights
+
+    @property
+    def carries_loss(self) -> bool:
+        """Its reward part with live estimates is also the loss part (one reward+loss term)."""
+        return self.traits.carries_loss
+
+    @property
+    def exact(self) -> bool:
+        """Uncapped, its expectation off-policy is the on-policy one."""
+        return self.traits.exact
 
 
 def _unweighted_reward(t: RewardTerms) -> torch.Tensor:
@@ -159,20 +156,21 @@ def _prefix_capped_baseline_log_coef(log_c: torch.Tensor, log_rho: torch.Tensor,
     return (log_c - log_rho).clamp(max=log_cap) + log_rho
 
 
+_TRAITS = IMPORTANCE_TRAITS
 IMPORTANCE_CORRECTIONS: dict[str, ImportanceCorrection] = {
-    "none": ImportanceCorrection(None, _unweighted_reward),
-    "token": ImportanceCorrection(lambda log_rho: log_rho, _token_reward),           # rho_t
+    "none": ImportanceCorrection(_TRAITS["none"], None, _unweighted_reward),
+    "token": ImportanceCorrection(_TRAITS["token"], lambda log_rho: log_rho,          # rho_t
+                                  _token_reward),
     "sequence": ImportanceCorrection(                                                # W
-        lambda log_rho: log_rho.sum(-1, keepdim=True).expand_as(log_rho), _sequence_reward,
-        exact=True),
+        _TRAITS["sequence"], lambda log_rho: log_rho.sum(-1, keepdim=True).expand_as(log_rho),
+        _sequence_reward),
     "prefix": ImportanceCorrection(                                                  # w_t
-        lambda log_rho: log_rho.cumsum(-1), _prefix_reward, _prefix_capped_baseline_log_coef,
-        carries_loss=True, exact=True),
+        _TRAITS["prefix"], lambda log_rho: log_rho.cumsum(-1), _prefix_reward,
+        _prefix_capped_baseline_log_coef),
 }
-IMPORTANCES: tuple[str, ...] = literal_names(
-    Importance, IMPORTANCE_CORRECTIONS, table_name="kl.surrogate.IMPORTANCE_CORRECTIONS",
-    literal_name="Importance", kind="importance corrections")
-REWEIGHTING: tuple[str, ...] = tuple(n for n, c in IMPORTANCE_CORRECTIONS.items() if c.reweights)
+literal_names(Importance, IMPORTANCE_CORRECTIONS,
+              table_name="kl.surrogate.IMPORTANCE_CORRECTIONS", literal_name="Importance",
+              kind="importance corrections")
 
 
 def importance_log_coef(log_rho: torch.Tensor, importance: Importance) -> torch.Tensor:

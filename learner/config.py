@@ -11,13 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# learner.task_off_policy's names; learner.task_terms.TASK_TERMS holds what each one computes.
-TaskOffPolicy = Literal["none", "tis", "ppo_clip", "icepop", "mis", "seq_mask_geo",
-                        "seq_mask_prod"]
-# The ones that mask (drop tokens or samples outside [mask_low, mask_high]): named here, where
-# the config's rule on the band reads them, because learner.task_terms imports this module;
-# task_terms checks at import that its table's `masks` flags say the same.
-MASKING_TERMS: tuple[str, ...] = ("icepop", "mis", "seq_mask_geo", "seq_mask_prod")
+# learner.task_off_policy's names and which of them mask: learner.task_term_traits, torch-free
+# (learner.task_terms.TASK_TERMS holds what each one computes).
+from learner.lr_schedules import DECAYING, LRSchedule, lr_schedule
+from learner.task_term_traits import MASKING_TERMS, TaskOffPolicy
 
 
 # learner.token_budget's default (null): the tokens a micro-batch holds when the config does not
@@ -82,7 +79,7 @@ class LearnerConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear LR warm-up over this "
                               "many optimizer steps (step k uses lr * (k+1)/(warmup_steps+1)), "
                               "then lr_schedule. 0: the schedule from the first step.")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+    lr_schedule: LRSchedule = Field(
         "constant", description="LR after warm-up: constant (lr), or a linear or cosine decay "
         "from lr at step warmup_steps to min_lr_ratio x lr at the run's last optimizer step "
         "(total_steps, or fewer when data.epochs end the run, x epochs x mini_batches; k "
@@ -215,9 +212,10 @@ class LearnerConfig(BaseModel):
                              "micro-batches: set one (token_budget bounds memory whatever the "
                              "lengths)")
         self._check_mask_band()
-        if self.min_lr_ratio != 0.0 and self.lr_schedule == "constant":
+        if self.min_lr_ratio != 0.0 and not lr_schedule(self.lr_schedule).decays:
             raise ValueError("learner.min_lr_ratio is where a decay ends; with lr_schedule "
-                             "constant there is none: set lr_schedule linear or cosine, or drop it")
+                             f"{self.lr_schedule} there is none: set lr_schedule "
+                             f"{' or '.join(DECAYING)}, or drop it")
         return self
 
     def _check_mask_band(self) -> None:

@@ -30,7 +30,8 @@ from kl.table import TrainerTableConfig
 from learner.config import LearnerConfig
 from learner.exact import Groups, enumerate_groups, expected_grad, per_group_grads
 from learner.exact_table import task_reward
-from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES, TASK_TERMS
+from learner.task_term_traits import MASKING_TERMS, TASK_OFF_POLICIES
+from learner.task_terms import TASK_TERMS
 
 TOLERANCE = 1e-9  # on-policy cells: float64 rounding only
 UNMASKED = {"mask_low": 0.0, "mask_high": 1e6}  # the widest band LearnerConfig allows

@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from kl import toy as T
-from kl.advantage import ADVANTAGE_ESTIMATORS, GROUP_MEAN
+from kl.advantage import ADVANTAGE_ESTIMATORS, KL_IN_ADVANTAGE_FORMS
 from kl.analysis import (
     KLVariant,
     on_policy_prediction,
@@ -49,7 +49,7 @@ from learner.exact import (
     folded_advantages,
     per_group_grads,
 )
-from learner.task_terms import TASK_OFF_POLICIES
+from learner.task_term_traits import TASK_OFF_POLICIES
 
 TOLERANCE = 1e-9  # float64 enumeration: claimed cells differ by rounding only
 KL_MODES = [  # (name, kl_in_advantage, placement, estimator, truncate)
@@ -74,7 +74,10 @@ def task_reward(space: T.SequenceSpace) -> torch.Tensor:
 
 def _kl_cfg(mode, lag: float, beta: float, cap: float) -> KLConfig:
     _, kia, placement, est, trunc = mode
-    importance = "prefix" if kia == "separate" and (lag > 0 or trunc) else "none"
+    # The separate KL term's off-policy handling is kl.importance; a folded one's is the task
+    # term's (learner.task_off_policy).
+    folds = KL_IN_ADVANTAGE_FORMS[kia].folds
+    importance = "prefix" if not folds and (lag > 0 or trunc) else "none"
     return KLConfig(estimator=est, placement=placement, importance=importance, beta=beta,
                     kl_in_advantage=kia, truncate=cap if trunc else None)
 
@@ -83,16 +86,18 @@ def documented(mode, est: str, norm: str, n: int, lag: float, beta: float, refs,
     """(target, exact): docs/kl.md's form of d for this cell, and whether it claims it exactly
     (False: the on-policy form, shown as a reference)."""
     _, kia, placement, k, trunc = mode
-    if kia == "separate":
+    form = KL_IN_ADVANTAGE_FORMS[kia]
+    if not form.folds:
         target = beta * on_policy_prediction(KLVariant(k, placement), refs)
         if trunc:
             target = target + beta * truncated_bias(toy, KLVariant(k, placement, "prefix", cap))
         return target, True
-    # The baseline whose expected scale the folded KL part gets: centered centres by the group
-    # mean, normalized by the estimator's own baseline.
-    baseline = GROUP_MEAN if kia == "centered" else ADVANTAGE_ESTIMATORS[est].baseline
+    # The baseline whose expected scale the folded KL part gets: the form's own (centered: the
+    # group mean), else the estimator's (normalized). A KL part divided by a std has no closed
+    # form, so only normalize none is claimed there.
+    baseline = form.kl_centring or ADVANTAGE_ESTIMATORS[est].baseline
     shrink = baseline.expected_scale(n)
-    exact = lag == 0 and (kia == "centered" or norm == "none")
+    exact = lag == 0 and (not form.normalises_kl or norm == "none")
     return shrink * beta * refs.g_star, exact
 
 
@@ -151,7 +156,7 @@ def _row(cfg, mode, est, norm, n, with_adv: dict[float, Groups], base, refs, adv
     row = {"config": f"{mode[0]}  {est}/{norm}  n={n}", "kl": mode[0], "estimator": est,
            "normalize": norm, "n": n, "cells": cells}
     bound = advantage_bound(est, norm, n)
-    if mode[1] == "normalized":  # centered adds its KL part unnormalised: no bound
+    if KL_IN_ADVANTAGE_FORMS[mode[1]].normalises_kl:  # one unnormalised (centered): no bound
         adv = folded_advantages(with_adv[cfg.lags[0]],
                                 _kl_cfg(mode, 0.0, cfg.beta, cfg.truncate), adv_cfg)
         row["max_abs_advantage"] = float(adv.abs().max())
@@ -184,6 +189,8 @@ def kl_part_variance(seeds=(0, 1, 2, 3), group_sizes=(2, 3), beta: float = 1.0,
                 mean = g.weight @ d
                 v = float(g.weight @ ((d - mean) ** 2).sum(-1))
                 var[kia] = v
-                var[f"{kia}_scaled"] = v / (((n - 1) / n) ** 2 if kia == "centered" else 1.0)
+                centring = KL_IN_ADVANTAGE_FORMS[kia].kl_centring  # separate: its own, scale 1
+                scale = centring.expected_scale(n) if centring is not None else 1.0
+                var[f"{kia}_scaled"] = v / scale ** 2
             out.append({"seed": seed, "n": n, **var})
     return out

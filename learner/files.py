@@ -4,33 +4,19 @@ the file modes they get.
 safetensors writes its file 0600 (readable by its owner only) whatever the umask, so a trained
 model shared on a cluster filesystem would be unreadable by colleagues; `mkdtemp` makes 0700
 directories. Files and directories written for others get the modes the umask allows, as any
-other file would (0644 / 0755 under the usual umask 022).
+other file would (0644 / 0755 under the usual umask 022): `give_normal_modes`, in
+learner/file_modes.py, torch-free, so the tiny model's cache (cluster/tiny/) uses it without
+loading torch at `klrl --help`.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from learner import lora
+from learner.file_modes import give_normal_modes
 from learner.loading import ModelFiles, load_tokenizer
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def give_normal_modes(directory: str | Path) -> None:
-    """chmod `directory` and the files directly in it to 0777 / 0666 minus the umask."""
-    mask = _umask()
-    directory = Path(directory)
-    os.chmod(directory, 0o777 & ~mask)
-    for f in directory.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o666 & ~mask)
 
 
 def write_model(module, weights: dict[str, torch.Tensor], out_dir: str | Path,

@@ -26,6 +26,7 @@ from learner.config import LearnerConfig
 from learner.export import WeightPublisher
 from learner.loading import ModelFiles
 from learner.loss_metrics import merge_metrics, merge_updates
+from learner.lr_schedules import lr_schedule
 from learner.process_group import remove_shm_buffers
 from learner.rank import LearnerRank
 
@@ -53,7 +54,7 @@ class LearnerGroup:
         requests (placement on chosen nodes, e.g. {"head": 1}). `wait(group, refs, method)`:
         how every call on the ranks is waited for (default: `get_all`, without a deadline).
         `collective_timeout_s`: the process group's timeout (LearnerRank.setup)."""
-        if learner_cfg.lr_schedule != "constant" and total_optimizer_steps is None:
+        if lr_schedule(learner_cfg.lr_schedule).decays and total_optimizer_steps is None:
             # Refused here, before any actor starts (make_scheduler would refuse in every rank).
             raise ValueError(f"learner.lr_schedule={learner_cfg.lr_schedule} needs "
                              "LearnerGroup(..., total_optimizer_steps=N)")

@@ -3,7 +3,8 @@
 `lr_factor(k)` is the multiplier of `learner.lr` at the k-th *applied* optimizer step (k = 0,
 1, ...; a refused non-finite step does not advance it, since DeepSpeed skips the scheduler
 then). With W = warmup_steps, T = the run's optimizer steps (total_steps x epochs x
-mini_batches) and m = min_lr_ratio:
+mini_batches) and m = min_lr_ratio (each schedule's decay is its entry in
+learner/lr_schedules.py's table):
 
     k < W                     (k + 1) / (W + 1)                    linear warm-up
     k >= W, p = (k - W) / (T - 1 - W) clamped to [0, 1]:
@@ -23,11 +24,10 @@ last step from where it is (with a decaying schedule the LR jumps up at the resu
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from learner.config import LearnerConfig
+from learner.lr_schedules import lr_schedule
 
 
 def lr_factor(k: int, cfg: LearnerConfig, total_steps: int | None) -> float:
@@ -35,22 +35,20 @@ def lr_factor(k: int, cfg: LearnerConfig, total_steps: int | None) -> float:
     warmup = cfg.warmup_steps
     if k < warmup:
         return (k + 1) / (warmup + 1)
-    if cfg.lr_schedule == "constant":
+    form = lr_schedule(cfg.lr_schedule)  # its entry says whether and how it decays
+    if not form.decays:
         return 1.0
     if total_steps is None:
         raise ValueError(f"learner.lr_schedule={cfg.lr_schedule} needs the run's number of "
                          "optimizer steps (total_optimizer_steps)")
     span = total_steps - 1 - warmup
     p = min(1.0, max(0.0, (k - warmup) / span)) if span > 0 else 0.0
-    m = cfg.min_lr_ratio
-    if cfg.lr_schedule == "linear":
-        return 1.0 - (1.0 - m) * p
-    return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p))
+    return form.decay(p, cfg.min_lr_ratio)
 
 
 def make_scheduler(cfg: LearnerConfig, total_steps: int | None):
     """The `lr_scheduler` callable deepspeed.initialize takes: optimizer -> LambdaLR."""
-    if cfg.lr_schedule != "constant" and total_steps is None:
+    if lr_schedule(cfg.lr_schedule).decays and total_steps is None:
         raise ValueError(f"learner.lr_schedule={cfg.lr_schedule} needs total_optimizer_steps "
                          "(cluster/train/launch.py passes total_steps x updates_per_batch)")
 

@@ -1,7 +1,8 @@
 """The task-term table (learner.task_off_policy): how the task policy-gradient term handles
-data the current weights did not sample. One TASK_TERMS entry per name of learner.config's
-TaskOffPolicy; learner.loss sums the per-token loss an entry returns over response tokens and
-divides it by the constant N (never by the tokens a mask kept: a mask drops a token's
+data the current weights did not sample. One TASK_TERMS entry per name of
+learner.task_term_traits' TaskOffPolicy, holding that name's traits (uses_ratio, masks);
+learner.loss sums the per-token loss an entry returns over response tokens and divides it by
+the constant N (never by the tokens a mask kept: a mask drops a token's
 gradient, it does not scale up the others').
 
 Notation (learner.loss): rho_t = pi_t / mu_t per response token, sg() stop-gradient, A the
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from kl.registry import literal_names
-from learner.config import MASKING_TERMS, LearnerConfig, TaskOffPolicy
+from learner.config import LearnerConfig
+from learner.task_term_traits import TASK_TERM_TRAITS, TaskOffPolicy, TaskTermTraits
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,21 @@ class TaskTerm:
     (sampler) log-probs mu (the formulas are in the module docstring).
 
     tokens: (lp, mu, adv, mask, cfg) -> TermTokens.
-    uses_ratio: it forms the ratios pi/mu, so they must be importance ratios (no truncated
-        sampling: cluster.config.train_config refuses top_k / top_p with it).
-    masks: it drops tokens or samples outside [learner.mask_low, learner.mask_high] (the only
-        entries those two fields act on: LearnerConfig refuses them moved for any other).
+    traits: what it is (learner.task_term_traits, their one home: uses_ratio, masks).
     """
 
     tokens: Callable[..., TermTokens]
-    uses_ratio: bool
-    masks: bool = False
+    traits: TaskTermTraits
+
+    @property
+    def uses_ratio(self) -> bool:
+        """It forms the ratios pi/mu (which must then be importance ratios)."""
+        return self.traits.uses_ratio
+
+    @property
+    def masks(self) -> bool:
+        """It drops tokens or samples outside [learner.mask_low, learner.mask_high]."""
+        return self.traits.masks
 
 
 def log_ratio(lp, mu, mask) -> torch.Tensor:
@@ -141,18 +149,16 @@ def _sequence_mask(geometric: bool) -> Callable[..., TermTokens]:
     return tokens
 
 
-TASK_TERMS: dict[str, TaskTerm] = {
-    "none": TaskTerm(_plain_tokens, uses_ratio=False),
-    "tis": TaskTerm(_tis_tokens, uses_ratio=True),
-    "ppo_clip": TaskTerm(_ppo_clip_tokens, uses_ratio=True),
-    "icepop": TaskTerm(_icepop_tokens, uses_ratio=True, masks=True),
-    "mis": TaskTerm(_mis_tokens, uses_ratio=True, masks=True),
-    "seq_mask_geo": TaskTerm(_sequence_mask(geometric=True), uses_ratio=True, masks=True),
-    "seq_mask_prod": TaskTerm(_sequence_mask(geometric=False), uses_ratio=True, masks=True),
+_TOKENS: dict[str, Callable[..., TermTokens]] = {
+    "none": _plain_tokens,
+    "tis": _tis_tokens,
+    "ppo_clip": _ppo_clip_tokens,
+    "icepop": _icepop_tokens,
+    "mis": _mis_tokens,
+    "seq_mask_geo": _sequence_mask(geometric=True),
+    "seq_mask_prod": _sequence_mask(geometric=False),
 }
-TASK_OFF_POLICIES: tuple[str, ...] = literal_names(
-    TaskOffPolicy, TASK_TERMS, table_name="learner.task_terms.TASK_TERMS",
-    literal_name="TaskOffPolicy", kind="task off-policy handlings")
-if {n for n, t in TASK_TERMS.items() if t.masks} != set(MASKING_TERMS):
-    raise AssertionError("learner.config.MASKING_TERMS must name exactly the TASK_TERMS entries "
-                         "that mask")
+TASK_TERMS: dict[str, TaskTerm] = {
+    name: TaskTerm(_TOKENS[name], traits) for name, traits in TASK_TERM_TRAITS.items()}
+literal_names(TaskOffPolicy, TASK_TERMS, table_name="learner.task_terms.TASK_TERMS",
+              literal_name="TaskOffPolicy", kind="task off-policy handlings")

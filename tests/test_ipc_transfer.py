@@ -19,10 +19,10 @@ import torch
 
 from actors.config import SyncConfig
 from actors.weight_sync import WeightPublisher, WeightUpdate
+from actors.weight_sync.traits import cuda_ipc_gpu_sharing
 from actors.weight_sync.cuda_ipc import (
     IpcWeightSender,
     check_cuda_ipc_devices,
-    cuda_ipc_gpu_sharing,
     cuda_ipc_handle,
     engine_process_problem,
     ipc_packing_split,

@@ -30,7 +30,7 @@ from kl.diagnostics import sequence_kl_estimates
 from learner.config import LearnerConfig
 from learner.exact import chain_to_logits, enumerate_groups, expected_grad
 from learner.exact_table import ADVANTAGES, KL_MODES, documented, task_reward
-from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES
+from learner.task_term_traits import MASKING_TERMS, TASK_OFF_POLICIES
 
 
 @pytest.fixture(autouse=True, scope="module")

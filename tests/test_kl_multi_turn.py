@@ -21,7 +21,7 @@ from kl.config import AdvantageConfig, KLConfig
 from learner.config import LearnerConfig
 from learner.exact import enumerate_groups, expected_grad
 from learner.exact_table import ADVANTAGES, KL_MODES, TOLERANCE, _kl_cfg, documented, task_reward
-from learner.task_terms import TASK_OFF_POLICIES
+from learner.task_term_traits import TASK_OFF_POLICIES
 
 BETA = 0.1
 

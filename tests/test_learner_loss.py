@@ -13,7 +13,7 @@ from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loss import PolicyLoss, policy_loss, sequence_logprobs
 from learner.loss_metrics import merge_metrics
-from learner.task_terms import TASK_OFF_POLICIES
+from learner.task_term_traits import TASK_OFF_POLICIES
 
 N_GLOBAL = 10.0  # a constant normaliser deliberately different from the batch size
 

@@ -20,7 +20,7 @@ from kl.surrogate import Importance, Placement
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.loss import policy_loss
-from learner.task_terms import TASK_OFF_POLICIES
+from learner.task_term_traits import TASK_OFF_POLICIES
 
 B, L, PROMPT = 4, 10, 2
 ENV = [4, 5, 8]  # environment reply positions inside the response

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from kl.config import AdvantageConfig, KLConfig
 from learner.config import LearnerConfig
 from learner.loss import policy_loss
-from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES
+from learner.task_term_traits import MASKING_TERMS, TASK_OFF_POLICIES
 from test_learner_loss import N_GLOBAL, _batch, _grad, _with
 
 NO_KL = KLConfig(beta=0.0)

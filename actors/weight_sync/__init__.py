@@ -15,7 +15,9 @@ One sync, step by step:
    engine thread), resets the prefix cache (cached KV blocks were computed with the old
    weights) and records the new version.
 
-The transports, one module each (`base.py` says what every transport answers):
+What each transport is (its config rules and traits, without torch: what the config reads)
+is `traits.py`; the transports, one module each, inherit it (`base.py` says what every
+transport answers):
 - `shm.py`: a safetensors file in a tmpfs; learner and workers on one node.
 - `object_store.py`: the safetensors bytes in Ray's object store; any nodes, CPU or GPU.
 - `nccl.py` (GPU only): a broadcast through vLLM's NCCL weight-transfer engine; learner rank 0
@@ -29,17 +31,28 @@ logs "Failed to load weights"), and its tied lm_head is a layer of its own, so l
 makes the engine's log-probs silently diverge from the learner's. `WeightPublisher.publish`
 refuses an update without it.
 """
-from actors.weight_sync.base import (
-    LM_HEAD,
-    Placement,
-    WeightTransport,
-    WeightUpdate,
-    load_tensors,
-)
-from actors.weight_sync.publisher import WeightPublisher
-from actors.weight_sync.registry import TRANSPORTS, TransportName, describe, transport
-from actors.weight_sync.shm import remove_published, run_dir
+from __future__ import annotations
 
-__all__ = ["LM_HEAD", "TRANSPORTS", "Placement", "TransportName", "WeightPublisher",
-           "WeightTransport", "WeightUpdate", "describe", "load_tensors", "remove_published",
-           "run_dir", "transport"]
+import importlib
+from typing import Any
+
+# Each public name and the module that owns it, imported on first use (PEP 562): importing
+# traits.py (what the config reads) runs no torch through this __init__.
+_HOMES = {
+    "LM_HEAD": "actors.weight_sync.base", "WeightTransport": "actors.weight_sync.base",
+    "WeightUpdate": "actors.weight_sync.base", "load_tensors": "actors.weight_sync.base",
+    "WeightPublisher": "actors.weight_sync.publisher",
+    "TRANSPORTS": "actors.weight_sync.registry", "transport": "actors.weight_sync.registry",
+    "remove_published": "actors.weight_sync.shm", "run_dir": "actors.weight_sync.shm",
+    "Placement": "actors.weight_sync.traits", "TransportName": "actors.weight_sync.traits",
+    "describe": "actors.weight_sync.traits",
+    "transport_traits": "actors.weight_sync.traits",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'actors.weight_sync' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -1,6 +1,6 @@
-"""What every weight transport is: the record one sync sends (`WeightUpdate`), where a run
-puts the two ends of a sync (`Placement`, what the config checks), and `WeightTransport`, the
-class each transport of this package is (one module each, one instance in the registry).
+"""What every weight transport does: the record one sync sends (`WeightUpdate`), and
+`WeightTransport`, the class each transport of this package is (one module each, one
+instance in the registry).
 
 Transports come in two families, each with a base class here:
 - `SafetensorsTransport` (shm, object_store): learner rank 0 serialises CPU copies of the
@@ -11,7 +11,8 @@ Transports come in two families, each with a base class here:
   off learner rank 0's GPU; the record carries the update info each worker hands vLLM's
   `update_weights`, and the engines are built for the transport's vLLM backend.
 
-Nothing here imports Ray or vLLM at module level: the config imports the registry.
+What each transport is (its traits, `Placement`, the names) lives in traits.py, which the
+config imports without torch. Nothing here imports Ray or vLLM at module level.
 """
 from __future__ import annotations
 
@@ -22,16 +23,17 @@ import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any
 
 import torch
 
 from actors.weight_sync.loads import refuse_unloaded
-
-# `sync.transport`'s names, the Literal SyncConfig takes; the registry (registry.py) holds the
-# transport each names and checks the two agree. Here, so that this module, which every
-# transport imports, needs nothing of the registry.
-TransportName = Literal["shm", "object_store", "nccl", "cuda_ipc"]
+from actors.weight_sync.traits import (
+    TransportName,
+    TransportTraits,
+    VllmEngineTraits,
+    payload_field_of,
+)
 
 LM_HEAD = "lm_head.weight"
 Items = list[tuple[str, torch.Tensor]]
@@ -68,21 +70,8 @@ class WeightUpdate:
     def __post_init__(self):
         if self.version < 0:
             raise ValueError(f"version must be >= 0, got {self.version}")
-        if getattr(self, WeightTransport.payload_field_of(self.transport)) is None:
+        if getattr(self, payload_field_of(self.transport)) is None:
             raise ValueError(f"a {self.transport} WeightUpdate needs its payload field set")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a run puts the two ends of a sync, as its config asks Ray for them: what each
-    transport's `check` decides from (`TrainConfig` builds it from learner and rollout)."""
-
-    learner_ranks: int            # learner.num_ranks
-    learner_gpus: float           # learner.num_gpus_per_rank
-    num_workers: int              # rollout.num_workers
-    worker_gpus: float            # rollout.num_gpus_per_worker
-    tensor_parallel_size: int     # rollout.tensor_parallel_size
-    lora: bool                    # learner.lora is set: the syncs carry an adapter
 
 
 @dataclass(frozen=True)
@@ -94,7 +83,7 @@ class Fetched:
     seconds: Mapping[str, float]
 
 
-class WeightTransport(abc.ABC):
+class WeightTransport(TransportTraits, abc.ABC):
     """One weight transport: its config rules, its learner end (set-up, publish), its
     controller's part (connect at start, after a worker restart, cleanup at the end) and its
     worker end (engine options, fetch, reload). The registry's instances hold no settings and
@@ -103,43 +92,9 @@ class WeightTransport(abc.ABC):
     `cleanup` carries another transport's setting. Instances hold no run state: the learner's
     senders live in `WeightPublisher`, one per transport, and are passed in.
 
-    The class attributes say what the transport is, for the code that must choose without
-    naming it (the learner's export, `klrl bench`, the docs' option table)."""
-
-    name: ClassVar[str]
-    summary: ClassVar[str]             # the sync.transport description of it (docs table)
-    payload_field: ClassVar[str]       # the WeightUpdate field its records fill
-    needs_gpu: ClassVar[bool] = False  # refused without GPUs
-    shares_a_gpu: ClassVar[bool] = True  # works with learner rank 0 and a worker on one GPU
-    carries_adapter: ClassVar[bool] = True  # can send a LoRA adapter (learner.lora)
-    vllm_backend: ClassVar[str | None] = None  # the engines' weight_transfer_config backend
-    # The learner's export: the tensors stay on the learner's GPU (not CPU copies), and the
-    # transport reads them after `publish` returned, so they must be copies of their own
-    # (the optimizer steps the live ones in place).
-    on_learner_device: ClassVar[bool] = False
-    reads_after_publish: ClassVar[bool] = False
-    writes_shm_dir: ClassVar[bool] = False  # writes files in SyncConfig.shm_dir
-    # A learner restart may keep the rollout workers' engines (cluster/train/recovery.py):
-    # their link to the learner is a file or an object each load reads, not a group or a
-    # handle into the failed learner's process.
-    engines_outlive_the_learner: ClassVar[bool] = False
-    # Each transport class's payload field by its name, filled as the classes are defined
-    # (importing this module runs the package's __init__, which imports every transport).
-    _payload_fields: ClassVar[dict[str, str]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            WeightTransport._payload_fields[cls.name] = cls.payload_field
-
-    @staticmethod
-    def payload_field_of(name: str) -> str:
-        """The WeightUpdate field the records of transport `name` fill; ValueError listing
-        the transports for an unknown name."""
-        field = WeightTransport._payload_fields.get(name)
-        if field is None:
-            raise ValueError(f"unknown transport {name!r}; one of {get_args(TransportName)}")
-        return field
+    What the transport is (its class attributes, its config rules `check`, and
+    `why_no_replacement`) it inherits from its traits class (traits.py, their one home, which
+    the config reads without torch)."""
 
     # ------------------------------------------------------------------ config
 
@@ -148,10 +103,6 @@ class WeightTransport(abc.ABC):
         SyncConfig: its fields for this transport). The transports without settings are
         their registry instance."""
         return self
-
-    def check(self, placement: Placement) -> None:
-        """Refuse (ValueError, naming the transports that would work) a placement this
-        transport cannot serve; the config calls it before anything starts."""
 
     # ------------------------------------------------------------------ learner rank 0
 
@@ -175,10 +126,6 @@ class WeightTransport(abc.ABC):
     def connect(self, learner, workers: Sequence, wait_all: WaitAll) -> None:
         """Once before the first publish: join learner rank 0 (`learner`, a LearnerGroup) and
         the rollout `workers` (actor handles) where the transport needs it."""
-
-    def why_no_replacement(self) -> str | None:
-        """Why a dead or hung worker cannot be replaced under this transport, or None."""
-        return None
 
     def after_restart(self, learner, worker, wait_all: WaitAll) -> None:
         """A replacement `worker` has started: ready it before its re-sync."""
@@ -235,19 +182,10 @@ class SafetensorsTransport(WeightTransport):
         return {"read": max(r["read"] for r in ranks), "reload": max(r["reload"] for r in ranks)}
 
 
-class VllmEngineTransport(WeightTransport):
+class VllmEngineTransport(VllmEngineTraits, WeightTransport):
     """The transports through vLLM's weight-transfer engines: the tensors go from learner
     rank 0's GPU to the engines' weights without host copies, and the engines are built for
     `vllm_backend`. They replace base weights only: no LoRA adapter."""
-
-    needs_gpu = True
-    carries_adapter = False
-    payload_field = "update_info"
-    on_learner_device = True
-    # nccl's group holds the failed learner rank 0, and cuda_ipc's engines read its memory:
-    # a learner restart starts the engines again, as a fresh run does (whether vLLM's engine
-    # could join a second group instead is untested here: it needs a GPU).
-    engines_outlive_the_learner = False
 
     def engine_options(self) -> dict[str, Any]:
         return {"weight_transfer_config": {"backend": self.vllm_backend}}

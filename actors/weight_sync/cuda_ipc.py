@@ -35,7 +35,7 @@ installed dataclasses' fields, not a version string, and puts `packed: False` wh
 it.
 
 A CUDA IPC handle opens only on the GPU it comes from: `CudaIpcTransport.check` refuses Ray GPU
-requests that cannot put learner rank 0 and every worker on one GPU (`cuda_ipc_gpu_sharing`),
+requests that cannot put learner rank 0 and every worker on one GPU (`traits.cuda_ipc_gpu_sharing`),
 and `check_cuda_ipc_devices` compares the devices' UUIDs at start-up and for every replaced
 worker (`CudaIpcTransport.connect`, `after_restart`).
 """
@@ -48,7 +48,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from actors.weight_sync.base import Placement, VllmEngineTransport, WeightUpdate, nbytes
+from actors.weight_sync.base import VllmEngineTransport, WeightUpdate, nbytes
+from actors.weight_sync.traits import CudaIpcTraits
 
 KEEP_VERSIONS = 2  # snapshots held: the version being loaded and the one before (docstring)
 # An update-info field of the layouts whose handles are rebuild_cuda_tensor's arguments (vLLM
@@ -108,46 +109,10 @@ def cuda_ipc_handle(t: torch.Tensor) -> dict[str, tuple]:
     return {str(torch.cuda.get_device_properties(t.device).uuid): reduce_tensor(t)[1]}
 
 
-class CudaIpcTransport(VllmEngineTransport):
+class CudaIpcTransport(CudaIpcTraits, VllmEngineTransport):
     """The cuda_ipc transport: its config rules (one GPU for learner rank 0 and every worker),
     the start-up and after-restart device check and engine set-up, and each version's
     snapshot handed out by the learner's `IpcWeightSender`."""
-
-    name = "cuda_ipc"
-    summary = ("GPU only, run on one H100 at commit cc124fa, not since: CUDA IPC handles "
-               "through vLLM's IPC weight-transfer engine, device to device; one learner rank "
-               "and every worker on ONE GPU (fractional GPU requests that fit in one GPU)")
-    vllm_backend = "ipc"
-
-    def check(self, p: Placement) -> None:
-        """A CUDA IPC handle opens only on the GPU it comes from, so learner rank 0 and every
-        rollout worker must be on ONE GPU, which the config can ask of Ray only as a single
-        learner rank and fractional GPU requests that fit in one GPU together; whether Ray did
-        place them there is checked at start-up (`connect`). That excludes tensor parallelism
-        too (tp > 1 needs whole GPUs per worker: RolloutConfig). vLLM's IPC engine replaces
-        base weights, so no LoRA adapter."""
-        others = "sync.transport: shm (one node) or object_store"
-        if p.learner_gpus == 0:
-            raise ValueError("sync.transport=cuda_ipc hands the rollout workers GPU memory of "
-                             "learner rank 0, so the learner must run on a GPU "
-                             f"(learner.num_gpus_per_rank > 0); on CPU use {others}")
-        if p.learner_ranks != 1:
-            raise ValueError(f"sync.transport=cuda_ipc needs one learner rank (learner.num_ranks"
-                             f"={p.learner_ranks}): every rollout worker must share rank 0's "
-                             "GPU, and Ray cannot be told to place them beside rank 0 rather "
-                             f"than another rank; use sync.transport: nccl (a GPU each), or "
-                             f"{others}")
-        if why := cuda_ipc_gpu_sharing(p.learner_gpus, p.worker_gpus, p.num_workers):
-            raise ValueError(f"sync.transport=cuda_ipc needs learner rank 0 and every rollout "
-                             f"worker on ONE GPU, but {why}. Request fractions of one GPU (e.g. "
-                             "learner.num_gpus_per_rank 0.5 and rollout.num_gpus_per_worker 0.5 "
-                             "for one worker), or use sync.transport: nccl (a GPU each), shm "
-                             "(one node) or object_store")
-        if p.lora:
-            raise ValueError("learner.lora with sync.transport=cuda_ipc: vLLM's IPC weight "
-                             "transfer replaces base weights and cannot load an adapter; an "
-                             "adapter is small, so use sync.transport: object_store (or shm on "
-                             "one node)")
 
     def first_sender(self) -> IpcWeightSender:
         return IpcWeightSender()  # holds the snapshots the workers read
@@ -177,28 +142,6 @@ class CudaIpcTransport(VllmEngineTransport):
         if problem := engine_process_problem(os.environ):
             raise RuntimeError(f"rollout worker {worker_index}: {problem}")
         llm.init_weight_transfer_engine({"init_info": worker_init_info()})
-
-
-def cuda_ipc_gpu_sharing(learner_gpus: float, worker_gpus: float,
-                         num_workers: int) -> str | None:
-    """Why these Ray GPU requests cannot put learner rank 0 and every rollout worker on one
-    GPU (cuda_ipc's need); None if they can. Ray packs requests below 1 GPU onto one GPU while
-    their sum fits in it, and gives a request of 1 or more whole GPUs of its own; that it did
-    pack them onto the same GPU (not another GPU or node with room) is checked at start-up."""
-    if worker_gpus == 0:
-        return "rollout.num_gpus_per_worker is 0, so a worker's engine has no share of the GPU"
-    if learner_gpus >= 1:
-        return (f"learner.num_gpus_per_rank={learner_gpus:g} holds whole GPUs, which Ray shares "
-                "with no worker")
-    if worker_gpus >= 1:
-        return (f"rollout.num_gpus_per_worker={worker_gpus:g} gives each worker whole GPUs of "
-                "its own")
-    total = learner_gpus + num_workers * worker_gpus
-    if total > 1.0 + 1e-9:
-        return (f"learner.num_gpus_per_rank + rollout.num_workers x rollout.num_gpus_per_worker "
-                f"= {learner_gpus:g} + {num_workers} x {worker_gpus:g} = {total:g} does not fit "
-                "in one GPU")
-    return None
 
 
 def check_cuda_ipc_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:

@@ -34,7 +34,7 @@ Three invariants, each enforced where it can break:
 
 NCCL refuses two members of one group on the same GPU ("Duplicate GPU detected"), so learner
 rank 0 and every rollout worker need GPUs of their own: `NcclTransport.check` refuses
-configurations whose Ray GPU requests let them share one (`nccl_gpu_sharing`), and
+configurations whose Ray GPU requests let them share one (`traits.nccl_gpu_sharing`), and
 `check_nccl_devices` compares their CUDA device UUIDs at start-up (`NcclTransport.connect`).
 The group is fixed at start-up: a replaced worker cannot join it, so a worker fault stops the
 run, and the config refuses `faults.max_worker_restarts` > 0 with nccl (`why_no_replacement`,
@@ -51,7 +51,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
-from actors.weight_sync.base import Placement, VllmEngineTransport, WeightUpdate, nbytes
+from actors.weight_sync.base import VllmEngineTransport, WeightUpdate, nbytes
+from actors.weight_sync.traits import NcclTraits
 
 # The settings of vLLM's packed broadcast: trainer and workers must agree on them.
 NCCL_PACKING_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
@@ -109,38 +110,10 @@ def refuse_a_disabled_group(disabled: bool, where: str) -> None:
             "(one node) or object_store")
 
 
-class NcclTransport(VllmEngineTransport):
+class NcclTransport(NcclTraits, VllmEngineTransport):
     """The nccl transport: its config rules, the group's set-up (opened on learner rank 0,
     joined by every worker at start-up), the broadcast of each version, and the refusal to
     replace a worker (the group is fixed once formed)."""
-
-    name = "nccl"
-    summary = ("GPU only, not yet run on GPUs (it needs two): a broadcast through vLLM's NCCL "
-               "weight-transfer engine; learner rank 0 and every worker need a GPU of their own")
-    vllm_backend = "nccl"
-    shares_a_gpu = False
-    reads_after_publish = True  # the broadcast runs on after publish returns
-
-    def check(self, p: Placement) -> None:
-        if p.learner_gpus == 0:
-            raise ValueError("sync.transport=nccl needs GPUs (learner.num_gpus_per_rank > 0); "
-                             "use shm (one node) or object_store on CPU")
-        if shared := nccl_gpu_sharing(p.learner_gpus, p.worker_gpus, p.num_workers):
-            raise ValueError(
-                f"sync.transport=nccl needs a GPU of its own for learner rank 0 and for every "
-                f"rollout worker (NCCL refuses two ranks of one group on the same GPU), but "
-                f"{shared}. Request whole GPUs (learner.num_gpus_per_rank and "
-                "rollout.num_gpus_per_worker >= 1), or use sync.transport: shm (one node) or "
-                "object_store, which work on a shared GPU")
-        if p.lora:
-            raise ValueError("learner.lora with sync.transport=nccl: vLLM's NCCL weight "
-                             "transfer replaces base weights and cannot load an adapter; an "
-                             "adapter is small, so use sync.transport: object_store (or shm on "
-                             "one node)")
-        if p.tensor_parallel_size > 1:
-            # `connect` sizes the NCCL weight-transfer group for one engine rank per worker.
-            raise ValueError("sync.transport=nccl supports rollout.tensor_parallel_size=1 only; "
-                             "use sync.transport: object_store (or shm on one node)")
 
     def open(self, num_workers, ranks_per_worker=1, *, host=None, port=None):
         """Open the trainer end at host:port (default: this node's address, a free port)."""
@@ -171,38 +144,12 @@ class NcclTransport(VllmEngineTransport):
         joins = [w.init_weight_transfer.remote(info) for w, info in zip(workers, infos)]
         wait_all(joins + [learner.connect_weight_transfer(self.name)])
 
-    def why_no_replacement(self) -> str | None:
-        return ("a replaced worker cannot join the NCCL weight-transfer group, which is formed "
-                "once, at start-up, for learner rank 0 and the workers then running")
-
     def init_engine(self, llm, init_info, worker_index) -> None:
         """Join the group, then refuse an engine rank whose communicator vLLM disabled."""
         llm.init_weight_transfer_engine({"init_info": init_info})
         for rank, disabled in enumerate(llm.collective_rpc("klrl_nccl_group_disabled")):
             refuse_a_disabled_group(disabled, f"rollout worker {worker_index}'s engine rank "
                                               f"{rank}")
-
-
-def nccl_gpu_sharing(learner_gpus: float, worker_gpus: float, num_workers: int) -> str | None:
-    """Why Ray could place two members of the NCCL weight-transfer group (learner rank 0 and
-    each rollout worker) on one GPU, from their GPU requests alone; None if it cannot.
-
-    What the config knows: Ray gives a request of 1 GPU or more whole GPUs of its own, and
-    packs requests below 1 onto one GPU while their sum fits in it; how many GPUs the cluster
-    has is not in the config (a run that asks for more whole GPUs than exist waits for them
-    rather than sharing). A worker without a GPU request cannot hold a rank of the group (and
-    Ray 2.60 does not hide the node's GPUs from it, so its engine could still start on the
-    learner's). `NcclTransport.connect` compares the devices' UUIDs at start-up."""
-    if worker_gpus == 0:
-        return "rollout.num_gpus_per_worker is 0, so a worker has no GPU of its own"
-    fits = 1.0 + 1e-9
-    if learner_gpus < 1 and worker_gpus < 1 and learner_gpus + worker_gpus <= fits:
-        return (f"learner.num_gpus_per_rank={learner_gpus:g} and rollout.num_gpus_per_worker="
-                f"{worker_gpus:g} let Ray place learner rank 0 and a rollout worker on one GPU")
-    if num_workers >= 2 and worker_gpus < 1 and 2 * worker_gpus <= fits:
-        return (f"rollout.num_gpus_per_worker={worker_gpus:g} with {num_workers} workers lets "
-                "Ray place two rollout workers on one GPU")
-    return None
 
 
 def check_nccl_devices(learner_device: str, worker_devices: Sequence[Sequence[str]]) -> None:

@@ -8,15 +8,12 @@ from __future__ import annotations
 import time
 
 from actors.weight_sync.base import Fetched, SafetensorsTransport
+from actors.weight_sync.traits import ObjectStoreTraits
 
 
-class ObjectStoreTransport(SafetensorsTransport):
+class ObjectStoreTransport(ObjectStoreTraits, SafetensorsTransport):
     """Owns putting each version's bytes in Ray's object store and getting them in the
     worker within the sync's deadline. The object lives as long as its ref (the record)."""
-
-    name = "object_store"
-    summary = "the safetensors bytes in Ray's object store (any nodes, CPU or GPU)"
-    payload_field = "ref"
 
     def store(self, tensors, metadata, version):
         import ray

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.weight_sync.base import Fetched, SafetensorsTransport
+from actors.weight_sync.traits import ShmTraits
 
 KEEP_VERSIONS = 2  # files kept per run (the one being published and the one before)
 _FILE_RE = re.compile(r"^v(\d+)\.safetensors$")
@@ -37,16 +38,11 @@ class ShmSettings:
         return run_dir(self.run_id, self.shm_dir)
 
 
-class ShmTransport(SafetensorsTransport):
+class ShmTransport(ShmTraits, SafetensorsTransport):
     """Owns the run's shm directory: writes each version's file, keeps the newest two, waits
     for a file on the worker's side, and removes the directory at the end of the run.
     settings: where (`for_run` builds them; the registry's instance has none and can only
     answer what the transport is, and fetch, which reads the path in the record)."""
-
-    name = "shm"
-    summary = "a safetensors file in shm_dir (learner and workers on one node)"
-    payload_field = "path"
-    writes_shm_dir = True
 
     def __init__(self, settings: ShmSettings | None = None):
         self.settings = settings

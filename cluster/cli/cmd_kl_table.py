@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError, load_config
+from learner.task_term_traits import MASKING_TERMS, TASK_OFF_POLICIES
 
 
 def print_table(result: dict) -> None:
@@ -60,8 +61,6 @@ def print_trainer_table(trainer: dict, what: str = "toy sequences") -> None:
     what is enumerated (the multi-turn rows: trajectories)."""
     from rich.console import Console
     from rich.table import Table
-
-    from learner.task_terms import MASKING_TERMS, TASK_OFF_POLICIES  # torch: loaded already
 
     cfg = trainer["config"]
     table = Table(title="The trainer's loss, exactly over every group of n of "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
+from cluster.config.train_config import load_train_config
 
 
 # SlurmJob's fields whose flag is not the field's name with dashes (the rest are).
@@ -37,7 +38,6 @@ def _request(args):
         check_allocation(runs, args.nodes, args.gpus_per_node, args.cpus_per_node, cfg.parallel)
         name, output_dir = cfg.name, cfg.output_dir
     else:
-        from cluster.config.train_config import load_train_config  # torch: not at --help
         from cluster.train.run_log import default_run_name
 
         cfg = load_train_config(config, overrides)

@@ -7,7 +7,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from cluster.config.loader import DEMO_CONFIG, ConfigError
+from cluster.config.train_config import load_train_config
 from cluster.train.continuation import Action, continuation_of
+from cluster.train.door.resume import check_resume_target
+from cluster.train.dry_run import dry_run
 from cluster.train.error_line import error_line
 from cluster.launchers.base import RunRequest, SubmitError
 from cluster.launchers.job_upload import UploadError
@@ -27,10 +30,6 @@ def _config_for(args):
     """The TrainConfig a `klrl train` command line asks for. `--resume` is a flag that may stand
     anywhere; the one argument without `=` is the config, or with --resume a run directory,
     whose own config.yaml is then read (overrides still apply, e.g. a larger total_steps)."""
-    # torch (kl's configs) and Ray: loaded when a command runs, not at `klrl --help`.
-    from cluster.config.train_config import load_train_config
-    from cluster.train.door.resume import check_resume_target
-
     given = [a for a in (args.config, *args.overrides) if a is not None]
     overrides = [a for a in given if "=" in a]
     paths = [a for a in given if "=" not in a]
@@ -91,7 +90,6 @@ def _run_train(args) -> int:
 def _dry_run(cfg, resume: bool) -> int:
     """`klrl train --dry-run`: every check of a real start (cluster/train/dry_run.py), what the
     start would do, and nothing started or written; exit 0, or 2 with the refusal."""
-    from cluster.train.dry_run import dry_run  # torch, and Ray with an address
     from cluster.train.run_log import default_run_name
 
     if cfg.run_name is None:  # named as a start names it (a real start names it anew)
@@ -116,8 +114,6 @@ def _continuation(cfg):
 
 
 def _run_demo(args) -> int:
-    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
-
     try:
         cfg = load_train_config(DEMO_CONFIG, args.overrides)
     except ConfigError as exc:
@@ -198,7 +194,6 @@ def _train_and_report(cfg, resume: bool, verbose: bool, title: str) -> int:
 def _run_submit(args) -> int:
     """Validate the config and build the job here (no cluster needed for any refusal), then
     submit it; exit 2 for what cannot be submitted, 1 for a job that ends failed."""
-    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
     from cluster.train.door.commands import check_submission
 
     try:

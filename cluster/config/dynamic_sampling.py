@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kl.advantage import ADVANTAGE_ESTIMATORS
+from kl.traits import ADVANTAGE_ESTIMATOR_TRAITS
 from kl.config import AdvantageConfig
 
 
@@ -36,8 +36,8 @@ class DynamicSamplingConfig(BaseModel):
             raise ValueError(f"dynamic_sampling.enabled with rollout.samples_per_prompt="
                              f"{samples_per_prompt}: a group of one sample has no spread to "
                              "drop it for; raise samples_per_prompt or disable it")
-        if not ADVANTAGE_ESTIMATORS[advantage.estimator].centres:
-            ok = [n for n, s in ADVANTAGE_ESTIMATORS.items() if s.centres]
+        if not ADVANTAGE_ESTIMATOR_TRAITS[advantage.estimator].centres:
+            ok = [n for n, s in ADVANTAGE_ESTIMATOR_TRAITS.items() if s.centres]
             raise ValueError(f"dynamic_sampling.enabled with advantage.estimator="
                              f"{advantage.estimator}: without a group baseline a zero-spread "
                              "group's advantage is its reward, not 0, so dropping it changes "

@@ -13,14 +13,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.config import RolloutConfig, SyncConfig
-from actors.weight_sync import Placement, transport
+from actors.weight_sync.traits import Placement, transport_traits
 from cluster.config.dynamic_sampling import DynamicSamplingConfig
 from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from kl.config import AdvantageConfig, KLConfig, check_compatible
-from kl.surrogate import IMPORTANCE_CORRECTIONS
+from kl.traits import IMPORTANCE_TRAITS
 from learner.config import DEFAULT_TOKEN_BUDGET, LearnerConfig
-from learner.task_terms import TASK_TERMS
+from learner.lr_schedules import STEADY, lr_schedule
+from learner.task_term_traits import TASK_TERM_TRAITS
 from rewards.config import EvalConfig, TaskConfig
 from rewards.records import Task
 from rewards.registry import get_task, is_plugin
@@ -329,12 +330,12 @@ class TrainConfig(_Strict):
                              f"({self.rollout.max_model_len}): evaluation runs on the rollout "
                              "engines, whose context holds prompt and completion")
         lc, r = self.learner, self.rollout
-        transport(self.sync.transport).check(Placement(  # the transport's rules' one home
+        transport_traits(self.sync.transport).check(Placement(  # the transport's rules' one home
             learner_ranks=lc.num_ranks, learner_gpus=lc.num_gpus_per_rank,
             num_workers=r.num_workers, worker_gpus=r.num_gpus_per_worker,
             tensor_parallel_size=r.tensor_parallel_size, lora=lc.lora is not None))
         restarts = self.faults.max_worker_restarts
-        if restarts and (why := transport(self.sync.transport).why_no_replacement()):
+        if restarts and (why := transport_traits(self.sync.transport).why_no_replacement()):
             raise ValueError(
                 f"faults.max_worker_restarts={restarts} with sync.transport="
                 f"{self.sync.transport}: {why}, so no worker restart could happen. Set "
@@ -344,11 +345,12 @@ class TrainConfig(_Strict):
                 "on the learner's GPU), shm (one node) or object_store")
         last_step = self.total_steps * self.learner.updates_per_batch
         # The decay runs from step warmup_steps to the last step, total - 1: it needs one step.
-        if self.learner.lr_schedule != "constant" and self.learner.warmup_steps >= last_step - 1:
+        if (lr_schedule(self.learner.lr_schedule).decays
+                and self.learner.warmup_steps >= last_step - 1):
             raise ValueError(f"learner.lr_schedule={self.learner.lr_schedule} decays after "
                              f"warm-up, but learner.warmup_steps ({self.learner.warmup_steps}) "
                              f"leaves none of the run's {last_step} optimizer steps to decay "
-                             "over: lower warmup_steps or use lr_schedule constant")
+                             f"over: lower warmup_steps or use lr_schedule {'/'.join(STEADY)}")
         return self
 
     def _check_overlong(self) -> None:
@@ -377,12 +379,12 @@ class TrainConfig(_Strict):
             return
         what = " and ".join(([f"rollout.top_k={r.top_k}"] if r.vllm_top_k else [])
                             + ([f"rollout.top_p={r.top_p:g}"] if r.top_p < 1.0 else []))
-        if IMPORTANCE_CORRECTIONS[self.kl.importance].reweights:
+        if IMPORTANCE_TRAITS[self.kl.importance].reweights:
             raise ValueError(f"kl.importance={self.kl.importance} with {what}: truncated "
                              "sampling gives the sampler no mass where the policy has some, "
                              "and no importance ratio recovers the policy from it; use "
                              "kl.importance=none, or sample without top_k / top_p")
-        if TASK_TERMS[self.learner.task_off_policy].uses_ratio:
+        if TASK_TERM_TRAITS[self.learner.task_off_policy].uses_ratio:
             raise ValueError(f"learner.task_off_policy={self.learner.task_off_policy} with "
                              f"{what}: its ratios pi/mu are the kept mass of each truncated "
                              "distribution (below 1 even on-policy), not an importance "

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
+from cluster.config.train_config import SWEEP_FILE_KEYS, TrainConfig, load_train_config
 from cluster.experiments.labels import flatten, value_token
 from cluster.experiments.comparisons import GridPoint, check_grid
 from cluster.experiments.report import ReportConfig
@@ -153,9 +154,6 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
     try:
         cfg = load_config(SweepConfig, path, overrides)
     except ConfigError:
-        # torch: only once a sweep file is refused
-        from cluster.config.train_config import SWEEP_FILE_KEYS, TrainConfig
-
         keys = top_keys(path)
         if not keys & SWEEP_FILE_KEYS and keys & (set(TrainConfig.model_fields) - {"name"}):
             raise ConfigError(
@@ -220,8 +218,6 @@ def _spec(cfg: SweepConfig, index: int, name: str, values: dict[str, Any]) -> Ru
 def validate_runs(cfg: SweepConfig, runs: list[RunSpec]) -> dict[str, Any]:
     """Every run's TrainConfig, validated before anything starts: name -> TrainConfig. A bad
     grid fails here, naming each bad grid point, rather than hours into the sweep."""
-    from cluster.config.train_config import load_train_config  # torch: not at `klrl --help`
-
     configs, errors = {}, {}
     for run in runs:
         try:
@@ -320,8 +316,6 @@ def changed_runs(cfg: SweepConfig, runs: list[RunSpec], configs: dict) -> list[C
 
 
 def _recorded_values(saved: dict, keys: list[str]) -> dict[str, Any]:
-    from cluster.config.train_config import TrainConfig  # torch: not at `klrl --help`
-
     recorded = flatten(TrainConfig().model_dump(mode="json")) | flatten(saved)
     return {k: recorded[k] for k in keys if k in recorded}
 

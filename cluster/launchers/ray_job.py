@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from cluster.config.train_config import load_train_config
 from cluster.launchers.base import RunRequest, SubmitError
 from cluster.launchers.job_upload import UploadError, project_upload, python_candidates
 from cluster.launchers.ray_jobs import (
@@ -68,8 +69,6 @@ class RayJobLauncher:
         """The job of `request`, built here without the cluster (what `klrl submit --dry-run`
         prints); `cfg`: its TrainConfig when the caller has loaded it (plug-ins to upload)."""
         if cfg is None:
-            from cluster.config.train_config import load_train_config  # torch: a run needs it
-
             cfg = load_train_config(request.config, [o for o in request.overrides if "=" in o])
         spec = job_spec(request.config, [*request.overrides, *request.flags],
                         plugins=plugin_specs(cfg),

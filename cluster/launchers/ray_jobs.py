@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import read_yaml
+from cluster.config.train_config import load_train_config
 from cluster.launchers.base import RESUME_IF_STARTED, SubmitError
 from cluster.launchers.job_upload import (
     Upload,
@@ -388,8 +389,6 @@ def submit(config: str | Path, address: str, overrides: list[str], wait: bool = 
     files (default: `job_upload.project_upload()`), whose size is said before they are sent.
     SubmitError when the cluster cannot be reached or refuses the job."""
     if spec is None:
-        from cluster.config.train_config import load_train_config  # torch: a sweep has it
-
         cfg = load_train_config(config, [o for o in overrides if "=" in o])
         spec = job_spec(config, overrides, plugins=plugin_specs(cfg), python=python,
                         upload=upload)

@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
+from cluster.config.train_config import load_train_config
 from cluster.slurm import node as ray_node
 from cluster.slurm.script import LEAD_SIGNAL
 
@@ -58,7 +59,6 @@ def driver_command(python: str, command: str, config: str,
     args = [python, "-m", "cluster.cli.main", command, config, *overrides]
     if command != "train":
         return args  # a sweep asks the rule for each of its runs
-    from cluster.config.train_config import load_train_config  # torch: only where it is used
     from cluster.train.continuation import Action, continuation_of
 
     verdict = continuation_of(load_train_config(config, overrides))

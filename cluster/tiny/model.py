@@ -32,7 +32,7 @@ from typing import Any
 from cluster.tiny.char_tokenizer import BOS, EOS, PAD, build_char_tokenizer
 from cluster.tiny.sft import (arithmetic_task, collate, encode_examples, exact_greedy_accuracy,
                               greedy_accuracy)
-from learner.files import give_normal_modes
+from learner.file_modes import give_normal_modes
 
 # Architecture of the default model; `build_random_model(**size)` overrides any of these.
 DEFAULT_SIZE: dict[str, Any] = {

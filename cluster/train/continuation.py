@@ -39,6 +39,7 @@ import yaml
 
 from cluster.config.loader import ConfigError
 from cluster.train import checkpoint as ckpt
+from cluster.train.door.paths import resolve_paths
 from cluster.train.door.resume import check_checkpoint
 from cluster.train.run_log import (
     config_path,
@@ -205,7 +206,5 @@ def _half_written(run_dir: Path) -> tuple[str, ...]:
 def continuation_of(cfg) -> Continuation:
     """The verdict on the run a TrainConfig names (run_name set), asked with its settings as a
     start would resolve them (door/paths.py)."""
-    from cluster.train.door.paths import resolve_paths  # torch (the config's tables)
-
     cfg = resolve_paths(cfg)
     return continuation(Path(cfg.output_dir) / cfg.run_name, cfg.model_dump(mode="json"))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config.loader import ConfigError
+from cluster.config.train_config import TrainConfig
 
 # Keys (a section name covers its keys) that never change what a run trains or measures.
 FREE = (
@@ -83,8 +84,6 @@ def meaning_changes(saved: dict, current: dict, free: tuple[str, ...] = FREE) ->
     current one (both resolved TrainConfigs as plain dicts, `model_dump(mode="json")`). A key
     the saved config lacks (written before the option existed) had the option's default: a
     change only if the current value is not that default."""
-    from cluster.config.train_config import TrainConfig  # torch (kl's configs): when used
-
     defaults = TrainConfig().model_dump(mode="json")
     return [c for c in _changes(saved, current, "", defaults) if not _covered(c.key, free)]
 

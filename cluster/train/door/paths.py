@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from actors.weight_sync import transport
+from actors.weight_sync.traits import transport_traits
 from cluster.config.loader import ConfigError
 from cluster.config.train_config import TrainConfig
 from rewards.dataset_rows import resolve_local_paths
@@ -101,7 +101,7 @@ def check_shm_dir(cfg: TrainConfig) -> None:
     the learner can make the run's own (`klrl-<run_id>/`); else the first weight publish
     fails once every actor has started."""
     shm_dir = getattr(cfg.sync, "shm_dir", None)
-    if not transport(cfg.sync.transport).writes_shm_dir or shm_dir is None:
+    if not transport_traits(cfg.sync.transport).writes_shm_dir or shm_dir is None:
         return
     if exc := can_create_in(Path(shm_dir)):
         raise ConfigError(f"sync.shm_dir={shm_dir}: the shm transport cannot write there "
