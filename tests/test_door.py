@@ -57,15 +57,16 @@ def work(monkeypatch, tmp_path) -> Path:
 
     import actors.evaluate
     from actors.prompting import PromptRenderer
-    from cluster.cli import cmd_model, cmd_sweep, cmd_train
+    from cluster.cli import cmd_model, cmd_sweep
+    from cluster.launchers.ray_job import RayJobLauncher
     from cluster.train import run
 
     if ray.is_initialized():
         ray.shutdown()
     for target, name in ((run, "resolve_model"), (run, "start_ray"),
                          (actors.evaluate, "evaluate"), (PromptRenderer, "from_pretrained"),
-                         (cmd_model, "init_default_model"), (cmd_train, "submit"),
-                         (cmd_train, "follow_resubmitting"), (cmd_sweep, "run_sweep"),
+                         (cmd_model, "init_default_model"), (RayJobLauncher, "start"),
+                         (RayJobLauncher, "follow"), (cmd_sweep, "run_sweep"),
                          (cmd_sweep, "write_report")):
         monkeypatch.setattr(target, name, _refuse)
     for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL",

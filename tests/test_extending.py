@@ -132,7 +132,7 @@ def test_the_example_task_trains_evaluates_and_scores(importable, guarded, tmp_p
 
 TYPO_CASES = [
     (["task.name=reverse"], ("task.name: unknown task 'reverse'; known tasks: arithmetic, "
-                             "countdown, math, mmlu, or a plug-in task "
+                             "countdown, counting, math, mmlu, calculator, or a plug-in task "
                              "'package.module:TaskClass'")),
     (["task.name=mytasks.reverse:ReversTask"],
      ("task.name: task 'mytasks.reverse:ReversTask': module 'mytasks.reverse' has no attribute "
