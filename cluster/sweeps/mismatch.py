@@ -2,7 +2,7 @@
 `configs/sweeps/stale_kv_tiny.yaml` measures (issue 36: a prefix cache kept from the old
 weights against one recomputed after each in-flight update).
 
-    python -m cluster.experiments.mismatch configs/sweeps/stale_kv_tiny.yaml [key=value ...]
+    python -m cluster.sweeps.mismatch configs/sweeps/stale_kv_tiny.yaml [key=value ...]
 
 runs the sweep's missing runs (`klrl sweep ... --no-report`), then prints one row per
 configuration and writes the table to docs/sweeps/<name>/mismatch.md (or --out). Per run,
@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.report_findings import provenance_lines
-from cluster.experiments.runs import RunData, find_runs, group_runs
-from cluster.experiments.sweep import load_sweep, sweep_dir
+from cluster.analysis.report_findings import provenance_lines
+from cluster.analysis.runs import RunData, find_runs, group_runs
+from cluster.sweeps.sweep import load_sweep, sweep_dir
 
 FRESH = "is/abs_log_ratio_fresh_token_mean"
 COLUMNS = (  # (heading, per-run figure)
@@ -91,12 +91,12 @@ def mismatch_page(name: str, command: str, runs: list[RunData]) -> str:
     return "\n".join([
         f"# {name}: the learner/sampler mismatch", "",
         f"Written by `{command}` from {len(runs)} finished runs; what each column is: the "
-        "module's docstring (cluster/experiments/mismatch.py).", "",
+        "module's docstring (cluster/sweeps/mismatch.py).", "",
         *provenance_lines(runs), "", mismatch_table(runs)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.experiments.mismatch",
+    p = argparse.ArgumentParser(prog="python -m cluster.sweeps.mismatch",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", metavar="SWEEP_FILE")
     p.add_argument("overrides", nargs="*", help="sweep file overrides (e.g. output_dir=DIR)")
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"no finished run in {sweep_dir(cfg)}", file=sys.stderr)
         return 1
-    command = " ".join(["python -m cluster.experiments.mismatch", args.sweep, *args.overrides])
+    command = " ".join(["python -m cluster.sweeps.mismatch", args.sweep, *args.overrides])
     page = mismatch_page(cfg.name, command, runs)
     print(page)
     out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.experiments.prereg import FailureKind, Rules
-from cluster.experiments.runs import (
+from cluster.analysis.prereg import FailureKind, Rules
+from cluster.analysis.runs import (
     RunData,
     accuracy_collapse,
     grad_blowup,

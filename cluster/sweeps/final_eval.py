@@ -9,7 +9,7 @@ The sets, their tasks, the prompts and the completion budget are the run's own (
 config.yaml), and the evaluation is the trainer's (`actors.evaluate.evaluate_sets`) on an
 engine built as the run's rollout workers build theirs, so it measures what the run's last
 evaluation measured, on more problems. One run per process (`python -m
-cluster.experiments.final_eval RUN_DIR ...`, as results.py calls it): an engine's crash or
+cluster.sweeps.final_eval RUN_DIR ...`, as results.py calls it): an engine's crash or
 leftover threads end with the process.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
 from cluster.train.run_log import config_path, final_dir, is_finished
 from rewards.config import EVAL_SETS
 
@@ -104,7 +104,7 @@ def evaluate_base(run_dir: Path, problems: int, seed: int, sets: Sequence[str]) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.experiments.final_eval",
+    p = argparse.ArgumentParser(prog="python -m cluster.sweeps.final_eval",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--problems", type=int, required=True, help="problems per evaluation set")

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
-from cluster.experiments.keep import (
+from cluster.sweeps.final_eval import needs_base_evaluation, needs_evaluation
+from cluster.sweeps.keep import (
     KEPT_FILE,
     check_store,
     is_kept,
@@ -42,11 +42,11 @@ from cluster.experiments.keep import (
     keep_run,
     restore_runs,
 )
-from cluster.experiments.prereg import Rules, load_preregistration, rules_of
-from cluster.experiments.report import find_runs, write_report
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
-from cluster.experiments.sweep import expand, load_sweep, sweep_dir, unfinished_runs
-from cluster.experiments.sweep_run import time_left
+from cluster.analysis.prereg import Rules, load_preregistration, rules_of
+from cluster.analysis.report import find_runs, write_report
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
+from cluster.sweeps.sweep import expand, load_sweep, sweep_dir, unfinished_runs
+from cluster.sweeps.sweep_run import time_left
 
 
 class _Child:
@@ -105,7 +105,7 @@ def _final_eval(child: _Child, what: str, run_dir: Path, record: Path, log: Path
     log.parent.mkdir(exist_ok=True)
     print(f"{what}: {rules.final_problems} problems per set on {', '.join(rules.final_sets)} "
           f"(log: {log})", flush=True)
-    code = child.run("cluster.experiments.final_eval", str(run_dir), *extra, "--problems",
+    code = child.run("cluster.sweeps.final_eval", str(run_dir), *extra, "--problems",
                      str(rules.final_problems), "--seed", str(rules.final_eval_seed),
                      "--sets", ",".join(rules.final_sets), log=log)
     if child.signalled:

@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.experiments.labels import SET_LABELS, configuration_labels, flatten
+from cluster.analysis.labels import SET_LABELS, configuration_labels, flatten
 from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
 from rewards.config import EVAL_SETS
 

@@ -1,5 +1,5 @@
 """Re-read a committed report's runs.csv under the current rules, without its run directories:
-`python -m cluster.experiments.recheck DIR/runs.csv --preregistration FILE [--out FILE.md]`.
+`python -m cluster.analysis.recheck DIR/runs.csv --preregistration FILE [--out FILE.md]`.
 
 The reports of the earlier sweeps were written from run directories that were not kept, so
 `klrl report` cannot rewrite them. Their runs.csv keeps what the claims compare (each run's
@@ -29,14 +29,14 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import REPO_ROOT
-from cluster.experiments import findings as fnd
-from cluster.experiments.measures import (PRIMARY, Measures, accuracy_kl_correlation,
+from cluster.analysis import findings as fnd
+from cluster.analysis.measures import (PRIMARY, Measures, accuracy_kl_correlation,
                                           observed_paired_sd, observed_seed_sd, seed_share,
                                           trained)
-from cluster.experiments.prereg import Gates, load_preregistration
-from cluster.experiments.report_findings import base_accuracy, gates_text
-from cluster.experiments.runs import BASE_EVAL_FILE
-from cluster.experiments.stats import paired_detectable_lead, unpaired_detectable_lead
+from cluster.analysis.prereg import Gates, load_preregistration
+from cluster.analysis.report_findings import base_accuracy, gates_text
+from cluster.analysis.runs import BASE_EVAL_FILE
+from cluster.analysis.stats import paired_detectable_lead, unpaired_detectable_lead
 
 # A configuration's label names only the keys that vary in its sweep (labels.py): the rest
 # come from the sweep file's overrides (sweep_defaults).
@@ -178,7 +178,7 @@ def what_the_design_saw(path: Path, preregistration: str, sweep: str) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.experiments.recheck",
+    p = argparse.ArgumentParser(prog="python -m cluster.analysis.recheck",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("csv", type=Path, help="a report's runs.csv")
     p.add_argument("--preregistration", required=True, help="the pre-registration it followed")
@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sweep = args.sweep or args.csv.resolve().parent.name
     md = ["# Re-reading of the committed runs.csv under the current rules", "",
-          f"Written by `python -m cluster.experiments.recheck {args.csv} --preregistration "
+          f"Written by `python -m cluster.analysis.recheck {args.csv} --preregistration "
           f"{args.preregistration}{' --out ' + str(args.out) if args.out else ''}` "
-          "(cluster/experiments/recheck.py says what it can and cannot recompute without "
+          "(cluster/analysis/recheck.py says what it can and cannot recompute without "
           "the run directories).", ""]
     for drift in (False, True):
         md += reread(args.csv, args.preregistration, sweep, drift)

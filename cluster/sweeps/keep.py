@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
-from cluster.experiments.sweep import SET_ASIDE_DIR
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
+from cluster.sweeps.sweep import SET_ASIDE_DIR
 from cluster.train.continuation import RunState, continuation
 from cluster.train.run_log import (
     CONFIG_FILE,
