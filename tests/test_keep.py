@@ -228,12 +228,13 @@ class SweepChild:
 
 
 def _results(tmp_path, monkeypatch, child, *extra):
+    from cluster.cli.results import main
     from cluster.sweeps import results
 
     monkeypatch.setattr(results, "_Child", lambda: child)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(child.cfg.model_dump(mode="json")))
-    return results.main([str(path), "--out", str(tmp_path / "report"), *extra])
+    return main([str(path), "--out", str(tmp_path / "report"), *extra])
 
 
 def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkeypatch, capsys):

@@ -70,10 +70,10 @@ def test_the_table_says_which_commits_and_machines_ran_it(tmp_path):
             {"started_at": "2026-11-25T05:48:36+0000", "git_commit": commit,
              "git_dirty": dirty, "machine": "2-core box"}) + "\n")
         runs.append(run)
-    page = mismatch_page("stale_kv_tiny", "python -m cluster.sweeps.mismatch X", runs)
+    page = mismatch_page("stale_kv_tiny", "python -m cluster.cli.mismatch X", runs)
     # both commits (a start with uncommitted changes marked) and the machine, as the sweep
     # report names them, and a warning that the runs come from two commits
     assert "klrl commit(s) 1234567abc+modified, c43d3d8805be; machine(s): 2-core box" in page
     assert "**These runs come from 2 different klrl commits**" in page
     assert page.startswith("# stale_kv_tiny:")
-    assert "`python -m cluster.sweeps.mismatch X`" in page
+    assert "`python -m cluster.cli.mismatch X`" in page

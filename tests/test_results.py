@@ -47,7 +47,7 @@ def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems
     sets = ["in_domain", "out_of_domain"]
     assert [needs_evaluation(r, 40, 1, sets) for r in (*runs, unfinished)] == [True, True, False]
     assert needs_base_evaluation(tmp_path, 40, 1, sets)
-    cmd = [sys.executable, "-m", "cluster.sweeps.final_eval", *map(str, runs), "--base",
+    cmd = [sys.executable, "-m", "cluster.cli.final_eval", *map(str, runs), "--base",
            "--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -65,7 +65,7 @@ def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems
     assert not needs_evaluation(runs[0], 40, 1, sets) and needs_evaluation(runs[0], 1000, 1, sets)
     assert needs_evaluation(runs[0], 40, 1, ["in_domain"])  # other sets: evaluated again
     assert not needs_base_evaluation(tmp_path, 40, 1, sets)
-    from cluster.sweeps import final_eval
+    from cluster.cli import final_eval
 
     capsys.readouterr()  # nothing left to evaluate: in this process, since no engine starts
     assert final_eval.main(cmd[3:]) == 0 and capsys.readouterr().out == ""
@@ -101,7 +101,7 @@ def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd)
     try:
         child = _Child()
         out_log, err_log = tmp_path / "out.log", tmp_path / "err.log"
-        assert child.run("cluster.sweeps.final_eval", "--help", log=out_log) == 0
+        assert child.run("cluster.cli.final_eval", "--help", log=out_log) == 0
         assert child.run("json.tool", str(tmp_path / "missing.json"), log=err_log) != 0
     finally:
         for s, handler in saved.items():
