@@ -363,7 +363,7 @@ def _rules_text(rules: Rules, m: int) -> list[str]:
 
 def _base_eval(path: Path, out: Path, rules: Rules) -> dict | None:
     """The sweep's base_eval.json (the starting model on the final evaluation's problems;
-    results.py writes it) when it is on the problems the findings compare, copied beside the
+    sweeps/results.py writes it) when it is on the problems the findings compare, copied beside the
     report; else None."""
     source = path / BASE_EVAL_FILE
     if not source.is_file():
