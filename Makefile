@@ -99,7 +99,7 @@ figures: $(STAMP)
 SWEEP ?=
 results: $(STAMP)
 	@test -n "$(SWEEP)" || { echo "usage: make results SWEEP=configs/sweeps/NAME.yaml [ARGS=...]"; exit 2; }
-	$(BIN)/python -m cluster.experiments.results $(SWEEP) $(ARGS)
+	$(BIN)/python -m cluster.cli.results $(SWEEP) $(ARGS)
 
 venv: $(STAMP)
 

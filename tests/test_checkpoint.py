@@ -129,7 +129,7 @@ def test_what_a_resume_and_a_sweep_may_change():
     temperature or the evaluation's size as it refuses kl.beta (only the objective's sections
     were checked before), may move the run's end, and keeps its checkpoint's layout."""
     from cluster.config.train_config import TrainConfig
-    from cluster.experiments.labels import flatten
+    from cluster.analysis.labels import flatten
     from cluster.train.run_meaning import FREE, RESUME_KEEPS, RESUME_MAY_CHANGE, meaning_changes
 
     keys = flatten(TrainConfig.model_validate({"learner": {"lora": {"rank": 8}}})

@@ -118,7 +118,7 @@ def sweep(tmp_path, monkeypatch) -> Path:
     from cluster.cli import cmd_sweep
     from cluster.config.loader import dump_config
     from cluster.config.train_config import load_train_config
-    from cluster.experiments.sweep import expand, load_sweep, sweep_dir
+    from cluster.sweeps.sweep import expand, load_sweep, sweep_dir
     from cluster.launchers import ray_jobs as jobs
     from cluster.train.door.paths import resolve_paths
 

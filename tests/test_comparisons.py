@@ -14,12 +14,12 @@ from test_report import write_run
 
 from cluster.cli.main import main
 from cluster.config.loader import ConfigError
-from cluster.experiments import comparisons as cmp
-from cluster.experiments import stats
-from cluster.experiments.measures import measure
-from cluster.experiments.prereg import Comparison, Rules
-from cluster.experiments.report import ReportConfig, write_report
-from cluster.experiments.runs import find_runs
+from cluster.analysis import comparisons as cmp
+from cluster.analysis import stats
+from cluster.analysis.measures import measure
+from cluster.analysis.prereg import Comparison, Rules
+from cluster.analysis.report import ReportConfig, write_report
+from cluster.analysis.runs import find_runs
 
 SEEDS = range(4)
 # K3 in the reward drifts further than K1 at lag 8 (KL 3x), same accuracy: the researcher's
@@ -44,7 +44,7 @@ def _sweep(root, extra=None):
 
 
 def _measures(root):
-    from cluster.experiments.runs import group_runs
+    from cluster.analysis.runs import group_runs
     runs = find_runs(root)
     label = {r.name: lab for lab, g in group_runs(runs).items() for r in g}
     return [measure(r, label[r.name], "c", Rules()) for r in runs]
@@ -169,14 +169,14 @@ def test_a_sweep_files_report_section_and_a_preregistration_take_comparisons(tmp
         "comparisons:\n- {a: {kl.estimator: k3, max_lag: 8}, b: {kl.estimator: k1, "
         "max_lag: 8}, measure: log_kl_end, direction: greater}\n"))
     assert cfg.comparisons[0].same_question(QUESTION)
-    from cluster.experiments.prereg import SweepPlan
+    from cluster.analysis.prereg import SweepPlan
     assert SweepPlan(comparisons=[QUESTION]).claims == []
     with pytest.raises(ValueError, match="at least one claim or comparison"):
         SweepPlan()
 
 
 def test_a_sweep_whose_comparison_picks_no_grid_point_is_refused_before_it_starts(tmp_path):
-    from cluster.experiments.sweep import SweepConfig, expand, validate_runs
+    from cluster.sweeps.sweep import SweepConfig, expand, validate_runs
 
     def sweep(a):
         return SweepConfig.model_validate({

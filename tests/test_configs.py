@@ -12,7 +12,7 @@ CONFIG_FILES = sorted((ROOT / "configs").rglob("*.yaml"))
 def model_for(path: Path):
     """Which pydantic model a file in configs/ is validated by."""
     from cluster.config.train_config import TrainConfig
-    from cluster.experiments.sweep import SweepConfig
+    from cluster.sweeps.sweep import SweepConfig
     from kl.table import KLTableConfig
 
     if path.name == "kl_table.yaml":
@@ -36,7 +36,7 @@ def test_every_config_file_validates(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_sweep_expands_to_valid_train_configs(path):
-    from cluster.experiments.sweep import expand, load_sweep, validate_runs
+    from cluster.sweeps.sweep import expand, load_sweep, validate_runs
 
     cfg = load_sweep(path)
     runs = expand(cfg)

@@ -172,8 +172,8 @@ def test_every_launcher_asks_the_same_rule(tmp_path, capsys):
 def test_a_sweep_says_a_refused_run_and_counts_it_failed_without_starting_it(tmp_path):
     from test_sweep import FakeLauncher, _sweep
 
-    from cluster.experiments.sweep import expand, sweep_dir, validate_runs
-    from cluster.experiments.sweep_run import run_sweep
+    from cluster.sweeps.sweep import expand, sweep_dir, validate_runs
+    from cluster.sweeps.sweep_run import run_sweep
 
     cfg = _sweep(tmp_path, grid={"seed": [0, 1]})
     runs = expand(cfg)

@@ -1,4 +1,4 @@
-"""The sweep's dashboard in wandb (cluster/experiments/dashboard.py): `klrl report` on a
+"""The sweep's dashboard in wandb (cluster/publish/dashboard.py): `klrl report` on a
 directory of runs logs one summary run in the runs' project and group, offline, and what it
 recorded is read back from its files (tests/wandb_records.py), as `wandb sync` would upload it.
 The runs are synthetic run directories (tests/test_report.py's `write_run`)."""
@@ -12,7 +12,7 @@ from wandb_records import config, history, records, run_record
 
 from cluster.cli.main import main
 from cluster.config.loader import DEMO_CONFIG
-from cluster.experiments.dashboard import configuration_measures, report_figures, report_tables
+from cluster.publish.dashboard import configuration_measures, report_figures, report_tables
 
 # One xdist worker runs this module: its module fixture writes a report and starts wandb
 # (about 4 s), and spread over both workers, each worker did it again.
@@ -100,7 +100,7 @@ def test_report_logs_one_offline_summary_run_with_its_tables_charts_and_figures(
 
 
 def test_no_summary_for_runs_without_wandb_or_when_asked(summarised, tmp_path, monkeypatch):
-    from cluster.experiments.dashboard import log_summary
+    from cluster.publish.dashboard import log_summary
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     sweep, _ = summarised
@@ -135,7 +135,7 @@ def test_workspace_groups_by_configuration_and_shows_the_summary_runs_keys(summa
     of the sweep's group, grouped by the flat config keys but the seed, a line plot per metric
     the runs logged, and the verdict panels on keys the summary run really logged."""
     pytest.importorskip("wandb_workspaces", reason="the `dashboard` extra is not installed")
-    from cluster.experiments.workspace import build_workspace, logged_keys
+    from cluster.publish.workspace import build_workspace, logged_keys
     from cluster.train.run_log import FILTER_KEYS
 
     sweep, _ = summarised
@@ -187,8 +187,8 @@ def test_the_end_of_a_sweep_logs_its_summary_run(tmp_path, capsys, monkeypatch):
     """`klrl sweep`'s last act (`_summarise`, after its runs) writes the report and logs the
     summary run, as `klrl report` does."""
     from cluster.cli.cmd_sweep import _summarise
-    from cluster.experiments.sweep import SweepConfig, expand
-    from cluster.experiments.sweep_run import Outcome
+    from cluster.sweeps.sweep import SweepConfig, expand
+    from cluster.sweeps.sweep_run import Outcome
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     _sweep(tmp_path / "grid")

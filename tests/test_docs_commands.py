@@ -233,7 +233,7 @@ def workspace(tmp_path_factory, tiny_model_dir):
 def _record_sweep_configs(root: Path, sweep: str, names: tuple[str, ...]) -> None:
     """Give a sweep's synthetic runs the config the sweep gives them (as a real run records
     it): `klrl sweep --dry-run` on the pages refuses runs trained with other settings."""
-    from cluster.experiments.sweep import expand, load_sweep, validate_runs
+    from cluster.sweeps.sweep import expand, load_sweep, validate_runs
 
     cfg = load_sweep(ROOT / "configs" / "sweeps" / f"{sweep}.yaml",
                      [f"output_dir={root / 'runs'}"])

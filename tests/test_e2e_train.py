@@ -213,12 +213,12 @@ def test_lag2_is_asynchronous_and_bounded(lag2):
 
 
 def test_the_wandb_workspace_plots_metric_keys_klrl_logs(lag0, lag2):
-    """Every curve of the workspace (cluster/experiments/workspace.py) is a metric a real run
+    """Every curve of the workspace (cluster/publish/workspace.py) is a metric a real run
     logs: a renamed metric would leave an empty panel in every researcher's dashboard. Only
     the evaluation sets these runs do not have (far out-of-domain, retained) may be missing."""
     pytest.importorskip("wandb_workspaces", reason="the `dashboard` extra is not installed")
-    from cluster.experiments.runs import ACCURACY_KEYS
-    from cluster.experiments.workspace import CURVES, build_workspace, logged_keys
+    from cluster.analysis.runs import ACCURACY_KEYS
+    from cluster.publish.workspace import CURVES, build_workspace, logged_keys
 
     logged = logged_keys(lag0[0]) | logged_keys(lag2[0])
     wanted = {k for _, panels in CURVES for _, keys in panels for k in keys}

@@ -1,7 +1,7 @@
 """`klrl figures`: the docs' demo and model figures are generated, never typed.
 
 The docs blocks (docs/demo.md, docs/model.md) between `<!-- figures:NAME -->` markers must equal
-what cluster/experiments/figures.py renders from docs/figures/NAME.json (what `make figures`
+what cluster/publish/figures.py renders from docs/figures/NAME.json (what `make figures`
 last measured), and the figures of a run are read from its run directory as the trainer wrote
 it.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.experiments import figures
+from cluster.publish import figures
 from cluster.train.run_log import config_path, metrics_path
 
 ROOT = Path(__file__).resolve().parent.parent

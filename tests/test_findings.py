@@ -9,10 +9,10 @@ import re
 
 from test_report import write_run
 
-from cluster.experiments.findings import findings_markdown
-from cluster.experiments.report import ReportConfig, find_runs, group_runs, write_report
-from cluster.experiments.report_findings import directory_findings
-from cluster.experiments.stats import welch
+from cluster.analysis.findings import findings_markdown
+from cluster.analysis.report import ReportConfig, find_runs, group_runs, write_report
+from cluster.analysis.report_findings import directory_findings
+from cluster.analysis.stats import welch
 
 CONFIGS = (("k1", "reward"), ("k1", "loss"), ("k3", "reward"), ("k3", "loss"))
 BEST = "K1 in the reward is best in- and out-of-domain"
@@ -177,7 +177,7 @@ def test_a_preregistered_report_follows_its_claims_seeds_and_final_evaluations(t
     final checkpoints' evaluation (final_eval.json) is the accuracy they compare."""
     import json
 
-    from cluster.experiments.prereg import load_preregistration
+    from cluster.analysis.prereg import load_preregistration
     prereg_path = "docs/sweeps/preregistration.yaml"
     seeds = load_preregistration(prereg_path).seeds
     root = tmp_path / "offpolicy_tiny_confirm"
@@ -223,7 +223,7 @@ def test_the_report_says_whether_the_pre_registration_predates_the_runs(tmp_path
 
     import pytest
 
-    from cluster.experiments.prereg import file_commit
+    from cluster.analysis.prereg import file_commit
     prereg_path = "docs/sweeps/preregistration.yaml"
     info = file_commit(prereg_path, "offpolicy_tiny_confirm")
     if info["commit"] is None or info["modified"]:
@@ -296,7 +296,7 @@ def test_claims_that_pool_runs_of_other_settings_say_so(tmp_path):
 
 def findings_text(root) -> str:
     """The findings section of root's report, without the plots (seconds each)."""
-    from cluster.experiments.report_findings import findings_section
+    from cluster.analysis.report_findings import findings_section
 
     runs = find_runs(root)
     (root / "report").mkdir()
@@ -311,7 +311,7 @@ def test_the_accuracy_against_kl_plot_states_the_correlation_of_unbroken_runs(tm
         write_run(tmp_path / f"k1-reward-s{i}", seed=i, kl=lambda s, c=level: c,
                   acc=lambda s, a=0.3 + 0.05 * i: a)
     write_run(tmp_path / "k1-reward-s9", seed=9, kl=lambda s: 5.0, acc=COLLAPSE)
-    from cluster.experiments.report import _correlation_text
+    from cluster.analysis.report import _correlation_text
 
     runs = find_runs(tmp_path)
     md = _correlation_text(directory_findings(runs, group_runs(runs), None, "x")[0])
@@ -326,8 +326,8 @@ def test_each_claim_links_the_toy_rows_of_the_configurations_it_is_about(tmp_pat
     A dose claim over the lag is about each of its doses."""
     import os
 
-    from cluster.experiments import dose
-    from cluster.experiments.findings import about
+    from cluster.analysis import dose
+    from cluster.analysis.findings import about
 
     grid(tmp_path / "sweep", lag=8, broken={("k1", "loss")})
     report = write_report(tmp_path / "sweep", NO_FIGURES, out=tmp_path / "elsewhere" / "report")

@@ -11,17 +11,17 @@ import numpy as np
 from test_findings import COLLAPSE, EIGHT, grid, verdicts
 from test_report import write_run
 
-from cluster.experiments import arms, stats
-from cluster.experiments.dose import (
+from cluster.analysis import arms, stats
+from cluster.analysis.dose import (
     breaks_with_dose,
     k1_loss_regularises_nothing,
     kl_keeps_retained,
 )
-from cluster.experiments.findings import kl_stabilises_async
-from cluster.experiments.measures import PRIMARY, measure
+from cluster.analysis.findings import kl_stabilises_async
+from cluster.analysis.measures import PRIMARY, measure
 from cluster.config.loader import REPO_ROOT as ROOT
-from cluster.experiments.prereg import Gates, Rules
-from cluster.experiments.runs import load_run
+from cluster.analysis.prereg import Gates, Rules
+from cluster.analysis.runs import load_run
 
 RULES = Rules()
 
@@ -188,7 +188,7 @@ def test_a_committed_runs_csv_is_reread_under_the_current_rules():
     claims are paired by seed."""
     from pathlib import Path
 
-    from cluster.experiments.recheck import read_runs_csv, reread
+    from cluster.analysis.recheck import read_runs_csv, reread
 
     root = Path(__file__).resolve().parents[1]
     path = root / "docs" / "sweeps" / "offpolicy_tiny_confirm" / "runs.csv"
@@ -210,7 +210,7 @@ def test_the_rereading_says_what_the_first_design_could_see():
     test ignoring the seed needs; the figures docs/experiments.md quotes."""
     from pathlib import Path
 
-    from cluster.experiments.recheck import what_the_design_saw
+    from cluster.analysis.recheck import what_the_design_saw
 
     root = Path(__file__).resolve().parents[1]
     path = root / "docs" / "sweeps" / "offpolicy_tiny_confirm" / "runs.csv"
@@ -229,7 +229,7 @@ def test_a_seed_effect_is_told_apart_from_the_distance_within_seed():
     """seed_share and the within-seed correlation: two seeds, one scoring high and moving
     little everywhere; across all runs accuracy falls with the distance, within each seed it
     rises with it, and the seed holds most of the variance."""
-    from cluster.experiments.measures import Measures, accuracy_kl_correlation, seed_share
+    from cluster.analysis.measures import Measures, accuracy_kl_correlation, seed_share
 
     def run(seed, acc, kl):
         return Measures(f"s{seed}-{kl}", f"c{kl}", seed, True, {}, "", {"out_of_domain": acc},
@@ -250,7 +250,7 @@ def test_an_amendment_to_one_sweeps_claims_leaves_the_others_pre_registered(tmp_
 
     import yaml
 
-    from cluster.experiments.prereg import file_commit
+    from cluster.analysis.prereg import file_commit
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -289,9 +289,9 @@ def test_runs_of_another_length_than_the_registered_one_are_left_out(tmp_path):
     findings and says how many."""
     import yaml
 
-    from cluster.experiments.prereg import load_preregistration
-    from cluster.experiments.report import ReportConfig, find_runs, group_runs, write_report
-    from cluster.experiments.report_findings import directory_findings
+    from cluster.analysis.prereg import load_preregistration
+    from cluster.analysis.report import ReportConfig, find_runs, group_runs, write_report
+    from cluster.analysis.report_findings import directory_findings
 
     data = yaml.safe_load((ROOT / "docs/sweeps/preregistration_regimes.yaml").read_text())
     data["sweeps"]["regimes_long"]["total_steps"] = 40
@@ -322,8 +322,8 @@ def test_an_exploratory_report_evaluates_and_shows_the_retained_set_its_runs_eva
 
     import yaml
 
-    from cluster.experiments.prereg import exploratory_rules
-    from cluster.experiments.report import ReportConfig, find_runs, write_report
+    from cluster.analysis.prereg import exploratory_rules
+    from cluster.analysis.report import ReportConfig, find_runs, write_report
 
     plain = find_runs(write_run(tmp_path / "plain" / "s0").parent)
     assert exploratory_rules(plain) == Rules(gates=Gates())
@@ -362,7 +362,7 @@ def test_the_report_reads_the_residual_and_the_seed_effect_the_paired_design_ass
     residual sd (what a paired test sees; the design's seed_sd) and the seed effects' sd
     (what pairing removes), and a broken run is left out. The first pre-registration's
     comparison (the configurations' pooled sd) mixes the two."""
-    from cluster.experiments.measures import Measures, observed_paired_sd, observed_seed_sd
+    from cluster.analysis.measures import Measures, observed_paired_sd, observed_seed_sd
 
     rng = np.random.default_rng(0)
     seeds, configs = range(201, 241), {"a": 0.60, "b": 0.65, "c": 0.70}
@@ -407,8 +407,8 @@ def test_the_long_sweeps_plan_tests_its_five_claims_at_their_betas_in_one_family
     the decisions on data like the interim look's: nothing broken anywhere (the stabilisation
     claims not testable, the trend contradicted at beta 0.005), and K1 in the reward 0.05 ahead
     on the retained facts at both betas (reproduced)."""
-    from cluster.experiments import findings as F
-    from cluster.experiments.prereg import load_preregistration
+    from cluster.analysis import findings as F
+    from cluster.analysis.prereg import load_preregistration
 
     prereg = load_preregistration(ROOT / "docs/sweeps/preregistration_regimes.yaml")
     assert prereg.sweeps["regimes_long"].total_steps == 2000

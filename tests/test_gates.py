@@ -1,4 +1,4 @@
-"""The gates of issue 63 (cluster/experiments/gates.py, prereg.Gates): a comparison of break
+"""The gates of issue 63 (cluster/analysis/gates.py, prereg.Gates): a comparison of break
 rates that nothing could decide is "not testable here", never "contradicted"; an accuracy
 comparison on a set nothing moved is not decided; the KL equivalence margin is a share of what a
 working regulariser does. Without gates (the first two pre-registrations as registered) the
@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from cluster.experiments import dose, stats
-from cluster.experiments import findings as f
-from cluster.experiments.arms import Arm, Study
-from cluster.experiments.prereg import Gates, Rules
+from cluster.analysis import dose, stats
+from cluster.analysis import findings as f
+from cluster.analysis.arms import Arm, Study
+from cluster.analysis.prereg import Gates, Rules
 
 GATED = Rules(retained="retained", gates=Gates())
 REGISTERED = Rules(retained="retained")  # no gates: as the regimes pre-registration has it
@@ -174,7 +174,7 @@ def test_the_time_to_break_separates_early_from_late_breaks():
     """No KL breaks in 8 of 10 runs at steps 100-170, K1 in the reward in 3 at 700-720: the
     log-rank test reproduces "KL delays breaking"; with the same times on both sides it does
     not. Not testable where nothing broke."""
-    from cluster.experiments import claims_async as ca
+    from cluster.analysis import claims_async as ca
 
     def study(nokl, k1r):
         return Study({(None, None, "none", 0.0, 8): nokl, ("k1", "reward", "none", 0.3, 8): k1r})
@@ -194,7 +194,7 @@ def test_kl_against_early_stopping_compares_at_matched_in_domain_accuracy():
     """No KL climbs in-domain 0.5 -> 0.9 while forgetting 0.8 -> 0.5; K1 in the reward ends at
     0.8 in-domain with 0.75 retained. Where no KL first reached 0.8 (step 750) it kept 0.575:
     K1 in the reward is 0.175 ahead at matched accuracy, on every seed."""
-    from cluster.experiments import claims_async as ca
+    from cluster.analysis import claims_async as ca
 
     def curves(ind, ret):
         return {s: {"in_domain": tuple(zip(range(0, 1001, 250), ind)),
@@ -215,7 +215,7 @@ def test_kl_against_early_stopping_compares_at_matched_in_domain_accuracy():
 def test_the_biased_configurations_gap_growing_with_beta_is_tested_paired():
     """K1 in the loss and K3 in the reward trail K1 in the reward by 0.005 at beta 0.005 and
     by 0.03 at beta 0.3, on every seed: reproduced. Level at both betas: contradicted."""
-    from cluster.experiments import claims_async as ca
+    from cluster.analysis import claims_async as ca
 
     def study(gap_low, gap_high):
         arms = {}

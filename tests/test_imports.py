@@ -2,11 +2,14 @@
 
 Arrows: cluster -> {actors, learner, rewards, kl}; learner -> kl; actors -> rewards; kl and
 rewards import none of the others. Inside cluster/, between its subpackages: cli -> any of
-them; launchers -> {config, train, slurm}; bench -> {config, train, tiny}; experiments ->
-{config, train, tiny, launchers}; slurm -> {config, train}; train -> {config, tiny}; config and
-tiny -> none. Every import counts for the arrows: module level, function-local and
-`if TYPE_CHECKING:` alike (a function-local import still couples the packages; it only delays
-the coupling), and so does `importlib.import_module("<constant>")`.
+them; launchers -> {config, train, slurm}; bench -> {config, train, tiny}; sweeps ->
+{config, train, launchers, analysis}; analysis -> {config, train}; publish -> {config,
+train, tiny, analysis}; slurm -> {config, train}; train -> {config, tiny}; config and tiny ->
+none. The lab wing's arrows run one way: running sweeps may import the analysis (to write the
+report at the end), publishing imports the analysis, and the analysis imports neither. Every
+import counts for the arrows: module level, function-local and `if TYPE_CHECKING:` alike (a
+function-local import still couples the packages; it only delays the coupling), and so does
+`importlib.import_module("<constant>")`.
 
 Cycles: inside one package (subpackages included) the graph of imports must be acyclic, and
 every import counts there too: module level, function-local and `if TYPE_CHECKING:` alike. A
@@ -39,13 +42,15 @@ ALLOWED: dict[str, set[str]] = {
 PACKAGES = tuple(ALLOWED)
 # cluster/'s subpackages and the subpackages each may import (docs/layout.md).
 SUBPACKAGES: dict[str, set[str]] = {
-    "cluster.cli": {"cluster.config", "cluster.train", "cluster.experiments", "cluster.bench",
-                    "cluster.tiny", "cluster.slurm", "cluster.launchers"},
+    "cluster.cli": {"cluster.config", "cluster.train", "cluster.sweeps", "cluster.analysis",
+                    "cluster.publish", "cluster.bench", "cluster.tiny", "cluster.slurm",
+                    "cluster.launchers"},
     "cluster.launchers": {"cluster.config", "cluster.train", "cluster.slurm"},
     "cluster.slurm": {"cluster.config", "cluster.train"},
     "cluster.bench": {"cluster.config", "cluster.train", "cluster.tiny"},
-    "cluster.experiments": {"cluster.config", "cluster.train", "cluster.tiny",
-                            "cluster.launchers"},
+    "cluster.sweeps": {"cluster.config", "cluster.train", "cluster.launchers", "cluster.analysis"},
+    "cluster.analysis": {"cluster.config", "cluster.train"},
+    "cluster.publish": {"cluster.config", "cluster.train", "cluster.tiny", "cluster.analysis"},
     "cluster.train": {"cluster.config", "cluster.tiny"},
     "cluster.config": set(),
     "cluster.tiny": set(),
@@ -323,20 +328,20 @@ def test_checker_follows_the_arrows_between_cluster_subpackages(tmp_path):
 
 
 def test_checker_finds_cycles_across_cluster_subpackages(tmp_path):
-    """experiments.y imports train.w, which first runs cluster/train/__init__.py; that imports
-    train.x, which imports experiments.y while y is half-initialised: a cycle through an
+    """sweeps.y imports train.w, which first runs cluster/train/__init__.py; that imports
+    train.x, which imports sweeps.y while y is half-initialised: a cycle through an
     `__init__` that no single import line shows."""
     _write(tmp_path, {
         "cluster/train/__init__.py": "from cluster.train.x import g\n",
-        "cluster/train/x.py": "from cluster.experiments.y import f\ng = 1\n",
+        "cluster/train/x.py": "from cluster.sweeps.y import f\ng = 1\n",
         "cluster/train/w.py": "",
-        "cluster/experiments/__init__.py": "",
-        "cluster/experiments/y.py": "import cluster.train.w\nf = 1\n",
+        "cluster/sweeps/__init__.py": "",
+        "cluster/sweeps/y.py": "import cluster.train.w\nf = 1\n",
     })
     assert import_cycles(tmp_path) == [(
-        "cluster.experiments.y (cluster/experiments/y.py:1) -> cluster.train "
+        "cluster.sweeps.y (cluster/sweeps/y.py:1) -> cluster.train "
         "(cluster/train/__init__.py:1) -> cluster.train.x (cluster/train/x.py:1) -> "
-        "cluster.experiments.y")]
+        "cluster.sweeps.y")]
 
 
 def test_checker_finds_an_arrow_back_out_of_the_door(tmp_path):

@@ -1,4 +1,4 @@
-"""`make results --keep DIR` (cluster/experiments/keep.py, results.py): a finished, evaluated
+"""`make results --keep DIR` (cluster/sweeps/keep.py, results.py): a finished, evaluated
 run's records are kept outside the sweep directory and put back on a fresh machine, where the
 sweep skips it, the report reads it as the original and the time it finished survives; a
 partial run of that name is set aside, never deleted; make results starts the sweep once per
@@ -15,7 +15,7 @@ import yaml
 from test_sweep import TINY, FakeLauncher, _sweep, record
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.keep import (
+from cluster.sweeps.keep import (
     KEPT_FILE,
     check_store,
     compact_row,
@@ -26,9 +26,9 @@ from cluster.experiments.keep import (
     kept_runs,
     restore_runs,
 )
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, load_run
-from cluster.experiments.sweep import changed_runs, expand, sweep_dir, validate_runs
-from cluster.experiments.sweep_run import run_sweep
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, load_run
+from cluster.sweeps.sweep import changed_runs, expand, sweep_dir, validate_runs
+from cluster.sweeps.sweep_run import run_sweep
 from cluster.train.continuation import RunState, continuation
 from cluster.train.run_log import finished_at, is_finished
 
@@ -228,12 +228,13 @@ class SweepChild:
 
 
 def _results(tmp_path, monkeypatch, child, *extra):
-    from cluster.experiments import results
+    from cluster.cli.results import main
+    from cluster.sweeps import results
 
     monkeypatch.setattr(results, "_Child", lambda: child)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(child.cfg.model_dump(mode="json")))
-    return results.main([str(path), "--out", str(tmp_path / "report"), *extra])
+    return main([str(path), "--out", str(tmp_path / "report"), *extra])
 
 
 def test_make_results_keeps_each_run_as_soon_as_it_is_evaluated(tmp_path, monkeypatch, capsys):
@@ -322,7 +323,7 @@ def test_kept_records_are_compact_and_give_the_same_report(tmp_path):
 
     from test_report import write_run
 
-    from cluster.experiments.report import ReportConfig, write_report
+    from cluster.analysis.report import ReportConfig, write_report
 
     extra = {s: {"time/step": 0.123456789 * s, "policy/entropy": 1 / 3} for s in range(1, 31)}
     extra[17] = extra[17] | {"loss/kl": float("inf")}

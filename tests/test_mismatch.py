@@ -1,4 +1,4 @@
-"""cluster/experiments/mismatch.py: the keep-vs-recompute table reads each run's fresh-token
+"""cluster/sweeps/mismatch.py: the keep-vs-recompute table reads each run's fresh-token
 mismatch weighted by its fresh tokens (steps without any weigh nothing), prefers update 0's
 reading where a batch took several updates, and groups runs by what differs between them."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.experiments.mismatch import mismatch_table, run_figures
-from cluster.experiments.runs import RunData
+from cluster.sweeps.mismatch import mismatch_table, run_figures
+from cluster.analysis.runs import RunData
 
 FRESH = "is/abs_log_ratio_fresh_token_mean"
 
@@ -60,7 +60,7 @@ def test_the_table_has_one_row_per_configuration_with_the_seeds_spread():
 
 
 def test_the_table_says_which_commits_and_machines_ran_it(tmp_path):
-    from cluster.experiments.mismatch import mismatch_page
+    from cluster.sweeps.mismatch import mismatch_page
 
     runs = []
     for name, commit, dirty in (("a", "c43d3d8805be", False), ("b", "1234567abc", True)):
@@ -70,10 +70,10 @@ def test_the_table_says_which_commits_and_machines_ran_it(tmp_path):
             {"started_at": "2026-11-25T05:48:36+0000", "git_commit": commit,
              "git_dirty": dirty, "machine": "2-core box"}) + "\n")
         runs.append(run)
-    page = mismatch_page("stale_kv_tiny", "python -m cluster.experiments.mismatch X", runs)
+    page = mismatch_page("stale_kv_tiny", "python -m cluster.cli.mismatch X", runs)
     # both commits (a start with uncommitted changes marked) and the machine, as the sweep
     # report names them, and a warning that the runs come from two commits
     assert "klrl commit(s) 1234567abc+modified, c43d3d8805be; machine(s): 2-core box" in page
     assert "**These runs come from 2 different klrl commits**" in page
     assert page.startswith("# stale_kv_tiny:")
-    assert "`python -m cluster.experiments.mismatch X`" in page
+    assert "`python -m cluster.cli.mismatch X`" in page

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.experiments.report import (
+from cluster.analysis.report import (
     ReportConfig,
     accuracy_collapse,
     find_runs,
@@ -152,7 +152,7 @@ def test_a_no_kl_control_is_labelled_with_its_beta(tmp_path):
 def test_plot_styles_colour_the_kl_configuration_and_dash_the_lag(tmp_path):
     import matplotlib.pyplot as plt
 
-    from cluster.experiments.report_plots import _styles
+    from cluster.analysis.report_plots import _styles
 
     for est, placement, lag in (("k1", "reward", 0), ("k1", "reward", 4), ("k3", "loss", 0),
                                 ("k3", "loss", 4)):
@@ -222,7 +222,7 @@ def test_an_unknown_kl_metric_fails_listing_the_logged_ones(tmp_path, capsys):
 
 
 def test_training_curves_can_be_placed_at_the_policy_version_that_sampled_them(tmp_path):
-    from cluster.experiments.report_plots import FIGURES, _aggregate
+    from cluster.analysis.report_plots import FIGURES, _aggregate
 
     lag = 2
     extra = {s: {"rollout/policy_version": max(0, s - 1 - lag)} for s in range(1, 41)}
@@ -247,7 +247,7 @@ def test_short_runs_are_drawn_unsmoothed_and_the_raw_values_stay_visible(tmp_pat
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from cluster.experiments.report_plots import (
+    from cluster.analysis.report_plots import (
         FIGURES,
         _aggregate,
         effective_window,
@@ -290,7 +290,7 @@ def test_ratio_axes_near_1_are_linear_with_readable_labels():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cluster.experiments.report_plots import FIGURES, _style_axis
+    from cluster.analysis.report_plots import FIGURES, _style_axis
 
     ratio_max = FIGURES[3].panels[0]
     fig, (near, far) = plt.subplots(1, 2)
@@ -309,7 +309,7 @@ def test_ratio_axes_near_1_are_linear_with_readable_labels():
 def test_pass_at_k_is_drawn_where_runs_logged_it(tmp_path):
     """A panel per set and k above 1 that a run logged (pass@1 is the sampled accuracy); no
     figure where none did."""
-    from cluster.experiments.report_plots import pass_at_k_figure
+    from cluster.analysis.report_plots import pass_at_k_figure
 
     plain = write_run(tmp_path / "plain" / "r")
     assert pass_at_k_figure([load_run(plain)]).panels == ()
@@ -331,7 +331,7 @@ def test_the_episode_figure_is_drawn_only_for_runs_with_an_environment(tmp_path)
     import matplotlib
 
     matplotlib.use("Agg")
-    from cluster.experiments.report_plots import FIGURES, plot_figure
+    from cluster.analysis.report_plots import FIGURES, plot_figure
 
     episodes = next(f for f in FIGURES if f.file == "episodes.png")
     env = {s: {"env/turns_mean": 1 + s / 40, "env/tool_call_rate": s / 40,

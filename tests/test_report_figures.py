@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from test_report import write_run
 
 from cluster.cli.main import main
-from cluster.experiments.report import ReportConfig, gather_runs, group_runs, write_report
-from cluster.experiments.report_plots import COLUMN_WIDTH_IN, PAGE_WIDTH_IN
+from cluster.analysis.report import ReportConfig, gather_runs, group_runs, write_report
+from cluster.analysis.report_plots import COLUMN_WIDTH_IN, PAGE_WIDTH_IN
 
 # One xdist worker runs this module: its module fixture writes four reports (about 9 s), and
 # spread over both workers, each worker wrote them again.

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from cluster.config.loader import DEMO_CONFIG, dump_config
-from cluster.experiments.final_eval import needs_evaluation
-from cluster.experiments.runs import FINAL_EVAL_FILE
+from cluster.sweeps.final_eval import needs_evaluation
+from cluster.analysis.runs import FINAL_EVAL_FILE
 
 XDIST_GROUP = "own-processes"  # its engines run in subprocesses of their own (conftest)
 
@@ -38,8 +38,8 @@ def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems
     """Both runs' final checkpoints, then (--base) the model s0 started from, by real engines
     in a process of their own: the same problems whatever the run's training seed, so every
     run and the base model are paired; an evaluation done is skipped."""
-    from cluster.experiments.final_eval import needs_base_evaluation
-    from cluster.experiments.runs import BASE_EVAL_FILE
+    from cluster.sweeps.final_eval import needs_base_evaluation
+    from cluster.analysis.runs import BASE_EVAL_FILE
 
     runs = [finished_run(tmp_path / f"s{seed}", tiny_model_dir, seed) for seed in (0, 1)]
     unfinished = tmp_path / "unfinished"
@@ -47,7 +47,7 @@ def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems
     sets = ["in_domain", "out_of_domain"]
     assert [needs_evaluation(r, 40, 1, sets) for r in (*runs, unfinished)] == [True, True, False]
     assert needs_base_evaluation(tmp_path, 40, 1, sets)
-    cmd = [sys.executable, "-m", "cluster.experiments.final_eval", *map(str, runs), "--base",
+    cmd = [sys.executable, "-m", "cluster.cli.final_eval", *map(str, runs), "--base",
            "--problems", "40", "--seed", "1", "--sets", "in_domain,out_of_domain"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -65,7 +65,7 @@ def test_final_checkpoints_and_the_base_model_are_evaluated_on_the_same_problems
     assert not needs_evaluation(runs[0], 40, 1, sets) and needs_evaluation(runs[0], 1000, 1, sets)
     assert needs_evaluation(runs[0], 40, 1, ["in_domain"])  # other sets: evaluated again
     assert not needs_base_evaluation(tmp_path, 40, 1, sets)
-    from cluster.experiments import final_eval
+    from cluster.cli import final_eval
 
     capsys.readouterr()  # nothing left to evaluate: in this process, since no engine starts
     assert final_eval.main(cmd[3:]) == 0 and capsys.readouterr().out == ""
@@ -79,7 +79,7 @@ def test_a_set_smaller_than_asked_is_evaluated_whole_in_the_final_evaluation():
     import inspect
 
     from actors.evaluate import problems_of
-    from cluster.experiments import final_eval
+    from cluster.sweeps import final_eval
     from rewards import get_task
 
     task = get_task("arithmetic")
@@ -95,13 +95,13 @@ def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd)
     in the sweep's logs/RUN.final_eval.log, so the console keeps one line per run."""
     import signal
 
-    from cluster.experiments.results import _Child, _tail
+    from cluster.sweeps.results import _Child, _tail
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = _Child()
         out_log, err_log = tmp_path / "out.log", tmp_path / "err.log"
-        assert child.run("cluster.experiments.final_eval", "--help", log=out_log) == 0
+        assert child.run("cluster.cli.final_eval", "--help", log=out_log) == 0
         assert child.run("json.tool", str(tmp_path / "missing.json"), log=err_log) != 0
     finally:
         for s, handler in saved.items():
@@ -116,8 +116,8 @@ def test_a_childs_output_goes_to_its_log_and_not_to_the_console(tmp_path, capfd)
 def test_each_evaluation_says_how_long_the_rest_will_take(tmp_path, capsys):
     """make results prints, after each final evaluation's accuracies, the evaluations left
     and their time at the mean of those done (sweep_run.time_left); the last says nothing more."""
-    from cluster.experiments.prereg import Rules
-    from cluster.experiments.results import _final_eval
+    from cluster.analysis.prereg import Rules
+    from cluster.sweeps.results import _final_eval
 
     class Done:  # a child that has written its record: what a finished final_eval.py leaves
         signalled = None

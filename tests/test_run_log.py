@@ -9,7 +9,7 @@ import pytest
 from actors.records import Rollout
 from cluster.config.loader import DEMO_CONFIG, ConfigError
 from cluster.config.train_config import load_train_config
-from cluster.experiments.report import load_run
+from cluster.analysis.report import load_run
 from cluster.train.continuation import RunState, continuation
 from cluster.train import checkpoint as ckpt
 from cluster.train.run_log import (
@@ -152,7 +152,7 @@ def test_bad_logging_and_export_options_fail_at_load(override, message):
 
 
 def test_a_sweep_names_each_wandb_run_by_its_grid_point(tmp_path):
-    from cluster.experiments.sweep import load_sweep
+    from cluster.sweeps.sweep import load_sweep
 
     (tmp_path / "s.yaml").write_text(f"name: s\ntrain_config: {DEMO_CONFIG}\n"
                                      "overrides: {logging.wandb_name: same}\n"

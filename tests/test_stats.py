@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from cluster.experiments import findings as f
-from cluster.experiments.prereg import load_preregistration
-from cluster.experiments.stats import binomial, fisher, holm, rate_bound, welch
+from cluster.analysis import findings as f
+from cluster.analysis.prereg import load_preregistration
+from cluster.analysis.stats import binomial, fisher, holm, rate_bound, welch
 
 PREREG = load_preregistration(Path(__file__).resolve().parents[1] / "docs" / "sweeps"
                               / "preregistration.yaml")

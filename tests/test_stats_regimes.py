@@ -12,10 +12,10 @@ import numpy as np
 from scipy import stats as st
 from test_stats import at_most, close
 
-from cluster.experiments import arms, dose
-from cluster.experiments import findings as f
-from cluster.experiments.prereg import load_preregistration
-from cluster.experiments.stats import holm
+from cluster.analysis import arms, dose
+from cluster.analysis import findings as f
+from cluster.analysis.prereg import load_preregistration
+from cluster.analysis.stats import holm
 
 PATH = Path(__file__).resolve().parents[1] / "docs" / "sweeps" / "preregistration_regimes.yaml"
 PREREG = load_preregistration(PATH)
@@ -153,7 +153,7 @@ def test_the_lead_the_report_says_a_paired_claim_detects_is_detected_that_often(
     """The report's "at what power" (report_findings._detectable_text): at the lead
     paired_detectable_lead gives, the paired test itself, on draws of configuration + seed
     block + residual, shows the lead in 80% of draws; at half that lead, far less often."""
-    from cluster.experiments.stats import paired, paired_detectable_lead
+    from cluster.analysis.stats import paired, paired_detectable_lead
 
     residual = DESIGN.seed_sd
     for level in (LEVEL, RULES.alpha):
@@ -178,7 +178,7 @@ def test_the_lead_a_test_ignoring_the_seed_detects_is_detected_that_often():
     on draws whose whole spread is seed noise shows that lead in 80% of draws; under a seed
     block it needs a larger lead than the paired test at the residual, which is what pairing
     gains."""
-    from cluster.experiments.stats import paired_detectable_lead, unpaired_detectable_lead
+    from cluster.analysis.stats import paired_detectable_lead, unpaired_detectable_lead
 
     spread = math.hypot(DESIGN.seed_sd, DESIGN.seed_block_sd)
     lead = unpaired_detectable_lead(spread, N, LEVEL)

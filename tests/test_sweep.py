@@ -15,8 +15,8 @@ import yaml
 from test_report import coloured_share
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.labels import value_token
-from cluster.experiments.sweep import (
+from cluster.analysis.labels import value_token
+from cluster.sweeps.sweep import (
     SweepConfig,
     changed_runs,
     expand,
@@ -26,7 +26,7 @@ from cluster.experiments.sweep import (
     train_command,
     validate_runs,
 )
-from cluster.experiments.sweep_run import run_sweep
+from cluster.sweeps.sweep_run import run_sweep
 from cluster.train.continuation import Action, RunState, continuation
 from cluster.train.run_log import last_step
 
@@ -78,7 +78,7 @@ def test_every_sweep_and_report_option_has_its_row_in_the_docs():
     """docs/sweeps.md's option table names every SweepConfig field and every `report.*` one
     (ReportConfig) with its default and its description: a new option is documented, and a
     changed one's row follows it, or this fails (backticks and Markdown's escaped `|` aside)."""
-    from cluster.experiments.report import ReportConfig
+    from cluster.analysis.report import ReportConfig
 
     page = (Path(__file__).parents[1] / "docs" / "sweeps.md").read_text()
     fields = [(k, f) for k, f in SweepConfig.model_fields.items() if k != "report"] + [
@@ -268,7 +268,7 @@ def test_a_finished_run_says_how_long_the_rest_will_take():
     """The line each finished run prints ends with the runs left and the time they take at
     the mean of those finished so far, parallel ones at once; nothing before the first
     finishes or after the last."""
-    from cluster.experiments.sweep_run import time_left
+    from cluster.sweeps.sweep_run import time_left
 
     assert time_left([120.0, 180.0], 10, 1) == "; 10 to go, about 25m00s at 2m30s a run"
     assert time_left([600.0], 5, 2) == "; 5 to go, about 30m00s at 10m00s a run"
@@ -398,7 +398,7 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     # make results --keep (keep.py) on these real runs: kept, put back on a "fresh machine"
     # (another output_dir), skipped there by the sweep and reported as here. Their final
     # evaluation is a record written here (the real one: tests/test_results.py).
-    from cluster.experiments.keep import keep_run, restore_runs
+    from cluster.sweeps.keep import keep_run, restore_runs
 
     store, fresh = tmp_path / "kept", tmp_path / "fresh"
     for name in ("k1-loss", "k3-loss"):

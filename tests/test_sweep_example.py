@@ -12,7 +12,7 @@ import yaml
 
 from cluster.cli.main import main
 from cluster.config.loader import DEMO_CONFIG, REPO_ROOT
-from cluster.experiments.sweep import expand, load_sweep, validate_runs
+from cluster.sweeps.sweep import expand, load_sweep, validate_runs
 
 
 def _example() -> dict:

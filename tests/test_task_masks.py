@@ -162,7 +162,7 @@ def test_mask_band_bounds_and_refusals():
 def test_the_report_plots_the_masked_shares_a_mask_logs():
     """`klrl report`'s importance-ratio figure has a panel for each share a mask logs (a
     renamed metric would silently drop its panel)."""
-    from cluster.experiments.report_plots import FIGURES
+    from cluster.analysis.report_plots import FIGURES
 
     panels = {p.key for f in FIGURES if f.file == "importance_ratio.png" for p in f.panels}
     batch, logp, ref = _batch(seed=3)

@@ -1,5 +1,5 @@
 """`klrl dashboard DIR`: the wandb workspace of a sweep (or a project), built with
-wandb-workspaces (cluster/experiments/workspace.py): printed here, saved with --save."""
+wandb-workspaces (cluster/publish/workspace.py): printed here, saved with --save."""
 from __future__ import annotations
 
 import sys
@@ -9,8 +9,8 @@ from cluster.config.loader import ConfigError
 
 
 def _run_dashboard(args) -> int:
-    from cluster.experiments.dashboard import report_figures, wandb_target
-    from cluster.experiments.workspace import build_workspace, logged_keys, save_workspace
+    from cluster.publish.dashboard import report_figures, wandb_target
+    from cluster.publish.workspace import build_workspace, logged_keys, save_workspace
 
     path = Path(args.dir)
     try:

@@ -1,5 +1,5 @@
 """`klrl figures` (`make figures`): regenerate the docs' figures about the embedded model and
-the CPU demo on this machine (see cluster/experiments/figures.py)."""
+the CPU demo on this machine (see cluster/publish/figures.py)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cluster.experiments.figures import BLOCKS, plan, regenerate
+from cluster.publish.figures import BLOCKS, plan, regenerate
 
 
 def _seeds(text: str) -> list[int]:

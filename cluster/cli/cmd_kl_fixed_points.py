@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from cluster.cli.arg_types import number_in, whole_in
-from cluster.experiments.labels import toy_anchor
+from cluster.analysis.labels import toy_anchor
 
 DEFAULTS = {"beta": 0.3, "lags": [0, 2, 8], "steps": 800, "lr": 4.0, "samples": 8,
             "sampled_lr": 0.5, "seed": 0, "vocab": 3, "length": 2}

@@ -29,7 +29,7 @@ def _request(args):
     config = Path(args.config).absolute()
     overrides = list(args.overrides)
     if args.sweep:
-        from cluster.experiments.sweep import expand, load_sweep, validate_runs
+        from cluster.sweeps.sweep import expand, load_sweep, validate_runs
 
         cfg = load_sweep(config, overrides)
         runs = list(validate_runs(cfg, expand(cfg)).values())

@@ -12,9 +12,9 @@ import yaml
 from cluster.config.loader import ConfigError, load_config, merge, validate
 from cluster.cli.arg_types import whole_in
 from cluster.cli.cmd_train import count_arg
-from cluster.experiments.prereg import Comparison
-from cluster.experiments.report import ReportConfig, report_dir, write_report
-from cluster.experiments.sweep import (
+from cluster.analysis.prereg import Comparison
+from cluster.analysis.report import ReportConfig, report_dir, write_report
+from cluster.sweeps.sweep import (
     SET_ASIDE_DIR,
     SweepConfig,
     changed_runs,
@@ -27,7 +27,7 @@ from cluster.experiments.sweep import (
     train_command,
     validate_runs,
 )
-from cluster.experiments.sweep_run import run_sweep
+from cluster.sweeps.sweep_run import run_sweep
 from cluster.train.continuation import Action, Continuation, RunState, continuation
 from cluster.launchers.base import SubmitError
 from cluster.launchers.ray_jobs import check_reachable, dashboard_url
@@ -202,9 +202,9 @@ def _run_report(args) -> int:
 
 
 def _wandb_summary(runs_dir: Path, report: Path) -> None:
-    """The report as one summary run in the runs' wandb project (experiments/dashboard.py);
+    """The report as one summary run in the runs' wandb project (publish/dashboard.py);
     a wandb failure is a warning: the report on disk stands."""
-    from cluster.experiments.dashboard import log_summary
+    from cluster.publish.dashboard import log_summary
 
     try:
         where = log_summary(runs_dir, report)

@@ -510,7 +510,7 @@ class TrainConfig(_Strict):
         return self
 
 
-# The keys every sweep file has (cluster/experiments/sweep.py's SweepConfig requires them) and
+# The keys every sweep file has (cluster/sweeps/sweep.py's SweepConfig requires them) and
 # no training config: a file with both, refused as a training config, is named a sweep file.
 SWEEP_FILE_KEYS = frozenset({"train_config", "grid"})
 

@@ -45,7 +45,7 @@ SAMPLE_COLUMNS = ("step", "policy_version", "lag", "prompt", "response", "reward
 SAMPLES_KEY = "samples"  # the wandb key of the table
 # Flat wandb config keys beside the nested config, so that a project's runs filter and group
 # by them in one click (wandb nests kl.estimator under kl); the dashboard groups by them
-# (cluster/experiments/workspace.py).
+# (cluster/publish/workspace.py).
 FILTER_KEYS = ("estimator", "placement", "importance", "beta", "lag", "seed")
 
 

@@ -9,7 +9,7 @@ with its reason).
 
 - `klrl sweep` counts a run directory as a run of the sweep only when its recorded
   config.yaml has the meaning the sweep would give that run now (`meaning_changes`);
-  otherwise it refuses, naming the run and the keys (cluster/experiments/sweep.py).
+  otherwise it refuses, naming the run and the keys (cluster/sweeps/sweep.py).
 - `klrl train --resume` refuses a checkpoint whose config has another meaning
   (`resume_changes`), with two differences: a resumed run may move its end (RESUME_MAY_CHANGE:
   the run then did train to the new end, and its config.yaml says so), and it keeps the keys

@@ -6,7 +6,7 @@ traceback from an actor and a run directory that then blocks the name.
 `train()` (cluster/train/run.py) calls `preflight` first, unless its caller just did (`klrl
 train` runs it on the terminal before it names the run, and hands train() the result); a local
 `klrl sweep` calls it for every unfinished run before it starts the first
-(cluster/experiments/sweep.py, preflight_runs). Each rule lives with what
+(cluster/sweeps/sweep.py, preflight_runs). Each rule lives with what
 it checks (cluster/train/door/ lists them all); this module calls them in order, on the
 config with its paths made absolute (`door.paths.resolve_paths`). Raises ConfigError (or
 FileExistsError for a name already taken); `klrl train` exits 2. Lines worth saying that are

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
-from cluster.experiments.sweep import SET_ASIDE_DIR
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
+from cluster.sweeps.sweep import SET_ASIDE_DIR
 from cluster.train.continuation import RunState, continuation
 from cluster.train.run_log import (
     CONFIG_FILE,
@@ -47,7 +47,7 @@ from cluster.train.run_log import (
 from cluster.train.door.paths import check_creatable
 
 # What `klrl report` reads of a run's metrics, kept at every step: the failure rule and the
-# measures (runs.py, measures.py: eval/, kl/pi_ref, grad/norm, reward/mean, nonfinite,
+# measures (analysis/: runs.py, measures.py: eval/, kl/pi_ref, grad/norm, reward/mean, nonfinite,
 # lag/mean), the plots' panels (report_plots.py), the KL metric check (report.py: every kl/
 # key) and the x axis (rollout/policy_version), and faults/ (what a report says of restarts).
 # Values to 6 significant digits (a threshold of the failure rule sits far from that

@@ -1,5 +1,5 @@
 """Re-read a committed report's runs.csv under the current rules, without its run directories:
-`python -m cluster.experiments.recheck DIR/runs.csv --preregistration FILE [--out FILE.md]`.
+`python -m cluster.cli.recheck DIR/runs.csv --preregistration FILE [--out FILE.md]`.
 
 The reports of the earlier sweeps were written from run directories that were not kept, so
 `klrl report` cannot rewrite them. Their runs.csv keeps what the claims compare (each run's
@@ -18,7 +18,6 @@ docs/experiments.md quotes.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -29,14 +28,14 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import REPO_ROOT
-from cluster.experiments import findings as fnd
-from cluster.experiments.measures import (PRIMARY, Measures, accuracy_kl_correlation,
+from cluster.analysis import findings as fnd
+from cluster.analysis.measures import (PRIMARY, Measures, accuracy_kl_correlation,
                                           observed_paired_sd, observed_seed_sd, seed_share,
                                           trained)
-from cluster.experiments.prereg import Gates, load_preregistration
-from cluster.experiments.report_findings import base_accuracy, gates_text
-from cluster.experiments.runs import BASE_EVAL_FILE
-from cluster.experiments.stats import paired_detectable_lead, unpaired_detectable_lead
+from cluster.analysis.prereg import Gates, load_preregistration
+from cluster.analysis.report_findings import base_accuracy, gates_text
+from cluster.analysis.runs import BASE_EVAL_FILE
+from cluster.analysis.stats import paired_detectable_lead, unpaired_detectable_lead
 
 # A configuration's label names only the keys that vary in its sweep (labels.py): the rest
 # come from the sweep file's overrides (sweep_defaults).
@@ -177,29 +176,21 @@ def what_the_design_saw(path: Path, preregistration: str, sweep: str) -> list[st
     return [*lines, ""]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.experiments.recheck",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("csv", type=Path, help="a report's runs.csv")
-    p.add_argument("--preregistration", required=True, help="the pre-registration it followed")
-    p.add_argument("--sweep", default=None, help="its sweep (default: the CSV's directory name)")
-    p.add_argument("--out", type=Path, default=None, help="write the markdown here")
-    args = p.parse_args(argv)
-    sweep = args.sweep or args.csv.resolve().parent.name
+COMMAND = "python -m cluster.cli.recheck"  # its command line (cluster/cli/recheck.py)
+
+
+def recheck_page(csv_path: Path, preregistration: str, sweep: str | None = None,
+                 out: Path | None = None) -> str:
+    """The re-reading's markdown (module docstring): the claims under both failure rules, then
+    what the design saw; `sweep` defaults to the CSV's directory name, and `out` (where the
+    page will be written) appears in the command line the page quotes."""
+    sweep = sweep or csv_path.resolve().parent.name
     md = ["# Re-reading of the committed runs.csv under the current rules", "",
-          f"Written by `python -m cluster.experiments.recheck {args.csv} --preregistration "
-          f"{args.preregistration}{' --out ' + str(args.out) if args.out else ''}` "
-          "(cluster/experiments/recheck.py says what it can and cannot recompute without "
+          f"Written by `{COMMAND} {csv_path} --preregistration "
+          f"{preregistration}{' --out ' + str(out) if out else ''}` "
+          "(cluster/analysis/recheck.py says what it can and cannot recompute without "
           "the run directories).", ""]
     for drift in (False, True):
-        md += reread(args.csv, args.preregistration, sweep, drift)
-    md += what_the_design_saw(args.csv, args.preregistration, sweep)
-    text = "\n".join(md)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        md += reread(csv_path, preregistration, sweep, drift)
+    md += what_the_design_saw(csv_path, preregistration, sweep)
+    return "\n".join(md)

@@ -1,6 +1,6 @@
 """How config values become labels: dotted keys, run names and report labels.
 
-Shared by `klrl sweep` (run names, sweep.py) and `klrl report` (configuration labels and
+Shared by `klrl sweep` (run names, sweeps/sweep.py) and `klrl report` (configuration labels and
 plot styles, report.py / report_plots.py). They live in a module of their own so that those
 three import it rather than each other: report and sweep importing each other would be an
 import cycle.

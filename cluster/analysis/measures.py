@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.experiments.prereg import FailureKind, Rules
-from cluster.experiments.runs import (
+from cluster.analysis.prereg import FailureKind, Rules
+from cluster.analysis.runs import (
     RunData,
     accuracy_collapse,
     grad_blowup,
@@ -71,7 +71,7 @@ class Measures:
 def final_accuracy(run: RunData, rules: Rules) -> tuple[dict[str, float], str]:
     """(set -> accuracy, source): the final checkpoint's evaluation when it has
     rules.final_problems problems (a set holding fewer distinct problems: all of them;
-    final_eval.py) and rules.final_eval_seed, else the last evaluation."""
+    cluster/sweeps/final_eval.py) and rules.final_eval_seed, else the last evaluation."""
     final = run.final_eval
     if final and (final.get("problems"), final.get("seed")) \
             == (rules.final_problems, rules.final_eval_seed):

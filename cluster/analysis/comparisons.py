@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from cluster.config.loader import ConfigError
-from cluster.experiments import stats
-from cluster.experiments.measures import Measures
-from cluster.experiments.prereg import Comparison
-from cluster.experiments.runs import faults_text
+from cluster.analysis import stats
+from cluster.analysis.measures import Measures
+from cluster.analysis.prereg import Comparison
+from cluster.analysis.runs import faults_text
 
 POWER = 0.8
 CONFIDENCE = 0.95

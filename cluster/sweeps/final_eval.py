@@ -9,20 +9,18 @@ The sets, their tasks, the prompts and the completion budget are the run's own (
 config.yaml), and the evaluation is the trainer's (`actors.evaluate.evaluate_sets`) on an
 engine built as the run's rollout workers build theirs, so it measures what the run's last
 evaluation measured, on more problems. One run per process (`python -m
-cluster.experiments.final_eval RUN_DIR ...`, as results.py calls it): an engine's crash or
+cluster.cli.final_eval RUN_DIR ...`, as results.py calls it): an engine's crash or
 leftover threads end with the process.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE
 from cluster.train.run_log import config_path, final_dir, is_finished
 from rewards.config import EVAL_SETS
 
@@ -103,27 +101,15 @@ def evaluate_base(run_dir: Path, problems: int, seed: int, sets: Sequence[str]) 
     return _evaluate(run_dir, None, problems, seed, sets, run_dir.parent / BASE_EVAL_FILE)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.experiments.final_eval",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("--problems", type=int, required=True, help="problems per evaluation set")
-    p.add_argument("--seed", type=int, required=True, help="seed of the problems")
-    p.add_argument("--sets", default="in_domain,out_of_domain",
-                   help="comma-separated evaluation sets (default in_domain,out_of_domain)")
-    p.add_argument("--base", action="store_true", help="then also the model the first run "
-                   "started from, into its sweep directory's base_eval.json")
-    args = p.parse_args(argv)
-    sets = [s for s in args.sets.split(",") if s]
-    for run_dir in map(Path, args.run_dirs):
-        if needs_evaluation(run_dir, args.problems, args.seed, sets):
-            print(f"{run_dir.name}: {evaluate_final(run_dir, args.problems, args.seed, sets)}",
-                  flush=True)
-    first = Path(args.run_dirs[0])
-    if args.base and needs_base_evaluation(first.parent, args.problems, args.seed, sets):
-        print(f"base: {evaluate_base(first, args.problems, args.seed, sets)}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def evaluate_runs(run_dirs: Sequence[Path], problems: int, seed: int, sets: Sequence[str],
+                  base: bool = False) -> None:
+    """Evaluate each run's final/ model not yet evaluated on these problems and sets, printing
+    one line a run; with `base`, then the model the first run started from (into its sweep
+    directory's base_eval.json) unless it was evaluated on them. The command line is
+    cluster/cli/final_eval.py's."""
+    for run_dir in run_dirs:
+        if needs_evaluation(run_dir, problems, seed, sets):
+            print(f"{run_dir.name}: {evaluate_final(run_dir, problems, seed, sets)}", flush=True)
+    first = run_dirs[0]
+    if base and needs_base_evaluation(first.parent, problems, seed, sets):
+        print(f"base: {evaluate_base(first, problems, seed, sets)}", flush=True)

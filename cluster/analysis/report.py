@@ -19,13 +19,13 @@ from typing import Literal
 from pydantic import Field
 
 from cluster.config.loader import ConfigError
-from cluster.experiments.arms import Study
-from cluster.experiments.dose_plot import DOSE_RESPONSE, plot_dose_response
-from cluster.experiments.labels import SET_LABELS, configuration_keys
-from cluster.experiments.measures import accuracy_kl_correlation
-from cluster.experiments.prereg import Comparison
-from cluster.experiments.report_findings import findings_section, mean_sd, provenance_lines
-from cluster.experiments.report_plots import (
+from cluster.analysis.arms import Study
+from cluster.analysis.dose_plot import DOSE_RESPONSE, plot_dose_response
+from cluster.analysis.labels import SET_LABELS, configuration_keys
+from cluster.analysis.measures import accuracy_kl_correlation
+from cluster.analysis.prereg import Comparison
+from cluster.analysis.report_findings import findings_section, mean_sd, provenance_lines
+from cluster.analysis.report_plots import (
     ACCURACY_AGAINST_KL,
     FIGURES,
     pass_at_k_figure,
@@ -33,7 +33,7 @@ from cluster.experiments.report_plots import (
     plot_figure,
     report_window,
 )
-from cluster.experiments.runs import (  # noqa: F401 (re-exported: the report's readers)
+from cluster.analysis.runs import (  # noqa: F401 (re-exported: the report's readers)
     ACCURACY_KEYS,
     Flag,
     InstabilityRule,

@@ -3,7 +3,7 @@ their configuration (the flat config keys runs carry, run_log.FILTER_KEYS, the s
 that a group's lines are its seeds: mean, min to max), in sections of line plots of what klrl
 logs (KL to the reference by K1 and K3, reward, accuracy, lag, importance ratios, the learner),
 and the sweep's verdict: the summary run's claims and per-configuration tables, its bar charts
-and figures (cluster/experiments/dashboard.py).
+and figures (cluster/publish/dashboard.py).
 
 Built with wandb's own library for workspaces, `wandb-workspaces` (the `dashboard` extra;
 imported only here). `build_workspace` makes it without any server; `save_workspace` writes
@@ -11,7 +11,7 @@ it to the wandb server, which needs wandb online with an API key (not run in klr
 """
 from __future__ import annotations
 
-from cluster.experiments.runs import ACCURACY_KEYS
+from cluster.analysis.runs import ACCURACY_KEYS
 from cluster.train.run_log import FILTER_KEYS
 
 # (section, [(panel title, [metric keys])]): the curves, one line per configuration.

@@ -23,7 +23,6 @@ failed, else 0.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import signal
@@ -33,8 +32,8 @@ import time
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.final_eval import needs_base_evaluation, needs_evaluation
-from cluster.experiments.keep import (
+from cluster.sweeps.final_eval import needs_base_evaluation, needs_evaluation
+from cluster.sweeps.keep import (
     KEPT_FILE,
     check_store,
     is_kept,
@@ -42,11 +41,11 @@ from cluster.experiments.keep import (
     keep_run,
     restore_runs,
 )
-from cluster.experiments.prereg import Rules, load_preregistration, rules_of
-from cluster.experiments.report import find_runs, write_report
-from cluster.experiments.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
-from cluster.experiments.sweep import expand, load_sweep, sweep_dir, unfinished_runs
-from cluster.experiments.sweep_run import time_left
+from cluster.analysis.prereg import Rules, load_preregistration, rules_of
+from cluster.analysis.report import find_runs, write_report
+from cluster.analysis.runs import BASE_EVAL_FILE, FINAL_EVAL_FILE, RunData
+from cluster.sweeps.sweep import expand, load_sweep, sweep_dir, unfinished_runs
+from cluster.sweeps.sweep_run import time_left
 
 
 class _Child:
@@ -105,7 +104,7 @@ def _final_eval(child: _Child, what: str, run_dir: Path, record: Path, log: Path
     log.parent.mkdir(exist_ok=True)
     print(f"{what}: {rules.final_problems} problems per set on {', '.join(rules.final_sets)} "
           f"(log: {log})", flush=True)
-    code = child.run("cluster.experiments.final_eval", str(run_dir), *extra, "--problems",
+    code = child.run("cluster.cli.final_eval", str(run_dir), *extra, "--problems",
                      str(rules.final_problems), "--seed", str(rules.final_eval_seed),
                      "--sets", ",".join(rules.final_sets), log=log)
     if child.signalled:
@@ -170,29 +169,21 @@ def _print_sets(path: Path, then: str = "") -> None:
                            for name, s in done.items()) + then, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="make results SWEEP=FILE",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("sweep", metavar="SWEEP_FILE")
-    p.add_argument("overrides", nargs="*", help="sweep file overrides, as for `klrl sweep` "
-                   "(e.g. output_dir=/root/klrl-confirm)")
-    p.add_argument("--keep", default=None, metavar="DIR", help="keep each finished run's "
-                   "records (not its weights) in DIR as soon as it is evaluated, and put the "
-                   "runs kept there back into the sweep directory before the sweep starts: a "
-                   "sweep that outlives its machine goes on where it stopped on the next one "
-                   "(one run at a time; keep.py)")
-    p.add_argument("--out", default=None, help="where the report goes (default "
-                   "docs/sweeps/<sweep name>)")
-    args = p.parse_args(argv)
+def make_results(sweep_file: str, overrides: list[str], keep: Path | None = None,
+                 out: Path | None = None) -> int:
+    """The three steps of the module docstring for the sweep in sweep_file (with its
+    key=value overrides), the runs kept in `keep` when given, the report written to `out`
+    (default docs/sweeps/<sweep name>); returns the exit status the docstring gives.
+    `make results` parses its arguments in cluster/cli/results.py."""
     try:
-        cfg = load_sweep(args.sweep, args.overrides)
+        cfg = load_sweep(sweep_file, overrides)
         prereg = load_preregistration(cfg.report.preregistration) \
             if cfg.report.preregistration else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     root = sweep_dir(cfg)
-    store = Path(args.keep) if args.keep else None
+    store = keep
     if store is not None:
         try:
             _put_back(store, root)
@@ -205,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:  # once; with --keep, once a run, so that each is kept as soon as it is done
         # with --keep, the run this sweep call starts: the first unfinished one not failed here
         starts = next((run.name for run, _ in unfinished_runs(root, planned, failed)), None)
-        ran = child.run("cluster.cli", "sweep", args.sweep, *args.overrides, "--no-report",
+        ran = child.run("cluster.cli", "sweep", sweep_file, *overrides, "--no-report",
                         *(["--max-runs", "1"] if store else []),
                         *(f"--leave-out={name}" for name in failed))
         if ran not in (0, 1) or child.signalled:
@@ -230,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + child.signalled
     if store is not None:
         _keep_done(root, runs, store, rules)
-    out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
+    out = out if out is not None else REPO_ROOT / "docs" / "sweeps" / cfg.name
     try:
         print(f"report: {write_report(root, cfg.report, out=out)}")
     except (ConfigError, FileNotFoundError) as exc:
@@ -238,6 +229,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())

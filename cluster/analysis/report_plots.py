@@ -17,7 +17,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments.labels import SET_LABELS, configuration_keys, label_value
+from cluster.analysis.labels import SET_LABELS, configuration_keys, label_value
 from rewards.config import EVAL_SETS
 
 COLUMN_WIDTH_IN = 3.4   # one column of a two-column paper

@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import get_args
 
-from cluster.experiments import claims_async, dose, gates, stats
-from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' vocabulary)
+from cluster.analysis import claims_async, dose, gates, stats
+from cluster.analysis.arms import (  # noqa: F401 (re-exported: the claims' vocabulary)
     ARM_KEYS,
     IN,
     OUT,
@@ -53,9 +53,9 @@ from cluster.experiments.arms import (  # noqa: F401 (re-exported: the claims' v
     not_run,
     outcome,
 )
-from cluster.experiments.labels import toy_anchor
-from cluster.experiments.measures import PRIMARY, Measures
-from cluster.experiments.prereg import ClaimId, Preregistration, Rules
+from cluster.analysis.labels import toy_anchor
+from cluster.analysis.measures import PRIMARY, Measures
+from cluster.analysis.prereg import ClaimId, Preregistration, Rules
 
 def _label(rules: Rules) -> str:
     """How the claims name the set of rules.retained."""

@@ -26,9 +26,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from cluster.experiments import stats
-from cluster.experiments.arms import Arm, Study
-from cluster.experiments.prereg import Rules
+from cluster.analysis import stats
+from cluster.analysis.arms import Arm, Study
+from cluster.analysis.prereg import Rules
 
 RETAINED = "retained"  # the set a model can forget (rewards.config's split of the same name)
 

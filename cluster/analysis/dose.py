@@ -19,8 +19,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from cluster.experiments import gates, stats
-from cluster.experiments.arms import (
+from cluster.analysis import gates, stats
+from cluster.analysis.arms import (
     Arm,
     Outcome,
     Study,
@@ -29,7 +29,7 @@ from cluster.experiments.arms import (
     not_run,
     outcome,
 )
-from cluster.experiments.prereg import Rules
+from cluster.analysis.prereg import Rules
 
 
 def k1_loss_regularises_nothing(study: Study, beta: float, lag: int, rules: Rules) -> Outcome:

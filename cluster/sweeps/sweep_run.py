@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cluster.config.loader import ConfigError, dump_config
-from cluster.experiments.sweep import (
+from cluster.sweeps.sweep import (
     RunSpec,
     SweepConfig,
     changed_runs,

@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from cluster.experiments import gates, stats
-from cluster.experiments.arms import IN, Arm, Outcome, Study, not_run, outcome
-from cluster.experiments.prereg import Rules
+from cluster.analysis import gates, stats
+from cluster.analysis.arms import IN, Arm, Outcome, Study, not_run, outcome
+from cluster.analysis.prereg import Rules
 
 BIASED = (("k1", "loss"), ("k3", "reward"))  # their gradient is biased off-policy (kl.md)
 

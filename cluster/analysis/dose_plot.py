@@ -15,10 +15,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.experiments import stats
-from cluster.experiments.arms import Arm, Study, arm_name
-from cluster.experiments.labels import SET_LABELS
-from cluster.experiments.report_plots import (
+from cluster.analysis import stats
+from cluster.analysis.arms import Arm, Study, arm_name
+from cluster.analysis.labels import SET_LABELS
+from cluster.analysis.report_plots import (
     FONT,
     Figure,
     finish_figure,

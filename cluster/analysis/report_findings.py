@@ -17,10 +17,10 @@ from pathlib import Path
 import yaml
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments import findings as fnd
-from cluster.experiments.comparisons import comparisons_section
-from cluster.experiments.labels import SET_LABELS, configuration_keys
-from cluster.experiments.measures import (
+from cluster.analysis import findings as fnd
+from cluster.analysis.comparisons import comparisons_section
+from cluster.analysis.labels import SET_LABELS, configuration_keys
+from cluster.analysis.measures import (
     PRIMARY,
     Measures,
     measure,
@@ -28,7 +28,7 @@ from cluster.experiments.measures import (
     observed_seed_sd,
     write_csv,
 )
-from cluster.experiments.prereg import (
+from cluster.analysis.prereg import (
     Gates,
     Preregistration,
     Rules,
@@ -37,8 +37,8 @@ from cluster.experiments.prereg import (
     resolve,
     rules_of,
 )
-from cluster.experiments.runs import BASE_EVAL_FILE, RunData
-from cluster.experiments.stats import paired_detectable_lead
+from cluster.analysis.runs import BASE_EVAL_FILE, RunData
+from cluster.analysis.stats import paired_detectable_lead
 from cluster.train.run_log import read_provenance, started_at
 
 CSV_FILE = "runs.csv"
@@ -363,7 +363,7 @@ def _rules_text(rules: Rules, m: int) -> list[str]:
 
 def _base_eval(path: Path, out: Path, rules: Rules) -> dict | None:
     """The sweep's base_eval.json (the starting model on the final evaluation's problems;
-    results.py writes it) when it is on the problems the findings compare, copied beside the
+    sweeps/results.py writes it) when it is on the problems the findings compare, copied beside the
     report; else None."""
     source = path / BASE_EVAL_FILE
     if not source.is_file():

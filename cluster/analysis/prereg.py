@@ -20,17 +20,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.runs import InstabilityRule, RunData
+from cluster.analysis.runs import InstabilityRule, RunData
 from rewards.config import EVAL_SETS, EvalSetName
 
-# The claims a pre-registration may name; cluster/experiments/findings.py's CLAIMS holds the
+# The claims a pre-registration may name; cluster/analysis/findings.py's CLAIMS holds the
 # test of each (checked there at import).
 ClaimId = Literal["k1_reward_best", "k1_loss_unstable", "k3_loss_stable_worse_ood",
                   "kl_stabilises_async", "k3_reward_breaks", "prefix_repairs",
                   "k1_loss_regularises_nothing", "breaks_with_dose", "kl_keeps_retained",
                   "async_breaks_control", "kl_delays_breaks", "kl_beats_early_stopping",
                   "biased_loss_rises_with_beta"]
-# What a researcher's own comparison may measure (cluster/experiments/comparisons.py reads each
+# What a researcher's own comparison may measure (cluster/analysis/comparisons.py reads each
 # from a run's Measures): the final greedy accuracy and the area under the accuracy curve of an
 # evaluation set, the KL to the reference at the end (raw or log), the mean lag.
 COMPARED_MEASURES = (*(f"accuracy.{s}" for s in EVAL_SETS), *(f"auc.{s}" for s in EVAL_SETS),

@@ -17,8 +17,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.experiments import stats
-from cluster.experiments.measures import PRIMARY, Measures
+from cluster.analysis import stats
+from cluster.analysis.measures import PRIMARY, Measures
 
 IN, OUT = "in_domain", "out_of_domain"
 ArmKey = tuple  # (estimator, placement, importance, beta, max_lag); no KL: (None, None, ...)

@@ -1,7 +1,7 @@
 """The runs a report reads and the instability rules it applies to each of them.
 
 A run directory holds config.yaml, metrics.jsonl, final/ once finished and, after the final
-checkpoint's evaluation (final_eval.py), final_eval.json; `load_run` reads them, and nothing
+checkpoint's evaluation (sweeps/final_eval.py), final_eval.json; `load_run` reads them, and nothing
 else, so a report works on a sweep that is still running.
 
 Instability (per run; thresholds are `InstabilityRule` fields, documented in docs/sweeps.md):
@@ -34,11 +34,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.experiments.labels import SET_LABELS, configuration_labels, flatten
+from cluster.analysis.labels import SET_LABELS, configuration_labels, flatten
 from cluster.train.run_log import has_metrics, is_finished, read_config, read_metrics
 from rewards.config import EVAL_SETS
 
-FINAL_EVAL_FILE = "final_eval.json"  # in a run directory: final_eval.py writes it
+FINAL_EVAL_FILE = "final_eval.json"  # in a run directory: cluster/sweeps/final_eval.py writes it
 BASE_EVAL_FILE = "base_eval.json"  # in a sweep directory: the starting model, the same way
 # (metric, label): greedy pass@1 first, then sampled accuracy (temperature 1).
 ACCURACY_KEYS = [(f"eval/{name}/{key}", SET_LABELS[name] + suffix)

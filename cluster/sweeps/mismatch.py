@@ -2,7 +2,7 @@
 `configs/sweeps/stale_kv_tiny.yaml` measures (issue 36: a prefix cache kept from the old
 weights against one recomputed after each in-flight update).
 
-    python -m cluster.experiments.mismatch configs/sweeps/stale_kv_tiny.yaml [key=value ...]
+    python -m cluster.cli.mismatch configs/sweeps/stale_kv_tiny.yaml [key=value ...]
 
 runs the sweep's missing runs (`klrl sweep ... --no-report`), then prints one row per
 configuration and writes the table to docs/sweeps/<name>/mismatch.md (or --out). Per run,
@@ -16,15 +16,14 @@ min-max.
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 from cluster.config.loader import REPO_ROOT, ConfigError
-from cluster.experiments.report_findings import provenance_lines
-from cluster.experiments.runs import RunData, find_runs, group_runs
-from cluster.experiments.sweep import load_sweep, sweep_dir
+from cluster.analysis.report_findings import provenance_lines
+from cluster.analysis.runs import RunData, find_runs, group_runs
+from cluster.sweeps.sweep import load_sweep, sweep_dir
 
 FRESH = "is/abs_log_ratio_fresh_token_mean"
 COLUMNS = (  # (heading, per-run figure)
@@ -91,42 +90,37 @@ def mismatch_page(name: str, command: str, runs: list[RunData]) -> str:
     return "\n".join([
         f"# {name}: the learner/sampler mismatch", "",
         f"Written by `{command}` from {len(runs)} finished runs; what each column is: the "
-        "module's docstring (cluster/experiments/mismatch.py).", "",
+        "module's docstring (cluster/sweeps/mismatch.py).", "",
         *provenance_lines(runs), "", mismatch_table(runs)])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.experiments.mismatch",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("sweep", metavar="SWEEP_FILE")
-    p.add_argument("overrides", nargs="*", help="sweep file overrides (e.g. output_dir=DIR)")
-    p.add_argument("--out", default=None, help="where mismatch.md goes (default "
-                   "docs/sweeps/<sweep name>)")
-    p.add_argument("--no-runs", action="store_true", help="tabulate the runs there are; run none")
-    args = p.parse_args(argv)
+COMMAND = "python -m cluster.cli.mismatch"  # its command line (cluster/cli/mismatch.py)
+
+
+def write_mismatch(sweep_file: str, overrides: list[str], out: Path | None = None,
+                   run: bool = True) -> int:
+    """The module docstring's command: the sweep's missing runs run (unless not `run`), the
+    table printed and written to `out`/mismatch.md (default docs/sweeps/<sweep name>); returns
+    the exit status (2: the sweep file refused, 1: a run failed or none finished)."""
     try:
-        cfg = load_sweep(args.sweep, args.overrides)
+        cfg = load_sweep(sweep_file, overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     status = 0
-    if not args.no_runs:
-        status = subprocess.call([sys.executable, "-m", "cluster.cli", "sweep", args.sweep,
-                                  *args.overrides, "--no-report"])
+    if run:
+        status = subprocess.call([sys.executable, "-m", "cluster.cli", "sweep", sweep_file,
+                                  *overrides, "--no-report"])
         if status not in (0, 1):
             return status
     runs = [r for r in find_runs(sweep_dir(cfg)) if r.finished]
     if not runs:
         print(f"no finished run in {sweep_dir(cfg)}", file=sys.stderr)
         return 1
-    command = " ".join(["python -m cluster.experiments.mismatch", args.sweep, *args.overrides])
+    command = " ".join([COMMAND, sweep_file, *overrides])
     page = mismatch_page(cfg.name, command, runs)
     print(page)
-    out = Path(args.out) if args.out else REPO_ROOT / "docs" / "sweeps" / cfg.name
+    out = out if out is not None else REPO_ROOT / "docs" / "sweeps" / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "mismatch.md").write_text(page)
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

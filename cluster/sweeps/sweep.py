@@ -31,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cluster.config.loader import ConfigError, load_config, top_keys
 from cluster.config.names import DirName
 from cluster.config.train_config import SWEEP_FILE_KEYS, TrainConfig, load_train_config
-from cluster.experiments.labels import flatten, value_token
-from cluster.experiments.comparisons import GridPoint, check_grid
-from cluster.experiments.report import ReportConfig
+from cluster.analysis.labels import flatten, value_token
+from cluster.analysis.comparisons import GridPoint, check_grid
+from cluster.analysis.report import ReportConfig
 from cluster.launchers.base import RunRequest
 from cluster.train.continuation import Action, Continuation, continuation
 from cluster.train.run_log import config_path, read_config
