@@ -45,6 +45,6 @@ def test_the_docs_example_sweep_parses_and_dry_runs(tmp_path, monkeypatch, capsy
         and c.eval.far_out_of_domain.split == "out_of_domain" for c in configs.values())
     assert main(["sweep", str(sweep), *overrides, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("(new): klrl train") == 16
+    assert out.count("(absent): klrl train") == 16
     assert out.count("eval.out_of_domain.split=zero_padded") == 16
     assert not Path(tmp_path / "runs").exists()
