@@ -70,7 +70,7 @@ def test_token_versions_are_checked_and_the_oldest_is_the_policy_version():
     assert (r.policy_version, r.token_versions[-1], r.num_versions) == (3, 5, 2)
     plain = Rollout(policy_version=3, **made)
     assert (plain.policy_version, plain.token_versions, plain.num_versions) == (3, None, 1)
-    for versions, version, message in [([3, 3], 3, "3 response tokens but 2 token versions"),
+    for versions, version, message in [([3, 3], 3, "3 policy tokens but 2 token versions"),
                                        ([3, 5, 4], 3, "must not decrease"),
                                        ([3, 4, 4], 4, "must be the oldest token's version")]:
         with pytest.raises(ValueError, match=message):
