@@ -185,7 +185,7 @@ def test_report_of_a_sweep(tmp_path):
     assert "A KL blow-up is a distance, not an instability" in legend
     assert "labelled by `kl.estimator`, `kl.placement`, `max_lag`" in md
     for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
-        assert coloured_share(sweep / "report" / png) > 0.005, png
+        assert coloured_share(sweep / "report" / png) > 0.001, png  # empty axes: 0
         assert f"]({png})" in md
 
 

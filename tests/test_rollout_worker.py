@@ -193,8 +193,9 @@ def test_evaluate_reports_greedy_and_sampled_accuracy_per_set(worker):
     assert set(report.metrics()) == {f"eval/{s}/{k}" for s in report.sets for k in per_set}
     report = ray.get(worker.evaluate.remote(cfg.model_copy(update={"samples": 2})))
     metrics = report.metrics()
+    # with 2 samples a problem, the unbiased pass@k for k = 1, 2 (eval.pass_k's default)
     assert set(metrics) == {f"eval/{s}/{k}" for s in report.sets
-                            for k in [*per_set, "sampled_accuracy"]}
+                            for k in [*per_set, "sampled_accuracy", "pass@1", "pass@2"]}
     for s, r in report.sets.items():
         assert r.problems == 6 and r.completions == 6 * 3
         for key in ("accuracy", "sampled_accuracy", "truncated"):

@@ -393,7 +393,7 @@ def test_real_sweep_runs_resumes_and_reports(ray_cluster, tmp_path, tiny_model_d
     md = (root / "report" / "report.md").read_text()
     assert "| `k1-loss` | 1 | 3 |" in md and "| `k3-loss` | 1 | 3 |" in md
     for png in ("reward.png", "accuracy.png", "kl.png", "importance_ratio.png", "grad_norm.png"):
-        assert coloured_share(root / "report" / png) > 0.005, png
+        assert coloured_share(root / "report" / png) > 0.001, png  # empty axes: 0
 
     # make results --keep (keep.py) on these real runs: kept, put back on a "fresh machine"
     # (another output_dir), skipped there by the sweep and reported as here. Their final
