@@ -11,7 +11,8 @@ import time
 import pytest
 
 from cluster.config.loader import ConfigError
-from cluster.config.train_config import FaultConfig, load_train_config
+from cluster.config.sections import FaultConfig
+from cluster.config.train_config import load_train_config
 from cluster.train.deadlines import (
     WINDOW,
     Deadline,

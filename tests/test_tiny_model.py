@@ -188,7 +188,7 @@ def test_arith_retain_recipe_teaches_the_retained_facts_and_stops_on_both_target
     default recipe teaches none and its batches stay the default's (its cache name too)."""
     from typing import get_args
 
-    from cluster.config.train_config import EmbeddedModel
+    from cluster.config.sections import EmbeddedModel
 
     assert set(tiny_model.RECIPES) == set(get_args(EmbeddedModel))  # one recipe per name
     retain = tiny_model.RECIPES["arith-retain"]

@@ -98,7 +98,7 @@ class Recipe:
         return f"tiny-{self.name}-v{self.version}-seed{seed}"
 
 
-# The embedded models by `model.embedded` name (cluster/config/train_config.py's EmbeddedModel
+# The embedded models by `model.embedded` name (cluster/config/sections.py's EmbeddedModel
 # lists the same names: cluster/config may not import this package, so a test checks them).
 RECIPES: dict[str, Recipe] = {
     "arith": Recipe("arith", RECIPE_VERSION),

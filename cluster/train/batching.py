@@ -18,7 +18,7 @@ from rewards.shaping import overlong_penalty
 
 if TYPE_CHECKING:
     from actors.records import Rollout
-    from cluster.config.train_config import ModelConfig
+    from cluster.config.sections import ModelConfig
     from rewards.config import OverlongConfig
 
 

@@ -38,7 +38,7 @@ PROBE_S = 10.0
 
 @dataclass(frozen=True)
 class HangPolicy:
-    """The `faults` options that derive deadlines (cluster.config.train_config.FaultConfig)."""
+    """The `faults` options that derive deadlines (cluster.config.sections.FaultConfig)."""
 
     multiple: float
     floor_s: float

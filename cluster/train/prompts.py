@@ -31,7 +31,8 @@ from pathlib import Path
 
 from actors.seeds import stream_seed
 from cluster.config.loader import ConfigError
-from cluster.config.train_config import DataConfig, TrainConfig
+from cluster.config.sections import DataConfig
+from cluster.config.train_config import TrainConfig
 
 CHUNK = 4096           # problems per block of a generated split
 _CACHED_BLOCKS = 3     # a batch in training, batches in flight and a peek span at most three

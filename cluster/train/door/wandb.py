@@ -13,7 +13,7 @@ from typing import get_args
 from urllib.parse import urlsplit
 
 from cluster.config.loader import ConfigError
-from cluster.config.train_config import LoggingConfig
+from cluster.config.sections import LoggingConfig
 from cluster.train.run_log import wandb_mode
 
 
