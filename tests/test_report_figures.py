@@ -16,6 +16,7 @@ from test_report import write_run
 
 from cluster.cli.main import main
 from cluster.analysis.report import ReportConfig, gather_runs, group_runs, write_report
+from cluster.analysis import report_plots
 from cluster.analysis.report_plots import COLUMN_WIDTH_IN, PAGE_WIDTH_IN
 
 # One xdist worker runs this module: its module fixture writes four reports (about 9 s), and
@@ -34,17 +35,18 @@ class Drawn:
 
 @pytest.fixture(scope="module")
 def saved():
-    """Every figure saved while this module's tests run: its path -> Drawn."""
+    """Every figure the report saves (report_plots.save_png, its one way to a file) while this
+    module's tests run: its path -> Drawn."""
     figures: dict[Path, Drawn] = {}
-    real = Figure.savefig
+    real = report_plots.save_png
 
-    def keep(self, fname, *args, **kwargs):
-        real(self, fname, *args, **kwargs)
-        tight = self.get_tightbbox(self.canvas.get_renderer())
-        figures[Path(fname)] = Drawn(self, tight, self.bbox_inches)
+    def keep(fig, path):
+        real(fig, path)
+        tight = fig.get_tightbbox(fig.canvas.get_renderer())
+        figures[Path(path)] = Drawn(fig, tight, fig.bbox_inches)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Figure, "savefig", keep)
+        patch.setattr(report_plots, "save_png", keep)
         yield figures
 
 

@@ -13,6 +13,7 @@ descriptive rows, no verdict.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Sequence
@@ -170,12 +171,8 @@ def test_all(comparisons: Sequence[Comparison], fixed: Sequence[Comparison],
     adjusted = stats.holm([results[i].test.p for i in testable])
     out = list(results)
     for i, p in zip(testable, adjusted):
-        out[i] = _with(results[i], adjusted=p)
+        out[i] = dataclasses.replace(results[i], adjusted=p)
     return out
-
-
-def _with(r: Result, **changes) -> Result:
-    return Result(**{**r.__dict__, **changes})
 
 
 def one_key_pairs(measures: Sequence[Measures], keys: Sequence[str]) -> list[Comparison]:

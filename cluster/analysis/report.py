@@ -22,7 +22,7 @@ from cluster.config.loader import ConfigError
 from cluster.analysis.arms import Study
 from cluster.analysis.dose_plot import DOSE_RESPONSE, plot_dose_response
 from cluster.analysis.labels import SET_LABELS, configuration_keys
-from cluster.analysis.measures import accuracy_kl_correlation
+from cluster.analysis.measures import Measures, accuracy_kl_correlation
 from cluster.analysis.prereg import Comparison
 from cluster.analysis.report_findings import findings_section, mean_sd, provenance_lines
 from cluster.analysis.report_plots import (
@@ -46,7 +46,6 @@ from cluster.analysis.runs import (  # noqa: F401 (re-exported: the report's rea
     load_run,
     faults_text,
     nonfinite_steps,
-    run_faults,
 )
 
 
@@ -211,7 +210,7 @@ def write_report(path: str | Path | list[str | Path], cfg: ReportConfig | None =
         md += [f"| `{f.run}` | {f.kind} | {f.step} | {f.detail} |" for f in flags]
     else:
         md += [f"No run was flagged ({len(runs)} checked)."]
-    md += ["", _flag_definitions(cfg), "", *faults_section(runs), "## Plots", ""]
+    md += ["", _flag_definitions(cfg), "", *faults_section(measures), "## Plots", ""]
     if cfg.figures:
         md += ["Lines: mean over a configuration's runs (seeds); band (shaded, hatched in the "
                "configuration's own pattern): min to max over them. "
@@ -246,17 +245,17 @@ def _draw_figures(groups, runs, measures, cfg: ReportConfig, out: Path) -> list[
     return figures
 
 
-def faults_section(runs: list[RunData]) -> list[str]:
+def faults_section(measures: list[Measures]) -> list[str]:
     """Every run that lost and healed something (a learner restart and the steps it redid, a
     replaced worker, reissued samples, scoring-pool errors): its results count, and a reader
     weighs them knowing it."""
-    hit = [(r, f) for r in runs if (f := run_faults(r))]
+    hit = [(m.run, m.faults) for m in measures if m.faults]  # measures.measure read them
     if not hit:
-        return ["## Faults", "", f"No run had a fault ({len(runs)} checked: learner restarts, "
+        return ["## Faults", "", f"No run had a fault ({len(measures)} checked: learner restarts, "
                 "redone steps, worker replacements, reissued samples, scoring-pool errors).", ""]
     return ["## Faults", "", "Runs that lost something and healed (their results are in every "
             "table above; the comparisons name them):", "", "| run | faults |", "|---|---|",
-            *(f"| `{r.name}` | {faults_text(f)} |" for r, f in hit), ""]
+            *(f"| `{run}` | {faults_text(f)} |" for run, f in hit), ""]
 
 
 def _correlation_text(measures) -> str:

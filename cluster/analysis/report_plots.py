@@ -265,13 +265,15 @@ def save_png(fig, path) -> None:
     """The figure as a palette PNG (PNG_COLOURS colours, Pillow's median cut): a plot of a few
     line colours loses nothing visible and takes a quarter of the bytes of true colour, which
     keeps the committed reports' plots small (tests/test_tree_size.py)."""
+    import io
+
     from PIL import Image
 
-    fig.savefig(path, dpi=DPI, format="png")
-    with Image.open(path) as image:
-        image.load()
-        palette = image.convert("RGB").quantize(PNG_COLOURS)
-    palette.save(path, optimize=True)
+    buffer = io.BytesIO()  # drawn once in memory, written once as the palette PNG
+    fig.savefig(buffer, dpi=DPI, format="png")
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(PNG_COLOURS).save(path, optimize=True)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
